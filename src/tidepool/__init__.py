@@ -1,0 +1,58 @@
+"""tidepool: a Python task-graph scheduler whose pool of workers grows and shrinks by itself.
+
+Quick start::
+
+    import tidepool
+
+    @tidepool.task
+    def inc(x):
+        return x + 1
+
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        print(client.compute(inc(inc(1))).result())   # 3
+"""
+
+from tidepool.client import Client, ClientExecutor, default_client
+from tidepool.cluster import LocalCluster
+from tidepool.errors import (
+    AuthenticationError,
+    CommError,
+    ConfigError,
+    ConnectionLostError,
+    DependencyError,
+    FrameTooLargeError,
+    InfeasibleTaskError,
+    KilledWorkerError,
+    ProtocolError,
+    ProviderError,
+    RemoteTaskError,
+    RemoteTraceback,
+    SchedulerError,
+    TaskCancelledError,
+    TaskError,
+    TidepoolError,
+    WorkerSetupError,
+)
+from tidepool.futures import Future
+from tidepool.graph import Delayed, task
+from tidepool.scaling.node_types import NodeType
+from tidepool.scheduler.server import Scheduler
+from tidepool.worker import Worker
+
+__version__ = "0.1.0"
+
+
+def compute(*values: Delayed, client: Client | None = None) -> tuple:  # type: ignore[type-arg]
+    """Compute delayed values on ``client`` (default: the current client); returns their values."""
+    c = client or default_client()
+    return tuple(c.gather(c.compute(list(values))))
+
+
+__all__ = [
+    "AuthenticationError", "Client", "ClientExecutor", "CommError", "ConfigError",
+    "ConnectionLostError", "Delayed", "DependencyError", "FrameTooLargeError", "Future",
+    "InfeasibleTaskError", "KilledWorkerError", "LocalCluster", "NodeType", "ProtocolError",
+    "ProviderError", "RemoteTaskError", "RemoteTraceback", "Scheduler", "SchedulerError",
+    "TaskCancelledError", "TaskError", "TidepoolError", "Worker", "WorkerSetupError", "compute",
+    "default_client", "task",
+]  # fmt: skip

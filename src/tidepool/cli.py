@@ -1,0 +1,140 @@
+"""Command line: ``tidepool scheduler``, ``tidepool worker ADDRESS``, ``tidepool demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+
+from tidepool.comm.auth import read_token_file, token_from_env
+from tidepool.errors import ConfigError, TidepoolError
+
+
+def _token(args: argparse.Namespace) -> str:
+    if getattr(args, "token_file", None):
+        return read_token_file(args.token_file)
+    tok = token_from_env()
+    if not tok:
+        raise ConfigError("no token: pass --token-file, or set TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE")
+    return tok
+
+
+def _run_until_signal(coro_main: object) -> None:
+    async def runner() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        main_task = loop.create_task(coro_main)  # type: ignore[arg-type]
+        stop_task = loop.create_task(stop.wait())
+        await asyncio.wait([main_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        for t in (main_task, stop_task):
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await main_task
+
+    asyncio.run(runner())
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from tidepool.comm.auth import new_token
+    from tidepool.scheduler.server import Scheduler
+
+    token = token_from_env() or new_token()
+
+    async def main() -> None:
+        s = await Scheduler(f"tcp://{args.host}:{args.port}", token).start()
+        if args.token_file:
+            fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+        print(f"tidepool scheduler at {s.address}", flush=True)
+        if args.token_file:
+            print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
+        else:
+            print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await s.close()
+
+    _run_until_signal(main())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tidepool.worker.core import Worker
+
+    token = _token(args)
+    resources = json.loads(args.resources) if args.resources else {}
+
+    async def main() -> None:
+        w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
+                   name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
+                   memory_limit=args.memory_limit or 0)  # fmt: skip
+        await w.start()
+        try:
+            await w.finished()
+        finally:
+            await w.close("stopped")
+
+    _run_until_signal(main())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tidepool.demo import run_demo
+
+    run_demo(workers=args.workers, tasks=args.tasks)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidepool", description="Elastic task-graph scheduler")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("scheduler", help="run a scheduler")
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8786)
+    s.add_argument("--token-file", help="write the generated token here (mode 600)")
+    s.set_defaults(fn=cmd_scheduler)
+
+    w = sub.add_parser("worker", help="run a worker that joins a scheduler")
+    w.add_argument("address", help="scheduler address, e.g. tcp://10.0.0.5:8786")
+    w.add_argument("--slots", type=int, default=None, help="tasks run at once (default: CPU count)")
+    w.add_argument("--resources", default="", help='JSON, e.g. \'{"cpu": 8, "gpu": 2}\'')
+    w.add_argument("--node-type", default="default")
+    w.add_argument("--name", default=None)
+    w.add_argument("--id", default=None, help="worker id (default: random)")
+    w.add_argument("--memory-limit", default=None, help="e.g. 8GB")
+    w.add_argument("--heartbeat-interval", type=float, default=1.0)
+    w.add_argument("--token-file", default=None, help="file with the scheduler's token")
+    w.set_defaults(fn=cmd_worker)
+
+    d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--tasks", type=int, default=200)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    try:
+        return int(args.fn(args))
+    except TidepoolError as exc:
+        print(f"tidepool: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

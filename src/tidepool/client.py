@@ -1,0 +1,569 @@
+"""The client: submit work, hold futures, gather results.
+
+State (guarded by ``_lock``, shared by the user's threads and the client's loop thread):
+``_futures`` (key -> Future, weakly held: dropping a future releases its key), ``_sent_funcs``
+(function ids the scheduler already has), and connections to workers for direct gathers.
+
+Data flow: ``submit``/``map``/``compute`` pickle tasks in the calling thread (each distinct function
+once, by content hash) and send one ``update-graph`` message; the scheduler answers with
+``report`` messages that complete futures; ``result``/``gather`` ask the scheduler who holds the
+keys and read the values straight from those workers, in one request per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import cloudpickle
+
+from tidepool.comm import Connection, connect, serialize
+from tidepool.comm.auth import token_from_env
+from tidepool.errors import (
+    CommError,
+    ConfigError,
+    ConnectionLostError,
+    DependencyError,
+    KilledWorkerError,
+    RemoteTaskError,
+    RemoteTraceback,
+    SchedulerError,
+    TaskCancelledError,
+)
+from tidepool.futures import _UNSET, IN_MEMORY, Future
+from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
+from tidepool.graph.refs import Ref, replace
+from tidepool.loop import LoopThread
+from tidepool.resources import parse_resources
+
+log = logging.getLogger("tidepool.client")
+T = TypeVar("T")
+_clients: list[weakref.ref[Client]] = []
+
+
+def default_client() -> Client:
+    """The most recently created client that is still open."""
+    for ref in reversed(_clients):
+        c = ref()
+        if c is not None and not c.closed:
+            return c
+    raise ConfigError("no tidepool Client is running; create one with tidepool.Client(...)")
+
+
+class Client(concurrent.futures.Executor):
+    """Connects to a scheduler.  ``Client()`` alone starts a :class:`LocalCluster`.
+
+    ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
+    ``token``).  The token defaults to ``$TIDEPOOL_TOKEN`` / ``$TIDEPOOL_TOKEN_FILE``.
+    """
+
+    def __init__(self, address: Any = None, token: str | None = None, *, timeout: float = 30.0,
+                 name: str = "client") -> None:  # fmt: skip
+        self._own_cluster = None
+        if address is None:
+            from tidepool.cluster import LocalCluster
+
+            address = self._own_cluster = LocalCluster()
+        if not isinstance(address, str):
+            token = token or getattr(address, "token", None)
+            address = address.address
+        token = token or token_from_env()
+        if not token:
+            raise ConfigError("no token: pass token=..., or set TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE")
+        self.address: str = address
+        self.token: str = token
+        self.timeout = timeout
+        self.closed = False
+        self._lock = threading.RLock()
+        self._futures: weakref.WeakValueDictionary[str, Future[Any]] = weakref.WeakValueDictionary()
+        self._errors: dict[str, dict[str, Any]] = {}
+        self._sent_funcs: set[str] = set()
+        self._func_cache: dict[int, tuple[Any, str, bytes]] = {}
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        self._requests: dict[int, asyncio.Future[Any]] = {}
+        self._req_ids = itertools.count(1)
+        self._to_release: list[str] = []
+        self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
+        self._loop = LoopThread("tidepool-client")
+        try:
+            self._loop.run(self._start(), timeout=timeout + 5)
+        except BaseException:
+            self._loop.stop()
+            raise
+        _clients.append(weakref.ref(self))
+
+    async def _start(self) -> None:
+        self._conn = await connect(self.address, self.token, timeout=self.timeout, hello={"role": "client"})
+        welcome = await self._conn.recv()
+        self.id = welcome.get("client", "?")
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._loop.run(self._aclose(), timeout=10)
+        except Exception:
+            pass
+        self._loop.stop()
+        self._callbacks.shutdown(wait=False)
+        if self._own_cluster is not None:
+            self._own_cluster.close()
+
+    async def _aclose(self) -> None:
+        self._reader.cancel()
+        self._conn.close()
+        for conn, _ in self._workers.values():
+            conn.close()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """``concurrent.futures.Executor.shutdown``: closes the client."""
+        self.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<tidepool.Client {self.address} {'closed' if self.closed else 'open'}>"
+
+    # ---- building tasks --------------------------------------------------------------------------
+    def _function(self, fn: Callable[..., Any]) -> tuple[str, bytes | None]:
+        cached = self._func_cache.get(id(fn))
+        if cached is None or cached[0] is not fn:
+            blob = cloudpickle.dumps(fn, protocol=5)
+            fid = hashlib.sha1(blob).hexdigest()[:20]
+            cached = (fn, fid, blob)
+            if len(self._func_cache) > 10_000:
+                self._func_cache.clear()
+            self._func_cache[id(fn)] = cached
+        fid = cached[1]
+        if fid in self._sent_funcs:
+            return fid, None
+        return fid, cached[2]
+
+    def _spec(self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              opts: TaskOptions, functions: dict[str, Any], extra: list[Delayed[Any]] | None) -> list[Any]:  # fmt: skip
+        deps: list[str] = []
+
+        def swap(x: Any) -> Any:
+            if isinstance(x, Future):
+                if x.client is not self:
+                    raise ConfigError(f"future {x.key} belongs to another client")
+                deps.append(x.key)
+                return Ref(x.key)
+            if isinstance(x, Delayed):
+                deps.append(x.key)
+                if extra is not None:
+                    extra.append(x)
+                return Ref(x.key)
+            if isinstance(x, Ref):
+                deps.append(x.key)
+                return x
+            return None
+
+        if args or kwargs:
+            a2 = replace(args, swap)
+            k2 = replace(kwargs, swap)
+            payload = serialize((a2, k2))
+        else:
+            payload = None
+        fid, blob = self._function(fn)
+        if blob is not None:
+            functions[fid] = serialize_bytes(blob)
+        return [key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
+                opts.name or func_name(fn)]  # fmt: skip
+
+    def _new_future(self, key: str) -> Future[Any]:
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is None:
+                fut = Future(key, self)
+                self._futures[key] = fut
+                weakref.finalize(fut, self._release_later, key)
+            err = self._errors.get(key)
+        if err is not None and not fut.done():
+            fut.set_exception(self._make_exception(key, err))
+        return fut
+
+    def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
+        if self.closed:
+            raise SchedulerError("this client is closed")
+        msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
+        self._loop.run(self._conn.send(msg))
+        self._sent_funcs.update(functions)
+
+    def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,
+               resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
+        """Run ``fn(*args, **kwargs)`` on a worker; returns a :class:`Future`.
+
+        ``key``, ``resources`` and ``retries`` are options, not passed to ``fn`` (use
+        :meth:`get_executor` for a strict ``Executor`` that passes every keyword through).
+        """
+        return self._submit(fn, args, kwargs, key=key, resources=resources, retries=retries)
+
+    def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                key: str | None = None, resources: dict[str, Any] | None = None, retries: int = 0) -> Future[T]:  # fmt: skip
+        if not callable(fn):
+            raise ConfigError(f"submit needs a callable, got {fn!r}")
+        opts = TaskOptions(resources, retries)
+        key = key or make_key(fn)
+        functions: dict[str, Any] = {}
+        extra: list[Delayed[Any]] = []
+        spec = self._spec(key, fn, args, kwargs, opts, functions, extra)
+        tasks = self._delayed_specs(extra, functions) + [spec]
+        fut = self._new_future(key)
+        self._send_graph(tasks, [key], functions)
+        return fut
+
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: str | list[str] | None = None,  # type: ignore[override]
+            resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> list[Future[T]]:  # fmt: skip
+        """``fn`` over the zipped iterables, one task each; returns a list of futures."""
+        if not callable(fn):
+            raise ConfigError(f"map needs a callable, got {fn!r}")
+        opts = TaskOptions(resources, retries)
+        functions: dict[str, Any] = {}
+        extra: list[Delayed[Any]] = []
+        tasks = []
+        keys = []
+        argsets = list(zip(*iterables))
+        if isinstance(key, list):
+            if len(key) != len(argsets):
+                raise ConfigError(f"map got {len(key)} keys for {len(argsets)} tasks")
+            names: Iterable[str] = key
+        else:
+            prefix = key or make_key(fn)
+            names = (f"{prefix}-{i}" for i in range(len(argsets)))
+        for k, args in zip(names, argsets):
+            tasks.append(self._spec(k, fn, args, kwargs, opts, functions, extra))
+            keys.append(k)
+        tasks = self._delayed_specs(extra, functions) + tasks
+        futs = [self._new_future(k) for k in keys]
+        self._send_graph(tasks, keys, functions)
+        return futs
+
+    def _delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[list[Any]]:
+        """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
+        specs: list[list[Any]] = []
+        seen: set[str] = set()
+        for root in roots:
+            if root.key in seen:
+                continue
+            stack: list[tuple[Delayed[Any], bool]] = [(root, False)]
+            while stack:
+                d, expanded = stack.pop()
+                if d.key in seen:
+                    continue
+                if expanded:
+                    seen.add(d.key)
+                    specs.append(self._spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None))
+                    continue
+                stack.append((d, True))
+                for dep in reversed(list(d.dependencies())):
+                    if dep.key not in seen:
+                        stack.append((dep, False))
+        return specs
+
+    def compute(self, collection: Any, *, progress: bool = False) -> Any:
+        """Submit the graphs behind delayed values; returns futures in the same structure."""
+        roots: list[Delayed[Any]] = []
+
+        def collect(x: Any) -> Any:
+            if isinstance(x, Delayed):
+                roots.append(x)
+                return x
+            return None
+
+        replace(collection, collect)
+        if not roots:
+            raise ConfigError("compute() found no delayed values; build them with @tidepool.task")
+        functions: dict[str, Any] = {}
+        tasks = self._delayed_specs(roots, functions)
+        wanted = list(dict.fromkeys(r.key for r in roots))
+        futs = {k: self._new_future(k) for k in wanted}
+        self._send_graph(tasks, wanted, functions)
+        result = replace(collection, lambda x: futs[x.key] if isinstance(x, Delayed) else None)
+        if progress:
+            from tidepool.telemetry.progress import show_progress
+
+            show_progress(self, list(futs.values()))
+        return result
+
+    # ---- executor ----------------------------------------------------------------------------------
+    def get_executor(self, *, resources: dict[str, Any] | None = None, retries: int = 0) -> ClientExecutor:
+        """A strict ``concurrent.futures.Executor`` (``map`` yields results, kwargs go to ``fn``)."""
+        return ClientExecutor(self, resources, retries)
+
+    # ---- results -----------------------------------------------------------------------------------
+    def gather(self, futures: Any, errors: str = "raise", timeout: float | None = None) -> Any:
+        """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers."""
+        if errors not in ("raise", "skip"):
+            raise ConfigError("errors must be 'raise' or 'skip'")
+        flat: list[Future[Any]] = []
+        replace(futures, lambda x: flat.append(x) or x if isinstance(x, Future) else None)
+        done, not_done = concurrent.futures.wait(flat, timeout=timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s")
+        need = []
+        for f in flat:
+            if f.exception() is not None:
+                if errors == "raise":
+                    raise f.exception()  # type: ignore[misc]
+                continue
+            if f._value is _UNSET:
+                need.append(f.key)
+        if need:
+            values = self._loop.run(self._fetch(list(dict.fromkeys(need)), timeout))
+            for f in flat:
+                if f.key in values:
+                    f._value = values[f.key]
+        skipped = object()
+
+        def value(x: Any) -> Any:
+            if isinstance(x, Future):
+                if x.exception() is not None:
+                    return skipped
+                return x.result()
+            return None
+
+        out = replace(futures, value)
+        if errors == "skip" and isinstance(out, list):
+            out = [v for v in out if v is not skipped]
+        return out
+
+    async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
+        """``await client.gather_async(futures)`` from any asyncio loop."""
+        flat: list[Future[Any]] = []
+        replace(futures, lambda x: flat.append(x) or x if isinstance(x, Future) else None)
+        for f in flat:
+            await f
+        return replace(futures, lambda x: x.result() if isinstance(x, Future) else None)
+
+    def _fetch_one(self, fut: Future[Any], timeout: float | None) -> Any:
+        return self._loop.run(self._fetch([fut.key], timeout))[fut.key]
+
+    async def _fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        values: dict[str, Any] = {}
+        remaining = list(keys)
+        while remaining:
+            who = await self._request({"op": "who-has", "keys": remaining})
+            by_addr: dict[str, list[str]] = {}
+            absent: list[str] = []
+            for k in remaining:
+                addrs = who.get(k) or []
+                if addrs:
+                    by_addr.setdefault(addrs[0], []).append(k)
+                else:
+                    absent.append(k)
+            results = await asyncio.gather(
+                *(self._get_from(a, ks) for a, ks in by_addr.items()), return_exceptions=True
+            )
+            for (_addr, ks), res in zip(by_addr.items(), results):
+                if isinstance(res, BaseException):
+                    absent.extend(ks)
+                else:
+                    values.update(res)
+                    absent.extend(k for k in ks if k not in res)
+            remaining = absent
+            if remaining:
+                # lost with a worker (being recomputed) or raced a move: wait for the next report
+                for k in remaining:
+                    err = self._errors.get(k)
+                    if err is not None:
+                        raise self._make_exception(k, err)
+                waits = []
+                for k in remaining:
+                    w = loop.create_future()
+                    self._waiting.setdefault(k, []).append(w)
+                    waits.append(w)
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                done, _ = await asyncio.wait(waits, timeout=left if left is not None else 5.0,
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if not done and deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError(f"values of {remaining[:3]} not available within {timeout}s")
+                if self._conn.closed:
+                    raise ConnectionLostError("lost the scheduler while waiting for results")
+        return values
+
+    async def _get_from(self, address: str, keys: list[str]) -> dict[str, Any]:
+        entry = self._workers.get(address)
+        if entry is None or entry[0].closed:
+            conn = await connect(address, self.token, timeout=5, hello={"role": "client"})
+            entry = self._workers[address] = (conn, asyncio.Lock())
+        conn, lock = entry
+        async with lock:
+            await conn.send({"op": "get-data", "keys": keys})
+            reply = await conn.recv()
+        return {k: v.load() for k, v in reply["data"].items()}
+
+    # ---- scheduler messages ----------------------------------------------------------------------
+    async def _request(self, msg: dict[str, Any]) -> Any:
+        rid = next(self._req_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._requests[rid] = fut
+        await self._conn.send({**msg, "id": rid})
+        return await fut
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self._conn.recv()
+                op = msg.get("op")
+                if op == "report":
+                    self._on_report(msg["items"])
+                elif op == "reply":
+                    fut = self._requests.pop(msg.get("id"), None)
+                    if fut is not None and not fut.done():
+                        if "error" in msg:
+                            fut.set_exception(SchedulerError(msg["error"]))
+                        else:
+                            fut.set_result(msg.get("result"))
+        except CommError as exc:
+            err = ConnectionLostError(f"lost the scheduler at {self.address}: {exc}")
+            for fut in self._requests.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            with self._lock:
+                futs = list(self._futures.values())
+            for f in futs:
+                if not f.done():
+                    f.set_exception(err)
+
+    def _on_report(self, items: list[list[Any]]) -> None:
+        for item in items:
+            key, status = item[0], item[1]
+            with self._lock:
+                fut = self._futures.get(key)
+            if status == "memory":
+                self._errors.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(IN_MEMORY)
+            elif status == "erred":
+                self._errors[key] = item[2]
+                if fut is not None and not fut.done():
+                    fut.set_exception(self._make_exception(key, item[2]))
+            elif status == "lost":
+                info = {"type": "TaskCancelledError", "message": f"the scheduler does not know {key!r} "
+                        "(released earlier?); submit it again", "origin": key}  # fmt: skip
+                self._errors[key] = info
+                if fut is not None and not fut.done():
+                    fut.set_exception(self._make_exception(key, info))
+            for w in self._waiting.pop(key, []):
+                if not w.done():
+                    w.set_result(None)
+
+    def _make_exception(self, key: str, info: dict[str, Any]) -> BaseException:
+        blob = info.get("exception")
+        tb = info.get("traceback") or ""
+        origin = info.get("origin") or key
+        if blob is not None:
+            try:
+                exc = blob.load()
+                if isinstance(exc, BaseException):
+                    if tb:
+                        exc.__cause__ = RemoteTraceback(tb)
+                    return exc
+            except Exception:
+                pass
+        typ, message = info.get("type", ""), info.get("message", "")
+        if typ == "KilledWorkerError":
+            return KilledWorkerError(message, origin)
+        if typ == "DependencyError":
+            return DependencyError(f"task {key!r} cannot run: {message}", key)
+        if typ == "TaskCancelledError":
+            return TaskCancelledError(message, key)
+        if typ in ("InfeasibleTaskError",):
+            from tidepool.errors import InfeasibleTaskError
+
+            return InfeasibleTaskError(message, key)
+        return RemoteTaskError(f"task {origin!r} raised {typ}: {message}\n{tb}", key, typ, tb)
+
+    # ---- releasing ---------------------------------------------------------------------------------
+    def _release_later(self, key: str) -> None:
+        if self.closed:
+            return
+        with self._lock:
+            self._to_release.append(key)
+            first = len(self._to_release) == 1
+        if first:
+            self._loop.call_soon(self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        with self._lock:
+            keys, self._to_release = self._to_release, []
+            keys = [k for k in keys if k not in self._futures]  # re-created meanwhile: keep
+        for k in keys:
+            self._errors.pop(k, None)
+        if keys and not self._conn.closed:
+            asyncio.get_running_loop().create_task(self._conn.send({"op": "release", "keys": keys}))
+
+    def _release(self, keys: list[str]) -> None:
+        self._loop.run(self._conn.send({"op": "release", "keys": keys}))
+
+    def cancel(self, futures: list[Future[Any]]) -> None:
+        """Release these futures' keys; tasks nobody else needs stop."""
+        self._release([f.key for f in futures])
+
+    # ---- cluster control and introspection ------------------------------------------------------
+    def scheduler_info(self) -> dict[str, Any]:
+        """Workers (running tasks, held keys/bytes, idle since), task counts and counters."""
+        return self._loop.run(self._request({"op": "info"}))  # type: ignore[no-any-return]
+
+    def retire_workers(self, workers: list[str]) -> dict[str, str]:
+        """Gracefully retire workers: their needed data moves to survivors first.
+
+        Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
+        """
+        return self._loop.run(self._request({"op": "retire", "workers": list(workers)}))  # type: ignore[no-any-return]
+
+
+def serialize_bytes(blob: bytes) -> Any:
+    from tidepool.comm.serialize import Serialized
+
+    return Serialized(blob, [])
+
+
+class ClientExecutor(concurrent.futures.Executor):
+    """A strict ``concurrent.futures.Executor`` on top of a :class:`Client`."""
+
+    def __init__(self, client: Client, resources: dict[str, Any] | None, retries: int) -> None:
+        self.client = client
+        self.resources = parse_resources(resources) if resources else None
+        self.retries = retries
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:  # type: ignore[override]
+        return self.client._submit(fn, args, kwargs, resources=self.resources, retries=self.retries)
+
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[T]:  # fmt: skip
+        futs = self.client.map(fn, *iterables, resources=self.resources, retries=self.retries)
+
+        def results() -> Iterator[T]:
+            for f in futs:
+                yield f.result(timeout)
+
+        return results()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass

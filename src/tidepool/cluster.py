@@ -1,0 +1,153 @@
+"""LocalCluster: a scheduler on a private event-loop thread plus worker processes on this machine.
+
+State: the :class:`Scheduler` (running on ``self._loop``), the :class:`LocalProvider` that owns the
+worker processes, and a condition the scheduler observer signals whenever workers join or leave, so
+``wait_for_workers`` blocks on events instead of polling.  ``close()`` stops the scheduler (which
+tells workers to exit) and then makes sure no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+from tidepool.errors import ConfigError
+from tidepool.loop import LoopThread
+from tidepool.providers.local import LocalProvider
+from tidepool.scaling.node_types import NodeType
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.server import Scheduler
+
+
+class LocalCluster:
+    """``LocalCluster(n_workers=2)``: real worker processes on this machine.
+
+    Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
+    """
+
+    def __init__(self, n_workers: int | None = None, *, slots: int = 1,
+                 resources: dict[str, Any] | None = None, node_type: str = "default",
+                 host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,
+                 timeout: float = 30.0, env: dict[str, str] | None = None,
+                 **scheduler_kwargs: Any) -> None:  # fmt: skip
+        if n_workers is None:
+            n_workers = os.cpu_count() or 1
+        if n_workers < 0:
+            raise ConfigError(f"n_workers must be >= 0, got {n_workers}")
+        self._loop = LoopThread("tidepool-cluster")
+        self._cond = threading.Condition()
+        self.timeout = timeout
+        self._req = itertools.count(1)
+        self.scheduler = Scheduler(f"tcp://{host}:{port}", heartbeat_interval=heartbeat_interval,
+                                   **scheduler_kwargs)  # fmt: skip
+        self.scheduler.subscribe(self._observe)
+        self._loop.run(self.scheduler.start())
+        self.address = self.scheduler.address
+        self.token = self.scheduler.token
+        self.provider = LocalProvider(self.address, self.token, env=env, heartbeat_interval=heartbeat_interval)
+        res = dict(resources or {})
+        res.setdefault("cpu", slots)
+        self.default_type = NodeType(node_type, res, max_nodes=10_000)
+        self.closed = False
+        if n_workers:
+            self.add_workers(n_workers, wait=True)
+
+    def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
+        if any(isinstance(e, (ev.WorkerJoin, ev.WorkerRemove, ev.Tick)) for e in events):
+            with self._cond:
+                self._cond.notify_all()
+
+    @property
+    def workers(self) -> list[str]:
+        """Ids of the workers registered with the scheduler now."""
+        return list(self.scheduler.state.workers)
+
+    def add_workers(self, n: int = 1, *, node_type: NodeType | None = None, wait: bool = True) -> list[str]:
+        """Start ``n`` worker processes (of ``node_type``); wait for them to register."""
+        nt = node_type or self.default_type
+        ids = self.provider.launch(nt, n, f"r{next(self._req)}")
+        if wait:
+            self.wait_for_workers(ids)
+        return ids
+
+    def wait_for_workers(self, ids: int | list[str], timeout: float | None = None) -> None:
+        """Block until the given worker ids (or at least ``ids`` workers) are registered."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+
+        def ok() -> bool:
+            present = self.scheduler.state.workers
+            if isinstance(ids, int):
+                return len(present) >= ids
+            return all(w in present for w in ids)
+
+        with self._cond:
+            while not ok():
+                left = deadline - time.monotonic()
+                errors = self.provider.poll_errors()
+                if errors:
+                    raise ConfigError("workers failed to start: " + "; ".join(errors))
+                if left <= 0:
+                    raise TimeoutError(f"workers {ids} did not register within {timeout or self.timeout}s")
+                self._cond.wait(min(left, 0.5))
+
+    def wait_for_removal(self, wid: str, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        with self._cond:
+            while wid in self.scheduler.state.workers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"worker {wid} still registered after {timeout or self.timeout}s")
+                self._cond.wait(min(left, 0.5))
+
+    def kill_worker(self, wid: str) -> None:
+        """SIGKILL a worker process (failure testing)."""
+        self.provider.kill(wid)
+
+    def stop_worker(self, wid: str) -> None:
+        """SIGTERM a worker process."""
+        self.provider.terminate([wid])
+
+    def retire_workers(self, ids: list[str]) -> dict[str, str]:
+        return self._loop.run(self.scheduler.retire_workers(ids))
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(scheduler, *args)`` on the scheduler's loop thread (for introspection)."""
+
+        async def call() -> Any:
+            r = fn(self.scheduler, *args)
+            if asyncio.iscoroutine(r):
+                r = await r
+            return r
+
+        return self._loop.run(call())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._loop.run(self.scheduler.close(), timeout=10)
+        except Exception:
+            pass
+        self.provider.close()
+        self._loop.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<LocalCluster {self.address} workers={len(self.workers)}>"

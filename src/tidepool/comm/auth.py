@@ -1,0 +1,113 @@
+"""Mutual HMAC challenge-response over any :class:`~tidepool.comm.core.Connection`.
+
+The listener speaks first with a random nonce; the dialer answers with
+``HMAC-SHA256(token, "client" | server_nonce | client_nonce)`` and its own nonce; the listener checks
+it in constant time and proves it knows the token too.  Until both checks pass the connection runs
+with pre-authentication limits (64 KiB frames, no buffers, no pickles).  The token never crosses
+the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+from typing import TYPE_CHECKING
+
+from tidepool.errors import AuthenticationError, ConfigError, ProtocolError
+
+if TYPE_CHECKING:
+    from tidepool.comm.core import Connection
+
+HANDSHAKE_TIMEOUT = 10.0
+TOKEN_ENV = "TIDEPOOL_TOKEN"
+TOKEN_FILE_ENV = "TIDEPOOL_TOKEN_FILE"
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits, hex)."""
+    return secrets.token_hex(32)
+
+
+def token_from_env() -> str | None:
+    """The token from ``$TIDEPOOL_TOKEN`` or the file named by ``$TIDEPOOL_TOKEN_FILE``."""
+    tok = os.environ.get(TOKEN_ENV)
+    if tok:
+        return tok.strip()
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        return read_token_file(path)
+    return None
+
+
+def read_token_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            tok = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
+    if not tok:
+        raise ConfigError(f"token file {path!r} is empty; pass the scheduler's token file")
+    return tok
+
+
+def _mac(token: str, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token.encode(), label + a + b, hashlib.sha256).digest()
+
+
+async def _recv(conn: Connection) -> dict:
+    try:
+        return await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
+    except asyncio.TimeoutError as exc:
+        raise AuthenticationError(
+            f"no handshake answer from {conn.peer} within {HANDSHAKE_TIMEOUT:.0f}s; is it a tidepool "
+            "process?"
+        ) from exc
+
+
+async def server_handshake(conn: Connection, token: str) -> dict:
+    """Run the listener side; returns the dialer's hello (its ``name`` and ``role``)."""
+    nonce = secrets.token_bytes(32)
+    await conn.send({"op": "challenge", "nonce": nonce, "v": 1})
+    msg = await _recv(conn)
+    if msg.get("op") != "auth" or not isinstance(msg.get("mac"), bytes):
+        raise ProtocolError(f"expected an auth message from {conn.peer}, got {msg.get('op')!r}")
+    cnonce = msg.get("nonce")
+    if not isinstance(cnonce, bytes) or len(cnonce) != 32:
+        raise ProtocolError("malformed auth nonce")
+    if not hmac.compare_digest(msg["mac"], _mac(token, b"client", nonce, cnonce)):
+        try:
+            await conn.send(
+                {"op": "auth-failed", "reason": "wrong token: use the scheduler's token (TIDEPOOL_TOKEN)"}
+            )
+        finally:
+            conn.close()
+        raise AuthenticationError(f"peer {conn.peer} failed authentication (wrong token)")
+    await conn.send({"op": "auth-ok", "mac": _mac(token, b"server", cnonce, nonce)})
+    conn.set_authenticated()
+    return msg
+
+
+async def client_handshake(conn: Connection, token: str, hello: dict | None = None) -> None:
+    """Run the dialer side; raises :class:`AuthenticationError` on a token mismatch."""
+    msg = await _recv(conn)
+    if msg.get("op") != "challenge" or not isinstance(msg.get("nonce"), bytes):
+        raise ProtocolError(f"{conn.peer} did not send a tidepool challenge")
+    nonce = msg["nonce"]
+    cnonce = secrets.token_bytes(32)
+    await conn.send({**(hello or {}), "op": "auth", "mac": _mac(token, b"client", nonce, cnonce), "nonce": cnonce})
+    reply = await _recv(conn)
+    if reply.get("op") == "auth-failed":
+        conn.close()
+        raise AuthenticationError(
+            f"{conn.peer} rejected our token ({reply.get('reason')}); set TIDEPOOL_TOKEN or "
+            "--token-file to the scheduler's token"
+        )
+    if reply.get("op") != "auth-ok" or not isinstance(reply.get("mac"), bytes):
+        raise ProtocolError(f"unexpected handshake reply from {conn.peer}")
+    if not hmac.compare_digest(reply["mac"], _mac(token, b"server", cnonce, nonce)):
+        conn.close()
+        raise AuthenticationError(f"{conn.peer} does not know our token; refusing to talk to it")
+    conn.set_authenticated()

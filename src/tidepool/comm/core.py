@@ -1,0 +1,365 @@
+"""Connections: one interface, two transports (TCP and in-memory), authenticated on open.
+
+A :class:`Connection` sends and receives whole messages (``dict``s, see ``frames.py``).  ``send`` is a
+coroutine that writes small frames immediately and large ones in chunks, awaiting the transport's
+flow control, so a huge buffer is never duplicated into the transport's write buffer.  ``recv``
+returns the next message or raises :class:`ConnectionLostError` once the peer is gone; a malformed
+frame raises :class:`ProtocolError` there and closes this connection only.
+
+Addresses are ``tcp://host:port`` or ``memory://name`` (in-process, for tests; messages still go
+through the frame encoder/decoder so serialisation is exercised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tidepool.comm.auth import client_handshake, server_handshake
+from tidepool.comm.frames import DEFAULT_MAX_FRAME, PREAUTH_MAX_FRAME, FrameDecoder, encode
+from tidepool.errors import CommError, ConfigError, ConnectionLostError, ProtocolError
+
+log = logging.getLogger("tidepool.comm")
+
+WRITE_CHUNK = 4 * 1024 * 1024
+SMALL_FRAME = 256 * 1024
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """Split ``tcp://host:port`` -> ("tcp", host, port); ``memory://name`` -> ("memory", name, 0)."""
+    if "://" not in address:
+        address = "tcp://" + address
+    scheme, rest = address.split("://", 1)
+    if scheme == "memory":
+        return scheme, rest, 0
+    if scheme != "tcp":
+        raise ConfigError(f"unsupported address scheme {scheme!r} in {address!r}; use tcp://host:port")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"address {address!r} needs a port, e.g. tcp://127.0.0.1:8786")
+    return scheme, host.strip("[]") or "0.0.0.0", int(port)
+
+
+class Connection:
+    """A message connection.  Subclasses provide the transport."""
+
+    peer: str = "?"
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._max_frame_after_auth = max_frame
+        self._decoder = FrameDecoder(self._on_frame, PREAUTH_MAX_FRAME)
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.authenticated = False
+        self.info: dict[str, Any] = {}
+
+    # -- receiving --------------------------------------------------------------------------------
+    def _on_frame(self, msg: Any) -> None:
+        self._inbox.append(msg)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._closed = True
+        self._wake()
+
+    async def recv(self) -> Any:
+        while not self._inbox:
+            if self._error is not None or self._closed:
+                err = self._error
+                if isinstance(err, ProtocolError):
+                    raise err
+                raise ConnectionLostError(f"connection to {self.peer} closed") from err
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    def set_authenticated(self) -> None:
+        self.authenticated = True
+        self._decoder.allow_pickles = True
+        self._decoder.max_frame = self._max_frame_after_auth
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- sending (transport specific) ---------------------------------------------------------------
+    async def send(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _encode(self, msg: dict[str, Any]) -> list[bytes | memoryview]:
+        if self._closed:
+            raise ConnectionLostError(f"connection to {self.peer} is closed")
+        return encode(msg, allow_pickles=self.authenticated)
+
+
+class _TCPProtocol(asyncio.BufferedProtocol):
+    def __init__(self, conn: TCPConnection) -> None:
+        self.conn = conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.conn._made(transport)  # type: ignore[arg-type]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self.conn._decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            log.warning("closing connection to %s: %s", self.conn.peer, exc)
+            self.conn._fail(exc)
+            self.conn.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn._fail(ConnectionLostError(f"connection to {self.conn.peer} lost: {exc}"))
+        self.conn._resume_writing()
+
+    def pause_writing(self) -> None:
+        self.conn._paused = True
+
+    def resume_writing(self) -> None:
+        self.conn._resume_writing()
+
+
+class TCPConnection(Connection):
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        super().__init__(max_frame)
+        self.transport: asyncio.Transport | None = None
+        self.local_host = ""
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._send_lock = asyncio.Lock()
+
+    def _made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=8 * 1024 * 1024)
+        local = transport.get_extra_info("sockname")
+        if local:
+            self.local_host = str(local[0])
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"tcp://{peer[0]}:{peer[1]}"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _resume_writing(self) -> None:
+        self._paused = False
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    async def _wait_drain(self) -> None:
+        while self._paused and not self._closed:
+            self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+        if self._closed:
+            raise ConnectionLostError(f"connection to {self.peer} closed while sending")
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        parts = self._encode(msg)
+        assert self.transport is not None
+        if len(parts) == 1 and len(parts[0]) <= SMALL_FRAME and not self._paused and not self._send_lock.locked():
+            self.transport.write(parts[0])
+            return
+        async with self._send_lock:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                for off in range(0, view.nbytes, WRITE_CHUNK):
+                    await self._wait_drain()
+                    self.transport.write(view[off : off + WRITE_CHUNK])
+            await self._wait_drain()
+
+    def close(self) -> None:
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+        self._resume_writing()
+
+
+class MemoryConnection(Connection):
+    """In-process connection; frames are encoded and decoded like on TCP."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        super().__init__(max_frame)
+        self.other: MemoryConnection | None = None
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        parts = self._encode(msg)
+        other = self.other
+        if other is None or other._closed:
+            raise ConnectionLostError(f"connection to {self.peer} closed")
+        try:
+            for part in parts:
+                other._decoder.feed(part)
+        except ProtocolError as exc:
+            other._fail(exc)
+            other.close()
+        await asyncio.sleep(0)
+
+    def close(self) -> None:
+        if self._closed and (self.other is None or self.other._closed):
+            return
+        self._closed = True
+        self._wake()
+        if self.other is not None and not self.other._closed:
+            self.other._fail(ConnectionLostError("peer closed"))
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Listener:
+    """An accepting endpoint; each authenticated connection is handed to ``handler``."""
+
+    def __init__(self, address: str, handler: Handler, token: str, max_frame: int) -> None:
+        self.requested = address
+        self.handler = handler
+        self.token = token
+        self.max_frame = max_frame
+        self.address = ""
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> Listener:
+        scheme, host, port = parse_address(self.requested)
+        if scheme == "memory":
+            name = host or f"anon-{next(_memory_ids)}"
+            if name in _memory_listeners:
+                raise ConfigError(f"memory://{name} is already listening")
+            _memory_listeners[name] = self
+            self.address = f"memory://{name}"
+            return self
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _TCPProtocol(self._new_tcp()), host, port, reuse_address=True
+        )
+        sockname = self._server.sockets[0].getsockname()
+        self.address = f"tcp://{host if host not in ('0.0.0.0', '') else sockname[0]}:{sockname[1]}"
+        return self
+
+    def _new_tcp(self) -> TCPConnection:
+        conn = TCPConnection(self.max_frame)
+        self._spawn(conn)
+        return conn
+
+    def _spawn(self, conn: Connection) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: Connection) -> None:
+        await asyncio.sleep(0)  # let connection_made run
+        try:
+            conn.info = await server_handshake(conn, self.token)
+        except (CommError, OSError) as exc:
+            log.warning("rejected connection from %s: %s", conn.peer, exc)
+            conn.close()
+            return
+        try:
+            await self.handler(conn)
+        except ConnectionLostError:
+            pass
+        except Exception:
+            log.exception("handler for %s failed", conn.peer)
+        finally:
+            conn.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+        _memory_listeners.pop(self.address.removeprefix("memory://"), None)
+        for t in list(self._tasks):
+            t.cancel()
+
+
+_memory_listeners: dict[str, Listener] = {}
+_memory_ids = itertools.count()
+
+
+async def listen(
+    address: str, handler: Handler, token: str, max_frame: int = DEFAULT_MAX_FRAME
+) -> Listener:
+    """Listen on ``address`` (``tcp://host:0`` picks a free port); returns the started listener."""
+    return await Listener(address, handler, token, max_frame).start()
+
+
+async def connect(
+    address: str,
+    token: str,
+    timeout: float = 10.0,
+    hello: dict[str, Any] | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> Connection:
+    """Open an authenticated connection, retrying refused connections until ``timeout``."""
+    scheme, host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.01
+    while True:
+        try:
+            if scheme == "memory":
+                conn = _memory_connect(host, max_frame)
+            else:
+                conn = TCPConnection(max_frame)
+                await asyncio.wait_for(
+                    loop.create_connection(lambda c=conn: _TCPProtocol(c), host, port),  # type: ignore[misc]
+                    max(0.1, deadline - loop.time()),
+                )
+                conn.peer = f"tcp://{host}:{port}"
+            break
+        except (OSError, asyncio.TimeoutError, ConnectionLostError) as exc:
+            if loop.time() + delay > deadline:
+                raise ConnectionLostError(
+                    f"could not connect to {address} within {timeout:.1f}s ({exc}); is the scheduler "
+                    "running and reachable?"
+                ) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    try:
+        await client_handshake(conn, token, hello)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _memory_connect(name: str, max_frame: int) -> MemoryConnection:
+    listener = _memory_listeners.get(name)
+    if listener is None:
+        raise ConnectionRefusedError(f"nothing listens on memory://{name}")
+    a = MemoryConnection(max_frame)
+    b = MemoryConnection(listener.max_frame)
+    a.other, b.other = b, a
+    a.peer, b.peer = f"memory://{name}", f"memory://{name}-client"
+    listener._spawn(b)
+    return a

@@ -1,0 +1,221 @@
+"""Frame format: a msgpack header plus raw buffers, and the incremental decoder.
+
+Wire layout of one frame (all integers big-endian)::
+
+    u32 header_len | u32 n_buffers | n_buffers x u64 buffer_len | header | buffer 0 | buffer 1 ...
+
+The header is a msgpack map.  A :class:`~tidepool.comm.serialize.Serialized` value anywhere in the
+message becomes msgpack ext type 1 that points at frame buffers: its pickle stream (when larger than
+``INLINE_PICKLE``) and its out-of-band buffers.  Ext types are refused before authentication, so an
+unauthenticated peer can never make us unpickle anything.
+
+:class:`FrameDecoder` is fed by the transport (``get_buffer``/``buffer_updated``, the
+``asyncio.BufferedProtocol`` contract): small parts are parsed out of a staging buffer, and each large
+part is read by the kernel straight into its own ``bytearray``, so a 200 MB array is written to
+memory once on receipt and then wrapped, not copied, by pickle.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from tidepool.comm.serialize import Serialized
+from tidepool.errors import FrameTooLargeError, ProtocolError
+
+_PREFIX = struct.Struct("!II")
+_LEN = struct.Struct("!Q")
+_EXT = struct.Struct("!iII")  # (pickle-stream buffer index or -1 if inline, first oob index, n oob)
+EXT_SERIALIZED = 1
+INLINE_PICKLE = 16 * 1024
+LARGE_PART = 64 * 1024
+
+#: Limits before authentication: a handshake frame is tiny and carries no buffers.
+PREAUTH_MAX_FRAME = 64 * 1024
+DEFAULT_MAX_FRAME = 4 * 1024**3  # 4 GiB; configurable per connection
+MAX_BUFFERS = 1_000_000
+
+
+def encode(msg: dict[str, Any], allow_pickles: bool = True) -> list[bytes | memoryview]:
+    """Encode ``msg`` into frame parts; the first part holds prefix+lengths+header."""
+    buffers: list[bytes | memoryview] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, Serialized):
+            if not allow_pickles:
+                raise ProtocolError("pickled payloads may only be sent after authentication")
+            data = obj.data
+            if len(data) > INLINE_PICKLE:
+                index = len(buffers)
+                buffers.append(data)
+                inline = b""
+            else:
+                index = -1
+                inline = bytes(data)
+            first = len(buffers)
+            buffers.extend(obj.buffers)
+            return msgpack.ExtType(EXT_SERIALIZED, _EXT.pack(index, first, len(obj.buffers)) + inline)
+        if isinstance(obj, (set, frozenset)):
+            return list(obj)
+        raise TypeError(f"cannot encode {type(obj).__name__} in a control frame; wrap it in serialize()")
+
+    header = msgpack.packb(msg, default=default, use_bin_type=True)
+    head = bytearray(_PREFIX.pack(len(header), len(buffers)))
+    for b in buffers:
+        head += _LEN.pack(memoryview(b).nbytes)
+    head += header
+    return [bytes(head), *buffers]
+
+
+def frame_size(parts: list[bytes | memoryview]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+class FrameDecoder:
+    """Incremental frame parser.  ``on_frame(msg)`` is called for each complete frame."""
+
+    def __init__(self, on_frame: Callable[[Any], None], max_frame: int = PREAUTH_MAX_FRAME) -> None:
+        self.on_frame = on_frame
+        self.max_frame = max_frame
+        self.allow_pickles = False
+        self._staging = bytearray(256 * 1024)
+        self._start = 0
+        self._end = 0
+        # the part being read directly by the kernel, if any
+        self._target: bytearray | None = None
+        self._target_filled = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._stage = 0  # 0 prefix, 1 lengths, 2 header, 3 buffers
+        self._header_len = 0
+        self._nbuf = 0
+        self._lengths: list[int] = []
+        self._header: bytes | bytearray = b""
+        self._buffers: list[memoryview] = []
+
+    # -- BufferedProtocol side -------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._target is not None:
+            return memoryview(self._target)[self._target_filled :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end >= len(self._staging) - 4096:
+            # compact: move unparsed bytes to the front (small: at most one small part)
+            n = self._end - self._start
+            self._staging[:n] = self._staging[self._start : self._end]
+            self._start, self._end = 0, n
+            if self._end >= len(self._staging) - 4096:
+                self._staging.extend(bytes(len(self._staging)))
+        return memoryview(self._staging)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._target_filled += nbytes
+            if self._target_filled == len(self._target):
+                part = self._target
+                self._target = None
+                self._part_done(part)
+            else:
+                return
+        else:
+            self._end += nbytes
+        self._parse()
+
+    def feed(self, data: bytes | memoryview) -> None:
+        """Feed raw bytes (used by tests and the in-memory transport)."""
+        view = memoryview(data)
+        while view.nbytes:
+            buf = self.get_buffer()
+            n = min(buf.nbytes, view.nbytes)
+            buf[:n] = view[:n]
+            view = view[n:]
+            self.buffer_updated(n)
+
+    # -- parsing ---------------------------------------------------------------------------------
+    def _need(self) -> int:
+        if self._stage == 0:
+            return _PREFIX.size
+        if self._stage == 1:
+            return _LEN.size * self._nbuf
+        if self._stage == 2:
+            return self._header_len
+        return self._lengths[len(self._buffers)]
+
+    def _parse(self) -> None:
+        while self._target is None:
+            need = self._need()
+            avail = self._end - self._start
+            if need >= LARGE_PART:
+                part = bytearray(need)
+                n = min(avail, need)
+                part[:n] = self._staging[self._start : self._start + n]
+                self._start += n
+                if n < need:
+                    self._target = part
+                    self._target_filled = n
+                    return
+                self._part_done(part)
+                continue
+            if avail < need:
+                return
+            part_b = bytes(self._staging[self._start : self._start + need])
+            self._start += need
+            self._part_done(part_b)
+
+    def _part_done(self, part: bytes | bytearray) -> None:
+        if self._stage == 0:
+            self._header_len, self._nbuf = _PREFIX.unpack(part)
+            if self._nbuf > MAX_BUFFERS:
+                raise ProtocolError(f"frame announces {self._nbuf} buffers (limit {MAX_BUFFERS})")
+            if self._nbuf and not self.allow_pickles:
+                raise ProtocolError("frame with buffers before authentication")
+            if self._header_len + _PREFIX.size > self.max_frame:
+                raise FrameTooLargeError(
+                    f"frame header of {self._header_len} bytes exceeds the limit of {self.max_frame} "
+                    "bytes; raise max_frame_bytes on both sides or send smaller results"
+                )
+            self._stage = 1 if self._nbuf else 2
+        elif self._stage == 1:
+            self._lengths = [v[0] for v in _LEN.iter_unpack(part)]
+            total = self._header_len + sum(self._lengths)
+            if total > self.max_frame:
+                raise FrameTooLargeError(
+                    f"frame of {total} bytes exceeds the limit of {self.max_frame} bytes; raise "
+                    "max_frame_bytes on both sides or send smaller results"
+                )
+            self._stage = 2
+        elif self._stage == 2:
+            self._header = part
+            self._stage = 3
+        else:
+            self._buffers.append(memoryview(part))
+        if self._stage == 3 and len(self._buffers) == self._nbuf:
+            msg = self._decode(self._header, self._buffers)
+            self._reset()
+            self.on_frame(msg)
+
+    def _decode(self, header: bytes | bytearray, buffers: list[memoryview]) -> Any:
+        allow = self.allow_pickles
+
+        def ext_hook(code: int, data: bytes) -> Any:
+            if code != EXT_SERIALIZED or not allow:
+                raise ProtocolError("unexpected ext type (pickles need an authenticated peer)")
+            index, first, n = _EXT.unpack_from(data)
+            stream: bytes | memoryview = data[_EXT.size :] if index < 0 else buffers[index]
+            if first + n > len(buffers) or (index >= len(buffers)):
+                raise ProtocolError("ext type points past the frame's buffers")
+            return Serialized(stream, list(buffers[first : first + n]))
+
+        try:
+            msg = msgpack.unpackb(header, ext_hook=ext_hook, raw=False, strict_map_key=False)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"undecodable frame header: {exc}") from exc
+        if not isinstance(msg, dict):
+            raise ProtocolError(f"frame header must be a map, got {type(msg).__name__}")
+        return msg

@@ -1,0 +1,72 @@
+"""User payloads: cloudpickle with pickle protocol 5 out-of-band buffers.
+
+A :class:`Serialized` holds the pickle stream (small: it references the buffers) and the list of
+out-of-band buffers (large: numpy arrays, bytes-likes) exactly as pickle handed them out, so a
+200 MB array travels as one memoryview of its own memory and is never joined into a bigger bytes
+object.  Whoever only forwards a payload (the scheduler forwarding a task's arguments) never
+unpickles it: user modules need not be importable there, and nothing runs on deserialisation
+outside the worker/client that needs the value.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import cloudpickle
+
+
+class Serialized:
+    """An opaque pickled object: ``data`` (the pickle stream) plus out-of-band ``buffers``."""
+
+    __slots__ = ("data", "buffers")
+
+    def __init__(self, data: bytes | memoryview, buffers: list[memoryview] | None = None) -> None:
+        self.data = data
+        self.buffers = buffers if buffers is not None else []
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + sum(b.nbytes for b in self.buffers)
+
+    def load(self) -> Any:
+        return deserialize(self)
+
+    def __repr__(self) -> str:
+        return f"<Serialized {self.nbytes} bytes, {len(self.buffers)} buffers>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Serialized):
+            return NotImplemented
+        return bytes(self.data) == bytes(other.data) and [bytes(b) for b in self.buffers] == [
+            bytes(b) for b in other.buffers
+        ]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+#: Buffers smaller than this are kept inside the pickle stream (cheaper than a separate frame part).
+OOB_THRESHOLD = 64 * 1024
+
+
+def serialize(obj: Any) -> Serialized:
+    """Pickle ``obj`` with cloudpickle; large contiguous buffers stay out of band (no copy)."""
+    buffers: list[memoryview] = []
+
+    def callback(buf: pickle.PickleBuffer) -> bool:
+        try:
+            view = buf.raw()
+        except BufferError:  # not contiguous: let pickle copy it in-band
+            return True
+        if view.nbytes < OOB_THRESHOLD:
+            return True  # serialise in-band
+        buffers.append(view)
+        return False
+
+    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
+    return Serialized(data, buffers)
+
+
+def deserialize(ser: Serialized) -> Any:
+    """Re-create the object; out-of-band buffers are used in place (numpy arrays wrap them)."""
+    return pickle.loads(ser.data, buffers=ser.buffers)

@@ -1,0 +1,120 @@
+"""The tidepool error hierarchy.
+
+Every error tidepool raises on purpose derives from :class:`TidepoolError`, and every message says
+what happened *and* what to do about it.  The tree::
+
+    TidepoolError
+    ├── ConfigError                 bad arguments, cluster files, resources, addresses
+    ├── CommError                   network level problems
+    │   ├── AuthenticationError     the peer does not know our token (or we do not know theirs)
+    │   ├── ProtocolError           a malformed frame; only that connection is closed
+    │   │   └── FrameTooLargeError  a frame above the configured size limit
+    │   └── ConnectionLostError     the peer went away while we waited for it
+    ├── SchedulerError              the scheduler refused a request (unknown key, closed, ...)
+    ├── TaskError                   a task could not produce its result
+    │   ├── RemoteTaskError         the task raised, and its exception could not be re-created here
+    │   ├── KilledWorkerError       the task took its worker down too many times
+    │   ├── InfeasibleTaskError     no worker and no node type can ever satisfy its resources
+    │   ├── DependencyError         a task it depends on failed
+    │   └── TaskCancelledError      the result was released or cancelled before it was computed
+    ├── WorkerSetupError            a setup hook failed on a worker
+    └── ProviderError               a provider could not launch/stop/list workers
+
+A task's own exception (say ``ValueError``) is re-raised on the client as itself, with the remote
+traceback attached as ``__cause__`` (a :class:`RemoteTraceback`).
+"""
+
+from __future__ import annotations
+
+
+class TidepoolError(Exception):
+    """Base class of every error tidepool raises on purpose."""
+
+
+class ConfigError(TidepoolError, ValueError):
+    """Invalid configuration or arguments: fix the call or the cluster file named in the message."""
+
+
+class CommError(TidepoolError, ConnectionError):
+    """A network-level problem talking to a scheduler, worker or client."""
+
+
+class AuthenticationError(CommError):
+    """The peer failed the HMAC challenge: both sides must use the same token."""
+
+
+class ProtocolError(CommError):
+    """A malformed or unexpected frame; the connection that sent it is closed."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame larger than the configured limit (``max_frame_bytes``)."""
+
+
+class ConnectionLostError(CommError):
+    """The peer closed the connection or stopped answering."""
+
+
+class SchedulerError(TidepoolError):
+    """The scheduler refused a request."""
+
+
+class TaskError(TidepoolError):
+    """A task could not produce its result."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class RemoteTaskError(TaskError):
+    """A task raised an exception that could not be re-created on the client.
+
+    ``remote_type`` holds the exception's type name and ``remote_traceback`` its formatted traceback.
+    """
+
+    def __init__(
+        self, message: str, key: str | None = None, remote_type: str = "", remote_traceback: str = ""
+    ) -> None:
+        super().__init__(message, key)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class KilledWorkerError(TaskError):
+    """A task was running on workers that died ``allowed_failures + 1`` times; it is not retried again."""
+
+
+class InfeasibleTaskError(TaskError):
+    """No current worker and no configured node type has the resources this task asks for."""
+
+
+class DependencyError(TaskError):
+    """A task this one depends on failed, so this one cannot run."""
+
+
+class TaskCancelledError(TaskError):
+    """The task was cancelled or its result released before it finished."""
+
+
+class WorkerSetupError(TidepoolError):
+    """A setup hook (``register_setup``) failed on a worker; that worker takes no tasks."""
+
+
+class ProviderError(TidepoolError):
+    """A provider failed to launch, stop or list workers; ``request_id``/``worker_ids`` say which."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an exception raised on a worker (set as ``__cause__``)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\nRemote traceback (on the worker):\n{self.tb}"""'

@@ -1,0 +1,122 @@
+"""The lazy builder: ``@task`` turns calls into graph nodes (:class:`Delayed`).
+
+Calling a decorated function does not run it; it returns a :class:`Delayed` that records the
+function, its arguments (which may hold other delayed values or futures) and options (resources,
+retries).  ``client.compute(d)`` submits the graph behind ``d``; ``d.compute()`` does the same on the
+default client and returns the value.  Keys are ``<function name>-<random hex>`` and unique per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar, overload
+
+from tidepool.errors import ConfigError
+from tidepool.resources import parse_resources
+
+T = TypeVar("T")
+
+
+def func_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    if isinstance(fn, functools.partial):
+        name = func_name(fn.func)
+    return str(name).replace("<", "").replace(">", "")
+
+
+def make_key(fn: Callable[..., Any]) -> str:
+    return f"{func_name(fn)}-{uuid.uuid4().hex[:20]}"
+
+
+class TaskOptions:
+    __slots__ = ("resources", "retries", "name")
+
+    def __init__(self, resources: dict[str, Any] | None = None, retries: int = 0, name: str | None = None) -> None:
+        if not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries must be a non-negative integer, got {retries!r}")
+        self.resources = parse_resources(resources) if resources else {}
+        self.retries = retries
+        self.name = name
+
+
+class Delayed(Generic[T]):
+    """A lazy task: a function call that has not run yet."""
+
+    __slots__ = ("key", "func", "args", "kwargs", "options", "__weakref__")
+
+    def __init__(self, key: str, func: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 options: TaskOptions) -> None:  # fmt: skip
+        self.key = key
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.options = options
+
+    def __repr__(self) -> str:
+        return f"Delayed({self.key!r})"
+
+    def compute(self, client: Any = None, **kwargs: Any) -> T:
+        """Run the graph behind this value on ``client`` (default: the current client)."""
+        from tidepool.client import default_client
+
+        c = client or default_client()
+        return c.compute(self, **kwargs).result()  # type: ignore[no-any-return]
+
+    def dependencies(self) -> Iterator[Delayed[Any]]:
+        from tidepool.graph.refs import replace
+
+        found: list[Delayed[Any]] = []
+
+        def visit(x: Any) -> Any:
+            if isinstance(x, Delayed):
+                found.append(x)
+                return x
+            return None
+
+        replace(self.args, visit)
+        replace(self.kwargs, visit)
+        return iter(found)
+
+
+class TaskFunction(Generic[T]):
+    """A function wrapped by ``@task``; calling it builds a :class:`Delayed`."""
+
+    def __init__(self, fn: Callable[..., T], options: TaskOptions) -> None:
+        self.fn = fn
+        self.opts = options
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Delayed[T]:
+        key = f"{self.opts.name or func_name(self.fn)}-{uuid.uuid4().hex[:20]}"
+        return Delayed(key, self.fn, args, kwargs, self.opts)
+
+    def options(self, *, resources: dict[str, Any] | None = None, retries: int | None = None,
+                name: str | None = None) -> TaskFunction[T]:  # fmt: skip
+        """A copy with other options: ``f.options(resources={"gpu": 1})(x)``."""
+        return TaskFunction(self.fn, TaskOptions(
+            resources if resources is not None else self.opts.resources,
+            retries if retries is not None else self.opts.retries,
+            name if name is not None else self.opts.name,
+        ))  # fmt: skip
+
+    def run(self, *args: Any, **kwargs: Any) -> T:
+        """Call the plain function here, now (for tests and debugging)."""
+        return self.fn(*args, **kwargs)
+
+
+@overload
+def task(fn: Callable[..., T], /) -> TaskFunction[T]: ...
+@overload
+def task(*, resources: dict[str, Any] | None = None, retries: int = 0,
+         name: str | None = None) -> Callable[[Callable[..., T]], TaskFunction[T]]: ...  # fmt: skip
+def task(fn: Callable[..., T] | None = None, /, *, resources: dict[str, Any] | None = None,
+         retries: int = 0, name: str | None = None) -> Any:  # fmt: skip
+    """Decorator: ``@task`` or ``@task(resources={"gpu": 1}, retries=2)``."""
+    opts = TaskOptions(resources, retries, name)
+    if fn is not None:
+        if not callable(fn):
+            raise ConfigError(f"@task needs a function, got {fn!r}")
+        return TaskFunction(fn, opts)
+    return lambda f: TaskFunction(f, opts)

@@ -1,0 +1,63 @@
+"""``Ref(key)``: a placeholder for another task's value inside a task's arguments.
+
+The client replaces futures and delayed values in arguments with refs before pickling; the worker
+replaces refs with the values (local or fetched from peers) right before calling the function.
+Containers walked: list, tuple, dict values, set/frozenset.  Pure functions, no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class Ref:
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Ref({self.key!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ref) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(("tidepool-ref", self.key))
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (Ref, (self.key,))
+
+
+def substitute(obj: Any, values: Mapping[str, Any]) -> Any:
+    """Return ``obj`` with every :class:`Ref` replaced by ``values[ref.key]``."""
+    t = type(obj)
+    if t is Ref:
+        return values[obj.key]
+    if t is list:
+        return [substitute(x, values) for x in obj]
+    if t is tuple:
+        return tuple(substitute(x, values) for x in obj)
+    if t is dict:
+        return {k: substitute(v, values) for k, v in obj.items()}
+    if t is set or t is frozenset:
+        return t(substitute(x, values) for x in obj)
+    return obj
+
+
+def replace(obj: Any, fn: Callable[[Any], Any | None]) -> Any:
+    """Walk containers like :func:`substitute`; ``fn(x)`` returns a replacement or None to recurse."""
+    r = fn(obj)
+    if r is not None:
+        return r
+    t = type(obj)
+    if t is list:
+        return [replace(x, fn) for x in obj]
+    if t is tuple:
+        return tuple(replace(x, fn) for x in obj)
+    if t is dict:
+        return {k: replace(v, fn) for k, v in obj.items()}
+    if t is set or t is frozenset:
+        return t(replace(x, fn) for x in obj)
+    return obj

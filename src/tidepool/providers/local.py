@@ -1,0 +1,109 @@
+"""LocalProvider: worker processes on this machine.
+
+State: the ``subprocess.Popen`` of every worker it started, keyed by worker id, with the request id
+and node type it was launched for.  Any node type is "simulated" by starting the worker with that
+type's resource labels (a ``gpu`` node here is a process that advertises ``gpu: 2``).  Launch and
+terminate are idempotent: a request id launched twice starts its workers once; terminating an
+unknown or dead worker is a no-op.  ``close()`` kills whatever is left, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.scaling.node_types import NodeType
+
+
+@dataclass
+class LocalWorkerProcess:
+    worker_id: str
+    node_type: str
+    request_id: str
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+
+class LocalProvider:
+    """Starts ``python -m tidepool.worker`` processes for a scheduler on this machine."""
+
+    def __init__(self, scheduler: str, token: str, *, env: dict[str, str] | None = None,
+                 cwd: str | None = None, extra_args: list[str] | None = None,
+                 heartbeat_interval: float = 1.0) -> None:  # fmt: skip
+        self.scheduler = scheduler
+        self.token = token
+        self.env = env or {}
+        self.cwd = cwd
+        self.extra_args = extra_args or []
+        self.heartbeat_interval = heartbeat_interval
+        self.procs: dict[str, LocalWorkerProcess] = {}
+        self._requests: dict[str, list[str]] = {}
+        self._errors: list[str] = []
+        self._seq = 0
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
+        if request_id in self._requests:
+            return list(self._requests[request_id])
+        ids = []
+        for _ in range(count * node_type.workers_per_node):
+            self._seq += 1
+            wid = f"{node_type.name}-{request_id}-{self._seq}"
+            cmd = [sys.executable, "-m", "tidepool.worker", self.scheduler, "--id", wid,
+                   "--node-type", node_type.name, "--resources", json.dumps(node_type.worker_resources),
+                   "--heartbeat-interval", str(self.heartbeat_interval), *self.extra_args]  # fmt: skip
+            env = {**os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
+            proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
+            self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
+            ids.append(wid)
+        self._requests[request_id] = ids
+        return ids
+
+    def terminate(self, worker_ids: list[str], sig: int = signal.SIGTERM) -> None:
+        for wid in worker_ids:
+            p = self.procs.get(wid)
+            if p is not None and p.proc.poll() is None:
+                try:
+                    p.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL one worker (for failure tests)."""
+        self.terminate([worker_id], signal.SIGKILL)
+
+    def list(self) -> dict[str, dict[str, Any]]:
+        """Worker id -> {node_type, request_id, alive, returncode}."""
+        out = {}
+        for wid, p in self.procs.items():
+            rc = p.proc.poll()
+            out[wid] = {"node_type": p.node_type, "request_id": p.request_id, "alive": rc is None,
+                        "returncode": rc}  # fmt: skip
+        return out
+
+    def poll_errors(self) -> list[str]:
+        """Workers that exited with an error since the last call, as messages."""
+        for wid, p in list(self.procs.items()):
+            rc = p.proc.poll()
+            if rc is not None:
+                if rc not in (0, -signal.SIGTERM, -signal.SIGKILL):
+                    self._errors.append(f"worker {wid} exited with code {rc}")
+                del self.procs[wid]
+        errs, self._errors = self._errors, []
+        return errs
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.terminate(list(self.procs))
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+        self.procs.clear()

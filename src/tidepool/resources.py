@@ -1,0 +1,64 @@
+"""Resource amounts: ``{"cpu": 1, "gpu": 1, "memory": "4GB", "custom": 2}`` -> floats.
+
+Memory-like values accept byte strings ("512MiB", "4GB", "1.5 TB"); everything else must be a
+non-negative number.  Used by task submission, workers and node types alike, so a typo fails the
+same way everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from tidepool.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}  # fmt: skip
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"4GB"`` -> 4_000_000_000; numbers pass through."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"byte amount must not be negative, got {value}")
+        return int(value)
+    if isinstance(value, str):
+        m = _BYTES.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"cannot read {value!r} as a byte amount; use e.g. 512MiB or 4GB")
+
+
+def parse_resources(resources: Mapping[str, Any]) -> dict[str, float]:
+    """Validate and normalise a resource mapping (names are case-sensitive labels)."""
+    if not isinstance(resources, Mapping):
+        raise ConfigError(f"resources must be a mapping like {{'cpu': 1}}, got {resources!r}")
+    out: dict[str, float] = {}
+    for name, value in resources.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"resource names must be non-empty strings, got {name!r}")
+        if name == "memory" or isinstance(value, str):
+            out[name] = float(parse_bytes(value))
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ConfigError(f"resource {name!r} must be a number, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"resource {name!r} must not be negative, got {value}")
+        out[name] = float(value)
+    return out
+
+
+def format_resources(resources: Mapping[str, float]) -> str:
+    parts = []
+    for k, v in sorted(resources.items()):
+        if k == "memory":
+            parts.append(f"memory={v / 2**30:.1f}GiB")
+        else:
+            parts.append(f"{k}={v:g}")
+    return ", ".join(parts) or "nothing"

@@ -1,0 +1,1 @@
+"""Elastic scaling: node types, snapshots, policies, the planner and the controller."""

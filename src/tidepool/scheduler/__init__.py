@@ -1,0 +1,1 @@
+"""The scheduler: a pure state machine (``state.py``) and its asyncio shell (``server.py``)."""

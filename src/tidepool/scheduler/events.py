@@ -1,0 +1,200 @@
+"""Events into and commands out of :class:`~tidepool.scheduler.state.SchedulerState`.
+
+Events carry everything the state needs, including ``now`` (the state never reads a clock).
+Commands are plain records the asyncio shell turns into messages; the shell may read the state
+(for payloads and addresses) but never changes it except through events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.comm.serialize import Serialized
+
+Shape = tuple[tuple[str, float], ...]
+
+
+@dataclass(slots=True)
+class TaskSpec:
+    """One task as the client submits it: the function is referenced by ``func_id``."""
+
+    key: str
+    func_id: str
+    payload: Serialized | None
+    deps: tuple[str, ...] = ()
+    resources: dict[str, float] = field(default_factory=dict)
+    retries: int = 0
+    group: str = ""
+
+
+# ---- events ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class UpdateGraph:
+    client: str
+    tasks: list[TaskSpec]
+    wanted: list[str]
+    now: float
+    functions: dict[str, Serialized] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReleaseKeys:
+    client: str
+    keys: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class ClientGone:
+    client: str
+    now: float
+
+
+@dataclass(slots=True)
+class WorkerJoin:
+    worker: str
+    address: str
+    resources: dict[str, float]
+    now: float
+    node_type: str = "default"
+    name: str = ""
+    memory_limit: int = 0
+    ready: bool = True  # False: setup hooks still running (state "starting")
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    worker: str
+    now: float
+
+
+@dataclass(slots=True)
+class WorkerRemove:
+    worker: str
+    now: float
+    reason: str = "connection closed"
+    graceful: bool = False
+
+
+@dataclass(slots=True)
+class TaskFinished:
+    worker: str
+    key: str
+    nbytes: int
+    duration: float
+    now: float
+
+
+@dataclass(slots=True)
+class TaskErred:
+    worker: str
+    key: str
+    exception: Serialized | None
+    traceback: str
+    exc_type: str
+    message: str
+    duration: float
+    now: float
+
+
+@dataclass(slots=True)
+class MissingData:
+    """A worker could not fetch ``dep`` (needed by ``key``) from ``holder``."""
+
+    worker: str
+    key: str
+    dep: str
+    holder: str
+    now: float
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    worker: str
+    now: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Tick:
+    now: float
+
+
+@dataclass(slots=True)
+class AddReplica:
+    """``worker`` now holds ``key`` too (it fetched it as a dependency or received it on retire)."""
+
+    worker: str
+    key: str
+    nbytes: int
+    now: float
+
+
+@dataclass(slots=True)
+class RetireWorkers:
+    workers: list[str]
+    now: float
+    reason: str = "requested"
+
+
+Event = (
+    UpdateGraph
+    | ReleaseKeys
+    | ClientGone
+    | WorkerJoin
+    | WorkerReady
+    | WorkerRemove
+    | TaskFinished
+    | TaskErred
+    | MissingData
+    | Heartbeat
+    | Tick
+    | AddReplica
+    | RetireWorkers
+)
+
+
+# ---- commands ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Execute:
+    worker: str
+    key: str
+
+
+@dataclass(slots=True)
+class Free:
+    worker: str
+    keys: list[str]
+
+
+@dataclass(slots=True)
+class Report:
+    """Tell ``client`` that ``key`` reached ``status`` ("memory", "erred", "cancelled")."""
+
+    client: str
+    key: str
+    status: str
+
+
+@dataclass(slots=True)
+class Replicate:
+    """Ask ``worker`` to fetch ``keys`` from their holders (moving data off a retiring worker)."""
+
+    worker: str
+    keys: list[str]
+
+
+@dataclass(slots=True)
+class CloseWorker:
+    worker: str
+    reason: str
+
+
+@dataclass(slots=True)
+class RetireRefused:
+    worker: str
+    reason: str
+
+
+Command = Execute | Free | Report | Replicate | CloseWorker | RetireRefused

@@ -1,0 +1,94 @@
+"""Mutable records the scheduler state keeps per task and per worker (slotted for speed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidepool.comm.serialize import Serialized
+from tidepool.scheduler.events import Shape
+
+
+class TaskRecord:
+    __slots__ = (
+        "key", "func_id", "payload", "deps", "dependents", "waiters", "waiting_on", "state",
+        "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
+        "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
+        "est", "ready_seq", "started", "duration", "recomputes",
+    )  # fmt: skip
+
+    def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
+                 retries: int, priority: int, group: str) -> None:  # fmt: skip
+        self.key = key
+        self.func_id = func_id
+        self.payload = payload
+        self.deps: list[TaskRecord] = []
+        self.dependents: set[TaskRecord] = set()
+        self.waiters: set[TaskRecord] = set()  # dependents not done yet that need our value
+        self.waiting_on: set[TaskRecord] = set()  # our deps whose values are not available
+        self.state = "released"
+        self.who_has: set[str] = set()
+        self.nbytes = 0
+        self.worker: str | None = None
+        self.shape = shape
+        self.retries_left = retries
+        self.suspicious = 0
+        self.wanted_by: set[str] = set()
+        self.priority = priority
+        self.group = group
+        self.exception: Serialized | None = None
+        self.traceback = ""
+        self.exc_type = ""
+        self.message = ""
+        self.error_origin = ""
+        self.est = 0.0
+        self.ready_seq = 0
+        self.started = 0.0
+        self.duration = 0.0
+        self.recomputes = 0
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.waiters or self.wanted_by)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.key} {self.state}>"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+class WorkerRecord:
+    __slots__ = (
+        "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
+        "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
+        "fit_cache", "memory_limit", "funcs", "executed",
+    )  # fmt: skip
+
+    def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
+                 name: str, now: float, seq: int, memory_limit: int) -> None:  # fmt: skip
+        self.id = wid
+        self.address = address
+        self.resources = resources
+        self.node_type = node_type
+        self.name = name or wid
+        self.state = "running"
+        self.processing: dict[TaskRecord, float] = {}
+        self.has_what: set[TaskRecord] = set()
+        self.nbytes = 0
+        self.occupancy = 0.0
+        self.slots = max(1, int(resources.get("cpu", 1)))
+        self.last_seen = now
+        self.idle_since: float | None = now
+        self.joined = now
+        self.seq = seq
+        self.metrics: dict[str, Any] = {}
+        self.fit_cache: dict[Shape, bool] = {}
+        self.memory_limit = memory_limit
+        self.funcs: set[str] = set()  # function ids already shipped to this worker
+        self.executed = 0
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"

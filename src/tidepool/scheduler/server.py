@@ -1,0 +1,315 @@
+"""The scheduler's asyncio shell: connections in, events to the state, commands out as messages.
+
+State here is only I/O state: the connection of each worker and client, pending request replies,
+and the listener.  Everything about tasks and workers lives in :class:`SchedulerState`; this module
+translates messages into events (stamped with ``clock()``), applies them in batches, and turns
+commands into one message per destination per batch (so 1,000 task assignments to a worker are one
+frame).  A periodic tick drives heartbeat timeouts; observers (the scaling controller, the journal)
+subscribe with :meth:`Scheduler.subscribe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tidepool.comm import Connection, listen
+from tidepool.comm.auth import new_token
+from tidepool.errors import CommError, ProtocolError
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.state import SchedulerState
+
+log = logging.getLogger("tidepool.scheduler")
+
+Observer = Callable[[list[ev.Event], list[ev.Command]], None]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:0",
+        token: str | None = None,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float | None = None,
+        tick_interval: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        **state_kwargs: Any,
+    ) -> None:
+        self.requested_address = address
+        self.token = token or new_token()
+        self.heartbeat_interval = heartbeat_interval
+        self.clock = clock
+        self.tick_interval = tick_interval
+        timeout = heartbeat_timeout if heartbeat_timeout is not None else max(10 * heartbeat_interval, 5.0)
+        self.state = SchedulerState(heartbeat_timeout=timeout, **state_kwargs)
+        self.worker_conns: dict[str, Connection] = {}
+        self.client_conns: dict[str, Connection] = {}
+        self.observers: list[Observer] = []
+        self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
+        self.address = ""
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._client_ids = 0
+        self._closed = False
+
+    async def start(self) -> Scheduler:
+        self.listener = await listen(self.requested_address, self._handle_conn, self.token)
+        self.address = self.listener.address
+        self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
+        log.info("scheduler listening at %s", self.address)
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for conn in list(self.worker_conns.values()):
+            with contextlib.suppress(CommError):
+                await conn.send({"op": "close", "reason": "scheduler closing"})
+            conn.close()
+        for conn in list(self.client_conns.values()):
+            conn.close()
+        await self.listener.close()
+
+    def subscribe(self, observer: Observer) -> None:
+        """``observer(events, commands)`` is called after every batch is applied."""
+        self.observers.append(observer)
+
+    # ---- applying events ----------------------------------------------------------------------
+    async def apply(self, events: list[ev.Event]) -> list[ev.Command]:
+        cmds = self.state.handle_many(events)
+        for obs in self.observers:
+            try:
+                obs(events, cmds)
+            except Exception:
+                log.exception("scheduler observer failed")
+        await self._dispatch(cmds)
+        return cmds
+
+    async def _dispatch(self, cmds: list[ev.Command]) -> None:
+        if not cmds:
+            return
+        state = self.state
+        tasks_by_worker: dict[str, list[dict[str, Any]]] = {}
+        funcs_by_worker: dict[str, dict[str, Any]] = {}
+        frees: dict[str, list[str]] = {}
+        reports: dict[str, list[list[Any]]] = {}
+        other: list[tuple[str, dict[str, Any]]] = []
+        workers = state.workers
+        for c in cmds:
+            t = type(c)
+            if t is ev.Execute:
+                ts = state.tasks.get(c.key)  # type: ignore[union-attr]
+                ws = workers.get(c.worker)  # type: ignore[union-attr]
+                if ts is None or ws is None:
+                    continue
+                item: dict[str, Any] = {"key": ts.key, "func": ts.func_id, "payload": ts.payload}
+                if ts.deps:
+                    item["deps"] = {
+                        d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
+                    }
+                if ts.shape != (("cpu", 1.0),):
+                    item["resources"] = [list(p) for p in ts.shape]
+                else:
+                    item["resources"] = [["cpu", 1.0]]
+                tasks_by_worker.setdefault(ws.id, []).append(item)
+                if ts.func_id not in ws.funcs:
+                    ws.funcs.add(ts.func_id)
+                    funcs_by_worker.setdefault(ws.id, {})[ts.func_id] = state.functions.get(ts.func_id)
+            elif t is ev.Free:
+                frees.setdefault(c.worker, []).extend(c.keys)  # type: ignore[union-attr]
+            elif t is ev.Report:
+                reports.setdefault(c.client, []).append(self._report_item(c))  # type: ignore[arg-type]
+            elif t is ev.Replicate:
+                holders = {}
+                for k in c.keys:  # type: ignore[union-attr]
+                    ts = state.tasks.get(k)
+                    if ts is not None:
+                        holders[k] = [[w, workers[w].address] for w in ts.who_has if w in workers]
+                other.append((c.worker, {"op": "replicate", "keys": holders}))  # type: ignore[union-attr]
+            elif t is ev.CloseWorker:
+                other.append((c.worker, {"op": "close", "reason": c.reason}))  # type: ignore[union-attr]
+                self._resolve_retire(c.worker, "retired")  # type: ignore[union-attr]
+            elif t is ev.RetireRefused:
+                log.info("retirement of %s refused: %s", c.worker, c.reason)  # type: ignore[union-attr]
+                self._resolve_retire(c.worker, f"refused: {c.reason}")  # type: ignore[union-attr]
+        for wid, keys in frees.items():
+            await self._send_worker(wid, {"op": "free", "keys": keys})
+        for wid, items in tasks_by_worker.items():
+            msg: dict[str, Any] = {"op": "compute", "tasks": items}
+            if wid in funcs_by_worker:
+                msg["functions"] = funcs_by_worker[wid]
+            await self._send_worker(wid, msg)
+        for wid, msg in other:
+            await self._send_worker(wid, msg)
+            if msg["op"] == "close":
+                conn = self.worker_conns.pop(wid, None)
+                if conn is not None:
+                    asyncio.get_running_loop().call_later(5.0, conn.close)
+        for cid, items in reports.items():
+            conn = self.client_conns.get(cid)
+            if conn is not None:
+                with contextlib.suppress(CommError):
+                    await conn.send({"op": "report", "items": items})
+
+    def _report_item(self, c: ev.Report) -> list[Any]:
+        if c.status != "erred":
+            return [c.key, c.status]
+        ts = self.state.tasks.get(c.key)
+        if ts is None:
+            return [c.key, "lost"]
+        return [c.key, "erred", {
+            "exception": ts.exception, "traceback": ts.traceback, "type": ts.exc_type,
+            "message": ts.message, "origin": ts.error_origin,
+        }]  # fmt: skip
+
+    async def _send_worker(self, wid: str, msg: dict[str, Any]) -> None:
+        conn = self.worker_conns.get(wid)
+        if conn is None:
+            return
+        try:
+            await conn.send(msg)
+        except CommError as exc:
+            log.info("send to worker %s failed: %s", wid, exc)
+            conn.close()
+
+    def _resolve_retire(self, wid: str, outcome: str) -> None:
+        for fut in self.retire_waiters.pop(wid, []):
+            if not fut.done():
+                fut.set_result(outcome)
+
+    # ---- connections ----------------------------------------------------------------------------
+    async def _handle_conn(self, conn: Connection) -> None:
+        role = conn.info.get("role")
+        if role == "worker":
+            await self._handle_worker(conn)
+        elif role == "client":
+            await self._handle_client(conn)
+        else:
+            raise ProtocolError(f"unknown role {role!r}")
+
+    async def _handle_worker(self, conn: Connection) -> None:
+        msg = await conn.recv()
+        if msg.get("op") != "register":
+            raise ProtocolError("a worker must register first")
+        wid = str(msg["id"])
+        if wid in self.worker_conns or wid in self.state.workers:
+            await conn.send({"op": "refused", "reason": f"worker id {wid} is already registered"})
+            return
+        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval})
+        self.worker_conns[wid] = conn
+        now = self.clock()
+        join = ev.WorkerJoin(wid, str(msg["address"]), dict(msg["resources"]), now,
+                             node_type=str(msg.get("node_type", "default")), name=str(msg.get("name", "")),
+                             memory_limit=int(msg.get("memory_limit", 0)))  # fmt: skip
+        await self.apply([join])
+        reason = "connection closed"
+        try:
+            while True:
+                msg = await conn.recv()
+                now = self.clock()
+                op = msg.get("op")
+                if op == "task-batch":
+                    await self.apply(_batch_events(wid, msg, now))
+                elif op == "heartbeat":
+                    self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
+                else:
+                    raise ProtocolError(f"unknown worker op {op!r}")
+        except (CommError, KeyError, TypeError, ValueError) as exc:
+            reason = str(exc)
+        finally:
+            if self.worker_conns.get(wid) is conn:
+                del self.worker_conns[wid]
+            if wid in self.state.workers and not self._closed:
+                await self.apply([ev.WorkerRemove(wid, self.clock(), reason)])
+
+    async def _handle_client(self, conn: Connection) -> None:
+        self._client_ids += 1
+        cid = f"client-{self._client_ids}"
+        self.client_conns[cid] = conn
+        await conn.send({"op": "welcome", "client": cid})
+        try:
+            while True:
+                msg = await conn.recv()
+                await self._client_message(cid, conn, msg)
+        except CommError:
+            pass
+        finally:
+            self.client_conns.pop(cid, None)
+            if not self._closed:
+                await self.apply([ev.ClientGone(cid, self.clock())])
+
+    async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        now = self.clock()
+        if op == "update-graph":
+            specs = [
+                ev.TaskSpec(t[0], t[1], t[2], tuple(t[3]), t[4] or {}, int(t[5]), t[6])
+                for t in msg["tasks"]
+            ]
+            await self.apply([ev.UpdateGraph(cid, specs, list(msg["wanted"]), now, msg.get("functions") or {})])
+        elif op == "release":
+            await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now)])
+        elif op == "who-has":
+            await conn.send({"op": "reply", "id": msg["id"],
+                             "result": {k: self.state.who_has(k) for k in msg["keys"]}})  # fmt: skip
+        elif op == "info":
+            await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
+        elif op == "retire":
+            asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
+        else:
+            await conn.send({"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
+
+    async def retire_workers(self, workers: list[str], reason: str = "requested") -> dict[str, str]:
+        """Retire gracefully; returns worker id -> "retired" or "refused: <why>" / "unknown"."""
+        loop = asyncio.get_running_loop()
+        futs: dict[str, asyncio.Future[str]] = {}
+        for w in workers:
+            if w not in self.state.workers:
+                continue
+            fut = loop.create_future()
+            self.retire_waiters.setdefault(w, []).append(fut)
+            futs[w] = fut
+        await self.apply([ev.RetireWorkers(list(futs), self.clock(), reason)])
+        result = {w: "unknown worker" for w in workers if w not in futs}
+        for w, fut in futs.items():
+            result[w] = await fut
+        return result
+
+    async def _retire_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+        result = await self.retire_workers(list(msg["workers"]), "requested by a client")
+        with contextlib.suppress(CommError):
+            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    def info(self) -> dict[str, Any]:
+        st = self.state
+        return {"address": self.address, "workers": st.worker_info(), "tasks": st.task_counts(),
+                "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty()}  # fmt: skip
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval)
+            try:
+                await self.apply([ev.Tick(self.clock())])
+            except Exception:
+                log.exception("tick failed")
+
+
+def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
+    out: list[ev.Event] = []
+    for key, nbytes, duration in msg.get("finished", ()):
+        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
+    for e in msg.get("erred", ()):
+        out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
+                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
+    for key, dep, holder in msg.get("missing", ()):
+        out.append(ev.MissingData(wid, key, dep, holder, now))
+    for key, nbytes in msg.get("replicas", ()):
+        out.append(ev.AddReplica(wid, key, int(nbytes), now))
+    return out

@@ -1,0 +1,716 @@
+"""The scheduler's state machine: events in, commands out, no I/O and no clock.
+
+State
+-----
+``tasks``: every task the scheduler still needs to know about (its value is wanted, it is being
+computed, or it is lineage for a value that is).  ``workers``: connected workers.  Per task:
+``state`` (see ``TASK_TRANSITIONS``), ``who_has`` (workers holding its value), ``waiters``
+(dependents not finished that need its value), ``waiting_on`` (inputs not available yet),
+``wanted_by`` (clients holding a future).  Per worker: ``processing`` (tasks assigned, with the
+estimated seconds each), ``has_what`` (values it holds), ``occupancy`` and ``idle_since``.
+
+Data flow
+---------
+The asyncio shell (``server.py``) turns messages into events (``events.py``) stamped with ``now``,
+calls :meth:`SchedulerState.handle`, and turns the returned commands into messages.  A value is
+needed while a client wants it or an unfinished dependent needs it; when nobody does, it is freed on
+the workers, and a task record is forgotten once nothing depends on it (so memory stays flat in long
+runs).  Values lost with a worker are recomputed from lineage if still needed.
+
+Ready tasks wait in one priority heap per resource shape; a worker takes tasks while it has a free
+slot or less than ``queue_seconds`` of estimated work queued per slot (so no-op tasks are batched
+deeply and long tasks are not hoarded by one worker).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from tidepool.comm.serialize import Serialized
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.estimates import DurationEstimates
+from tidepool.scheduler.placement import choose_worker, fits
+from tidepool.scheduler.records import TaskRecord, WorkerRecord
+
+#: Every legal task-state change, with the reason it happens.  Anything else raises.
+TASK_TRANSITIONS: dict[tuple[str, str], str] = {
+    ("released", "waiting"): "needed, and some inputs are not in memory yet",
+    ("released", "ready"): "needed, and every input is in memory",
+    ("released", "erred"): "needed, but an input already failed",
+    ("waiting", "ready"): "the last missing input arrived",
+    ("waiting", "erred"): "an input failed",
+    ("waiting", "released"): "nobody needs it any more (cancelled)",
+    ("waiting", "memory"): "a result from an earlier attempt arrived; keep it",
+    ("ready", "running"): "placed on a worker",
+    ("ready", "no-worker"): "no running worker has the resources it asks for",
+    ("ready", "waiting"): "an input was lost with its worker",
+    ("ready", "released"): "cancelled before it was placed",
+    ("ready", "erred"): "it can never run (infeasible)",
+    ("ready", "memory"): "a result from an earlier attempt arrived; keep it",
+    ("no-worker", "ready"): "a worker with the resources joined",
+    ("no-worker", "waiting"): "an input was lost with its worker",
+    ("no-worker", "released"): "cancelled while no worker could run it",
+    ("no-worker", "erred"): "it can never run (infeasible)",
+    ("no-worker", "memory"): "a result from an earlier attempt arrived; keep it",
+    ("running", "memory"): "finished; the value stays on the worker",
+    ("running", "ready"): "its worker left, or it failed and has retries left",
+    ("running", "waiting"): "rescheduled, and an input must be recomputed first",
+    ("running", "erred"): "raised with no retries left, or killed too many workers",
+    ("running", "released"): "cancelled while running",
+    ("memory", "released"): "nobody needs the value (freed), or it was lost with its worker",
+    ("erred", "released"): "nobody holds the error any more",
+}
+
+#: Every legal worker-state change.
+WORKER_TRANSITIONS: dict[tuple[str, str], str] = {
+    ("starting", "running"): "setup hooks finished; takes tasks from now on",
+    ("starting", "gone"): "left or failed during setup",
+    ("running", "retiring"): "graceful retirement started: its data moves to survivors",
+    ("retiring", "running"): "retirement refused or cancelled",
+    ("retiring", "gone"): "retired, or lost while retiring",
+    ("running", "gone"): "disconnected, killed or missed heartbeats",
+    ("starting", "retiring"): "retired before it finished setup",
+}
+
+ACTIVE = frozenset({"waiting", "ready", "no-worker", "running"})
+DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
+
+
+class InvalidTransition(RuntimeError):
+    """A bug: the state machine tried a move that is not in its transition table."""
+
+
+def normalize_resources(resources: dict[str, Any] | None) -> ev.Shape:
+    """Resource demand as a canonical, hashable shape; ``cpu`` defaults to 1."""
+    from tidepool.resources import parse_resources
+
+    res = parse_resources(resources or {})
+    res.setdefault("cpu", 1.0)
+    return tuple(sorted((k, v) for k, v in res.items() if v > 0 or k == "cpu"))
+
+
+class SchedulerState:
+    """Pure scheduler state machine; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        allowed_failures: int = 3,
+        heartbeat_timeout: float = 30.0,
+        queue_seconds: float = 0.05,
+        max_queue_per_slot: int = 200,
+        estimates: DurationEstimates | None = None,
+        infeasible: Callable[[ev.Shape], str | None] | None = None,
+    ) -> None:
+        self.allowed_failures = allowed_failures
+        self.heartbeat_timeout = heartbeat_timeout
+        self.queue_seconds = queue_seconds
+        self.max_queue_per_slot = max_queue_per_slot
+        self.estimates = estimates or DurationEstimates()
+        #: optional hook: returns a reason when no node type could ever run this shape
+        self.infeasible = infeasible
+        self.tasks: dict[str, TaskRecord] = {}
+        self.workers: dict[str, WorkerRecord] = {}
+        self.clients: dict[str, set[str]] = {}
+        self.functions: dict[str, Serialized] = {}
+        self._ready: dict[ev.Shape, list[tuple[int, int, TaskRecord]]] = {}
+        self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
+        self._room: set[str] = set()
+        self._fit_any: dict[ev.Shape, bool] = {}
+        self.retiring: dict[str, set[str]] = {}
+        self.retire_reason: dict[str, str] = {}
+        self._priority = 0
+        self._ready_seq = 0
+        self._worker_seq = 0
+        self.now = 0.0
+        self.last_progress = 0.0
+        self.counters: dict[str, int] = {
+            "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
+            "workers_joined": 0, "forgotten": 0,
+        }  # fmt: skip
+        self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
+            ev.UpdateGraph: self._update_graph,
+            ev.ReleaseKeys: self._release_keys,
+            ev.ClientGone: self._client_gone,
+            ev.WorkerJoin: self._worker_join,
+            ev.WorkerReady: self._worker_ready,
+            ev.WorkerRemove: self._worker_remove,
+            ev.TaskFinished: self._task_finished,
+            ev.TaskErred: self._task_erred,
+            ev.MissingData: self._missing_data,
+            ev.Heartbeat: self._heartbeat,
+            ev.Tick: self._tick,
+            ev.AddReplica: self._add_replica,
+            ev.RetireWorkers: self._retire_workers,
+        }
+
+    # ------------------------------------------------------------------------------------------
+    def handle(self, event: ev.Event) -> list[ev.Command]:
+        """Apply one event; return the commands the shell must carry out, in order."""
+        out: list[ev.Command] = []
+        self.now = max(self.now, event.now)
+        self._handlers[type(event)](event, out)
+        return self._after(out)
+
+    def _after(self, out: list[ev.Command]) -> list[ev.Command]:
+        if self.retiring:
+            from tidepool.scheduler.retire import progress_retirements
+
+            progress_retirements(self, out)
+        if self._room and self._ready:
+            self._schedule(out)
+        return out
+
+    def handle_many(self, events: Iterable[ev.Event]) -> list[ev.Command]:
+        out: list[ev.Command] = []
+        for event in events:
+            self.now = max(self.now, event.now)
+            self._handlers[type(event)](event, out)
+        return self._after(out)
+
+    # ---- transitions ---------------------------------------------------------------------------
+    def _move(self, ts: TaskRecord, new: str) -> None:
+        if (ts.state, new) not in TASK_TRANSITIONS:
+            raise InvalidTransition(f"task {ts.key}: {ts.state} -> {new}")
+        old = ts.state
+        if old == "no-worker":
+            s = self.no_worker.get(ts.shape)
+            if s is not None:
+                s.discard(ts)
+                if not s:
+                    del self.no_worker[ts.shape]
+        ts.state = new
+
+    def _move_worker(self, ws: WorkerRecord, new: str) -> None:
+        if (ws.state, new) not in WORKER_TRANSITIONS:
+            raise InvalidTransition(f"worker {ws.id}: {ws.state} -> {new}")
+        ws.state = new
+
+    # ---- clients -------------------------------------------------------------------------------
+    def _update_graph(self, e: ev.UpdateGraph, out: list[ev.Command]) -> None:
+        self.functions.update(e.functions)
+        new: list[TaskRecord] = []
+        for spec in e.tasks:
+            if spec.key in self.tasks:
+                continue
+            ts = TaskRecord(spec.key, spec.func_id, spec.payload, normalize_resources(spec.resources),
+                            spec.retries, self._priority, spec.group or spec.key)  # fmt: skip
+            self._priority += 1
+            self.tasks[spec.key] = ts
+            new.append(ts)
+            for dk in spec.deps:
+                dep = self.tasks.get(dk)
+                if dep is None:
+                    ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
+                    ts.exc_type = "DependencyError"
+                    continue
+                ts.deps.append(dep)
+                dep.dependents.add(ts)
+        keys = self.clients.setdefault(e.client, set())
+        for k in e.wanted:
+            ts = self.tasks.get(k)
+            if ts is None:
+                out.append(ev.Report(e.client, k, "lost"))
+                continue
+            keys.add(k)
+            ts.wanted_by.add(e.client)
+            if ts.state == "released":
+                self._compute(ts, out)
+            elif ts.state in ("memory", "erred"):
+                out.append(ev.Report(e.client, k, ts.state))
+        for ts in new:  # tasks submitted but not needed by anything: drop
+            if ts.state == "released":
+                self._check(ts, out)
+
+    def _release_keys(self, e: ev.ReleaseKeys, out: list[ev.Command]) -> None:
+        keys = self.clients.get(e.client, set())
+        for k in e.keys:
+            keys.discard(k)
+            ts = self.tasks.get(k)
+            if ts is not None and e.client in ts.wanted_by:
+                ts.wanted_by.discard(e.client)
+                self._check(ts, out)
+
+    def _client_gone(self, e: ev.ClientGone, out: list[ev.Command]) -> None:
+        keys = self.clients.pop(e.client, set())
+        self._release_keys(ev.ReleaseKeys(e.client, list(keys), e.now), out)
+
+    # ---- computing -----------------------------------------------------------------------------
+    def _compute(self, root: TaskRecord, out: list[ev.Command]) -> None:
+        """Bring a needed, released task (and released inputs, recursively) back to life."""
+        stack = [root]
+        while stack:
+            ts = stack.pop()
+            if ts.state != "released":
+                continue
+            if ts.exc_type == "DependencyError" and ts.message and not ts.exception:
+                self._move(ts, "erred")
+                self._erred_cascade(ts, out)
+                continue
+            waiting: set[TaskRecord] = set()
+            failed: TaskRecord | None = None
+            for dep in ts.deps:
+                dep.waiters.add(ts)
+                if dep.state == "memory":
+                    continue
+                if dep.state == "erred":
+                    failed = dep
+                    continue
+                waiting.add(dep)
+                if dep.state == "released":
+                    stack.append(dep)
+            if failed is not None:
+                self._copy_error(ts, failed)
+                self._move(ts, "erred")
+                self._erred_cascade(ts, out)
+                continue
+            ts.waiting_on = waiting
+            if waiting:
+                self._move(ts, "waiting")
+            else:
+                self._make_ready(ts)
+
+    def _make_ready(self, ts: TaskRecord) -> None:
+        self._move(ts, "ready")
+        shape = ts.shape
+        ok = self._fit_any.get(shape)
+        if ok is None:
+            ok = self._fit_any[shape] = any(
+                fits(w.resources, shape) for w in self.workers.values() if w.state == "running"
+            )
+        if not ok:
+            self._move(ts, "no-worker")
+            self.no_worker.setdefault(shape, set()).add(ts)
+            return
+        self._ready_seq += 1
+        ts.ready_seq = self._ready_seq
+        heap = self._ready.get(shape)
+        if heap is None:
+            heap = self._ready[shape] = []
+        heapq.heappush(heap, (ts.priority, self._ready_seq, ts))
+
+    def _reschedule(self, ts: TaskRecord, out: list[ev.Command]) -> None:
+        """Running (or ready) task goes back to waiting/ready; missing inputs are recomputed."""
+        waiting = {d for d in ts.deps if d.state != "memory"}
+        ts.waiting_on = waiting
+        if not waiting:
+            if ts.state != "ready":
+                self._make_ready(ts)
+            return
+        self._move(ts, "waiting")
+        for dep in waiting:
+            dep.waiters.add(ts)
+            if dep.state == "released":
+                self._compute(dep, out)
+            elif dep.state == "erred":
+                self._copy_error(ts, dep)
+                self._move(ts, "erred")
+                self._erred_cascade(ts, out)
+                return
+
+    def _schedule(self, out: list[ev.Command]) -> None:
+        ready = self._ready
+        workers = self.workers
+        while self._room:
+            best: ev.Shape | None = None
+            head: tuple[int, int, TaskRecord] | None = None
+            for shape in list(ready):
+                heap = ready[shape]
+                while heap and (heap[0][2].state != "ready" or heap[0][2].ready_seq != heap[0][1]):
+                    heapq.heappop(heap)
+                if not heap:
+                    del ready[shape]
+                    continue
+                if head is not None and heap[0][0] >= head[0]:
+                    continue
+                if not self._fit_any.get(shape, False):
+                    self._park_no_worker(shape)
+                    continue
+                if any(fits(workers[w].resources, shape) for w in self._room):
+                    best, head = shape, heap[0]
+            if best is None:
+                return
+            _, _, ts = heapq.heappop(ready[best])
+            candidates = [workers[w] for w in self._room if self._fits(workers[w], best)]
+            self._assign(ts, choose_worker(ts, candidates), out)
+
+    def _fits(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
+        ok = ws.fit_cache.get(shape)
+        if ok is None:
+            ok = ws.fit_cache[shape] = fits(ws.resources, shape)
+        return ok
+
+    def _park_no_worker(self, shape: ev.Shape) -> None:
+        heap = self._ready.pop(shape, [])
+        for _, seq, ts in heap:
+            if ts.state == "ready" and ts.ready_seq == seq:
+                self._move(ts, "no-worker")
+                self.no_worker.setdefault(shape, set()).add(ts)
+
+    def _has_room(self, ws: WorkerRecord) -> bool:
+        n = len(ws.processing)
+        if ws.state != "running" or n >= ws.slots * self.max_queue_per_slot:
+            return False
+        return n < ws.slots or ws.occupancy < self.queue_seconds * ws.slots
+
+    def _assign(self, ts: TaskRecord, ws: WorkerRecord, out: list[ev.Command]) -> None:
+        self._move(ts, "running")
+        est = self.estimates.estimate(ts.group)
+        ts.worker = ws.id
+        ts.est = est
+        ts.started = self.now
+        ws.processing[ts] = est
+        ws.occupancy += est
+        ws.idle_since = None
+        if not self._has_room(ws):
+            self._room.discard(ws.id)
+        out.append(ev.Execute(ws.id, ts.key))
+
+    def _unassign(self, ts: TaskRecord) -> None:
+        ws = self.workers.get(ts.worker) if ts.worker else None
+        ts.worker = None
+        if ws is None:
+            return
+        est = ws.processing.pop(ts, None)
+        if est is None:
+            return
+        if ws.processing:
+            ws.occupancy -= est
+        else:
+            ws.occupancy = 0.0
+            ws.idle_since = self.now
+        if self._has_room(ws):
+            self._room.add(ws.id)
+
+    # ---- results -------------------------------------------------------------------------------
+    def _task_finished(self, e: ev.TaskFinished, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        if ws is None:
+            return  # a departed worker's word is not trusted; the value is gone with it
+        ts = self.tasks.get(e.key)
+        if ts is None or ts.state in ("released", "erred"):
+            if ts is not None and ts in ws.processing:
+                self._unassign(ts)
+            out.append(ev.Free(e.worker, [e.key]))
+            return
+        if ts.state == "memory":
+            self._add_holder(ts, ws, e.nbytes)
+            return
+        if ts.state == "running" and ts.worker != e.worker:
+            other = ts.worker
+            self._unassign(ts)
+            if other is not None:
+                out.append(ev.Free(other, [ts.key]))
+        elif ts.worker == e.worker:
+            self._unassign(ts)
+        self.estimates.observe(ts.group, e.duration)
+        self.last_progress = e.now
+        self.counters["finished"] += 1
+        ws.executed += 1
+        ts.duration = e.duration
+        ts.nbytes = e.nbytes
+        ts.suspicious = 0
+        self._move(ts, "memory")
+        ts.waiting_on.clear()
+        self._add_holder(ts, ws, e.nbytes)
+        for c in ts.wanted_by:
+            out.append(ev.Report(c, ts.key, "memory"))
+        for dt in ts.waiters:
+            if ts in dt.waiting_on:
+                dt.waiting_on.discard(ts)
+                if not dt.waiting_on and dt.state == "waiting":
+                    self._make_ready(dt)
+        for dep in ts.deps:
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.wanted_by:
+                self._check(dep, out)
+        if not ts.needed:
+            self._check(ts, out)
+
+    def _add_holder(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int) -> None:
+        if ws.id not in ts.who_has:
+            ts.who_has.add(ws.id)
+            ws.has_what.add(ts)
+            ws.nbytes += nbytes or ts.nbytes
+
+    def _add_replica(self, e: ev.AddReplica, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        ts = self.tasks.get(e.key)
+        if ws is None:
+            return
+        if ts is None or ts.state != "memory":
+            out.append(ev.Free(e.worker, [e.key]))
+            return
+        self._add_holder(ts, ws, e.nbytes)
+
+    def _task_erred(self, e: ev.TaskErred, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        ts = self.tasks.get(e.key)
+        if ws is None or ts is None or ts.state != "running" or ts.worker != e.worker:
+            if ts is not None and ws is not None and ts in ws.processing:
+                self._unassign(ts)
+            return
+        self._unassign(ts)
+        self.last_progress = e.now
+        if ts.retries_left > 0:
+            ts.retries_left -= 1
+            self.counters["retried"] += 1
+            self._reschedule(ts, out)
+            return
+        ts.exception, ts.traceback, ts.exc_type = e.exception, e.traceback, e.exc_type
+        ts.message, ts.error_origin = e.message, ts.key
+        self._move(ts, "erred")
+        self._erred_cascade(ts, out)
+
+    def _copy_error(self, ts: TaskRecord, src: TaskRecord) -> None:
+        ts.exception, ts.traceback, ts.exc_type = src.exception, src.traceback, src.exc_type
+        ts.message, ts.error_origin = src.message, src.error_origin or src.key
+
+    def _erred_cascade(self, root: TaskRecord, out: list[ev.Command]) -> None:
+        """``root`` just became erred: report it and fail every unfinished dependent."""
+        self.counters["erred"] += 1
+        stack = [root]
+        while stack:
+            ts = stack.pop()
+            if ts is not root:
+                if ts.state not in ACTIVE:
+                    continue
+                if ts.state == "running":
+                    w = ts.worker
+                    self._unassign(ts)
+                    if w is not None:
+                        out.append(ev.Free(w, [ts.key]))
+                self._copy_error(ts, root)
+                self._move(ts, "erred")
+            for c in ts.wanted_by:
+                out.append(ev.Report(c, ts.key, "erred"))
+            for dep in ts.deps:
+                dep.waiters.discard(ts)
+            stack.extend(ts.waiters)
+            ts.waiters.clear()
+            ts.waiting_on.clear()
+            for dep in ts.deps:
+                self._check(dep, out)
+            self._check(ts, out)
+
+    # ---- releasing and forgetting -------------------------------------------------------------
+    def _check(self, root: TaskRecord, out: list[ev.Command]) -> None:
+        """Free what nobody needs, cancel what nobody waits for, forget what nothing depends on."""
+        stack = [root]
+        while stack:
+            ts = stack.pop()
+            if ts.key not in self.tasks or ts.needed:
+                continue
+            state = ts.state
+            if state == "memory":
+                self._drop_value(ts, out)
+                self._move(ts, "released")
+            elif state in ACTIVE:
+                if state == "running":
+                    w = ts.worker
+                    self._unassign(ts)
+                    if w is not None:
+                        out.append(ev.Free(w, [ts.key]))
+                self._move(ts, "released")
+                ts.waiting_on.clear()
+                for dep in ts.deps:
+                    dep.waiters.discard(ts)
+                    stack.append(dep)
+            if ts.state in ("released", "erred") and not ts.dependents:
+                del self.tasks[ts.key]
+                self.counters["forgotten"] += 1
+                for dep in ts.deps:
+                    dep.dependents.discard(ts)
+                    dep.waiters.discard(ts)
+                    stack.append(dep)
+
+    def _drop_value(self, ts: TaskRecord, out: list[ev.Command]) -> None:
+        for w in ts.who_has:
+            ws = self.workers.get(w)
+            if ws is not None:
+                ws.has_what.discard(ts)
+                ws.nbytes -= ts.nbytes
+                out.append(ev.Free(w, [ts.key]))
+        ts.who_has.clear()
+
+    # ---- workers -------------------------------------------------------------------------------
+    def _worker_join(self, e: ev.WorkerJoin, out: list[ev.Command]) -> None:
+        if e.worker in self.workers:
+            return
+        self._worker_seq += 1
+        ws = WorkerRecord(e.worker, e.address, dict(e.resources), e.node_type, e.name, e.now,
+                          self._worker_seq, e.memory_limit)  # fmt: skip
+        ws.state = "running" if e.ready else "starting"
+        self.workers[e.worker] = ws
+        self.counters["workers_joined"] += 1
+        if ws.state == "running":
+            self._worker_running(ws)
+
+    def _worker_ready(self, e: ev.WorkerReady, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        if ws is not None and ws.state == "starting":
+            self._move_worker(ws, "running")
+            self._worker_running(ws)
+
+    def _worker_running(self, ws: WorkerRecord) -> None:
+        self._fit_any = {s: ok for s, ok in self._fit_any.items() if ok}
+        self._room.add(ws.id)
+        for shape in [s for s in self.no_worker if fits(ws.resources, s)]:
+            for ts in sorted(self.no_worker.pop(shape), key=lambda t: t.priority):
+                self._make_ready(ts)
+
+    def _worker_remove(self, e: ev.WorkerRemove, out: list[ev.Command]) -> None:
+        ws = self.workers.pop(e.worker, None)
+        if ws is None:
+            return
+        self._move_worker(ws, "gone")
+        self._room.discard(ws.id)
+        self._fit_any = {s: ok for s, ok in self._fit_any.items() if not ok}
+        if not e.graceful:
+            self.counters["workers_lost"] += 1
+        lost: list[TaskRecord] = []
+        for ts in ws.has_what:
+            ts.who_has.discard(ws.id)
+            if ts.state == "memory" and not ts.who_has:
+                lost.append(ts)
+        ws.has_what.clear()
+        running = sorted(ws.processing, key=lambda t: t.priority)
+        ws.processing.clear()
+        for ts in sorted(lost, key=lambda t: t.priority):
+            self._lose_value(ts, out)
+        for ts in running:
+            if ts.state != "running" or ts.worker != ws.id:
+                continue
+            ts.worker = None
+            if not e.graceful:
+                ts.suspicious += 1
+            if ts.suspicious > self.allowed_failures:
+                ts.exception = None
+                ts.exc_type = "KilledWorkerError"
+                ts.message = (
+                    f"task {ts.key!r} was running on {ts.suspicious} workers that died "
+                    f"(last: {ws.name}, {e.reason}); it is not retried again. Check it for crashes "
+                    "or memory blow-ups, or raise allowed_failures"
+                )
+                ts.traceback, ts.error_origin = "", ts.key
+                self._move(ts, "erred")
+                self._erred_cascade(ts, out)
+            else:
+                self._reschedule(ts, out)
+        # ready tasks of shapes nobody can run any more wait as no-worker demand
+        for shape in list(self._ready):
+            if not any(fits(w.resources, shape) for w in self.workers.values() if w.state == "running"):
+                self._fit_any[shape] = False
+                self._park_no_worker(shape)
+
+    def _lose_value(self, ts: TaskRecord, out: list[ev.Command]) -> None:
+        """``ts``'s only copy is gone: recompute it if needed, else just release it."""
+        self._move(ts, "released")
+        if not ts.needed:
+            self._check(ts, out)
+            return
+        self.counters["recomputed"] += 1
+        ts.recomputes += 1
+        for dt in ts.waiters:
+            if dt.state in ("waiting", "ready", "no-worker"):
+                dt.waiting_on.add(ts)
+                if dt.state != "waiting":
+                    self._move(dt, "waiting")
+        self._compute(ts, out)
+
+    def _missing_data(self, e: ev.MissingData, out: list[ev.Command]) -> None:
+        dts = self.tasks.get(e.dep)
+        holder = self.workers.get(e.holder)
+        if dts is not None and holder is not None and e.holder in dts.who_has:
+            dts.who_has.discard(e.holder)
+            holder.has_what.discard(dts)
+            holder.nbytes -= dts.nbytes
+            out.append(ev.Free(e.holder, [dts.key]))
+            if dts.state == "memory" and not dts.who_has:
+                self._lose_value(dts, out)
+        ts = self.tasks.get(e.key)
+        if ts is not None and ts.state == "running" and ts.worker == e.worker:
+            self._unassign(ts)
+            self._reschedule(ts, out)
+
+    def _heartbeat(self, e: ev.Heartbeat, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        if ws is not None:
+            ws.last_seen = e.now
+            ws.metrics = e.metrics
+
+    def _tick(self, e: ev.Tick, out: list[ev.Command]) -> None:
+        for ws in list(self.workers.values()):
+            if e.now - ws.last_seen > self.heartbeat_timeout:
+                reason = f"no heartbeat for {e.now - ws.last_seen:.1f}s"
+                out.append(ev.CloseWorker(ws.id, reason))
+                self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason), out)
+
+    def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
+        from tidepool.scheduler.retire import start_retire
+
+        start_retire(self, e, out)
+
+    # ---- queries (read-only) -------------------------------------------------------------------
+    def who_has(self, key: str) -> list[str]:
+        ts = self.tasks.get(key)
+        return [self.workers[w].address for w in ts.who_has if w in self.workers] if ts else []
+
+    def unique_data(self, ws: WorkerRecord) -> list[TaskRecord]:
+        """Values only ``ws`` holds that somebody still needs."""
+        return [ts for ts in ws.has_what if ts.needed and len(ts.who_has) == 1]
+
+    def idle_and_empty(self) -> list[str]:
+        """Workers that run nothing and hold no value anybody needs: safe to remove now."""
+        return [
+            w.id for w in self.workers.values()
+            if not w.processing and w.state in ("running", "starting") and not self.unique_data(w)
+        ]  # fmt: skip
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": w.id, "name": w.name, "address": w.address, "state": w.state,
+                "node_type": w.node_type, "resources": dict(w.resources),
+                "running": len(w.processing), "held_keys": len(w.has_what), "held_bytes": w.nbytes,
+                "unique_keys": len(self.unique_data(w)), "idle_since": w.idle_since,
+                "joined": w.joined, "executed": w.executed,
+            }
+            for w in self.workers.values()
+        ]  # fmt: skip
+
+    def task_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for ts in self.tasks.values():
+            counts[ts.state] = counts.get(ts.state, 0) + 1
+        return counts
+
+    def validate(self) -> None:
+        """Check cross-references (for tests); raises AssertionError on an inconsistency."""
+        for key, ts in self.tasks.items():
+            assert ts.key == key
+            for w in ts.who_has:
+                assert w in self.workers, (key, w)
+                assert ts in self.workers[w].has_what, (key, w)
+            if ts.state == "memory":
+                assert ts.who_has, f"{key} in memory but nobody holds it"
+            if ts.state == "running":
+                assert ts.worker in self.workers and ts in self.workers[ts.worker].processing, key
+            if ts.state == "waiting":
+                assert ts.waiting_on, f"{key} waiting on nothing"
+                for d in ts.waiting_on:
+                    assert d.state != "memory", (key, d.key)
+            if ts.state in ("ready", "no-worker", "running"):
+                assert all(d.state == "memory" for d in ts.deps) or ts.state == "running", key
+            if ts.state in ACTIVE:
+                for d in ts.deps:
+                    assert ts in d.waiters, (key, d.key)
+            for d in ts.deps:
+                assert d.key in self.tasks, (key, d.key)
+        for w, ws in self.workers.items():
+            for ts in ws.has_what:
+                assert w in ts.who_has
+            for ts in ws.processing:
+                assert ts.worker == w and ts.state == "running", (w, ts)

@@ -1,0 +1,405 @@
+"""The worker: one process, N task slots, an in-memory store, a data server for peers.
+
+State
+-----
+``data`` (key -> value) and ``nbytes``; ``functions`` (function id -> callable, shipped once);
+``queue`` (assigned tasks whose inputs are local, in arrival order), ``waiting`` (tasks fetching
+inputs), ``running`` (in a slot), ``free`` (resources not reserved by running tasks), ``cancelled``
+(running tasks whose results nobody wants any more).
+
+Data flow
+---------
+The scheduler sends ``compute`` batches; inputs held elsewhere are fetched straight from the peer
+that holds them (``get-data`` on the peer's data server) and kept as replicas; a task starts when
+its resources fit what is free, so slots are never oversubscribed.  Outcomes go back in one
+``task-batch`` message per loop wake-up.  Peers and clients read results over the data server;
+``free`` messages drop values.  If the scheduler connection is lost the worker stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import psutil
+
+from tidepool.comm import Connection, Serialized, connect, listen, serialize
+from tidepool.comm.serialize import deserialize
+from tidepool.errors import CommError, ConfigError
+from tidepool.resources import parse_resources
+from tidepool.scheduler.placement import fits
+from tidepool.worker.executor import Outcome, SlotPool, WorkItem
+from tidepool.worker.sizeof import sizeof
+
+log = logging.getLogger("tidepool.worker")
+
+
+class _Task:
+    __slots__ = ("key", "func_id", "payload", "deps", "resources", "missing")
+
+    def __init__(self, msg: dict[str, Any]) -> None:
+        self.key: str = msg["key"]
+        self.func_id: str = msg["func"]
+        self.payload: Serialized | None = msg.get("payload")
+        self.deps: dict[str, list[list[str]]] = msg.get("deps") or {}
+        self.resources: list[tuple[str, float]] = [tuple(r) for r in msg.get("resources") or []]  # type: ignore[misc]
+        self.missing = 0
+
+
+class Worker:
+    def __init__(
+        self,
+        scheduler: str,
+        token: str,
+        *,
+        slots: int | None = None,
+        resources: dict[str, Any] | None = None,
+        node_type: str = "default",
+        name: str | None = None,
+        host: str | None = None,
+        worker_id: str | None = None,
+        heartbeat_interval: float = 1.0,
+        memory_limit: int | str = 0,
+    ) -> None:
+        self.scheduler_address = scheduler
+        self.token = token
+        res = parse_resources(resources or {})
+        if slots is not None:
+            if slots < 1:
+                raise ConfigError(f"slots must be at least 1, got {slots}")
+            res["cpu"] = float(slots)
+        res.setdefault("cpu", float(os.cpu_count() or 1))
+        self.resources = res
+        self.free = dict(res)
+        self.node_type = node_type
+        self.id = worker_id or os.environ.get("TIDEPOOL_WORKER_ID") or f"w-{uuid.uuid4().hex[:10]}"
+        self.name = name or self.id
+        self.host = host or _default_host(scheduler)
+        self.heartbeat_interval = heartbeat_interval
+        from tidepool.resources import parse_bytes
+
+        self.memory_limit = parse_bytes(memory_limit)
+        self.data: dict[str, Any] = {}
+        self.nbytes: dict[str, int] = {}
+        self.functions: dict[str, Any] = {}
+        self.queue: deque[_Task] = deque()
+        self.waiting: dict[str, _Task] = {}
+        self.running: dict[str, _Task] = {}
+        self.cancelled: set[str] = set()
+        self._fetching: dict[str, asyncio.Future[bool]] = {}
+        self._peers: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        self._finished: list[list[Any]] = []
+        self._erred: list[dict[str, Any]] = []
+        self._missing: list[list[str]] = []
+        self._replicas: list[list[Any]] = []
+        self._flush_scheduled = False
+        self.conn: Connection | None = None
+        self.address = ""
+        self.closed: asyncio.Event | None = None  # created in start(), inside the loop
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.executed = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> Worker:
+        loop = asyncio.get_running_loop()
+        self.closed = asyncio.Event()
+        self.pool = SlotPool(loop, self._on_done)
+        self.listener = await listen(f"tcp://{self.host}:0", self._serve_peer, self.token)
+        self.address = self.listener.address
+        self.conn = await connect(self.scheduler_address, self.token, hello={"role": "worker", "name": self.name})
+        if self.address.startswith("tcp://0.0.0.0:"):
+            # advertise the interface that reaches the scheduler, not the wildcard
+            local = getattr(self.conn, "local_host", "") or socket.gethostbyname(socket.gethostname())
+            self.address = f"tcp://{local}:{self.address.rsplit(':', 1)[1]}"
+        await self.conn.send({
+            "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
+            "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
+            "memory_limit": self.memory_limit, "host": socket.gethostname(),
+        })  # fmt: skip
+        reply = await self.conn.recv()
+        if reply.get("op") != "registered":
+            raise CommError(f"scheduler refused registration: {reply.get('reason', reply)}")
+        self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
+        self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
+        log.info("worker %s at %s registered with %s", self.id, self.address, self.scheduler_address)
+        return self
+
+    async def finished(self) -> None:
+        assert self.closed is not None
+        await self.closed.wait()
+
+    async def close(self, reason: str = "closed") -> None:
+        if self.closed is None or self.closed.is_set():
+            return
+        log.info("worker %s closing: %s", self.id, reason)
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        self.pool.stop()
+        await self.listener.close()
+        for conn, _ in self._peers.values():
+            conn.close()
+        if self.conn is not None:
+            self.conn.close()
+        self.closed.set()
+
+    # ---- scheduler messages ----------------------------------------------------------------------
+    async def _scheduler_loop(self) -> None:
+        assert self.conn is not None
+        try:
+            while True:
+                msg = await self.conn.recv()
+                op = msg.get("op")
+                if op == "compute":
+                    self._compute(msg)
+                elif op == "free":
+                    self._free(msg["keys"])
+                elif op == "replicate":
+                    for key, holders in msg["keys"].items():
+                        asyncio.get_running_loop().create_task(self._replicate(key, holders))
+                elif op == "close":
+                    await self.close(msg.get("reason", "asked by the scheduler"))
+                    return
+                else:
+                    log.warning("unknown message from scheduler: %r", op)
+        except CommError as exc:
+            await self.close(f"lost the scheduler: {exc}")
+
+    def _compute(self, msg: dict[str, Any]) -> None:
+        for fid, blob in (msg.get("functions") or {}).items():
+            if fid not in self.functions:
+                self.functions[fid] = blob  # deserialised lazily, in the loop, once
+        for tmsg in msg["tasks"]:
+            t = _Task(tmsg)
+            if t.key in self.running:
+                self.cancelled.discard(t.key)  # re-assigned while still running: keep that run
+                continue
+            if t.key in self.data:
+                self._finished.append([t.key, self.nbytes[t.key], 0.0])
+                continue
+            need = [d for d in t.deps if d not in self.data]
+            if not need:
+                self.queue.append(t)
+                continue
+            t.missing = len(need)
+            self.waiting[t.key] = t
+            for d in need:
+                asyncio.get_running_loop().create_task(self._need(t, d, t.deps[d]))
+        self._start_ready()
+        self._schedule_flush()
+
+    def _free(self, keys: list[str]) -> None:
+        for k in keys:
+            self.data.pop(k, None)
+            self.nbytes.pop(k, None)
+            if k in self.running:
+                self.cancelled.add(k)
+            elif k in self.waiting:
+                del self.waiting[k]
+        if any(t.key in keys for t in self.queue):
+            ks = set(keys)
+            self.queue = deque(t for t in self.queue if t.key not in ks)
+
+    def _start_ready(self) -> None:
+        q = self.queue
+        if not q:
+            return
+        skipped: list[_Task] = []
+        while q:
+            t = q.popleft()
+            if not fits(self.free, t.resources):
+                skipped.append(t)
+                if len(skipped) > 64:
+                    break
+                continue
+            func = self.functions.get(t.func_id)
+            if func is None:
+                self._fail(t, RuntimeError(f"function {t.func_id} was never shipped to this worker"), "")
+                continue
+            if isinstance(func, Serialized):
+                try:
+                    func = self.functions[t.func_id] = deserialize(func)
+                except Exception as exc:  # cannot even load the function: report on the task
+                    import traceback
+
+                    self._fail(t, exc, traceback.format_exc())
+                    continue
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) - amount
+            self.running[t.key] = t
+            deps = {d: self.data[d] for d in t.deps} if t.deps else {}
+            self.pool.submit(WorkItem(t.key, func, t.payload, deps))
+        if skipped:
+            q.extendleft(reversed(skipped))
+
+    def _on_done(self) -> None:
+        for o in self.pool.drain():
+            self._outcome(o)
+        self._start_ready()
+        self._schedule_flush()
+
+    def _outcome(self, o: Outcome) -> None:
+        t = self.running.pop(o.key, None)
+        if t is not None:
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) + amount
+        if o.key in self.cancelled:
+            self.cancelled.discard(o.key)
+            return
+        self.executed += 1
+        if o.ok:
+            nb = sizeof(o.value)
+            self.data[o.key] = o.value
+            self.nbytes[o.key] = nb
+            self._finished.append([o.key, nb, o.duration])
+        elif t is not None:
+            self._fail(t, o.value, o.tb, o.duration)
+
+    def _fail(self, t: _Task, exc: BaseException, tb: str, duration: float = 0.0) -> None:
+        try:
+            blob: Serialized | None = serialize(exc)
+        except Exception:
+            blob = None
+        self._erred.append({
+            "key": t.key, "exception": blob, "traceback": tb, "type": type(exc).__name__,
+            "message": str(exc)[:10_000], "duration": duration,
+        })  # fmt: skip
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and (self._finished or self._erred or self._missing or self._replicas):
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        msg: dict[str, Any] = {"op": "task-batch"}
+        if self._finished:
+            msg["finished"], self._finished = self._finished, []
+        if self._erred:
+            msg["erred"], self._erred = self._erred, []
+        if self._missing:
+            msg["missing"], self._missing = self._missing, []
+        if self._replicas:
+            msg["replicas"], self._replicas = self._replicas, []
+        if len(msg) > 1 and self.conn is not None and not self.conn.closed:
+            t = asyncio.get_running_loop().create_task(self.conn.send(msg))
+            t.add_done_callback(_log_send_error)
+
+    # ---- fetching inputs from peers ------------------------------------------------------------
+    async def _need(self, t: _Task, dep: str, holders: list[list[str]]) -> None:
+        ok = await self._fetch(dep, holders)
+        if t.key not in self.waiting:
+            return  # freed meanwhile
+        if not ok:
+            del self.waiting[t.key]
+            holder = holders[0][0] if holders else ""
+            self._missing.append([t.key, dep, holder])
+            self._schedule_flush()
+            return
+        t.missing -= 1
+        if t.missing == 0:
+            del self.waiting[t.key]
+            self.queue.append(t)
+            self._start_ready()
+
+    async def _fetch(self, key: str, holders: list[list[str]]) -> bool:
+        if key in self.data:
+            return True
+        fut = self._fetching.get(key)
+        if fut is not None:
+            return await fut
+        fut = asyncio.get_running_loop().create_future()
+        self._fetching[key] = fut
+        ok = False
+        try:
+            for _wid, addr in holders:
+                try:
+                    got = await self.get_from_peer(addr, [key])
+                except CommError as exc:
+                    log.info("fetching %s from %s failed: %s", key, addr, exc)
+                    continue
+                if key in got:
+                    value = got[key]
+                    self.data[key] = value
+                    self.nbytes[key] = sizeof(value)
+                    self._replicas.append([key, self.nbytes[key]])
+                    ok = True
+                    break
+            return ok
+        finally:
+            del self._fetching[key]
+            fut.set_result(ok)
+
+    async def get_from_peer(self, address: str, keys: list[str]) -> dict[str, Any]:
+        entry = self._peers.get(address)
+        if entry is None or entry[0].closed:
+            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"})
+            entry = self._peers[address] = (conn, asyncio.Lock())
+        conn, lock = entry
+        async with lock:
+            await conn.send({"op": "get-data", "keys": keys})
+            reply = await conn.recv()
+        return {k: v.load() for k, v in reply["data"].items()}
+
+    async def _replicate(self, key: str, holders: list[list[str]]) -> None:
+        await self._fetch(key, holders)
+        self._schedule_flush()
+
+    # ---- serving peers and clients -------------------------------------------------------------
+    async def _serve_peer(self, conn: Connection) -> None:
+        while True:
+            msg = await conn.recv()
+            if msg.get("op") == "get-data":
+                data = {}
+                missing = []
+                for k in msg["keys"]:
+                    if k in self.data:
+                        data[k] = serialize(self.data[k])
+                    else:
+                        missing.append(k)
+                await conn.send({"op": "data", "data": data, "missing": missing})
+            else:
+                await conn.send({"op": "error", "message": f"unknown op {msg.get('op')!r}"})
+
+    # ---- heartbeats ------------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        proc = psutil.Process()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.conn is None or self.conn.closed:
+                return
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                rss = 0
+            metrics = {"rss": rss, "keys": len(self.data), "bytes": sum(self.nbytes.values()),
+                       "running": len(self.running), "queued": len(self.queue), "time": time.time()}  # fmt: skip
+            with contextlib.suppress(CommError):
+                await self.conn.send({"op": "heartbeat", "metrics": metrics})
+
+
+def _log_send_error(t: asyncio.Task[Any]) -> None:
+    if not t.cancelled() and t.exception() is not None:
+        log.debug("send to scheduler failed: %s", t.exception())
+
+
+def _default_host(scheduler: str) -> str:
+    from tidepool.comm.core import parse_address
+
+    _, host, _ = parse_address(scheduler)
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return os.environ.get("TIDEPOOL_WORKER_HOST", "0.0.0.0")
+
+
+async def run_worker(scheduler: str, token: str, **kwargs: Any) -> None:
+    """Start a worker and run until the scheduler closes it or the connection is lost."""
+    w = await Worker(scheduler, token, **kwargs).start()
+    await w.finished()

@@ -1,0 +1,32 @@
+"""Cheap size estimates of results (bytes), for locality and memory accounting."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def sizeof(obj: Any, _depth: int = 0) -> int:
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int) and not isinstance(obj, type):
+        return nbytes + 100
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj) + 50
+    if isinstance(obj, memoryview):
+        return obj.nbytes
+    if _depth < 2 and isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)[:100]
+        if not items:
+            return sys.getsizeof(obj)
+        per = sum(sizeof(x, _depth + 1) for x in items) / len(items)
+        return int(sys.getsizeof(obj) + per * len(obj))
+    if _depth < 2 and isinstance(obj, dict):
+        items2 = list(obj.items())[:100]
+        if not items2:
+            return sys.getsizeof(obj)
+        per = sum(sizeof(k, _depth + 1) + sizeof(v, _depth + 1) for k, v in items2) / len(items2)
+        return int(sys.getsizeof(obj) + per * len(obj))
+    try:
+        return sys.getsizeof(obj)
+    except Exception:
+        return 64
