@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from tidepool.comm.auth import read_token_file, token_from_env
 from tidepool.errors import ConfigError, TidepoolError
@@ -24,14 +26,14 @@ def _token(args: argparse.Namespace) -> str:
     return tok
 
 
-def _run_until_signal(coro_main: object) -> None:
+def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
     async def runner() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        main_task = loop.create_task(coro_main)  # type: ignore[arg-type]
+        main_task: asyncio.Task[Any] = loop.create_task(coro_main)
         stop_task = loop.create_task(stop.wait())
         await asyncio.wait([main_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
         for t in (main_task, stop_task):

@@ -212,7 +212,7 @@ class Client(concurrent.futures.Executor):
         self._loop.run(self._conn.send(msg))
         self._sent_funcs.update(functions)
 
-    def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,
+    def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
                resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
         """Run ``fn(*args, **kwargs)`` on a worker; returns a :class:`Future`.
 
@@ -245,7 +245,7 @@ class Client(concurrent.futures.Executor):
         extra: list[Delayed[Any]] = []
         tasks = []
         keys = []
-        argsets = list(zip(*iterables))
+        argsets = list(zip(*iterables, strict=False))
         if isinstance(key, list):
             if len(key) != len(argsets):
                 raise ConfigError(f"map got {len(key)} keys for {len(argsets)} tasks")
@@ -253,7 +253,7 @@ class Client(concurrent.futures.Executor):
         else:
             prefix = key or make_key(fn)
             names = (f"{prefix}-{i}" for i in range(len(argsets)))
-        for k, args in zip(names, argsets):
+        for k, args in zip(names, argsets, strict=False):
             tasks.append(self._spec(k, fn, args, kwargs, opts, functions, extra))
             keys.append(k)
         tasks = self._delayed_specs(extra, functions) + tasks
@@ -319,7 +319,7 @@ class Client(concurrent.futures.Executor):
         if errors not in ("raise", "skip"):
             raise ConfigError("errors must be 'raise' or 'skip'")
         flat: list[Future[Any]] = []
-        replace(futures, lambda x: flat.append(x) or x if isinstance(x, Future) else None)
+        _collect_futures(futures, flat)
         done, not_done = concurrent.futures.wait(flat, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s")
@@ -353,7 +353,7 @@ class Client(concurrent.futures.Executor):
     async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
         """``await client.gather_async(futures)`` from any asyncio loop."""
         flat: list[Future[Any]] = []
-        replace(futures, lambda x: flat.append(x) or x if isinstance(x, Future) else None)
+        _collect_futures(futures, flat)
         for f in flat:
             await f
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else None)
@@ -379,7 +379,7 @@ class Client(concurrent.futures.Executor):
             results = await asyncio.gather(
                 *(self._get_from(a, ks) for a, ks in by_addr.items()), return_exceptions=True
             )
-            for (_addr, ks), res in zip(by_addr.items(), results):
+            for (_addr, ks), res in zip(by_addr.items(), results, strict=False):
                 if isinstance(res, BaseException):
                     absent.extend(ks)
                 else:
@@ -536,6 +536,16 @@ class Client(concurrent.futures.Executor):
         Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
         """
         return self._loop.run(self._request({"op": "retire", "workers": list(workers)}))  # type: ignore[no-any-return]
+
+
+def _collect_futures(obj: Any, into: list[Future[Any]]) -> None:
+    def visit(x: Any) -> Any:
+        if isinstance(x, Future):
+            into.append(x)
+            return x
+        return None
+
+    replace(obj, visit)
 
 
 def serialize_bytes(blob: bytes) -> Any:

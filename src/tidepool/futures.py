@@ -29,6 +29,11 @@ IN_MEMORY: Any = _InMemory()
 _UNSET: Any = object()
 
 
+def _set_none(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable."""
 
@@ -66,7 +71,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         pool = self.client._callbacks
 
         def run(f: concurrent.futures.Future[Any]) -> None:
-            pool.submit(fn, f)
+            pool.submit(fn, f)  # type: ignore[arg-type]
 
         super().add_done_callback(run)
 
@@ -81,7 +86,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         done: asyncio.Future[None] = loop.create_future()
 
         def wake(_: Any) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(_set_none, done)
 
         self._add_raw_callback(wake)
         await done

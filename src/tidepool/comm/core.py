@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -327,15 +328,17 @@ async def connect(
     delay = 0.01
     while True:
         try:
+            conn: Connection
             if scheme == "memory":
                 conn = _memory_connect(host, max_frame)
             else:
-                conn = TCPConnection(max_frame)
+                tcp = TCPConnection(max_frame)
                 await asyncio.wait_for(
-                    loop.create_connection(lambda c=conn: _TCPProtocol(c), host, port),  # type: ignore[misc]
+                    loop.create_connection(functools.partial(_TCPProtocol, tcp), host, port),
                     max(0.1, deadline - loop.time()),
                 )
-                conn.peer = f"tcp://{host}:{port}"
+                tcp.peer = f"tcp://{host}:{port}"
+                conn = tcp
             break
         except (OSError, asyncio.TimeoutError, ConnectionLostError) as exc:
             if loop.time() + delay > deadline:

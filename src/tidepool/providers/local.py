@@ -9,6 +9,7 @@ unknown or dead worker is a no-op.  ``close()`` kills whatever is left, so nothi
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.scaling.node_types import NodeType
+
+WorkerListing = dict[str, dict[str, Any]]
 
 
 @dataclass
@@ -47,7 +50,7 @@ class LocalProvider:
         self._errors: list[str] = []
         self._seq = 0
 
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
         if request_id in self._requests:
             return list(self._requests[request_id])
         ids = []
@@ -64,7 +67,7 @@ class LocalProvider:
         self._requests[request_id] = ids
         return ids
 
-    def terminate(self, worker_ids: list[str], sig: int = signal.SIGTERM) -> None:
+    def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
         for wid in worker_ids:
             p = self.procs.get(wid)
             if p is not None and p.proc.poll() is None:
@@ -77,16 +80,16 @@ class LocalProvider:
         """SIGKILL one worker (for failure tests)."""
         self.terminate([worker_id], signal.SIGKILL)
 
-    def list(self) -> dict[str, dict[str, Any]]:
+    def list(self) -> WorkerListing:  # noqa: A003
         """Worker id -> {node_type, request_id, alive, returncode}."""
-        out = {}
+        out: WorkerListing = {}
         for wid, p in self.procs.items():
             rc = p.proc.poll()
             out[wid] = {"node_type": p.node_type, "request_id": p.request_id, "alive": rc is None,
                         "returncode": rc}  # fmt: skip
         return out
 
-    def poll_errors(self) -> list[str]:
+    def poll_errors(self) -> builtins.list[str]:
         """Workers that exited with an error since the last call, as messages."""
         for wid, p in list(self.procs.items()):
             rc = p.proc.poll()

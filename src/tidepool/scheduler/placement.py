@@ -31,8 +31,8 @@ def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecor
     local: dict[str, int] = {}
     for dep in ts.deps:
         nb = dep.nbytes
-        for w in dep.who_has:
-            local[w] = local.get(w, 0) + nb
+        for wid in dep.who_has:
+            local[wid] = local.get(wid, 0) + nb
     best = candidates[0]
     best_key = _rank(best, local)
     for w in candidates[1:]:

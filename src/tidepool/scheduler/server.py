@@ -103,10 +103,9 @@ class Scheduler:
         other: list[tuple[str, dict[str, Any]]] = []
         workers = state.workers
         for c in cmds:
-            t = type(c)
-            if t is ev.Execute:
-                ts = state.tasks.get(c.key)  # type: ignore[union-attr]
-                ws = workers.get(c.worker)  # type: ignore[union-attr]
+            if isinstance(c, ev.Execute):
+                ts = state.tasks.get(c.key)
+                ws = workers.get(c.worker)
                 if ts is None or ws is None:
                     continue
                 item: dict[str, Any] = {"key": ts.key, "func": ts.func_id, "payload": ts.payload}
@@ -122,23 +121,23 @@ class Scheduler:
                 if ts.func_id not in ws.funcs:
                     ws.funcs.add(ts.func_id)
                     funcs_by_worker.setdefault(ws.id, {})[ts.func_id] = state.functions.get(ts.func_id)
-            elif t is ev.Free:
-                frees.setdefault(c.worker, []).extend(c.keys)  # type: ignore[union-attr]
-            elif t is ev.Report:
-                reports.setdefault(c.client, []).append(self._report_item(c))  # type: ignore[arg-type]
-            elif t is ev.Replicate:
+            elif isinstance(c, ev.Free):
+                frees.setdefault(c.worker, []).extend(c.keys)
+            elif isinstance(c, ev.Report):
+                reports.setdefault(c.client, []).append(self._report_item(c))
+            elif isinstance(c, ev.Replicate):
                 holders = {}
-                for k in c.keys:  # type: ignore[union-attr]
-                    ts = state.tasks.get(k)
-                    if ts is not None:
-                        holders[k] = [[w, workers[w].address] for w in ts.who_has if w in workers]
-                other.append((c.worker, {"op": "replicate", "keys": holders}))  # type: ignore[union-attr]
-            elif t is ev.CloseWorker:
-                other.append((c.worker, {"op": "close", "reason": c.reason}))  # type: ignore[union-attr]
-                self._resolve_retire(c.worker, "retired")  # type: ignore[union-attr]
-            elif t is ev.RetireRefused:
-                log.info("retirement of %s refused: %s", c.worker, c.reason)  # type: ignore[union-attr]
-                self._resolve_retire(c.worker, f"refused: {c.reason}")  # type: ignore[union-attr]
+                for k in c.keys:
+                    rts = state.tasks.get(k)
+                    if rts is not None:
+                        holders[k] = [[w, workers[w].address] for w in rts.who_has if w in workers]
+                other.append((c.worker, {"op": "replicate", "keys": holders}))
+            elif isinstance(c, ev.CloseWorker):
+                other.append((c.worker, {"op": "close", "reason": c.reason}))
+                self._resolve_retire(c.worker, "retired")
+            elif isinstance(c, ev.RetireRefused):
+                log.info("retirement of %s refused: %s", c.worker, c.reason)
+                self._resolve_retire(c.worker, f"refused: {c.reason}")
         for wid, keys in frees.items():
             await self._send_worker(wid, {"op": "free", "keys": keys})
         for wid, items in tasks_by_worker.items():
@@ -152,11 +151,11 @@ class Scheduler:
                 conn = self.worker_conns.pop(wid, None)
                 if conn is not None:
                     asyncio.get_running_loop().call_later(5.0, conn.close)
-        for cid, items in reports.items():
+        for cid, reps in reports.items():
             conn = self.client_conns.get(cid)
             if conn is not None:
                 with contextlib.suppress(CommError):
-                    await conn.send({"op": "report", "items": items})
+                    await conn.send({"op": "report", "items": reps})
 
     def _report_item(self, c: ev.Report) -> list[Any]:
         if c.status != "erred":

@@ -210,16 +210,16 @@ class SchedulerState:
                 dep.dependents.add(ts)
         keys = self.clients.setdefault(e.client, set())
         for k in e.wanted:
-            ts = self.tasks.get(k)
-            if ts is None:
+            wts = self.tasks.get(k)
+            if wts is None:
                 out.append(ev.Report(e.client, k, "lost"))
                 continue
             keys.add(k)
-            ts.wanted_by.add(e.client)
-            if ts.state == "released":
-                self._compute(ts, out)
-            elif ts.state in ("memory", "erred"):
-                out.append(ev.Report(e.client, k, ts.state))
+            wts.wanted_by.add(e.client)
+            if wts.state == "released":
+                self._compute(wts, out)
+            elif wts.state in ("memory", "erred"):
+                out.append(ev.Report(e.client, k, wts.state))
         for ts in new:  # tasks submitted but not needed by anything: drop
             if ts.state == "released":
                 self._check(ts, out)
@@ -369,7 +369,7 @@ class SchedulerState:
         out.append(ev.Execute(ws.id, ts.key))
 
     def _unassign(self, ts: TaskRecord) -> None:
-        ws = self.workers.get(ts.worker) if ts.worker else None
+        ws: WorkerRecord | None = self.workers.get(ts.worker) if ts.worker else None
         ts.worker = None
         if ws is None:
             return
