@@ -1,0 +1,110 @@
+"""Public test utilities: a fake clock and an inline driver for :class:`SchedulerState`.
+
+``StateDriver`` plays the part of the asyncio shell and of the workers, with no I/O: it feeds events
+to a real ``SchedulerState``, keeps every worker's queue of ``Execute`` commands, and lets a test
+finish, fail or lose tasks and workers one step at a time, with time that moves only when the test
+moves it.  Commands are recorded in ``log`` so tests can assert on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.state import SchedulerState
+
+
+class FakeClock:
+    """A clock that only moves when told to (``advance``)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+class StateDriver:
+    def __init__(self, state: SchedulerState | None = None, clock: FakeClock | None = None) -> None:
+        self.state = state or SchedulerState()
+        self.clock = clock or FakeClock()
+        self.running: dict[str, list[str]] = {}  # worker -> keys it was told to execute
+        self.log: list[ev.Command] = []
+        self.reports: list[ev.Report] = []
+
+    def send(self, *events: ev.Event) -> list[ev.Command]:
+        cmds = self.state.handle_many(list(events))
+        self.log.extend(cmds)
+        for c in cmds:
+            if isinstance(c, ev.Execute):
+                self.running.setdefault(c.worker, []).append(c.key)
+            elif isinstance(c, ev.Free):
+                q = self.running.get(c.worker, [])
+                for k in c.keys:
+                    if k in q:
+                        q.remove(k)
+            elif isinstance(c, ev.Report):
+                self.reports.append(c)
+            elif isinstance(c, ev.CloseWorker):
+                self.running.pop(c.worker, None)
+        return cmds
+
+    # ---- shortcuts ------------------------------------------------------------------------------
+    def add_worker(self, wid: str, resources: dict[str, float] | None = None, node_type: str = "default",
+                   memory_limit: int = 0) -> list[ev.Command]:  # fmt: skip
+        self.running.setdefault(wid, [])
+        return self.send(ev.WorkerJoin(wid, f"tcp://{wid}:1", resources or {"cpu": 1.0}, self.clock(),
+                                       node_type=node_type, memory_limit=memory_limit))  # fmt: skip
+
+    def remove_worker(self, wid: str, graceful: bool = False) -> list[ev.Command]:
+        self.running.pop(wid, None)
+        return self.send(ev.WorkerRemove(wid, self.clock(), "test", graceful))
+
+    def submit(self, tasks: Iterable[tuple[Any, ...]], wanted: Iterable[str], client: str = "c") -> list[ev.Command]:
+        """``tasks``: (key, deps) or (key, deps, resources) or (key, deps, resources, retries)."""
+        specs = []
+        for t in tasks:
+            key, deps = t[0], tuple(t[1])
+            res = t[2] if len(t) > 2 else {}
+            retries = t[3] if len(t) > 3 else 0
+            specs.append(ev.TaskSpec(key, "f", None, deps, res, retries, key.split("-")[0]))
+        return self.send(ev.UpdateGraph(client, specs, list(wanted), self.clock()))
+
+    def release(self, keys: Iterable[str], client: str = "c") -> list[ev.Command]:
+        return self.send(ev.ReleaseKeys(client, list(keys), self.clock()))
+
+    def finish(self, wid: str, key: str, nbytes: int = 8, duration: float = 0.01) -> list[ev.Command]:
+        q = self.running.get(wid, [])
+        if key in q:
+            q.remove(key)
+        return self.send(ev.TaskFinished(wid, key, nbytes, duration, self.clock()))
+
+    def fail(self, wid: str, key: str, message: str = "boom") -> list[ev.Command]:
+        q = self.running.get(wid, [])
+        if key in q:
+            q.remove(key)
+        return self.send(ev.TaskErred(wid, key, None, "Traceback...", "ValueError", message, 0.01, self.clock()))
+
+    def step(self, nbytes: int = 8, duration: float = 0.01) -> int:
+        """Finish every task currently assigned to a worker; returns how many finished."""
+        n = 0
+        for wid in list(self.running):
+            for key in list(self.running.get(wid, [])):
+                self.finish(wid, key, nbytes, duration)
+                n += 1
+        return n
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise AssertionError("graph did not settle")
+
+    def status(self, client: str = "c") -> dict[str, str]:
+        """Last reported status per key for ``client``."""
+        return {r.key: r.status for r in self.reports if r.client == client}

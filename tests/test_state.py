@@ -1,0 +1,336 @@
+"""Pure tests of the scheduler state machine: events in, commands out, no I/O, fake time."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.state import TASK_TRANSITIONS, InvalidTransition, SchedulerState
+from tidepool.testing import StateDriver
+
+
+def executes(cmds: list[ev.Command]) -> list[tuple[str, str]]:
+    return [(c.worker, c.key) for c in cmds if isinstance(c, ev.Execute)]
+
+
+def frees(cmds: list[ev.Command]) -> set[str]:
+    return {k for c in cmds if isinstance(c, ev.Free) for k in c.keys}
+
+
+def test_chain_runs_in_order_and_frees_intermediates() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    cmds = d.submit([("a", []), ("b", ["a"]), ("c", ["b"])], ["c"])
+    assert executes(cmds) == [("w1", "a")]
+    assert d.state.tasks["b"].state == "waiting"
+    cmds = d.finish("w1", "a")
+    assert executes(cmds) == [("w1", "b")]
+    cmds = d.finish("w1", "b")
+    assert executes(cmds) == [("w1", "c")]
+    assert frees(cmds) == {"a"}  # a's value is not needed once b is done
+    cmds = d.finish("w1", "c")
+    assert frees(cmds) == {"b"}
+    assert d.status() == {"c": "memory"}
+    d.state.validate()
+
+
+def test_release_forgets_everything_and_frees_values() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    d.run_until_idle()
+    assert set(d.state.tasks) == {"a", "b"}  # a kept as lineage for b
+    cmds = d.release(["b"])
+    assert frees(cmds) == {"b"}
+    assert d.state.tasks == {}
+    assert d.state.workers["w1"].has_what == set()
+
+
+def test_tasks_wait_as_no_worker_without_workers_and_resume_on_join() -> None:
+    d = StateDriver()
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    assert {ts.state for ts in d.state.tasks.values()} == {"no-worker"}
+    cmds = d.add_worker("w1", {"cpu": 2})
+    assert sorted(k for _, k in executes(cmds)) == ["a", "b"]
+    d.state.validate()
+
+
+def test_resources_never_oversubscribe_shapes_and_gpu_tasks_wait_for_gpu_worker() -> None:
+    d = StateDriver()
+    d.add_worker("cpu1", {"cpu": 8})
+    cmds = d.submit([("g", [], {"gpu": 1}), ("c", [])], ["g", "c"])
+    assert executes(cmds) == [("cpu1", "c")]
+    assert d.state.tasks["g"].state == "no-worker"
+    cmds = d.add_worker("gpu1", {"cpu": 4, "gpu": 2})
+    assert executes(cmds) == [("gpu1", "g")]
+
+
+def test_data_locality_prefers_worker_with_most_input_bytes() -> None:
+    d = StateDriver()
+    d.add_worker("w1", {"cpu": 4})
+    d.add_worker("w2", {"cpu": 4})
+    d.submit([("big", []), ("small", [])], ["big", "small"])
+    where = {k: w for w, k in executes(d.log)}
+    d.finish(where["big"], "big", nbytes=10_000_000)
+    d.finish(where["small"], "small", nbytes=10)
+    cmds = d.submit([("use", ["big", "small"])], ["use"])
+    assert executes(cmds) == [(where["big"], "use")]
+
+
+def test_lost_worker_reschedules_running_and_recomputes_lost_values() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    d.finish("w1", "a")
+    assert d.state.tasks["b"].state == "running"
+    d.add_worker("w2")
+    cmds = d.remove_worker("w1")
+    # b was running on w1, and a's only copy was there: recompute a on w2, then b
+    assert executes(cmds) == [("w2", "a")]
+    assert d.state.tasks["b"].state == "waiting"
+    assert d.state.counters["recomputed"] == 1
+    d.run_until_idle()
+    assert d.status()["b"] == "memory"
+    d.state.validate()
+
+
+def test_losing_every_worker_leaves_tasks_waiting_and_a_new_worker_resumes() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    d.finish("w1", "a")
+    d.remove_worker("w1")
+    assert d.state.tasks["a"].state == "no-worker"
+    assert d.state.tasks["b"].state == "waiting"
+    d.add_worker("w2")
+    d.run_until_idle()
+    assert d.status()["b"] == "memory"
+
+
+def test_task_that_kills_workers_fails_with_killed_worker_after_allowed_failures() -> None:
+    d = StateDriver(SchedulerState(allowed_failures=2))
+    d.submit([("crash", [])], ["crash"])
+    for i in range(3):
+        d.add_worker(f"w{i}")
+        assert d.state.tasks["crash"].state == "running"
+        d.remove_worker(f"w{i}")
+    ts = d.state.tasks["crash"]
+    assert ts.state == "erred" and ts.exc_type == "KilledWorkerError"
+    assert "crash" in ts.message and "allowed_failures" in ts.message
+    assert d.status()["crash"] == "erred"
+
+
+def test_graceful_removal_does_not_count_as_failure() -> None:
+    d = StateDriver(SchedulerState(allowed_failures=0))
+    d.submit([("t", [])], ["t"])
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.remove_worker(d.state.tasks["t"].worker or "", graceful=True)
+    assert d.state.tasks["t"].state == "running"
+
+
+def test_retries_then_error_propagates_to_dependents() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", [], {}, 1), ("b", ["a"]), ("c", ["b"])], ["c", "b"])
+    d.fail("w1", "a")
+    assert d.state.tasks["a"].state == "running"  # retried
+    assert d.state.counters["retried"] == 1
+    d.fail("w1", "a", "second")
+    assert d.state.tasks["b"].state == "erred"
+    assert d.state.tasks["c"].error_origin == "a"
+    assert d.status() == {"b": "erred", "c": "erred"}
+    d.release(["b", "c"])
+    assert d.state.tasks == {}
+
+
+def test_cancel_running_task_frees_it_on_the_worker() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("slow", [])], ["slow"])
+    cmds = d.release(["slow"])
+    assert frees(cmds) == {"slow"}
+    assert d.state.tasks == {}
+    # a late result is dropped
+    assert frees(d.finish("w1", "slow")) == {"slow"}
+
+
+def test_missing_data_reported_by_worker_triggers_recompute() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a", duration=1.0)
+    d.submit([("x", [])], ["x"])  # occupies w1's only slot
+    d.add_worker("w2")
+    d.submit([("b", ["a"])], ["b"])
+    assert d.state.tasks["b"].worker == "w2"  # w1 is full, so b must fetch a from w1
+    cmds = d.send(ev.MissingData("w2", "b", "a", "w1", d.clock()))
+    assert "a" in frees(cmds)  # w1's copy is no longer trusted
+    assert d.state.tasks["a"].state == "running"  # recomputed
+    assert d.state.tasks["b"].state == "waiting"
+    d.run_until_idle()
+    assert d.status()["b"] == "memory"
+    d.state.validate()
+
+
+def test_idle_and_empty_only_lists_workers_without_unique_needed_data() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("a", [])], ["a"])
+    holder = d.state.tasks["a"].worker
+    assert holder is not None
+    assert holder not in d.state.idle_and_empty()
+    d.finish(holder, "a")
+    other = "w2" if holder == "w1" else "w1"
+    assert d.state.idle_and_empty() == [other]
+    d.release(["a"])
+    assert sorted(d.state.idle_and_empty()) == ["w1", "w2"]
+
+
+def test_retire_moves_unique_data_then_closes() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a")
+    d.add_worker("w2")
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
+    assert d.state.workers["w1"].state == "retiring"
+    cmds = d.send(ev.AddReplica("w2", "a", 8, d.clock()))
+    assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+    assert "w1" not in d.state.workers
+    assert d.state.tasks["a"].who_has == {"w2"}
+    assert d.state.counters["recomputed"] == 0
+
+
+def test_retire_refused_when_no_survivor_can_take_the_data() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a")
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))
+    refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert len(refused) == 1 and "no other running worker" in refused[0].reason
+    assert d.state.workers["w1"].state == "running"
+    d.add_worker("w2", memory_limit=100)
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))
+    assert not [c for c in cmds if isinstance(c, ev.RetireRefused)]
+
+
+def test_retire_refused_when_survivors_lack_memory() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a", nbytes=1000)
+    d.add_worker("w2", memory_limit=100)
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))
+    refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert refused and "do not fit" in refused[0].reason
+
+
+def test_missed_heartbeats_remove_worker() -> None:
+    d = StateDriver(SchedulerState(heartbeat_timeout=5.0))
+    d.add_worker("w1")
+    d.clock.advance(3)
+    d.send(ev.Heartbeat("w1", d.clock()))
+    d.clock.advance(4)
+    assert not [c for c in d.send(ev.Tick(d.clock())) if isinstance(c, ev.CloseWorker)]
+    d.clock.advance(2)
+    cmds = d.send(ev.Tick(d.clock()))
+    assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+    assert "w1" not in d.state.workers
+
+
+def test_illegal_transition_raises() -> None:
+    d = StateDriver()
+    d.submit([("a", [])], ["a"])
+    ts = d.state.tasks["a"]
+    assert ("no-worker", "memory") in TASK_TRANSITIONS
+    with pytest.raises(InvalidTransition):
+        d.state._move(ts, "running")  # no-worker -> running skips placement
+
+
+def test_unknown_dependency_fails_clearly() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("b", ["nope"])], ["b"])
+    ts = d.state.tasks["b"]
+    assert ts.state == "erred" and "nope" in ts.message
+
+
+def test_deep_queue_for_short_tasks_but_not_for_unknown_ones() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([(f"f-{i}", []) for i in range(1000)], [f"f-{i}" for i in range(1000)])
+    assert len(d.running["w1"]) == 1  # nothing known about f: one at a time
+    d.finish("w1", "f-0", duration=1e-5)
+    assert len(d.running["w1"]) > 50  # now known to be tiny: batch deeply
+
+
+def test_memory_stays_flat_over_many_released_tasks() -> None:
+    d = StateDriver()
+    d.add_worker("w1", {"cpu": 4})
+    for batch in range(50):
+        keys = [f"t-{batch}-{i}" for i in range(200)]
+        d.submit([(k, []) for k in keys], keys)
+        d.run_until_idle()
+        d.release(keys)
+        assert len(d.state.tasks) == 0
+    assert d.state.counters["finished"] == 10_000
+    assert d.state.workers["w1"].has_what == set()
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[tuple[str, list[str]]], list[tuple[str, int]]]:
+    n = draw(st.integers(2, 25))
+    tasks = []
+    for i in range(n):
+        deps = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        tasks.append((f"t{i}", [f"t{j}" for j in deps]))
+    actions = draw(st.lists(st.tuples(st.sampled_from(["finish", "kill", "add", "fail"]),
+                                      st.integers(0, 1000)), max_size=60))  # fmt: skip
+    return tasks, actions
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_random_failures_keep_invariants_and_always_finish(scn: tuple) -> None:
+    tasks, actions = scn
+    d = StateDriver(SchedulerState(allowed_failures=1000))
+    d.add_worker("w0", {"cpu": 2})
+    wanted = [tasks[-1][0], tasks[len(tasks) // 2][0]]
+    d.submit(tasks, wanted)
+    nw = 1
+    for action, r in actions:
+        live = sorted(d.state.workers)
+        if action == "add" or not live:
+            d.add_worker(f"w{nw}", {"cpu": 1 + r % 3})
+            nw += 1
+        elif action == "kill":
+            d.remove_worker(live[r % len(live)])
+        elif action in ("finish", "fail"):
+            busy = [(w, k) for w in live for k in d.running.get(w, [])]
+            if busy:
+                w, k = busy[r % len(busy)]
+                if action == "finish":
+                    d.finish(w, k)
+                else:  # a worker that lost the input reports it missing
+                    ts = d.state.tasks[k]
+                    if ts.deps:
+                        dep = ts.deps[0]
+                        holder = next(iter(dep.who_has), "")
+                        d.running[w].remove(k)
+                        d.send(ev.MissingData(w, k, dep.key, holder, d.clock()))
+        d.state.validate()
+    if not d.state.workers:
+        d.add_worker("last")
+    d.run_until_idle()
+    d.state.validate()
+    status = d.status()
+    for k in wanted:
+        assert status.get(k) == "memory", (k, d.state.tasks.get(k))
+    d.release(wanted)
+    assert d.state.tasks == {}
