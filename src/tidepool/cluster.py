@@ -42,6 +42,7 @@ class LocalCluster:
         self._cond = threading.Condition()
         self.timeout = timeout
         self._req = itertools.count(1)
+        self._joined: set[str] = set()  # every worker that ever registered
         self.scheduler = Scheduler(f"tcp://{host}:{port}", heartbeat_interval=heartbeat_interval,
                                    **scheduler_kwargs)  # fmt: skip
         self.scheduler.subscribe(self._observe)
@@ -57,6 +58,7 @@ class LocalCluster:
             self.add_workers(n_workers, wait=True)
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
+        self._joined.update(e.worker for e in events if isinstance(e, ev.WorkerJoin))
         if any(isinstance(e, (ev.WorkerJoin, ev.WorkerRemove, ev.Tick)) for e in events):
             with self._cond:
                 self._cond.notify_all()
@@ -82,7 +84,7 @@ class LocalCluster:
             present = self.scheduler.state.workers
             if isinstance(ids, int):
                 return len(present) >= ids
-            return all(w in present for w in ids)
+            return all(w in self._joined for w in ids)  # joined (it may have left again since)
 
         with self._cond:
             while not ok():

@@ -280,6 +280,10 @@ class Listener:
         await asyncio.sleep(0)  # let connection_made run
         try:
             conn.info = await server_handshake(conn, self.token)
+        except ConnectionLostError as exc:
+            log.info("connection from %s closed during the handshake: %s", conn.peer, exc)
+            conn.close()
+            return
         except (CommError, OSError) as exc:
             log.warning("rejected connection from %s: %s", conn.peer, exc)
             conn.close()

@@ -1,0 +1,408 @@
+"""Throughput: tidepool against Dask distributed on tiny tasks, in the same run, on this machine.
+
+Two workloads, each run on both schedulers with the same client-side code:
+
+- ``map``: ``client.map(noop, range(N))`` then ``client.gather`` of all N results (N tasks).
+- ``tree``: the same N leaves, reduced pairwise with ``client.submit(add, a, b)`` level by level
+  until one future remains (the tree reduction from Dask's futures documentation), then its result
+  (2N - 1 tasks).
+
+Both clusters have 2 worker processes running 1 task at a time each.  Every repetition starts a
+fresh cluster per scheduler (startup is not timed), warms it up with a small map and tree, waits
+until the scheduler has forgotten every key, then times the workloads; the schedulers take turns
+going first so background load hits both alike.  The table reports medians.  Every result is
+checked (the map must give back ``range(N)``, the tree ``sum(range(N))``); a wrong result exits 1.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/throughput.py [--write-docs] [--tasks N] [--repeat K]
+
+``--write-docs`` rewrites only the part of ``docs/benchmarks.md`` between the
+``<!-- throughput:start -->`` / ``<!-- throughput:end -->`` markers (other benchmarks own other
+sections of that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
+TARGET_RATIO = 5.0
+WARMUP_TASKS = 200
+DOCS_HEADER = """# Benchmarks
+
+tidepool measured against Dask distributed in the same run, on the same machine.  Each benchmark
+script owns one section of this file, between its own `<!-- name:start -->` / `<!-- name:end -->`
+markers, and its `--write-docs` flag rewrites only that section.
+"""
+
+
+# ---- the tasks (module level, so both schedulers ship them the same way) --------------------------
+def noop(x: int) -> int:
+    return x
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+class WrongResultError(Exception):
+    """A workload gave back a wrong value: the measurement cannot be trusted."""
+
+
+class Backend(Protocol):
+    """What the workloads need from a scheduler's client."""
+
+    name: str
+
+    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]: ...
+    def submit(self, fn: Callable[..., int], *args: Any) -> Any: ...
+    def gather(self, futures: list[Any], timeout: float) -> list[Any]: ...
+    def result(self, future: Any, timeout: float) -> Any: ...
+    def n_tasks(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class TidepoolBackend:
+    name = "tidepool"
+
+    def __init__(self) -> None:
+        import tidepool
+
+        self.cluster = tidepool.LocalCluster(n_workers=2, slots=1)
+        try:
+            self.client = tidepool.Client(self.cluster)
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]:
+        return self.client.map(fn, items)
+
+    def submit(self, fn: Callable[..., int], *args: Any) -> Any:
+        return self.client.submit(fn, *args)
+
+    def gather(self, futures: list[Any], timeout: float) -> list[Any]:
+        return self.client.gather(futures, timeout=timeout)  # type: ignore[no-any-return]
+
+    def result(self, future: Any, timeout: float) -> Any:
+        return future.result(timeout)
+
+    def n_tasks(self) -> int:
+        return sum(self.client.scheduler_info()["tasks"].values())
+
+    def executed(self) -> list[int]:
+        return [w.get("executed", 0) for w in self.client.scheduler_info()["workers"]]
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+
+
+class DaskBackend:
+    name = "dask"
+
+    def __init__(self) -> None:
+        import distributed
+
+        self.cluster = distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        )
+        try:
+            self.client = distributed.Client(self.cluster)
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    # pure=False: fresh keys every call, as tidepool does, so nothing is reused between repetitions
+    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]:
+        return self.client.map(fn, items, pure=False)  # type: ignore[no-any-return]
+
+    def submit(self, fn: Callable[..., int], *args: Any) -> Any:
+        return self.client.submit(fn, *args, pure=False)
+
+    def gather(self, futures: list[Any], timeout: float) -> list[Any]:
+        # distributed's gather has no timeout; wait() does
+        import distributed
+
+        distributed.wait(futures, timeout=timeout)
+        return self.client.gather(futures)  # type: ignore[no-any-return]
+
+    def result(self, future: Any, timeout: float) -> Any:
+        return future.result(timeout=timeout)
+
+    def n_tasks(self) -> int:
+        return int(self.client.run_on_scheduler(_dask_scheduler_tasks))
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+
+
+def _dask_scheduler_tasks(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.tasks)
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+def run_map(b: Backend, n: int, timeout: float) -> tuple[float, int]:
+    """``map(noop, range(n))`` then gather; returns (seconds, tasks)."""
+    t0 = time.perf_counter()
+    futures = b.map(noop, range(n))
+    values = b.gather(futures, timeout)
+    elapsed = time.perf_counter() - t0
+    if values != list(range(n)):
+        bad = next((i for i, v in enumerate(values) if v != i), len(values))
+        raise WrongResultError(f"{b.name} map: {len(values)} values, first wrong at index {bad}")
+    return elapsed, n
+
+
+def run_tree(b: Backend, n: int, timeout: float) -> tuple[float, int]:
+    """``n`` leaves reduced pairwise with ``add`` until one value is left; returns (seconds, tasks)."""
+    t0 = time.perf_counter()
+    level = b.map(noop, range(n))
+    while len(level) > 1:
+        nxt = [b.submit(add, level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    value = b.result(level[0], timeout)
+    elapsed = time.perf_counter() - t0
+    if value != n * (n - 1) // 2:
+        raise WrongResultError(f"{b.name} tree: got {value!r}, expected {n * (n - 1) // 2}")
+    return elapsed, 2 * n - 1
+
+
+WORKLOADS: dict[str, Callable[[Backend, int, float], tuple[float, int]]] = {
+    "map": run_map,
+    "tree": run_tree,
+}
+
+
+def wait_idle(b: Backend, timeout: float = 15.0) -> None:
+    """Drop garbage futures and wait until the scheduler has forgotten every key (untimed)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while (left := b.n_tasks()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if left:
+        print(f"  warning: {b.name} scheduler still holds {left} tasks {timeout:.0f}s after the "
+              "client dropped every future", file=sys.stderr)  # fmt: skip
+
+
+# ---- running --------------------------------------------------------------------------------------
+@dataclass
+class Measurements:
+    tasks: dict[str, int] = field(default_factory=dict)
+    seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (workload, backend)
+
+    def add(self, workload: str, backend: str, seconds: float, tasks: int) -> None:
+        self.tasks[workload] = tasks
+        self.seconds.setdefault((workload, backend), []).append(seconds)
+
+    def rate(self, workload: str, backend: str) -> float:
+        return self.tasks[workload] / statistics.median(self.seconds[(workload, backend)])
+
+
+FACTORIES: dict[str, Callable[[], Backend]] = {"tidepool": TidepoolBackend, "dask": DaskBackend}
+
+
+def measure(n: int, repeat: int, timeout: float) -> Measurements:
+    m = Measurements()
+    for rep in range(repeat):
+        order = ["tidepool", "dask"] if rep % 2 == 0 else ["dask", "tidepool"]
+        for name in order:
+            t0 = time.perf_counter()
+            b = FACTORIES[name]()
+            started = time.perf_counter() - t0
+            try:
+                for fn in WORKLOADS.values():  # warm-up: start-up costs, function shipping
+                    fn(b, min(WARMUP_TASKS, n), timeout)
+                wait_idle(b)
+                line = [f"rep {rep + 1}/{repeat} {name:8} (startup {started:.1f}s, untimed)"]
+                for workload, fn in WORKLOADS.items():
+                    before = b.executed() if isinstance(b, TidepoolBackend) else None
+                    seconds, tasks = fn(b, n, timeout)
+                    m.add(workload, name, seconds, tasks)
+                    line.append(f"{workload} {seconds:.2f}s = {tasks / seconds:,.0f}/s")
+                    if before is not None:
+                        split = [a - z for a, z in zip(b.executed(), before, strict=False)]
+                        line[-1] += f" (per worker {split})"
+                    wait_idle(b)
+                print("  " + "  ".join(line), flush=True)
+            finally:
+                b.close()
+            time.sleep(0.5)  # let the closed cluster's processes go before the next one starts
+    return m
+
+
+def table(m: Measurements) -> list[list[str]]:
+    rows = [["workload", "tasks", "tidepool tasks/s", "dask tasks/s", "ratio (tidepool/dask)"]]
+    for workload in WORKLOADS:
+        tp, dk = m.rate(workload, "tidepool"), m.rate(workload, "dask")
+        rows.append([workload, f"{m.tasks[workload]:,}", f"{tp:,.0f}", f"{dk:,.0f}", f"{tp / dk:.1f}x"])
+    return rows
+
+
+def render_text(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        lines.append("  ".join(cells))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown(rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(["---"] + ["--:"] * (len(rows[0]) - 1)) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(out)
+
+
+# ---- machine info and the docs section ------------------------------------------------------------
+def machine_info() -> dict[str, str]:
+    import dask
+    import distributed
+
+    import tidepool
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "nproc": str(nproc),
+        "cpu": cpu,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "dask": f"dask {dask.__version__}, distributed {distributed.__version__}",
+        "tidepool": f"tidepool {tidepool.__version__}, {git_revision()}",
+        "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+    }
+
+
+def git_revision() -> str:
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    rev = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    dirty = git("status", "--porcelain", "--", "src")
+    return f"commit {rev}" + (" + uncommitted changes under src/" if dirty else "")
+
+
+def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], command: str,
+                 n: int, repeat: int, when: str) -> str:  # fmt: skip
+    ratios = {w: m.rate(w, "tidepool") / m.rate(w, "dask") for w in WORKLOADS}
+    verdict = ", ".join(
+        f"{w} {r:.1f}x ({'meets' if r >= TARGET_RATIO else 'misses'} it)" for w, r in ratios.items()
+    )
+    runs = "\n".join(
+        f"- {w} / {b}: " + ", ".join(f"{s:.2f}" for s in secs) + " s"
+        for (w, b), secs in sorted(m.seconds.items())
+    )
+    return f"""## Throughput: {n:,} no-op tasks
+
+The headline is the ratio of tasks per second, tidepool over Dask distributed, measured in the same
+run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core machine.  This run:
+{verdict}.
+
+{render_markdown(rows)}
+
+- Measured {when} with `{command}` (run from the repository root).
+- Machine: {info["nproc"]} CPUs (nproc), {info["cpu"]}; {info["os"]}; load average at start
+  {info["load"]}.
+- Software: Python {info["python"]}; {info["dask"]}; {info["tidepool"]}.
+- tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`.
+  Dask: `distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+  dashboard_address=None)` + `distributed.Client(cluster)`, default configuration.
+- `map`: `client.map(noop, range(N))` then `client.gather(...)`, {n:,} tasks.  `tree`: the same
+  {n:,} leaves reduced pairwise with `client.submit(add, a, b)` level by level until one future is
+  left, then its `result()`, {2 * n - 1:,} tasks.  Dask calls use `pure=False` so every repetition
+  gets fresh keys, as tidepool's do.  The clock covers submitting and getting the results.
+- Each of {repeat} repetitions starts a fresh cluster per scheduler (start-up not timed), warms it
+  up with a {min(WARMUP_TASKS, n)}-leaf map and tree, waits until the scheduler has forgotten every
+  key, then times each workload; the schedulers take turns going first.  Medians are reported.
+  Results are checked (the map gives back `range(N)`, the tree `sum(range(N))`).
+
+Every timed run, in seconds:
+
+{runs}
+"""
+
+
+def write_docs(section: str) -> None:
+    block = f"{START}\n{section.rstrip()}\n{END}"
+    text = DOCS.read_text() if DOCS.exists() else DOCS_HEADER
+    if START in text and END in text and text.index(START) < text.index(END):
+        head, rest = text.split(START, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    ap.add_argument("--tasks", type=int, default=10_000, help="tasks per map / leaves per tree")
+    ap.add_argument("--repeat", type=int, default=3, help="timed repetitions (median is reported)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per workload run")
+    ap.add_argument("--write-docs", action="store_true", help=f"rewrite the throughput section of {DOCS.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    if args.tasks < 2 or args.repeat < 1:
+        ap.error("--tasks must be >= 2 and --repeat >= 1")
+
+    info = machine_info()
+    command = shlex.join([".venv/bin/python", "benchmarks/throughput.py", *sys.argv[1:]])
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{info['nproc']} CPUs, Python {info['python']}, {info['dask']}, {info['tidepool']}, "
+          f"load average {info['load']}")  # fmt: skip
+    if float(info["load"].split()[0]) > 0.5:
+        print("  note: the machine was already busy; other processes compete for the same CPUs",
+              file=sys.stderr)  # fmt: skip
+
+    t0 = time.perf_counter()
+    try:
+        m = measure(args.tasks, args.repeat, args.timeout)
+    except WrongResultError as exc:
+        print(f"WRONG RESULT: {exc}", file=sys.stderr)
+        return 1
+    rows = table(m)
+    print()
+    print(render_text(rows))
+    print(f"\n(medians of {args.repeat}; target ratio >= {TARGET_RATIO:.0f}x; "
+          f"{time.perf_counter() - t0:.0f}s in all)")  # fmt: skip
+    if args.write_docs:
+        write_docs(docs_section(m, rows, info, command, args.tasks, args.repeat, when))
+        print(f"wrote the throughput section of {DOCS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Shared test setup.
+
+Worker processes import task functions defined in test modules by reference (cloudpickle pickles
+importable functions by name), so the tests folder goes on their PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [TESTS, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
