@@ -9,6 +9,7 @@ tells workers to exit) and then makes sure no process is left behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import threading
@@ -18,9 +19,12 @@ from typing import Any
 from tidepool.errors import ConfigError
 from tidepool.loop import LoopThread
 from tidepool.providers.local import LocalProvider
+from tidepool.scaling.autoscaler import AutoScaler
+from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.server import Scheduler
+from tidepool.telemetry.journal import Journal
 
 
 class LocalCluster:
@@ -54,6 +58,7 @@ class LocalCluster:
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)
         self.closed = False
+        self.autoscaler: AutoScaler | None = None
         if n_workers:
             self.add_workers(n_workers, wait=True)
 
@@ -91,7 +96,7 @@ class LocalCluster:
                 left = deadline - time.monotonic()
                 errors = self.provider.poll_errors()
                 if errors:
-                    raise ConfigError("workers failed to start: " + "; ".join(errors))
+                    raise ConfigError("workers failed to start: " + "; ".join(e.message for e in errors))
                 if left <= 0:
                     raise TimeoutError(f"workers {ids} did not register within {timeout or self.timeout}s")
                 self._cond.wait(min(left, 0.5))
@@ -127,10 +132,44 @@ class LocalCluster:
 
         return self._loop.run(call())
 
+    def adapt(self, *, minimum: int = 0, maximum: int | None = None,
+              node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.1,
+              journal: str | Journal | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
+        """Let the scheduler grow and shrink the pool by itself.
+
+        Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
+        ``maximum`` nodes.  ``policy`` is any callable ``snapshot -> ScaleDecision`` (default:
+        :class:`~tidepool.scaling.policies.Adaptive`).  Returns the running :class:`AutoScaler`;
+        its ``controller.journal`` records every decision with its reason.
+        """
+        if self.autoscaler is not None:
+            raise ConfigError("adapt() was already called on this cluster")
+        if node_types is None:
+            top = maximum if maximum is not None else (os.cpu_count() or 1)
+            node_types = [dataclasses.replace(self.default_type, min_nodes=minimum, max_nodes=top,
+                                              startup_estimate=0.5)]  # fmt: skip
+        j = journal if isinstance(journal, Journal) else Journal(journal)
+        controller = ScalingController(node_types, policy, journal=j, **controller_kwargs)
+
+        async def start() -> AutoScaler:
+            return await AutoScaler(self.scheduler, self.provider, controller, interval).start()
+
+        self.autoscaler = self._loop.run(start())
+        return self.autoscaler
+
+    @property
+    def journal(self) -> Journal | None:
+        return self.autoscaler.controller.journal if self.autoscaler is not None else None
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.autoscaler is not None:
+            try:
+                self._loop.run(self.autoscaler.close(), timeout=10)
+            except Exception:
+                pass
         try:
             self._loop.run(self.scheduler.close(), timeout=10)
         except Exception:

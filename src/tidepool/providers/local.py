@@ -10,7 +10,6 @@ unknown or dead worker is a no-op.  ``close()`` kills whatever is left, so nothi
 from __future__ import annotations
 
 import builtins
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidepool.providers.base import ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
 WorkerListing = dict[str, dict[str, Any]]
@@ -47,7 +47,8 @@ class LocalProvider:
         self.heartbeat_interval = heartbeat_interval
         self.procs: dict[str, LocalWorkerProcess] = {}
         self._requests: dict[str, list[str]] = {}
-        self._errors: list[str] = []
+        self._errors: list[ProviderFailure] = []
+        self._stopped: set[str] = set()
         self._seq = 0
 
     def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
@@ -57,9 +58,8 @@ class LocalProvider:
         for _ in range(count * node_type.workers_per_node):
             self._seq += 1
             wid = f"{node_type.name}-{request_id}-{self._seq}"
-            cmd = [sys.executable, "-m", "tidepool.worker", self.scheduler, "--id", wid,
-                   "--node-type", node_type.name, "--resources", json.dumps(node_type.worker_resources),
-                   "--heartbeat-interval", str(self.heartbeat_interval), *self.extra_args]  # fmt: skip
+            cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
+                                 self.extra_args)  # fmt: skip
             env = {**os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
             proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
@@ -69,6 +69,7 @@ class LocalProvider:
 
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
         for wid in worker_ids:
+            self._stopped.add(wid)
             p = self.procs.get(wid)
             if p is not None and p.proc.poll() is None:
                 try:
@@ -89,13 +90,13 @@ class LocalProvider:
                         "returncode": rc}  # fmt: skip
         return out
 
-    def poll_errors(self) -> builtins.list[str]:
-        """Workers that exited with an error since the last call, as messages."""
+    def poll_errors(self) -> builtins.list[ProviderFailure]:
+        """Workers that exited on their own with an error code since the last call."""
         for wid, p in list(self.procs.items()):
             rc = p.proc.poll()
             if rc is not None:
-                if rc not in (0, -signal.SIGTERM, -signal.SIGKILL):
-                    self._errors.append(f"worker {wid} exited with code {rc}")
+                if rc not in (0, -signal.SIGTERM, -signal.SIGKILL) and wid not in self._stopped:
+                    self._errors.append(ProviderFailure(p.request_id, wid, f"worker {wid} exited with code {rc}"))
                 del self.procs[wid]
         errs, self._errors = self._errors, []
         return errs

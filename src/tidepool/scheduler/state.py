@@ -75,6 +75,7 @@ WORKER_TRANSITIONS: dict[tuple[str, str], str] = {
 }
 
 ACTIVE = frozenset({"waiting", "ready", "no-worker", "running"})
+PENDING = frozenset({"ready", "no-worker"})  # runnable now, but on no worker yet: demand
 DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
 
 
@@ -117,6 +118,10 @@ class SchedulerState:
         self.functions: dict[str, Serialized] = {}
         self._ready: dict[ev.Shape, list[tuple[int, int, TaskRecord]]] = {}
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
+        #: tasks per state
+        self.counts: dict[str, int] = {"released": 0}
+        #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
+        self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
         self._fit_any: dict[ev.Shape, bool] = {}
         self.retiring: dict[str, set[str]] = {}
@@ -181,6 +186,19 @@ class SchedulerState:
                 s.discard(ts)
                 if not s:
                     del self.no_worker[ts.shape]
+        if old in PENDING:
+            k = (ts.shape, ts.group)
+            n = self.pending[k] - 1
+            if n:
+                self.pending[k] = n
+            else:
+                del self.pending[k]
+        if new in PENDING:
+            k = (ts.shape, ts.group)
+            self.pending[k] = self.pending.get(k, 0) + 1
+        counts = self.counts
+        counts[old] -= 1
+        counts[new] = counts.get(new, 0) + 1
         ts.state = new
 
     def _move_worker(self, ws: WorkerRecord, new: str) -> None:
@@ -199,6 +217,7 @@ class SchedulerState:
                             spec.retries, self._priority, spec.group or spec.key)  # fmt: skip
             self._priority += 1
             self.tasks[spec.key] = ts
+            self.counts["released"] += 1
             new.append(ts)
             for dk in spec.deps:
                 dep = self.tasks.get(dk)
@@ -270,9 +289,9 @@ class SchedulerState:
             if waiting:
                 self._move(ts, "waiting")
             else:
-                self._make_ready(ts)
+                self._make_ready(ts, out)
 
-    def _make_ready(self, ts: TaskRecord) -> None:
+    def _make_ready(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         self._move(ts, "ready")
         shape = ts.shape
         ok = self._fit_any.get(shape)
@@ -281,6 +300,13 @@ class SchedulerState:
                 fits(w.resources, shape) for w in self.workers.values() if w.state == "running"
             )
         if not ok:
+            reason = self.infeasible(shape) if self.infeasible is not None else None
+            if reason:
+                ts.exception, ts.traceback, ts.exc_type = None, "", "InfeasibleTaskError"
+                ts.message, ts.error_origin = f"task {ts.key!r} can never run: {reason}", ts.key
+                self._move(ts, "erred")
+                self._erred_cascade(ts, out)
+                return
             self._move(ts, "no-worker")
             self.no_worker.setdefault(shape, set()).add(ts)
             return
@@ -297,7 +323,7 @@ class SchedulerState:
         ts.waiting_on = waiting
         if not waiting:
             if ts.state != "ready":
-                self._make_ready(ts)
+                self._make_ready(ts, out)
             return
         self._move(ts, "waiting")
         for dep in waiting:
@@ -421,7 +447,7 @@ class SchedulerState:
             if ts in dt.waiting_on:
                 dt.waiting_on.discard(ts)
                 if not dt.waiting_on and dt.state == "waiting":
-                    self._make_ready(dt)
+                    self._make_ready(dt, out)
         for dep in ts.deps:
             dep.waiters.discard(ts)
             if not dep.waiters and not dep.wanted_by:
@@ -520,6 +546,7 @@ class SchedulerState:
                     stack.append(dep)
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
+                self.counts[ts.state] -= 1
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
                     dep.dependents.discard(ts)
@@ -546,20 +573,20 @@ class SchedulerState:
         self.workers[e.worker] = ws
         self.counters["workers_joined"] += 1
         if ws.state == "running":
-            self._worker_running(ws)
+            self._worker_running(ws, out)
 
     def _worker_ready(self, e: ev.WorkerReady, out: list[ev.Command]) -> None:
         ws = self.workers.get(e.worker)
         if ws is not None and ws.state == "starting":
             self._move_worker(ws, "running")
-            self._worker_running(ws)
+            self._worker_running(ws, out)
 
-    def _worker_running(self, ws: WorkerRecord) -> None:
+    def _worker_running(self, ws: WorkerRecord, out: list[ev.Command]) -> None:
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if ok}
         self._room.add(ws.id)
         for shape in [s for s in self.no_worker if fits(ws.resources, s)]:
             for ts in sorted(self.no_worker.pop(shape), key=lambda t: t.priority):
-                self._make_ready(ts)
+                self._make_ready(ts, out)
 
     def _worker_remove(self, e: ev.WorkerRemove, out: list[ev.Command]) -> None:
         ws = self.workers.pop(e.worker, None)
@@ -682,10 +709,7 @@ class SchedulerState:
         ]  # fmt: skip
 
     def task_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for ts in self.tasks.values():
-            counts[ts.state] = counts.get(ts.state, 0) + 1
-        return counts
+        return {k: v for k, v in self.counts.items() if v}
 
     def validate(self) -> None:
         """Check cross-references (for tests); raises AssertionError on an inconsistency."""
@@ -709,6 +733,15 @@ class SchedulerState:
                     assert ts in d.waiters, (key, d.key)
             for d in ts.deps:
                 assert d.key in self.tasks, (key, d.key)
+        pending: dict[tuple[ev.Shape, str], int] = {}
+        for ts in self.tasks.values():
+            if ts.state in PENDING:
+                pending[(ts.shape, ts.group)] = pending.get((ts.shape, ts.group), 0) + 1
+        assert pending == self.pending, (pending, self.pending)
+        counts: dict[str, int] = {}
+        for ts in self.tasks.values():
+            counts[ts.state] = counts.get(ts.state, 0) + 1
+        assert counts == self.task_counts(), (counts, self.counts)
         for w, ws in self.workers.items():
             for ts in ws.has_what:
                 assert w in ts.who_has

@@ -330,6 +330,7 @@ class Worker:
                     self.data[key] = value
                     self.nbytes[key] = sizeof(value)
                     self._replicas.append([key, self.nbytes[key]])
+                    self._schedule_flush()  # the scheduler learns of the copy now, not later
                     ok = True
                     break
             return ok

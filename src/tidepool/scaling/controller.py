@@ -1,0 +1,252 @@
+"""The scaling controller's core: launches in flight, limits, backoff; no I/O, no clock.
+
+State: ``launches`` (request id -> what was asked, when, which worker ids, which arrived),
+``failures`` and ``backoff_until`` per node type, ``unusable`` types (too many failures in a row),
+``backlog_since`` (since when runnable demand has existed without a break), learned startup times
+per type, and the ``journal`` it writes every decision to, with reasons.
+
+Each :meth:`ScalingController.step` observes first (arrivals, timeouts), then acts: it builds a
+:class:`ClusterSnapshot`, asks the policy, and clamps the answer to ``min_nodes``/``max_nodes`` per
+type and ``max_workers`` overall.  The asyncio shell (``autoscaler.py``) carries out the returned
+:class:`Actions` through a provider and reports back (``launched``, ``launch_failed``,
+``retire_done``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tidepool.errors import ConfigError
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.planner import describe_types, rank_types
+from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.snapshot import ClusterSnapshot, PendingLaunch, Shape, build_snapshot
+from tidepool.scheduler.placement import fits
+from tidepool.telemetry.journal import Journal
+
+if TYPE_CHECKING:
+    from tidepool.scheduler.state import SchedulerState
+
+
+@dataclass
+class LaunchRecord:
+    request_id: str
+    node_type: str
+    nodes: int
+    since: float
+    deadline: float
+    worker_ids: list[str] = field(default_factory=list)
+    arrived: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Actions:
+    launch: list[tuple[str, NodeType, int]] = field(default_factory=list)  # (request id, type, nodes)
+    retire: list[str] = field(default_factory=list)
+    terminate: list[str] = field(default_factory=list)
+    snapshot: ClusterSnapshot | None = None
+
+
+class ScalingController:
+    def __init__(self, node_types: list[NodeType] | tuple[NodeType, ...],
+                 policy: Callable[[ClusterSnapshot], Any] | None = None, *,
+                 launch_timeout: float | None = None, backoff_base: float = 2.0,
+                 backoff_max: float = 120.0, max_type_failures: int = 3,
+                 max_workers: int | None = None, journal: Journal | None = None) -> None:  # fmt: skip
+        if not node_types:
+            raise ConfigError("the scaling controller needs at least one node type")
+        names = [nt.name for nt in node_types]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"node type names must be unique, got {names}")
+        self.node_types = {nt.name: nt for nt in node_types}
+        self.policy = policy if policy is not None else Adaptive()
+        self.launch_timeout = launch_timeout
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.max_type_failures = max_type_failures
+        self.max_workers = max_workers
+        self.journal = journal if journal is not None else Journal()
+        self.launches: dict[str, LaunchRecord] = {}
+        self.failures: dict[str, int] = {}
+        self.backoff_until: dict[str, float] = {}
+        self.unusable: dict[str, str] = {}
+        self.startup: dict[str, float] = {}
+        self.backlog_since: float | None = None
+        self.retiring: set[str] = set()
+        self.joined: set[str] = set()
+        self.worker_request: dict[str, str] = {}
+        self.request_type: dict[str, str] = {}
+        self._ids = itertools.count(1)
+        self._last_reason = ""
+
+    # ---- feasibility -------------------------------------------------------------------------------
+    def infeasible_reason(self, shape: Shape) -> str | None:
+        """Why no node type could ever run ``shape`` (None if one could)."""
+        if rank_types(shape, tuple(self.node_types.values())):
+            return None
+        return (f"it needs {dict(shape)} and no node type offers that; node types: "
+                f"{describe_types(tuple(self.node_types.values()))}")  # fmt: skip
+
+    # ---- reports from the shell -------------------------------------------------------------------
+    def worker_joined(self, wid: str, now: float) -> None:
+        self.joined.add(wid)
+        rid = self.worker_request.get(wid)
+        rec = self.launches.get(rid) if rid else None
+        if rec is None:
+            return
+        rec.arrived.add(wid)
+        if len(rec.arrived) >= len(rec.worker_ids):
+            took = now - rec.since
+            old = self.startup.get(rec.node_type)
+            self.startup[rec.node_type] = took if old is None else 0.7 * old + 0.3 * took
+            self.failures[rec.node_type] = 0
+            del self.launches[rid]  # type: ignore[arg-type]
+            self.journal.record("launch-arrived", now, request=rec.request_id, node_type=rec.node_type,
+                                seconds=round(took, 3))  # fmt: skip
+
+    def launched(self, request_id: str, worker_ids: list[str], now: float) -> None:
+        rec = self.launches.get(request_id)
+        if rec is None:
+            return
+        rec.worker_ids = list(worker_ids)
+        for w in worker_ids:
+            self.worker_request[w] = request_id
+            if w in self.joined:
+                rec.arrived.add(w)
+        if worker_ids and len(rec.arrived) >= len(worker_ids):
+            self.worker_joined(worker_ids[-1], now)
+
+    def launch_failed(self, request_id: str, message: str, now: float) -> None:
+        rec = self.launches.pop(request_id, None)
+        nt = rec.node_type if rec else self._type_of_request(request_id)
+        self.journal.record("launch-failed", now, request=request_id, node_type=nt, reason=message)
+        if nt:
+            self._type_failed(nt, message, now)
+
+    def worker_failed(self, wid: str, message: str, now: float) -> None:
+        """A worker this controller launched died before joining (or its setup failed)."""
+        rid = self.worker_request.get(wid)
+        if rid is not None and wid not in self.joined:
+            self.launch_failed(rid, message, now)
+        elif wid in self.joined and rid is not None:
+            nt = self._type_of_request(rid)
+            if nt and "setup" in message:
+                self._type_failed(nt, message, now)
+
+    def retire_done(self, wid: str, outcome: str, now: float) -> None:
+        self.retiring.discard(wid)
+        self.journal.record("retire-done", now, worker=wid, outcome=outcome)
+
+    def _type_of_request(self, rid: str) -> str | None:
+        return self.request_type.get(rid)
+
+    def _type_failed(self, nt: str, message: str, now: float) -> None:
+        n = self.failures.get(nt, 0) + 1
+        self.failures[nt] = n
+        wait = min(self.backoff_max, self.backoff_base * 2 ** (n - 1))
+        self.backoff_until[nt] = now + wait
+        self.journal.record("backoff", now, node_type=nt, seconds=wait, failures=n, reason=message)
+        if n >= self.max_type_failures and nt not in self.unusable:
+            why = f"{n} launches of {nt!r} failed in a row (last: {message}); not launching it again"
+            self.unusable[nt] = why
+            self.journal.record("node-type-disabled", now, node_type=nt, reason=why)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def _types_now(self) -> tuple[NodeType, ...]:
+        """Node types with startup estimates replaced by what was measured here."""
+        out = []
+        for nt in self.node_types.values():
+            if nt.name in self.startup:
+                nt = dataclasses.replace(nt, startup_estimate=self.startup[nt.name])
+            out.append(nt)
+        return tuple(out)
+
+    def step(self, state: SchedulerState, now: float) -> Actions:
+        actions = Actions()
+        # observe: launches that never arrived
+        for rid, rec in list(self.launches.items()):
+            if now >= rec.deadline:
+                missing = [w for w in rec.worker_ids if w not in rec.arrived]
+                actions.terminate.extend(missing)
+                del self.launches[rid]
+                msg = f"{len(missing)} workers of launch {rid} did not register within {rec.deadline - rec.since:.0f}s"
+                self.journal.record("cancel-launch", now, request=rid, node_type=rec.node_type, reason=msg)
+                self._type_failed(rec.node_type, msg, now)
+        self.retiring &= set(state.workers)
+        if state.pending:
+            if self.backlog_since is None:
+                self.backlog_since = now
+        else:
+            self.backlog_since = None
+        types = self._types_now()
+        pending = tuple(PendingLaunch(r.request_id, r.node_type, r.nodes, tuple(r.worker_ids), r.since)
+                        for r in self.launches.values())  # fmt: skip
+        snap = build_snapshot(
+            state, types, now=now, pending=pending, backlog_since=self.backlog_since,
+            backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
+        )  # fmt: skip
+        actions.snapshot = snap
+        decision = as_decision(self.policy(snap))
+        for shape_desc in decision.infeasible:
+            self.journal.record("infeasible", now, demand=shape_desc)
+        # clamp launches to limits
+        planned: dict[str, int] = {}
+        total_workers = len(state.workers) + sum(len(r.worker_ids) or r.nodes for r in self.launches.values())
+        reasons = list(decision.reasons)
+        wanted = dict(decision.launch)
+        for nt in types:  # min_nodes always holds
+            deficit = nt.min_nodes - snap.nodes_of(nt.name)
+            if deficit > 0 and not snap.blocked(nt.name) and wanted.get(nt.name, 0) < deficit:
+                wanted[nt.name] = deficit
+                reasons.append(f"{nt.name}: below min_nodes={nt.min_nodes}")
+        for name, n in wanted.items():
+            known = self.node_types.get(name)
+            if known is None:
+                reasons.append(f"policy asked for unknown node type {name!r}: ignored")
+                continue
+            if snap.blocked(name):
+                reasons.append(f"{name}: not launched ({self.unusable.get(name) or 'in backoff'})")
+                continue
+            n = min(n, known.max_nodes - snap.nodes_of(name))
+            if self.max_workers is not None:
+                n = min(n, (self.max_workers - total_workers) // known.workers_per_node)
+            if n > 0:
+                planned[name] = n
+                total_workers += n * known.workers_per_node
+        for name, n in planned.items():
+            nt = self.node_types[name]
+            rid = f"r{next(self._ids)}"
+            timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
+            self.launches[rid] = LaunchRecord(rid, name, n, now, now + timeout)
+            self.request_type[rid] = name
+            actions.launch.append((rid, nt, n))
+            self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason="; ".join(reasons))
+        # retirements: only known, not already retiring, and not below min_nodes
+        left = {nt.name: snap.nodes_of(nt.name) for nt in types}
+        for wid in decision.retire:
+            ws = state.workers.get(wid)
+            if ws is None or wid in self.retiring or ws.state != "running":
+                continue
+            wt = self.node_types.get(ws.node_type)
+            if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
+                continue
+            if planned.get(ws.node_type):
+                continue  # anti-flap: never launch and retire the same type at once
+            left[ws.node_type] = left.get(ws.node_type, 0) - 1
+            self.retiring.add(wid)
+            actions.retire.append(wid)
+            why = next((r for r in decision.reasons if r.startswith(wid)), "policy")
+            self.journal.record("retire", now, worker=wid, node_type=ws.node_type, reason=why)
+        if not actions.launch and not actions.retire and decision.reasons:
+            text = "; ".join(decision.reasons)[:2000]
+            if text != self._last_reason:
+                self.journal.record("decision", now, reason=text)
+            self._last_reason = text
+        return actions
+
+    def launched_worker_ids(self) -> list[str]:
+        return list(self.worker_request)

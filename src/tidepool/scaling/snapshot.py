@@ -1,0 +1,148 @@
+"""What a scaling policy sees (``ClusterSnapshot``) and what it answers (``ScaleDecision``).
+
+Both are frozen: a policy is a function from one snapshot to one decision, with ``now`` and every
+id inside the snapshot, so policies are tested with hand-made snapshots and replayed exactly in the
+simulator.  :func:`build_snapshot` reads a :class:`SchedulerState` plus the controller's launch
+bookkeeping; it never reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tidepool.scaling.node_types import NodeType
+
+if TYPE_CHECKING:
+    from tidepool.scheduler.state import SchedulerState
+
+Shape = tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class Demand:
+    """``count`` runnable tasks of one resource ``shape`` and ``group``, none on a worker yet."""
+
+    shape: Shape
+    group: str
+    count: int
+    est_seconds: float  # estimated duration of one task
+
+    @property
+    def resources(self) -> dict[str, float]:
+        return dict(self.shape)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    id: str
+    node_type: str
+    state: str  # starting / running / retiring
+    resources: dict[str, float]
+    slots: int
+    running: int  # tasks assigned (running or queued on it)
+    queued_seconds: float  # estimated work assigned to it
+    held_bytes: int
+    unique_keys: int  # values only it holds that somebody needs
+    unique_bytes: int
+    idle_since: float | None
+    joined: float
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.state == "running"
+
+
+@dataclass(frozen=True)
+class PendingLaunch:
+    request_id: str
+    node_type: str
+    nodes: int
+    worker_ids: tuple[str, ...]
+    since: float
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    now: float
+    node_types: tuple[NodeType, ...]
+    demand: tuple[Demand, ...]
+    workers: tuple[WorkerView, ...]
+    pending: tuple[PendingLaunch, ...] = ()
+    last_progress: float = 0.0  # when a task last finished (or failed)
+    finished: int = 0  # tasks finished so far
+    waiting: int = 0  # tasks waiting on inputs (future demand)
+    running: int = 0  # tasks on workers
+    backlog_since: float | None = None  # since when demand has been non-zero without pause
+    backoff: tuple[tuple[str, float], ...] = ()  # node type -> launches blocked until
+    unusable: tuple[str, ...] = ()  # node types disabled (repeated failures)
+
+    def node_type(self, name: str) -> NodeType | None:
+        for nt in self.node_types:
+            if nt.name == name:
+                return nt
+        return None
+
+    @property
+    def demand_tasks(self) -> int:
+        return sum(d.count for d in self.demand)
+
+    def nodes_of(self, name: str) -> int:
+        """Live plus pending nodes of a type (workers / workers_per_node, rounded up)."""
+        nt = self.node_type(name)
+        per = nt.workers_per_node if nt else 1
+        live = sum(1 for w in self.workers if w.node_type == name)
+        pend = sum(p.nodes for p in self.pending if p.node_type == name)
+        return -(-live // per) + pend
+
+    def blocked(self, name: str) -> bool:
+        if name in self.unusable:
+            return True
+        return any(n == name and until > self.now for n, until in self.backoff)
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """Launch ``launch[type]`` more nodes; retire ``retire`` workers; report ``infeasible`` shapes."""
+
+    launch: dict[str, int] = field(default_factory=dict)
+    retire: tuple[str, ...] = ()
+    infeasible: tuple[str, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.launch.values()) and not self.retire
+
+
+def build_snapshot(
+    state: SchedulerState,
+    node_types: tuple[NodeType, ...],
+    *,
+    now: float | None = None,
+    pending: tuple[PendingLaunch, ...] = (),
+    backlog_since: float | None = None,
+    backoff: tuple[tuple[str, float], ...] = (),
+    unusable: tuple[str, ...] = (),
+) -> ClusterSnapshot:
+    est = state.estimates
+    demand = tuple(
+        Demand(shape, group, n, est.estimate(group)) for (shape, group), n in sorted(state.pending.items())
+    )
+    workers = []
+    running = 0
+    for ws in state.workers.values():
+        unique = state.unique_data(ws)
+        workers.append(WorkerView(
+            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, len(ws.processing),
+            ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since,
+            ws.joined,
+        ))  # fmt: skip
+        running += len(ws.processing)
+    waiting = state.counts.get("waiting", 0)
+    return ClusterSnapshot(
+        now=state.now if now is None else now, node_types=node_types, demand=demand,
+        workers=tuple(sorted(workers, key=lambda w: w.id)), pending=pending,
+        last_progress=state.last_progress, finished=state.counters["finished"], waiting=waiting,
+        running=running, backlog_since=backlog_since, backoff=backoff, unusable=unusable,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""Seeing what the cluster did: the event journal, progress bars, timelines."""

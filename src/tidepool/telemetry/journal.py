@@ -1,0 +1,96 @@
+"""The event journal: one record per thing that happened, with the reason when there is one.
+
+Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``worker-join``,
+``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration), and the
+scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed``, ``backoff``,
+``infeasible`` and ``decision`` records carrying ``reason``.  The journal lives in memory and,
+given a path, is appended to a JSON-lines file that ``tidepool report`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import IO, Any
+
+from tidepool.scheduler import events as ev
+
+
+class Journal:
+    def __init__(self, path: str | None = None, *, tasks: bool = True) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.tasks = tasks
+        self._file: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
+        self.path = path
+
+    def record(self, kind: str, t: float, **fields: Any) -> None:
+        rec = {"t": round(t, 6), "kind": kind, **fields}
+        self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec, default=str) + "\n")
+
+    def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
+        """Scheduler observer: worker joins/leaves and task outcomes."""
+        for e in events:
+            if isinstance(e, ev.WorkerJoin):
+                self.record("worker-join", e.now, worker=e.worker, node_type=e.node_type,
+                            resources=e.resources)  # fmt: skip
+            elif isinstance(e, ev.WorkerRemove):
+                self.record("worker-leave", e.now, worker=e.worker, reason=e.reason, graceful=e.graceful)
+            elif self.tasks and isinstance(e, ev.TaskFinished):
+                self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
+                            duration=round(e.duration, 6), ok=True)  # fmt: skip
+            elif self.tasks and isinstance(e, ev.TaskErred):
+                self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
+                            duration=round(e.duration, 6), ok=False)  # fmt: skip
+        for c in cmds:
+            if isinstance(c, ev.CloseWorker):
+                self.record("worker-close", max((e.now for e in events), default=0.0), worker=c.worker,
+                            reason=c.reason)  # fmt: skip
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] in kinds]
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def worker_intervals(records: Iterable[dict[str, Any]], until: float | None = None) -> dict[str, tuple[float, float, str]]:
+    """worker -> (joined, left, node_type); workers still present end at ``until`` (or last record)."""
+    recs = list(records)
+    end = until if until is not None else max((r["t"] for r in recs), default=0.0)
+    joined: dict[str, tuple[float, str]] = {}
+    out: dict[str, tuple[float, float, str]] = {}
+    for r in recs:
+        if r["kind"] == "worker-join":
+            joined[r["worker"]] = (r["t"], r.get("node_type", "default"))
+        elif r["kind"] in ("worker-leave", "worker-close") and r["worker"] in joined:
+            t0, nt = joined.pop(r["worker"])
+            out[r["worker"]] = (t0, r["t"], nt)
+    for w, (t0, nt) in joined.items():
+        out[w] = (t0, max(end, t0), nt)
+    return out
+
+
+def held_worker_seconds(records: Iterable[dict[str, Any]], since: float = 0.0, until: float | None = None) -> float:
+    """Worker-seconds held (registered) between ``since`` and ``until``."""
+    total = 0.0
+    for t0, t1, _ in worker_intervals(records, until).values():
+        a, b = max(t0, since), t1 if until is None else min(t1, until)
+        total += max(0.0, b - a)
+    return total
+
+
+def busy_worker_seconds(records: Iterable[dict[str, Any]]) -> float:
+    return sum(r["duration"] for r in records if r["kind"] == "task")
