@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
 TARGET_RATIO = 5.0
-WARMUP_TASKS = 200
+WARMUP_TASKS = 100
 DOCS_HEADER = """# Benchmarks
 
 tidepool measured against Dask distributed in the same run, on the same machine.  Each benchmark
@@ -70,7 +70,7 @@ class Backend(Protocol):
 
     name: str
 
-    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]: ...
+    def map(self, fn: Callable[[int], int], items: range) -> list[Any]: ...
     def submit(self, fn: Callable[..., int], *args: Any) -> Any: ...
     def gather(self, futures: list[Any], timeout: float) -> list[Any]: ...
     def result(self, future: Any, timeout: float) -> Any: ...
@@ -91,7 +91,7 @@ class TidepoolBackend:
             self.cluster.close()
             raise
 
-    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]:
+    def map(self, fn: Callable[[int], int], items: range) -> list[Any]:
         return self.client.map(fn, items)
 
     def submit(self, fn: Callable[..., int], *args: Any) -> Any:
@@ -130,7 +130,7 @@ class DaskBackend:
             raise
 
     # pure=False: fresh keys every call, as tidepool does, so nothing is reused between repetitions
-    def map(self, fn: Callable[[int], int], items: Iterable[int]) -> list[Any]:
+    def map(self, fn: Callable[[int], int], items: range) -> list[Any]:
         return self.client.map(fn, items, pure=False)  # type: ignore[no-any-return]
 
     def submit(self, fn: Callable[..., int], *args: Any) -> Any:
@@ -235,18 +235,19 @@ def measure(n: int, repeat: int, timeout: float) -> Measurements:
                 wait_idle(b)
                 line = [f"rep {rep + 1}/{repeat} {name:8} (startup {started:.1f}s, untimed)"]
                 for workload, fn in WORKLOADS.items():
-                    before = b.executed() if isinstance(b, TidepoolBackend) else None
+                    tp = b if isinstance(b, TidepoolBackend) else None
+                    before = tp.executed() if tp is not None else []
                     seconds, tasks = fn(b, n, timeout)
                     m.add(workload, name, seconds, tasks)
                     line.append(f"{workload} {seconds:.2f}s = {tasks / seconds:,.0f}/s")
-                    if before is not None:
-                        split = [a - z for a, z in zip(b.executed(), before, strict=False)]
+                    if tp is not None:
+                        split = [a - z for a, z in zip(tp.executed(), before, strict=False)]
                         line[-1] += f" (per worker {split})"
                     wait_idle(b)
                 print("  " + "  ".join(line), flush=True)
             finally:
                 b.close()
-            time.sleep(0.5)  # let the closed cluster's processes go before the next one starts
+            time.sleep(0.25)  # let the closed cluster's processes go before the next one starts
     return m
 
 
@@ -254,7 +255,9 @@ def table(m: Measurements) -> list[list[str]]:
     rows = [["workload", "tasks", "tidepool tasks/s", "dask tasks/s", "ratio (tidepool/dask)"]]
     for workload in WORKLOADS:
         tp, dk = m.rate(workload, "tidepool"), m.rate(workload, "dask")
-        rows.append([workload, f"{m.tasks[workload]:,}", f"{tp:,.0f}", f"{dk:,.0f}", f"{tp / dk:.1f}x"])
+        rows.append(
+            [workload, f"{m.tasks[workload]:,}", f"{tp:,.0f}", f"{dk:,.0f}", f"{tp / dk:.1f}x"]
+        )
     return rows
 
 
@@ -262,7 +265,10 @@ def render_text(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        cells = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
         lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -270,7 +276,10 @@ def render_text(rows: list[list[str]]) -> str:
 
 
 def render_markdown(rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(["---"] + ["--:"] * (len(rows[0]) - 1)) + "|"]
+    out = [
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "|".join(["---"] + ["--:"] * (len(rows[0]) - 1)) + "|",
+    ]
     out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(out)
 
@@ -316,7 +325,7 @@ def git_revision() -> str:
 
 
 def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], command: str,
-                 n: int, repeat: int, when: str) -> str:  # fmt: skip
+                 n: int, repeat: int, when: str, wall: float) -> str:  # fmt: skip
     ratios = {w: m.rate(w, "tidepool") / m.rate(w, "dask") for w in WORKLOADS}
     verdict = ", ".join(
         f"{w} {r:.1f}x ({'meets' if r >= TARGET_RATIO else 'misses'} it)" for w, r in ratios.items()
@@ -324,6 +333,11 @@ def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], c
     runs = "\n".join(
         f"- {w} / {b}: " + ", ".join(f"{s:.2f}" for s in secs) + " s"
         for (w, b), secs in sorted(m.seconds.items())
+    )
+    busy = (
+        " (the machine was already busy: other processes shared its CPUs during the run)"
+        if float(info["load"].split()[0]) > 0.5
+        else ""
     )
     return f"""## Throughput: {n:,} no-op tasks
 
@@ -333,9 +347,10 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
 
 {render_markdown(rows)}
 
-- Measured {when} with `{command}` (run from the repository root).
+- Measured {when} with `{command}` (run from the repository root;
+  {wall:.0f} s in all).
 - Machine: {info["nproc"]} CPUs (nproc), {info["cpu"]}; {info["os"]}; load average at start
-  {info["load"]}.
+  {info["load"]}{busy}.
 - Software: Python {info["python"]}; {info["dask"]}; {info["tidepool"]}.
 - tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`.
   Dask: `distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -373,8 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=int, default=10_000, help="tasks per map / leaves per tree")
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions (median is reported)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per workload run")
-    ap.add_argument("--write-docs", action="store_true", help=f"rewrite the throughput section of {DOCS.relative_to(ROOT)}")
+    ap.add_argument(
+        "--write-docs",
+        action="store_true",
+        help=f"rewrite the throughput section of {DOCS.relative_to(ROOT)}",
+    )
     args = ap.parse_args(argv)
+    if __name__ != "__main__":  # imported: ship noop/add by value, workers cannot import this file
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if args.tasks < 2 or args.repeat < 1:
         ap.error("--tasks must be >= 2 and --repeat >= 1")
 
@@ -384,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info['nproc']} CPUs, Python {info['python']}, {info['dask']}, {info['tidepool']}, "
           f"load average {info['load']}")  # fmt: skip
     if float(info["load"].split()[0]) > 0.5:
-        print("  note: the machine was already busy; other processes compete for the same CPUs",
-              file=sys.stderr)  # fmt: skip
+        print("note: the machine was already busy; other processes compete for the same CPUs")
 
     t0 = time.perf_counter()
     try:
@@ -396,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = table(m)
     print()
     print(render_text(rows))
-    print(f"\n(medians of {args.repeat}; target ratio >= {TARGET_RATIO:.0f}x; "
-          f"{time.perf_counter() - t0:.0f}s in all)")  # fmt: skip
+    wall = time.perf_counter() - t0
+    print(f"\n(medians of {args.repeat}; target ratio >= {TARGET_RATIO:.0f}x; {wall:.0f}s in all)")
     if args.write_docs:
-        write_docs(docs_section(m, rows, info, command, args.tasks, args.repeat, when))
+        write_docs(docs_section(m, rows, info, command, args.tasks, args.repeat, when, wall))
         print(f"wrote the throughput section of {DOCS.relative_to(ROOT)}")
     return 0
 

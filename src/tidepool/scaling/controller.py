@@ -25,7 +25,6 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.planner import describe_types, rank_types
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.snapshot import ClusterSnapshot, PendingLaunch, Shape, build_snapshot
-from tidepool.scheduler.placement import fits
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
