@@ -133,7 +133,7 @@ class LocalCluster:
         return self._loop.run(call())
 
     def adapt(self, *, minimum: int = 0, maximum: int | None = None,
-              node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.1,
+              node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.05,
               journal: str | Journal | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
         """Let the scheduler grow and shrink the pool by itself.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,8 @@ from tidepool.errors import ConfigError
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.planner import describe_types, rank_types
 from tidepool.scaling.policies import Adaptive, as_decision
-from tidepool.scaling.snapshot import ClusterSnapshot, PendingLaunch, Shape, build_snapshot
+from tidepool.scaling.forecast import type_forecasts
+from tidepool.scaling.snapshot import ClusterSnapshot, PendingLaunch, Shape, TypeForecast, build_snapshot
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
@@ -55,7 +57,8 @@ class ScalingController:
                  policy: Callable[[ClusterSnapshot], Any] | None = None, *,
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
                  backoff_max: float = 120.0, max_type_failures: int = 3,
-                 max_workers: int | None = None, journal: Journal | None = None) -> None:  # fmt: skip
+                 max_workers: int | None = None, journal: Journal | None = None,
+                 forecast_interval: float | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -81,6 +84,14 @@ class ScalingController:
         self.request_type: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._last_reason = ""
+        self._forecasts: tuple[TypeForecast, ...] = ()
+        self._eta: float | None = None
+        self._next_demand: float | None = None
+        self._fc_time = -1e9
+        self._fc_every = forecast_interval or 0.25
+        self._fc_fixed = forecast_interval is not None
+        self._fc_key: tuple[Any, ...] = ()
+        self._fc_finished = -1
 
     # ---- feasibility -------------------------------------------------------------------------------
     def infeasible_reason(self, shape: Shape) -> str | None:
@@ -182,11 +193,13 @@ class ScalingController:
         else:
             self.backlog_since = None
         types = self._types_now()
+        self._refresh_forecast(state, types, now)
         pending = tuple(PendingLaunch(r.request_id, r.node_type, r.nodes, tuple(r.worker_ids), r.since)
                         for r in self.launches.values())  # fmt: skip
         snap = build_snapshot(
             state, types, now=now, pending=pending, backlog_since=self.backlog_since,
             backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
+            forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
         actions.snapshot = snap
         decision = as_decision(self.policy(snap))
@@ -246,6 +259,27 @@ class ScalingController:
                 self.journal.record("decision", now, reason=text)
             self._last_reason = text
         return actions
+
+    def _refresh_forecast(self, state: SchedulerState, types: tuple[NodeType, ...], now: float) -> None:
+        """Recompute forecasts when due; big graphs are re-forecast less often (cost-adaptive)."""
+        changed = (len(state.workers), len(self.launches), state.counters["finished"] != self._fc_finished)
+        if now - self._fc_time < self._fc_every and changed == self._fc_key:
+            return
+        if now - self._fc_time < 0.05:
+            return
+        t0 = 0.0 if self._fc_fixed else time.perf_counter()
+        blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
+        nodes = {}
+        for nt in types:
+            live = sum(1 for w in state.workers.values() if w.node_type == nt.name)
+            nodes[nt.name] = -(-live // nt.workers_per_node) + sum(
+                r.nodes for r in self.launches.values() if r.node_type == nt.name)
+        pending = tuple((r.node_type, r.nodes, r.since) for r in self.launches.values())
+        self._forecasts, self._eta, self._next_demand = type_forecasts(state, types, nodes, pending, now, blocked)
+        if not self._fc_fixed:  # compute cost only sets how often; None keeps replays exact
+            self._fc_every = min(5.0, max(0.25, 10 * (time.perf_counter() - t0)))
+        self._fc_time, self._fc_key = now, changed
+        self._fc_finished = state.counters["finished"]
 
     def launched_worker_ids(self) -> list[str]:
         return list(self.worker_request)

@@ -9,9 +9,10 @@ ramp step of :class:`Backlog`); given the same sequence of snapshots they decide
 - :class:`NoProgress`: demand exists, nothing finished for ``seconds`` and nothing is being launched
   -> launch one node that fits (the safety net when other policies hold back).
 - :class:`IdleRetire`: retire idle workers that hold nothing anyone needs after ``idle_timeout``
-  (default: the node type's ``startup_estimate``, the ski-rental rule: keeping an idle worker longer
-  than it takes to start a new one cannot pay off), and idle workers that do hold needed data after
-  ``cached_idle_timeout`` (their data moves to survivors first).
+  (default: a quarter of the node type's measured startup time, at most 30 s: an idle worker is
+  cheap to replace when its replacement starts fast, and Slurm-sized startups keep workers longer),
+  at once when the forecast says no work can reach them sooner, and idle workers that do hold
+  needed data after ``cached_idle_timeout`` (their data moves to survivors first).
 - :class:`Adaptive`: the default; combines the above, then applies anti-flap rules (a worker younger
   than ``min_lifetime`` is not retired; no launch and retire of the same node type in one decision).
 """
@@ -103,10 +104,75 @@ class NoProgress:
 
 
 @dataclass
+class CompletionTarget:
+    """Add nodes only while the forecast says they shorten the run by more than their startup.
+
+    For every node type with work that prefers it, the controller forecasts the remaining time
+    with 0, 1, 2, ... extra nodes (new nodes help only after their startup time).  A step from
+    ``a`` to ``b`` extra nodes is taken when it saves more than ``startup * (b - a)`` seconds, so a
+    chain or a narrow phase adds nothing and a wide phase adds enough.  Work that waits behind
+    running tasks is launched for only once it could start within a node's startup time.  With ``max_eta`` it acts only
+    while the forecast is above ``max_eta`` and takes the fewest nodes that bring it below, if any
+    do; with ``deadline`` (absolute, scheduler clock) the target is ``deadline - now``.
+    """
+
+    max_eta: float | None = None
+    deadline: float | None = None
+    gain_factor: float = 1.0
+
+    def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
+        target = self.max_eta
+        if self.deadline is not None:
+            target = max(0.0, self.deadline - snap.now)
+        launch: dict[str, int] = {}
+        reasons: list[str] = []
+        for f in snap.forecasts:
+            if len(f.extra) < 2 or snap.blocked(f.node_type):
+                continue
+            base = f.etas[0]
+            if target is not None and base <= target:
+                continue
+            if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > f.startup):
+                continue  # nothing can run before a new node would arrive: launch when it can
+            best = 0
+            for i in range(1, len(f.extra)):
+                saved = f.etas[best] - f.etas[i]
+                if saved > self.gain_factor * f.startup * (f.extra[i] - f.extra[best]):
+                    best = i
+            if target is not None:
+                meets = [i for i in range(1, best + 1) if f.etas[i] <= target]
+                if meets:
+                    best = meets[0]
+            if best == 0:
+                continue
+            k = f.extra[best]
+            launch[f.node_type] = k
+            reasons.append(
+                f"forecast for {f.tasks} tasks preferring {f.node_type}: {_fmt(base)} now, "
+                f"{_fmt(f.etas[best])} with {k} more node(s) (startup {f.startup:.1f}s)"
+                + (f"; target {target:.0f}s" if target is not None else "")
+            )
+        return ScaleDecision(launch=launch, reasons=tuple(reasons))
+
+
+def scale_to_meet(deadline: float) -> CompletionTarget:
+    """A :class:`CompletionTarget` that aims to finish by ``deadline`` (scheduler clock)."""
+    return CompletionTarget(deadline=deadline)
+
+
+def _fmt(seconds: float) -> str:
+    return "never (no worker)" if seconds == float("inf") else f"{seconds:.1f}s"
+
+
+@dataclass
 class IdleRetire:
     idle_timeout: float | None = None
     cached_idle_timeout: float = 60.0
-    min_idle_timeout: float = 0.1
+    min_idle_timeout: float = 0.05
+    #: default idle timeout, as a fraction of the node type's (measured) startup time
+    startup_fraction: float = 0.25
+    #: retire at once when the forecast says no work can arrive before a new node could start
+    lookahead: bool = True
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         retire: list[str] = []
@@ -120,13 +186,17 @@ class IdleRetire:
             nt = snap.node_type(w.node_type)
             timeout = self.idle_timeout
             if timeout is None:
-                timeout = nt.startup_estimate if nt is not None else 5.0
+                timeout = min(30.0, (nt.startup_estimate if nt is not None else 5.0) * self.startup_fraction)
             timeout = max(timeout, self.min_idle_timeout)
             idle = snap.now - w.idle_since
             if nt is not None and left.get(nt.name, 0) - 1 < nt.min_nodes:
                 continue
-            if w.unique_keys == 0 and idle >= timeout:
-                reasons.append(f"{w.id} idle {idle:.1f}s and holds no needed data (timeout {timeout:.1f}s)")
+            gap = snap.next_demand_in
+            lookahead = (self.lookahead and not snap.demand and idle >= self.min_idle_timeout
+                         and (gap is None or gap > timeout))  # fmt: skip
+            if w.unique_keys == 0 and (idle >= timeout or lookahead):
+                why = "no work expected soon" if idle < timeout else f"timeout {timeout:.1f}s"
+                reasons.append(f"{w.id} idle {idle:.1f}s and holds no needed data ({why})")
             elif w.unique_keys and idle >= self.cached_idle_timeout:
                 reasons.append(f"{w.id} idle {idle:.1f}s holding {w.unique_keys} needed values "
                                f"({w.unique_bytes} bytes): retire, moving them to survivors")  # fmt: skip
@@ -172,14 +242,20 @@ def anti_flap(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> S
 
 @dataclass
 class Adaptive:
-    """The default policy: Backlog + NoProgress + IdleRetire, with anti-flap rules."""
+    """The default policy: CompletionTarget + NoProgress + IdleRetire, with anti-flap rules.
 
-    backlog: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=Backlog)
+    ``launcher`` decides launches from the completion forecast; ``backlog`` (off by default) adds
+    Spark-style ramping on queued work; ``no_progress`` is the safety net; ``idle`` retires.
+    """
+
+    launcher: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=CompletionTarget)
+    backlog: Callable[[ClusterSnapshot], ScaleDecision] | None = None
     no_progress: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=NoProgress)
     idle: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=IdleRetire)
     extra: list[Callable[[ClusterSnapshot], Any]] = field(default_factory=list)
     min_lifetime: float = 1.0
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
-        parts = [p for p in (self.backlog, self.no_progress, self.idle, *self.extra) if p is not None]
+        parts = [p for p in (self.launcher, self.backlog, self.no_progress, self.idle, *self.extra)
+                 if p is not None]  # fmt: skip
         return anti_flap(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)

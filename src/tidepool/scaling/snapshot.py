@@ -63,6 +63,22 @@ class PendingLaunch:
 
 
 @dataclass(frozen=True)
+class TypeForecast:
+    """Forecast remaining seconds of the work that prefers ``node_type`` with extra nodes.
+
+    ``etas[i]`` is the forecast with ``extra[i]`` more nodes (``extra[0] == 0``: the pool as it is,
+    launches in flight included); new nodes count from ``startup`` seconds on.
+    """
+
+    node_type: str
+    startup: float
+    slots_per_node: int
+    extra: tuple[int, ...]
+    etas: tuple[float, ...]
+    tasks: int = 0
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     now: float
     node_types: tuple[NodeType, ...]
@@ -76,6 +92,9 @@ class ClusterSnapshot:
     backlog_since: float | None = None  # since when demand has been non-zero without pause
     backoff: tuple[tuple[str, float], ...] = ()  # node type -> launches blocked until
     unusable: tuple[str, ...] = ()  # node types disabled (repeated failures)
+    forecasts: tuple[TypeForecast, ...] = ()
+    eta: float | None = None  # forecast remaining seconds with the pool as it is (None: unknown)
+    next_demand_in: float | None = None  # seconds until waiting work becomes runnable (None: none waits)
 
     def node_type(self, name: str) -> NodeType | None:
         for nt in self.node_types:
@@ -124,6 +143,9 @@ def build_snapshot(
     backlog_since: float | None = None,
     backoff: tuple[tuple[str, float], ...] = (),
     unusable: tuple[str, ...] = (),
+    forecasts: tuple[TypeForecast, ...] = (),
+    eta: float | None = None,
+    next_demand_in: float | None = None,
 ) -> ClusterSnapshot:
     est = state.estimates
     demand = tuple(
@@ -145,4 +167,5 @@ def build_snapshot(
         workers=tuple(sorted(workers, key=lambda w: w.id)), pending=pending,
         last_progress=state.last_progress, finished=state.counters["finished"], waiting=waiting,
         running=running, backlog_since=backlog_since, backoff=backoff, unusable=unusable,
+        forecasts=forecasts, eta=eta, next_demand_in=next_demand_in,
     )  # fmt: skip

@@ -1,0 +1,259 @@
+"""Remaining-time forecasts: how long the loaded graph still needs with a given pool.
+
+Pure functions.  :func:`remaining_work` copies what is left of the graph out of the scheduler state
+(estimated duration of every unfinished task, its unfinished inputs, and for running tasks the time
+still expected); :func:`list_schedule` plays it forward on ``slots`` task slots plus slots that
+arrive later (new nodes after their startup time), greedily by priority, like the scheduler does;
+:func:`forecast` is ``max(critical path, work / capacity)`` refined by that simulation.
+
+Estimates: a group's duration is its measured mean; a group never seen uses the adaptive prior; a
+task running longer than that is evidence, so the estimate is at least the longest elapsed time of
+its running tasks, and a running task is expected to need ``max(est - elapsed, elapsed / 4)`` more.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.snapshot import TypeForecast
+
+if TYPE_CHECKING:
+    from tidepool.scheduler.state import SchedulerState
+
+Shape = tuple[tuple[str, float], ...]
+
+#: Above this many unfinished tasks the simulation is replaced by the analytic bound.
+SIMULATE_MAX_TASKS = 20_000
+
+
+@dataclass(frozen=True)
+class RemainingWork:
+    durations: tuple[float, ...]  # per unfinished task (running: remaining time)
+    deps: tuple[tuple[int, ...], ...]  # unfinished inputs, as indices
+    running: tuple[int, ...]  # indices already running (they hold a slot from t=0)
+    keys: tuple[str, ...] = ()
+    unknown: frozenset[int] = frozenset()  # running tasks of groups with no finished sample yet
+
+    @property
+    def total(self) -> float:
+        return sum(self.durations)
+
+    def __len__(self) -> int:
+        return len(self.durations)
+
+
+def group_estimates(state: SchedulerState) -> dict[str, float]:
+    """Per-group estimates raised to the longest elapsed time of that group's running tasks."""
+    est = state.estimates
+    out: dict[str, float] = {}
+    now = state.now
+    for ws in state.workers.values():
+        for ts in ws.processing:
+            g = ts.group
+            base = out.get(g)
+            if base is None:
+                base = est.estimate(g)
+            out[g] = max(base, now - ts.started) if ts.started else base
+    return out
+
+
+def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None = None) -> RemainingWork:
+    """The unfinished part of the graph (optionally only tasks of the given resource ``shapes``)."""
+    est = state.estimates
+    raised = group_estimates(state)
+    tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
+             and (shapes is None or ts.shape in shapes)]  # fmt: skip
+    tasks.sort(key=lambda t: t.priority)
+    index = {ts.key: i for i, ts in enumerate(tasks)}
+    durations: list[float] = []
+    deps: list[tuple[int, ...]] = []
+    running: list[int] = []
+    unknown: list[int] = []
+    for i, ts in enumerate(tasks):
+        e = raised.get(ts.group)
+        if e is None:
+            e = est.estimate(ts.group)
+        if ts.state == "running" and ts.started:
+            elapsed = max(0.0, now - ts.started)
+            durations.append(max(e - elapsed, elapsed / 4))
+            running.append(i)
+            st = est.groups.get(ts.group)
+            if st is None or st.count == 0:
+                unknown.append(i)
+        else:
+            durations.append(e)
+        deps.append(tuple(index[d.key] for d in ts.deps if d.key in index))
+    return RemainingWork(tuple(durations), tuple(deps), tuple(running), tuple(t.key for t in tasks),
+                         frozenset(unknown))  # fmt: skip
+
+
+def critical_path(work: RemainingWork) -> float:
+    """Longest chain of estimated durations (indices are in topological order)."""
+    finish = [0.0] * len(work)
+    best = 0.0
+    for i, d in enumerate(work.durations):
+        start = max((finish[j] for j in work.deps[i]), default=0.0)
+        finish[i] = start + d
+        best = max(best, finish[i])
+    return best
+
+
+def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()) -> float:
+    """Makespan of greedy list scheduling on ``slots`` slots now plus slots arriving at ``arrivals``."""
+    n = len(work)
+    if n == 0:
+        return 0.0
+    free: list[float] = [0.0] * slots + list(arrivals)
+    if not free:
+        return float("inf")
+    heapq.heapify(free)
+    indeg = [len(d) for d in work.deps]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(work.deps):
+        for j in ds:
+            dependents[j].append(i)
+    ready_at = [0.0] * n
+    finish = [0.0] * n
+    pending: list[tuple[float, int]] = []  # (ready time, index)
+    available: list[int] = []  # by priority (= index order)
+    running = set(work.running)
+    # running tasks keep their slots: they finish after their remaining time
+    busy = sorted(work.durations[i] for i in running)
+    for _ in busy:
+        if free:
+            heapq.heappop(free)
+    for i in running:
+        finish[i] = work.durations[i]
+    for r in busy[: len(busy)]:
+        heapq.heappush(free, r)
+    makespan = max(busy, default=0.0)
+
+    def release(i: int) -> None:
+        for k in dependents[i]:
+            indeg[k] -= 1
+            ready_at[k] = max(ready_at[k], finish[i])
+            if indeg[k] == 0:
+                heapq.heappush(pending, (ready_at[k], k))
+
+    for i in running:
+        release(i)
+    for i in range(n):
+        if indeg[i] == 0 and i not in running:
+            heapq.heappush(pending, (0.0, i))
+    while pending or available:
+        t = heapq.heappop(free)
+        while pending and pending[0][0] <= t:
+            heapq.heappush(available, heapq.heappop(pending)[1])
+        if not available:
+            t = max(t, pending[0][0])
+            while pending and pending[0][0] <= t:
+                heapq.heappush(available, heapq.heappop(pending)[1])
+        i = heapq.heappop(available)
+        finish[i] = max(t, ready_at[i]) + work.durations[i]
+        makespan = max(makespan, finish[i])
+        heapq.heappush(free, finish[i])
+        release(i)
+    return makespan
+
+
+def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()) -> float:
+    """Remaining seconds: the list-scheduling estimate, never below the two lower bounds."""
+    if len(work) == 0:
+        return 0.0
+    total_slots = slots + len(arrivals)
+    if total_slots == 0:
+        return float("inf")
+    cp = critical_path(work)
+    if slots == 0:
+        cp += min(arrivals)
+    bound = max(cp, work.total / total_slots)
+    if len(work) > SIMULATE_MAX_TASKS:
+        return bound
+    return max(bound, list_schedule(work, slots, arrivals))
+
+
+def next_demand_in(work: RemainingWork) -> float | None:
+    """Seconds until a task that waits on inputs could become runnable (None: nothing waits).
+
+    Waiting behind a running task whose kind has never finished gives ``inf``: its duration is a
+    guess, too weak to launch ahead of time or to keep idle workers for.
+    """
+    waiting = [i for i, d in enumerate(work.deps) if d]
+    if not waiting:
+        return None
+    running = set(work.running)
+    best: float | None = None
+    for i in waiting:
+        if all(j in running for j in work.deps[i]):
+            if any(j in work.unknown for j in work.deps[i]):
+                t = float("inf")
+            else:
+                t = max(work.durations[j] for j in work.deps[i])
+            best = t if best is None else min(best, t)
+    return best if best is not None else 0.0
+
+
+def candidates(room: int) -> tuple[int, ...]:
+    """Extra-node counts worth simulating: every count up to 6, then sparser, and ``room`` itself."""
+    out = [k for k in (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128) if k <= room]
+    if room > 0 and room not in out and room <= 1024:
+        out.append(room)
+    return tuple(out)
+
+
+def type_forecasts(
+    state: SchedulerState,
+    node_types: tuple[NodeType, ...],
+    nodes_of: dict[str, int],
+    pending: tuple[tuple[str, int, float], ...],
+    now: float,
+    blocked: set[str],
+) -> tuple[tuple[TypeForecast, ...], float | None, float | None]:
+    """Per node type: forecast remaining time of the work that prefers it, with 0..room extra nodes.
+
+    ``pending`` holds launches in flight as (type, nodes, launched at).  Returns the forecasts, the
+    overall ETA with the pool as it is, and when waiting work next becomes runnable.
+    """
+    from tidepool.scaling.planner import capacity, rank_types
+
+    shapes: dict[Shape, int] = {}
+    for ts in state.tasks.values():
+        if ts.state in ("waiting", "ready", "no-worker", "running"):
+            shapes[ts.shape] = shapes.get(ts.shape, 0) + 1
+    if not shapes:
+        return (), 0.0, None
+    classes: dict[str, dict[Shape, int]] = {}
+    for shape, n in shapes.items():
+        ranked = rank_types(shape, node_types)
+        usable = [nt for nt in ranked if nt.name not in blocked] or ranked
+        if usable:
+            classes.setdefault(usable[0].name, {})[shape] = n
+    by_name = {nt.name: nt for nt in node_types}
+    out: list[TypeForecast] = []
+    eta: float | None = None
+    nxt: float | None = None
+    for name, cls in sorted(classes.items()):
+        nt = by_name[name]
+        work = remaining_work(state, now, set(cls))
+        dom = max(cls, key=lambda s: (cls[s], s))
+        spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
+        slots = sum(capacity(ws.resources, dom) for ws in state.workers.values()
+                    if ws.state in ("running", "starting"))  # fmt: skip
+        slots = min(slots, 100_000)
+        arrivals: list[float] = []
+        for ptype, nodes, since in pending:
+            if ptype == name:
+                arrivals.extend([max(0.0, since + nt.startup_estimate - now)] * (nodes * spn))
+        room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
+        ks = candidates(room)
+        base = tuple(arrivals)
+        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn)) for k in ks)
+        out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work)))
+        eta = etas[0] if eta is None else max(eta, etas[0])
+        soon = next_demand_in(work)
+        if soon is not None:
+            nxt = soon if nxt is None else min(nxt, soon)
+    return tuple(out), eta, nxt
