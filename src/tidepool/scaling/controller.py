@@ -22,11 +22,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ConfigError
+from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.planner import describe_types, rank_types
 from tidepool.scaling.policies import Adaptive, as_decision
-from tidepool.scaling.forecast import type_forecasts
-from tidepool.scaling.snapshot import ClusterSnapshot, PendingLaunch, Shape, TypeForecast, build_snapshot
+from tidepool.scaling.snapshot import (
+    ClusterSnapshot,
+    PendingLaunch,
+    Shape,
+    TypeForecast,
+    build_snapshot,
+)
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
