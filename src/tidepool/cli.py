@@ -36,9 +36,12 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
         main_task: asyncio.Task[Any] = loop.create_task(coro_main)
         stop_task = loop.create_task(stop.wait())
         await asyncio.wait([main_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-        for t in (main_task, stop_task):
-            t.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        stop_task.cancel()
+        if main_task.done():
+            main_task.result()  # re-raise why it ended (wrong token, port in use, ...)
+            return
+        main_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
             await main_task
 
     asyncio.run(runner())
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except TidepoolError as exc:
         print(f"tidepool: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"tidepool: error: {exc} (is the address right and the port free?)", file=sys.stderr)
         return 2
 
 

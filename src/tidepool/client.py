@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -39,7 +40,7 @@ from tidepool.errors import (
 )
 from tidepool.futures import _UNSET, IN_MEMORY, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
-from tidepool.graph.refs import Ref, replace
+from tidepool.graph.refs import RECURSE, Ref, replace
 from tidepool.loop import LoopThread
 from tidepool.resources import parse_resources
 
@@ -96,7 +97,9 @@ class Client(concurrent.futures.Executor):
         try:
             self._loop.run(self._start(), timeout=timeout + 5)
         except BaseException:
+            self.closed = True
             self._loop.stop()
+            self._callbacks.shutdown(wait=False)
             raise
         _clients.append(weakref.ref(self))
 
@@ -115,6 +118,13 @@ class Client(concurrent.futures.Executor):
             self._loop.run(self._aclose(), timeout=10)
         except Exception:
             pass
+        with self._lock:
+            pending = [f for f in self._futures.values() if not f.done()]
+        for f in pending:
+            try:
+                f.set_exception(TaskCancelledError(f"client closed before {f.key!r} finished", f.key))
+            except concurrent.futures.InvalidStateError:
+                pass
         self._loop.stop()
         self._callbacks.shutdown(wait=False)
         if self._own_cluster is not None:
@@ -179,7 +189,7 @@ class Client(concurrent.futures.Executor):
             if isinstance(x, Ref):
                 deps.append(x.key)
                 return x
-            return None
+            return RECURSE
 
         if args or kwargs:
             a2 = replace(args, swap)
@@ -196,7 +206,7 @@ class Client(concurrent.futures.Executor):
     def _new_future(self, key: str) -> Future[Any]:
         with self._lock:
             fut = self._futures.get(key)
-            if fut is None:
+            if fut is None or fut.cancelled():
                 fut = Future(key, self)
                 self._futures[key] = fut
                 weakref.finalize(fut, self._release_later, key)
@@ -205,9 +215,12 @@ class Client(concurrent.futures.Executor):
             fut.set_exception(self._make_exception(key, err))
         return fut
 
-    def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
+    def _check_open(self) -> None:
         if self.closed:
-            raise SchedulerError("this client is closed")
+            raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
+
+    def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
+        self._check_open()
         msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
         self._loop.run(self._conn.send(msg))
         self._sent_funcs.update(functions)
@@ -291,7 +304,7 @@ class Client(concurrent.futures.Executor):
             if isinstance(x, Delayed):
                 roots.append(x)
                 return x
-            return None
+            return RECURSE
 
         replace(collection, collect)
         if not roots:
@@ -301,7 +314,7 @@ class Client(concurrent.futures.Executor):
         wanted = list(dict.fromkeys(r.key for r in roots))
         futs = {k: self._new_future(k) for k in wanted}
         self._send_graph(tasks, wanted, functions)
-        result = replace(collection, lambda x: futs[x.key] if isinstance(x, Delayed) else None)
+        result = replace(collection, lambda x: futs[x.key] if isinstance(x, Delayed) else RECURSE)
         if progress:
             from tidepool.telemetry.progress import show_progress
 
@@ -332,23 +345,14 @@ class Client(concurrent.futures.Executor):
             if f._value is _UNSET:
                 need.append(f.key)
         if need:
+            self._check_open()
             values = self._loop.run(self._fetch(list(dict.fromkeys(need)), timeout))
             for f in flat:
                 if f.key in values:
                     f._value = values[f.key]
-        skipped = object()
-
-        def value(x: Any) -> Any:
-            if isinstance(x, Future):
-                if x.exception() is not None:
-                    return skipped
-                return x.result()
-            return None
-
-        out = replace(futures, value)
-        if errors == "skip" and isinstance(out, list):
-            out = [v for v in out if v is not skipped]
-        return out
+        if errors == "skip":
+            return _without_errors(futures)
+        return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
         """``await client.gather_async(futures)`` from any asyncio loop."""
@@ -356,9 +360,10 @@ class Client(concurrent.futures.Executor):
         _collect_futures(futures, flat)
         for f in flat:
             await f
-        return replace(futures, lambda x: x.result() if isinstance(x, Future) else None)
+        return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     def _fetch_one(self, fut: Future[Any], timeout: float | None) -> Any:
+        self._check_open()
         return self._loop.run(self._fetch([fut.key], timeout))[fut.key]
 
     async def _fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
@@ -538,12 +543,29 @@ class Client(concurrent.futures.Executor):
         return self._loop.run(self._request({"op": "retire", "workers": list(workers)}))  # type: ignore[no-any-return]
 
 
+def _without_errors(obj: Any) -> Any:
+    """Values of the futures in ``obj``, leaving out failed ones (list items, dict entries)."""
+    _skip = object()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, Future):
+            return _skip if x.exception() is not None else x.result()
+        t = type(x)
+        if t is list or t is tuple:
+            return t(v for v in (walk(i) for i in x) if v is not _skip)
+        if t is dict:
+            return {k: v for k, v in ((k, walk(i)) for k, i in x.items()) if v is not _skip}
+        return x
+
+    return walk(obj)
+
+
 def _collect_futures(obj: Any, into: list[Future[Any]]) -> None:
     def visit(x: Any) -> Any:
         if isinstance(x, Future):
             into.append(x)
             return x
-        return None
+        return RECURSE
 
     replace(obj, visit)
 
@@ -561,19 +583,38 @@ class ClientExecutor(concurrent.futures.Executor):
         self.client = client
         self.resources = parse_resources(resources) if resources else None
         self.retries = retries
+        self._futures: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
+        self._shutdown = False
+
+    def _check(self) -> None:
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:  # type: ignore[override]
-        return self.client._submit(fn, args, kwargs, resources=self.resources, retries=self.retries)
+        self._check()
+        fut = self.client._submit(fn, args, kwargs, resources=self.resources, retries=self.retries)
+        self._futures.add(fut)
+        return fut
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1) -> Iterator[T]:  # fmt: skip
+        self._check()
         futs = self.client.map(fn, *iterables, resources=self.resources, retries=self.retries)
+        self._futures.update(futs)
+        end = None if timeout is None else time.monotonic() + timeout
 
         def results() -> Iterator[T]:
             for f in futs:
-                yield f.result(timeout)
+                yield f.result(None if end is None else max(0.0, end - time.monotonic()))
 
         return results()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        pass
+        """Stop accepting work; optionally cancel pending futures; wait for the rest."""
+        self._shutdown = True
+        futs = list(self._futures)
+        if cancel_futures:
+            for f in futs:
+                f.cancel()
+        if wait:
+            concurrent.futures.wait(futs)

@@ -34,6 +34,15 @@ def _set_none(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    if loop.is_closed():
+        return  # the awaiting coroutine gave up (timeout) and its loop is gone
+    try:
+        loop.call_soon_threadsafe(_set_none, fut)
+    except RuntimeError:
+        pass
+
+
 class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable."""
 
@@ -62,6 +71,8 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
 
     def cancel(self) -> bool:
         """Release the key on the scheduler (stopping the task if nothing else needs it)."""
+        if self.cancelled():
+            return True
         if self.done():
             return False
         self.client.cancel([self])
@@ -86,7 +97,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         done: asyncio.Future[None] = loop.create_future()
 
         def wake(_: Any) -> None:
-            loop.call_soon_threadsafe(_set_none, done)
+            _wake_loop(loop, done)
 
         self._add_raw_callback(wake)
         await done

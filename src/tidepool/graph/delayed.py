@@ -65,7 +65,7 @@ class Delayed(Generic[T]):
         return c.compute(self, **kwargs).result()  # type: ignore[no-any-return]
 
     def dependencies(self) -> Iterator[Delayed[Any]]:
-        from tidepool.graph.refs import replace
+        from tidepool.graph.refs import RECURSE, replace
 
         found: list[Delayed[Any]] = []
 
@@ -73,7 +73,7 @@ class Delayed(Generic[T]):
             if isinstance(x, Delayed):
                 found.append(x)
                 return x
-            return None
+            return RECURSE
 
         replace(self.args, visit)
         replace(self.kwargs, visit)

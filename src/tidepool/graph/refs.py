@@ -46,10 +46,19 @@ def substitute(obj: Any, values: Mapping[str, Any]) -> Any:
     return obj
 
 
-def replace(obj: Any, fn: Callable[[Any], Any | None]) -> Any:
-    """Walk containers like :func:`substitute`; ``fn(x)`` returns a replacement or None to recurse."""
+class _Recurse:
+    def __repr__(self) -> str:
+        return "RECURSE"
+
+
+#: Returned by a :func:`replace` callback to mean "not mine: look inside".
+RECURSE: Any = _Recurse()
+
+
+def replace(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Walk containers like :func:`substitute`; ``fn(x)`` returns a replacement, or ``RECURSE``."""
     r = fn(obj)
-    if r is not None:
+    if r is not RECURSE:
         return r
     t = type(obj)
     if t is list:

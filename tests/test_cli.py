@@ -1,0 +1,237 @@
+"""The command line on real processes: ``tidepool scheduler``, ``tidepool worker``, ``tidepool demo``.
+
+Every process is started with ``subprocess`` and always reaped (terminate, then kill after a bounded
+wait).  Output is read by a thread into a queue so waiting for the scheduler's address line is a
+bounded wait on an event, not a sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+import tidepool
+from tidepool.errors import AuthenticationError
+
+pytestmark = pytest.mark.integration
+
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "tidepool")
+ADDRESS_LINE = re.compile(r"tidepool scheduler at (tcp://\S+)")
+
+
+def tidepool_cmd(*args: str, module: bool = False) -> list[str]:
+    """The installed console script, or ``python -m tidepool.cli`` (both are exercised)."""
+    if module or not os.path.exists(_SCRIPT):
+        return [sys.executable, "-m", "tidepool.cli", *args]
+    return [_SCRIPT, *args]
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without any tidepool token, so only the files under test supply one."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        tick.wait(0.02)
+
+
+class Proc:
+    """A child process whose stdout lines land in a queue (read by a daemon thread)."""
+
+    def __init__(self, cmd: list[str], stderr_path: Path, env: dict[str, str] | None = None) -> None:
+        self.stderr_path = stderr_path
+        self._err: IO[bytes] = open(stderr_path, "wb")
+        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL,
+                                      env=env if env is not None else clean_env(), text=True)  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line)
+
+    def wait_for_line(self, pattern: re.Pattern[str], timeout: float = 20.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no line matching {pattern.pattern!r} within {timeout}s: {self.output}"
+                                     f"\nstderr: {self.stderr()}")  # fmt: skip
+            try:
+                line = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if self.popen.poll() is not None and self.lines.empty():
+                    raise AssertionError(f"process exited ({self.popen.returncode}) before printing "
+                                         f"{pattern.pattern!r}: {self.output}\nstderr: {self.stderr()}") from None  # fmt: skip
+                continue
+            self.output.append(line)
+            m = pattern.search(line)
+            if m:
+                return m
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        """Signal the process and wait (bounded) for it to exit; returns its exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        return self.popen.wait(timeout)
+
+    def reap(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+        self._err.close()
+
+
+@contextlib.contextmanager
+def running(*procs: Proc) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.reap()
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[tuple[Proc, str, Path]]:
+    """A ``tidepool scheduler`` on a free port with a token file: (process, address, token file)."""
+    port = free_port()
+    token_file = tmp_path / "token.txt"
+    proc = Proc(tidepool_cmd("scheduler", "--port", str(port), "--token-file", str(token_file)),
+                tmp_path / "scheduler.err")  # fmt: skip
+    with running(proc):
+        address = proc.wait_for_line(ADDRESS_LINE).group(1)
+        assert address == f"tcp://127.0.0.1:{port}"
+        yield proc, address, token_file
+
+
+def start_worker(address: str, token_file: Path, tmp_path: Path, name: str, *extra: str,
+                 module: bool = False) -> Proc:  # fmt: skip
+    return Proc(tidepool_cmd("worker", address, "--token-file", str(token_file), "--name", name, *extra,
+                             module=module), tmp_path / f"{name}.err")  # fmt: skip
+
+
+# ---- tests ---------------------------------------------------------------------------------------------
+def test_scheduler_workers_and_client_end_to_end(scheduler: tuple[Proc, str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    sched, address, token_file = scheduler
+    assert token_file.exists() and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token not in "".join(sched.output)  # never printed
+
+    w1 = start_worker(address, token_file, tmp_path, "cli-w1", "--slots", "2", "--resources", '{"gpu": 1}')
+    w2 = start_worker(address, token_file, tmp_path, "cli-w2", "--slots", "1", module=True)
+    with running(w1, w2):
+        with tidepool.Client(address, token=token) as client:
+
+            def workers() -> dict[str, dict[str, Any]]:
+                return {w["name"]: w for w in client.scheduler_info()["workers"]}
+
+            wait_until(lambda: set(workers()) == {"cli-w1", "cli-w2"}, what="both CLI workers to register")
+            info = workers()
+            assert info["cli-w1"]["resources"] == {"gpu": 1.0, "cpu": 2.0}
+            assert info["cli-w2"]["resources"]["cpu"] == 1.0
+
+            # a task pinned by resources runs in the first worker process
+            assert client.submit(os.getpid, resources={"gpu": 1}).result(timeout=15) == w1.popen.pid
+            squares = client.gather(client.map(lambda x: x * x, range(20)))
+            assert squares == [x * x for x in range(20)]
+
+            # a second client finds the token through $TIDEPOOL_TOKEN_FILE
+            monkeypatch.setenv("TIDEPOOL_TOKEN_FILE", str(token_file))
+            monkeypatch.delenv("TIDEPOOL_TOKEN", raising=False)
+            with tidepool.Client(address) as other:
+                assert other.submit(pow, 3, 4).result(timeout=15) == 81
+
+            # SIGTERM on a worker: it exits cleanly and the scheduler drops it
+            assert w2.stop() == 0, w2.stderr()
+            wait_until(lambda: set(workers()) == {"cli-w1"}, what="the scheduler to drop the stopped worker")
+            assert client.submit(lambda: "still works").result(timeout=15) == "still works"
+
+        # SIGTERM on the scheduler: it exits cleanly and tells its worker to stop
+        assert sched.stop() == 0, sched.stderr()
+        assert w1.popen.wait(15) == 0, w1.stderr()
+    assert "Traceback" not in sched.stderr() and "Traceback" not in w1.stderr()
+
+
+def test_client_with_wrong_token_is_rejected(scheduler: tuple[Proc, str, Path]) -> None:
+    _, address, _ = scheduler
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError, match="token"):
+        tidepool.Client(address, token="not-the-token", timeout=10)
+    assert time.monotonic() - started < 10
+
+
+def test_worker_with_wrong_token_exits_with_an_error(scheduler: tuple[Proc, str, Path],
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    _, address, _ = scheduler
+    bad = tmp_path / "bad-token.txt"
+    bad.write_text("0" * 64)
+    w = start_worker(address, bad, tmp_path, "bad-worker")
+    with running(w):
+        try:
+            rc = w.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("worker with a wrong token hangs instead of exiting")
+        assert rc != 0, f"exit code {rc}, stderr: {w.stderr()!r}"
+        assert "token" in w.stderr().lower()
+
+
+def test_scheduler_on_a_busy_port_exits_with_an_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = Proc(tidepool_cmd("scheduler", "--port", str(port)), tmp_path / "busy.err")
+        with running(p):
+            rc = p.popen.wait(20)
+            assert rc != 0, f"exit code {rc}, stderr: {p.stderr()!r}"
+            assert str(port) in p.stderr() or "address" in p.stderr().lower()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--token-file", "/nonexistent/token.txt"], "cannot read token file"),
+    ([], "no token"),
+])  # fmt: skip
+def test_worker_without_a_usable_token_fails_fast(tmp_path: Path, args: list[str], message: str) -> None:
+    w = Proc(tidepool_cmd("worker", f"tcp://127.0.0.1:{free_port()}", *args), tmp_path / "w.err")
+    with running(w):
+        assert w.popen.wait(20) == 2
+        assert message in w.stderr()
+
+
+def test_demo_runs_and_reports_ok(tmp_path: Path) -> None:
+    p = Proc(tidepool_cmd("demo"), tmp_path / "demo.err")
+    with running(p):
+        m = p.wait_for_line(re.compile(r"result (\d+) \(serial answer (\d+)\): (OK|MISMATCH)"), timeout=40)
+        assert m.group(3) == "OK" and m.group(1) == m.group(2)
+        assert p.popen.wait(30) == 0, p.stderr()

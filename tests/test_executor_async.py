@@ -1,0 +1,391 @@
+"""Futures as ``concurrent.futures`` futures, the Client as an Executor, and the asyncio API.
+
+Real worker processes (one module-scoped LocalCluster with two 2-slot workers).  Tasks that must
+stay running block on a "gate" file in ``tmp_path``; the test opens the gate, so nothing depends on
+timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import tidepool
+from tidepool.errors import RemoteTraceback
+
+pytestmark = pytest.mark.integration
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _worker_env() -> dict[str, str]:
+    # Workers import module-level task functions of this file by reference.
+    parts = [TESTS_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {"PYTHONPATH": os.pathsep.join(parts)}
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    """Bounded wait on a condition."""
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        tick.wait(0.02)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tidepool.LocalCluster]:
+    with tidepool.LocalCluster(n_workers=2, slots=2, env=_worker_env()) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: tidepool.LocalCluster) -> Iterator[tidepool.Client]:
+    with tidepool.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def gate(tmp_path: Any) -> Iterator[Any]:
+    """A file that gated tasks wait for; always opened at teardown so no worker slot stays busy."""
+    path = tmp_path / "gate"
+    yield path
+    path.touch()
+
+
+def task_state(cluster: tidepool.LocalCluster, key: str) -> str | None:
+    return cluster.run(lambda s: s.state.tasks[key].state if key in s.state.tasks else None)  # type: ignore[no-any-return]
+
+
+# ---- task functions --------------------------------------------------------------------------------
+def inc(x: int) -> int:
+    return x + 1
+
+
+def describe(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"args": args, "kwargs": kwargs}
+
+
+def gated_value(gate: str | None, value: Any, timeout: float = 20.0) -> Any:
+    """Return ``value`` once the file ``gate`` exists (at once when ``gate`` is None)."""
+    deadline = time.monotonic() + timeout
+    while gate is not None and not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {gate} never opened")
+        time.sleep(0.01)
+    return value
+
+
+def raise_value_error(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def return_none() -> None:
+    return None
+
+
+def flaky(counter: str, failures: int) -> int:
+    n = int(open(counter).read() or 0) if os.path.exists(counter) else 0
+    with open(counter, "w") as f:
+        f.write(str(n + 1))
+    if n < failures:
+        raise ValueError(f"flaky attempt {n + 1}")
+    return n + 1
+
+
+@tidepool.task
+def t_gated(gate: str, value: int) -> int:
+    return gated_value(gate, value)  # type: ignore[no-any-return]
+
+
+# ---- concurrent.futures compatibility ----------------------------------------------------------------
+def test_types_satisfy_concurrent_futures(client: tidepool.Client) -> None:
+    f = client.submit(inc, 1)
+    assert isinstance(f, cf.Future)
+    assert isinstance(client, cf.Executor)
+    assert isinstance(client.get_executor(), cf.Executor)
+    assert f.result(timeout=10) == 2 and f.done() and not f.cancelled() and f.exception() is None
+
+
+def test_wait_first_completed_first_exception_and_all(client: tidepool.Client, gate: Any) -> None:
+    blocked = client.submit(gated_value, str(gate), "late")
+    quick = client.submit(inc, 1)
+    done, not_done = cf.wait([blocked, quick], timeout=10, return_when=cf.FIRST_COMPLETED)
+    assert quick in done and blocked in not_done
+
+    failing = client.submit(raise_value_error, "first exception")
+    done, not_done = cf.wait([blocked, failing], timeout=10, return_when=cf.FIRST_EXCEPTION)
+    assert failing in done and blocked in not_done
+    assert isinstance(failing.exception(), ValueError)
+
+    gate.touch()
+    done, not_done = cf.wait([blocked, quick, failing], timeout=10)
+    assert not not_done and blocked.result() == "late"
+
+
+def test_as_completed_yields_in_completion_order(client: tidepool.Client, gate: Any) -> None:
+    blocked = client.submit(gated_value, str(gate), "slow")
+    quick = client.map(inc, range(3))
+    order = []
+    for f in cf.as_completed([blocked, *quick], timeout=15):
+        order.append(f)
+        if len(order) == 3:
+            gate.touch()  # only now can the blocked task finish
+    assert set(order[:3]) == set(quick) and order[3] is blocked
+    assert [f.result() for f in order] == [f.result() for f in order[:3]] + ["slow"]
+
+
+def test_as_completed_timeout(client: tidepool.Client, gate: Any) -> None:
+    blocked = client.submit(gated_value, str(gate), 0)
+    with pytest.raises(TimeoutError):
+        for _ in cf.as_completed([blocked], timeout=0.2):
+            pass
+
+
+def test_done_callbacks_may_call_result(client: tidepool.Client, gate: Any) -> None:
+    seen: dict[str, Any] = {}
+    fired = threading.Event()
+    lock = threading.Lock()
+
+    def record(name: str) -> Callable[[cf.Future[Any]], None]:
+        def cb(f: cf.Future[Any]) -> None:
+            try:
+                value: Any = f.result(timeout=10)  # blocking call: fine off the event loop
+            except Exception as exc:  # noqa: BLE001
+                value = exc
+            with lock:
+                seen[name] = (value, threading.current_thread().name)
+                if len(seen) == 3:
+                    fired.set()
+
+        return cb
+
+    pending = client.submit(gated_value, str(gate), {"v": 1})
+    pending.add_done_callback(record("pending"))
+    finished = client.submit(inc, 9)
+    finished.result(timeout=10)
+    finished.add_done_callback(record("already-done"))  # runs although it was done before
+    failing = client.submit(raise_value_error, "in callback")
+    failing.add_done_callback(record("failing"))
+    gate.touch()
+    assert fired.wait(15), seen
+    assert seen["pending"][0] == {"v": 1}
+    assert seen["already-done"][0] == 10
+    assert isinstance(seen["failing"][0], ValueError)
+    assert all(not name.startswith("tidepool-client") for _, name in seen.values())
+
+
+def test_cancel_a_long_running_task(cluster: tidepool.LocalCluster, client: tidepool.Client,
+                                    gate: Any) -> None:  # fmt: skip
+    long = client.submit(gated_value, str(gate), "never wanted")
+    key = long.key
+    wait_until(lambda: task_state(cluster, key) == "running", what="the long task to start")
+    assert long.cancel() is True
+    assert long.cancelled() and long.done() and long.status == "cancelled"
+    with pytest.raises(cf.CancelledError):
+        long.result(timeout=1)
+    wait_until(lambda: task_state(cluster, key) is None, what="the scheduler to forget the key")
+    done = client.submit(inc, 1)
+    assert done.result(timeout=10) == 2
+    assert done.cancel() is False  # finished futures cannot be cancelled
+
+    def running_on_workers(s: Any) -> int:  # as the workers' heartbeats report it
+        return sum(w.metrics.get("running", 0) for w in s.state.workers.values())
+
+    finished = cluster.run(lambda s: s.state.counters["finished"])
+    wait_until(lambda: cluster.run(running_on_workers) >= 1, what="a heartbeat showing the abandoned run")
+    gate.touch()
+    # the abandoned run finishes on its worker, which drops the result without reporting it
+    wait_until(lambda: cluster.run(running_on_workers) == 0, what="the abandoned run to end")
+    assert task_state(cluster, key) is None
+    assert cluster.run(lambda s: s.state.counters["finished"]) == finished
+
+
+def test_cancel_twice_returns_true(client: tidepool.Client, gate: Any) -> None:
+    f = client.submit(gated_value, str(gate), 1)
+    assert f.cancel() is True
+    assert f.cancel() is True
+
+
+def test_compute_again_after_cancel(client: tidepool.Client, gate: Any) -> None:
+    lazy = t_gated(str(gate), 5)
+    first = client.compute(lazy)
+    assert first.cancel()
+    gate.touch()
+    again = client.compute(lazy)
+    assert again.result(timeout=10) == 5
+
+
+# ---- Executor -----------------------------------------------------------------------------------------
+def test_executor_submit_passes_every_keyword_to_the_function(client: tidepool.Client) -> None:
+    ex = client.get_executor()
+    f = ex.submit(describe, 1, key="k", resources={"gpu": 1}, retries=3)
+    assert isinstance(f, cf.Future)
+    assert f.result(timeout=10) == {"args": (1,), "kwargs": {"key": "k", "resources": {"gpu": 1}, "retries": 3}}
+    assert f.key != "k"
+
+
+def test_executor_options_apply_to_every_task(client: tidepool.Client, tmp_path: Any) -> None:
+    ex = client.get_executor(retries=2)
+    assert ex.submit(flaky, str(tmp_path / "c1"), 2).result(timeout=15) == 3
+    assert list(ex.map(flaky, [str(tmp_path / "c2"), str(tmp_path / "c3")], [1, 2])) == [2, 3]
+
+
+def test_executor_map_yields_results_in_input_order(cluster: tidepool.LocalCluster,
+                                                    client: tidepool.Client, gate: Any) -> None:  # fmt: skip
+    def gated_keys(s: Any, state: str | None = None) -> set[str]:
+        return {k for k, t in s.state.tasks.items()
+                if k.startswith("gated_value-") and (state is None or t.state == state)}  # fmt: skip
+
+    earlier = cluster.run(gated_keys)
+    ex = client.get_executor()
+    gates = [str(gate), None, None, None]
+    results = ex.map(gated_value, gates, ["first", "second", "third", "fourth"])
+    assert isinstance(results, Iterator)
+
+    def others_done(s: Any) -> bool:
+        return len(gated_keys(s, "memory") - earlier) >= 3
+
+    wait_until(lambda: cluster.run(others_done), what="the ungated tasks to finish")
+    gate.touch()  # the first input finishes last, yet comes out first
+    assert list(results) == ["first", "second", "third", "fourth"]
+    assert list(ex.map(pow, range(6), [2] * 6)) == [0, 1, 4, 9, 16, 25]
+    assert list(ex.map(inc, [])) == []
+
+
+def test_executor_as_context_manager_leaves_client_open(client: tidepool.Client) -> None:
+    with client.get_executor() as ex:
+        futs = [ex.submit(inc, i) for i in range(5)]
+        assert [f.result(timeout=10) for f in futs] == [1, 2, 3, 4, 5]
+    assert not client.closed
+    assert client.submit(inc, 1).result(timeout=10) == 2
+
+
+def test_executor_shutdown_waits_for_pending_futures(client: tidepool.Client, gate: Any) -> None:
+    ex = client.get_executor()
+    f = ex.submit(gated_value, str(gate), 1)
+    opener = threading.Timer(0.3, gate.touch)  # opens the gate while shutdown(wait=True) blocks
+    opener.start()
+    try:
+        ex.shutdown(wait=True)
+        assert f.done()
+    finally:
+        opener.cancel()
+        gate.touch()
+
+
+def test_executor_submit_after_shutdown_raises(client: tidepool.Client) -> None:
+    with client.get_executor() as ex:
+        ex.submit(inc, 1).result(timeout=10)
+    with pytest.raises(RuntimeError):
+        ex.submit(inc, 2)
+
+
+def test_client_is_an_executor_and_shutdown_closes_it(cluster: tidepool.LocalCluster) -> None:
+    c = tidepool.Client(cluster)
+    try:
+        assert isinstance(c, cf.Executor)
+        assert c.submit(inc, 1).result(timeout=10) == 2
+        futs = c.map(inc, range(3))  # Client.map is the future-returning flavour
+        assert all(isinstance(f, tidepool.Future) for f in futs)
+        assert c.gather(futs) == [1, 2, 3]
+    finally:
+        c.shutdown()
+    assert c.closed
+    with pytest.raises(tidepool.SchedulerError):
+        c.submit(inc, 1)
+
+
+# ---- asyncio ------------------------------------------------------------------------------------------
+def test_await_futures_and_gather_async(client: tidepool.Client) -> None:
+    async def main() -> tuple[Any, ...]:
+        f = client.submit(inc, 1)
+        first = await f
+        again = await f  # awaiting a finished future again
+        many = client.map(inc, range(10))
+        together = await asyncio.gather(*many)  # awaited concurrently
+        nested = await client.gather_async({"a": [client.submit(inc, 10)], "b": (many[0], "plain")})
+        return first, again, together, nested
+
+    first, again, together, nested = asyncio.run(main())
+    assert first == again == 2
+    assert together == list(range(1, 11))
+    assert nested == {"a": [11], "b": (1, "plain")}
+
+
+def test_awaited_failing_future_raises_the_remote_exception(client: tidepool.Client) -> None:
+    async def main() -> None:
+        f = client.submit(raise_value_error, "async boom")
+        with pytest.raises(ValueError, match="async boom") as info:
+            await f
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert "raise_value_error" in info.value.__cause__.tb
+        with pytest.raises(ValueError, match="async boom"):
+            await client.gather_async([client.submit(inc, 1), f])
+        child = client.submit(inc, f)
+        with pytest.raises(ValueError, match="async boom"):
+            await child
+
+    asyncio.run(main())
+
+
+def test_await_does_not_block_the_event_loop(client: tidepool.Client, gate: Any) -> None:
+    async def main() -> list[str]:
+        events: list[str] = []
+        blocked = client.submit(gated_value, str(gate), "gated")
+
+        async def opener() -> None:
+            events.append("loop free while awaiting")
+            await asyncio.sleep(0)
+            gate.touch()
+
+        value, _ = await asyncio.gather(blocked, opener())
+        events.append(value)
+        return events
+
+    assert asyncio.run(main()) == ["loop free while awaiting", "gated"]
+
+
+def test_gather_async_returns_none_values(client: tidepool.Client) -> None:
+    async def main() -> Any:
+        return await client.gather_async([client.submit(return_none), client.submit(inc, 1)])
+
+    assert asyncio.run(main()) == [None, 2]
+
+
+def test_await_timeout_leaves_no_dangling_callback(client: tidepool.Client, gate: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    blocked = client.submit(gated_value, str(gate), 3)
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(blocked, 0.1)
+
+    asyncio.run(main())
+    with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+        gate.touch()
+        assert blocked.result(timeout=10) == 3
+        # barrier: the client loop has finished the report (and its callbacks) that set the result
+        client._loop.run(asyncio.sleep(0), timeout=5)
+    assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()]
+
+
+def test_released_after_await(cluster: tidepool.LocalCluster, client: tidepool.Client) -> None:
+    async def main() -> str:
+        f = client.submit(inc, 41)
+        assert await f == 42
+        return f.key
+
+    key = asyncio.run(main())
+    gc.collect()
+    wait_until(lambda: task_state(cluster, key) is None, what="the awaited key to be released")
