@@ -56,7 +56,7 @@ def group_estimates(state: SchedulerState) -> dict[str, float]:
             base = out.get(g)
             if base is None:
                 base = est.estimate(g)
-            out[g] = max(base, now - ts.started) if ts.started else base
+            out[g] = max(base, now - ts.started)
     return out
 
 
@@ -76,7 +76,7 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
         e = raised.get(ts.group)
         if e is None:
             e = est.estimate(ts.group)
-        if ts.state == "running" and ts.started:
+        if ts.state == "running":
             elapsed = max(0.0, now - ts.started)
             durations.append(max(e - elapsed, elapsed / 4))
             running.append(i)

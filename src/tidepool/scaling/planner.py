@@ -2,7 +2,8 @@
 
 Pure functions over a :class:`ClusterSnapshot`.  Demand (runnable tasks not on a worker yet) is
 first packed onto the free capacity of live workers and of launches still pending, then onto new
-nodes.  For every demand shape, node types are ranked so that GPU demand only goes to types that
+nodes, whose spare room serves only demand that prefers their type (CPU work does not ride on GPU
+nodes launched for GPU work).  For every demand shape, node types are ranked so that GPU demand only goes to types that
 have GPUs, and CPU demand avoids a type with special resources (``gpu``, custom labels) whenever a
 plain type fits: ``(special resources the demand does not use, cost, name)``.  Types in backoff,
 disabled, or at ``max_nodes`` are skipped; a shape no type fits at all is reported as infeasible.
@@ -90,11 +91,15 @@ def plan(snapshot: ClusterSnapshot, demand: tuple[Demand, ...] | None = None) ->
         by_shape[d.shape] = by_shape.get(d.shape, 0) + d.count
     # special shapes first so plain demand does not eat the special nodes' capacity
     order = sorted(by_shape, key=lambda s: (-sum(1 for n, _ in s if n not in PLAIN), s))
+    planned_bins: dict[str, list[dict[str, float]]] = {}  # spare room on nodes this plan adds
     for shape in order:
+        ranked = rank_types(shape, snapshot.node_types)
         n = _fill(bins, shape, by_shape[shape])
+        usable = [nt for nt in ranked if not snapshot.blocked(nt.name)]
+        if n > 0 and usable:  # spare room of planned nodes, only of the type this shape prefers
+            n = _fill(planned_bins.get(usable[0].name, []), shape, n)
         if n <= 0:
             continue
-        ranked = rank_types(shape, snapshot.node_types)
         if not ranked:
             result.infeasible.append(shape)
             result.reasons.append(
@@ -115,7 +120,7 @@ def plan(snapshot: ClusterSnapshot, demand: tuple[Demand, ...] | None = None) ->
             result.nodes[nt.name] = result.nodes.get(nt.name, 0) + k
             new_bins = [dict(nt.worker_resources) for _ in range(k * nt.workers_per_node)]
             n = _fill(new_bins, shape, n)
-            bins.extend(new_bins)  # spare room on the new nodes serves later shapes
+            planned_bins.setdefault(nt.name, []).extend(new_bins)
         if n > 0:
             result.unplaced[shape] = n
             names = ", ".join(nt.name for nt in ranked)

@@ -1,0 +1,295 @@
+"""Pure tests of planning, policies, forecasts and the scaling controller (fake clock, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidepool.errors import ConfigError
+from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.forecast import critical_path, list_schedule, remaining_work
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.planner import plan, rank_types
+from tidepool.scaling.policies import (
+    Adaptive,
+    Backlog,
+    CompletionTarget,
+    IdleRetire,
+    NoProgress,
+    as_decision,
+)
+from tidepool.scaling.snapshot import ClusterSnapshot, Demand, ScaleDecision, WorkerView
+from tidepool.scheduler.state import SchedulerState
+from tidepool.testing import StateDriver
+
+CPU = NodeType("cpu", {"cpu": 8}, max_nodes=4, startup_estimate=1.0)
+GPU = NodeType("gpu", {"cpu": 4, "gpu": 2}, max_nodes=2, cost=3.0, startup_estimate=1.0)
+CPU_SHAPE = (("cpu", 1.0),)
+GPU_SHAPE = (("cpu", 1.0), ("gpu", 1.0))
+
+
+def snap(demand=(), workers=(), now=10.0, types=(CPU, GPU), **kw) -> ClusterSnapshot:  # type: ignore[no-untyped-def]
+    return ClusterSnapshot(now=now, node_types=types, demand=tuple(demand), workers=tuple(workers), **kw)
+
+
+def worker(wid: str, nt: str = "cpu", running: int = 0, idle_since: float | None = 0.0, unique: int = 0,
+           joined: float = 0.0, resources: dict | None = None) -> WorkerView:  # type: ignore[type-arg]  # fmt: skip
+    res = resources or ({"cpu": 8.0} if nt == "cpu" else {"cpu": 4.0, "gpu": 2.0})
+    return WorkerView(wid, nt, "running", res, int(res["cpu"]), running, 0.0, 0, unique, unique * 10,
+                      idle_since if running == 0 else None, joined)  # fmt: skip
+
+
+# ---- node types and planner -------------------------------------------------------------------
+def test_node_type_validation_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match="min_nodes <= max_nodes"):
+        NodeType("x", {"cpu": 1}, min_nodes=3, max_nodes=1)
+    with pytest.raises(ConfigError, match="workers_per_node"):
+        NodeType("x", {"cpu": 1}, workers_per_node=0)
+    with pytest.raises(ConfigError, match="byte amount"):
+        NodeType("x", {"cpu": 1, "memory": "lots"})
+    assert NodeType("m", {"cpu": 8, "memory": "16GB"}, workers_per_node=2).worker_resources == {
+        "cpu": 4.0, "memory": 8e9}
+
+
+def test_gpu_demand_only_goes_to_gpu_types_and_cpu_demand_avoids_them() -> None:
+    assert [nt.name for nt in rank_types(GPU_SHAPE, (CPU, GPU))] == ["gpu"]
+    assert [nt.name for nt in rank_types(CPU_SHAPE, (GPU, CPU))] == ["cpu", "gpu"]
+    p = plan(snap([Demand(GPU_SHAPE, "g", 3, 1.0), Demand(CPU_SHAPE, "c", 10, 1.0)]))
+    assert p.nodes == {"gpu": 2, "cpu": 2}  # 3 gpu tasks need 2 gpu nodes; 10 cpu tasks 2 cpu nodes
+    assert not p.infeasible
+
+
+def test_cpu_demand_spills_to_gpu_type_only_when_cpu_type_is_full() -> None:
+    s = snap([Demand(CPU_SHAPE, "c", 40, 1.0)])  # 4 cpu nodes hold 32
+    p = plan(s)
+    assert p.nodes == {"cpu": 4, "gpu": 2}
+
+
+def test_demand_packs_onto_free_capacity_before_new_nodes() -> None:
+    s = snap([Demand(CPU_SHAPE, "c", 6, 1.0)], [worker("w1", running=2)])
+    assert plan(s).nodes == {}  # 6 free slots on w1
+    s = snap([Demand(CPU_SHAPE, "c", 7, 1.0)], [worker("w1", running=2)])
+    assert plan(s).nodes == {"cpu": 1}
+
+
+def test_infeasible_demand_is_reported_with_the_node_types() -> None:
+    p = plan(snap([Demand((("cpu", 1.0), ("tpu", 1.0)), "t", 1, 1.0)]))
+    assert p.infeasible and "tpu" in p.reasons[0] and "gpu" in p.reasons[0]
+
+
+def test_blocked_type_is_skipped() -> None:
+    s = snap([Demand(CPU_SHAPE, "c", 4, 1.0)], backoff=(("cpu", 99.0),))
+    assert plan(s).nodes == {"gpu": 1}
+
+
+# ---- policies ---------------------------------------------------------------------------------
+def test_backlog_waits_then_ramps_1_2_4() -> None:
+    b = Backlog(delay=1.0, interval=1.0)
+    d = [Demand(CPU_SHAPE, "c", 200, 1.0)]
+    many = NodeType("cpu", {"cpu": 1}, max_nodes=100)
+    assert b(snap(d, now=10.5, backlog_since=10.0, types=(many,))).empty
+    launches = []
+    for t in (11.0, 11.5, 12.0, 13.0):
+        launches.append(b(snap(d, now=t, backlog_since=10.0, types=(many,))).launch.get("cpu", 0))
+    assert launches == [1, 0, 2, 4]
+    assert b(snap([], now=14.0, types=(many,))).empty  # backlog gone: ramp resets
+    assert b(snap(d, now=16.0, backlog_since=14.5, types=(many,))).launch == {"cpu": 1}
+
+
+def test_no_progress_launches_one_node_after_stall() -> None:
+    p = NoProgress(seconds=30)
+    d = [Demand(CPU_SHAPE, "c", 5, 1.0)]
+    assert p(snap(d, now=20.0, last_progress=0.0)).empty
+    dec = p(snap(d, now=31.0, last_progress=0.0))
+    assert dec.launch == {"cpu": 1} and "no progress" in dec.reasons[0]
+
+
+def test_idle_retire_only_empty_workers_unless_cached_timeout_passed() -> None:
+    pol = IdleRetire(idle_timeout=5, cached_idle_timeout=60, lookahead=False)
+    ws = [worker("empty", idle_since=0.0), worker("holder", idle_since=0.0, unique=3),
+          worker("busy", running=1), worker("fresh", idle_since=8.0)]  # fmt: skip
+    assert pol(snap([], ws, now=10.0)).retire == ("empty",)
+    assert set(pol(snap([], ws, now=61.0)).retire) == {"empty", "holder", "fresh"}
+
+
+def test_idle_retire_keeps_workers_that_fit_demand_and_respects_min_nodes() -> None:
+    pol = IdleRetire(idle_timeout=1, lookahead=False)
+    gpu_demand = [Demand(GPU_SHAPE, "g", 1, 1.0)]
+    ws = [worker("c1"), worker("g1", nt="gpu")]
+    assert pol(snap(gpu_demand, ws, now=10.0)).retire == ("c1",)  # g1 fits the waiting gpu task
+    keep_one = NodeType("cpu", {"cpu": 8}, min_nodes=1, max_nodes=4)
+    assert pol(snap([], [worker("c1"), worker("c2")], now=10.0, types=(keep_one, GPU))).retire == ("c1",)
+
+
+def test_idle_retire_lookahead_retires_at_once_when_no_work_can_arrive() -> None:
+    pol = IdleRetire(idle_timeout=5)
+    ws = [worker("w", idle_since=9.9)]
+    assert pol(snap([], ws, now=10.0, next_demand_in=None)).retire == ("w",)
+    assert pol(snap([], ws, now=10.0, next_demand_in=0.5)).retire == ()
+
+
+def test_adaptive_anti_flap_young_workers_and_same_type_launch() -> None:
+    ws = [worker("young", joined=9.5, idle_since=9.5), worker("old", idle_since=0.0)]
+
+    def wants_both(s: ClusterSnapshot) -> ScaleDecision:
+        return ScaleDecision(launch={"gpu": 1}, retire=("young", "old"))
+
+    a = Adaptive(launcher=wants_both, no_progress=None, idle=None, min_lifetime=1.0)
+    d = a(snap([], ws, now=10.0))
+    assert d.retire == ("old",) and d.launch == {"gpu": 1}
+    a2 = Adaptive(launcher=lambda s: ScaleDecision(launch={"cpu": 1}, retire=("old",)), no_progress=None, idle=None)
+    assert a2(snap([], ws, now=10.0)).retire == ()
+
+
+def test_user_policies_may_return_dicts_and_bad_returns_are_rejected() -> None:
+    assert as_decision({"launch": {"cpu": 2}}).launch == {"cpu": 2}
+    assert as_decision(None).empty
+    with pytest.raises(ConfigError, match="unknown fields"):
+        as_decision({"lanch": {}})
+    with pytest.raises(ConfigError, match="ScaleDecision or a dict"):
+        as_decision(42)
+
+
+# ---- forecasts ---------------------------------------------------------------------------------
+def test_list_schedule_and_critical_path() -> None:
+    from tidepool.scaling.forecast import RemainingWork
+
+    wide = RemainingWork((0.5,) * 40, ((),) * 40, ())
+    assert list_schedule(wide, 4) == pytest.approx(5.0)
+    assert list_schedule(wide, 1, (1.0,) * 3) == pytest.approx(6.0)  # 2 tasks, then 38 on 4 slots
+    chain = RemainingWork((1.0,) * 20, tuple((i - 1,) if i else () for i in range(20)), ())
+    assert critical_path(chain) == list_schedule(chain, 1) == list_schedule(chain, 8) == 20.0
+    diamond = RemainingWork((1.0, 2.0, 3.0, 1.0), ((), (0,), (0,), (1, 2)), ())
+    assert critical_path(diamond) == 5.0 and list_schedule(diamond, 1) == 7.0
+
+
+def driver_with(tasks: list, durations: dict[str, float]) -> StateDriver:  # type: ignore[type-arg]
+    d = StateDriver(SchedulerState())
+    for group, dur in durations.items():  # teach the estimates
+        d.state.estimates.observe(group, dur)
+    d.submit(tasks, [t[0] for t in tasks if not any(t[0] in u[1] for u in tasks)])
+    return d
+
+
+def controller(types: tuple[NodeType, ...] = (CPU,), **kw) -> ScalingController:  # type: ignore[no-untyped-def]
+    return ScalingController(types, Adaptive(), forecast_interval=0.25, **kw)
+
+
+ONE = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
+
+
+def test_completion_target_chain_adds_nothing_beyond_one_worker() -> None:
+    d = driver_with([(f"c-{i}", [f"c-{i - 1}"] if i else []) for i in range(20)], {"c": 0.5})
+    c = controller((ONE,))
+    acts = c.step(d.state, 0.0)
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 1)]
+    d.add_worker("cpu-1")
+    c.worker_joined("cpu-1", 0.5)
+    for t in range(1, 40):
+        d.step(duration=0.5)
+        d.clock.advance(0.5)
+        acts = c.step(d.state, 0.5 * t)
+        assert not acts.launch, acts.snapshot
+
+
+def test_completion_target_wide_phase_adds_enough_at_once() -> None:
+    d = driver_with([(f"w-{i}", []) for i in range(40)], {"w": 0.5})
+    acts = controller((ONE,)).step(d.state, 0.0)
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 4)]
+
+
+def test_completion_target_narrow_phase_and_diamond() -> None:
+    d = driver_with([("a", []), ("b", ["a"]), ("c", ["a"]), ("z", ["b", "c"])], {"a": 0.2, "b": 0.2, "c": 0.2, "z": 0.2})
+    d.add_worker("w0")
+    acts = controller((ONE,)).step(d.state, 0.0)
+    assert not acts.launch  # a 0.2 s fan-out of two cannot win back a 0.5 s startup
+    d2 = driver_with([("a", []), ("b", ["a"]), ("c", ["a"]), ("z", ["b", "c"])], {"a": 5, "b": 5, "c": 5, "z": 5})
+    d2.add_worker("w0")
+    d2.finish("w0", "a", duration=5)
+    acts = controller((ONE,)).step(d2.state, 0.0)
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 1)]  # b and c in parallel
+
+
+def test_completion_target_max_eta_and_deadline() -> None:
+    d = driver_with([(f"w-{i}", []) for i in range(40)], {"w": 0.5})
+    d.add_worker("w0")
+    relaxed = ScalingController((ONE,), CompletionTarget(max_eta=60), forecast_interval=0.25)
+    assert not relaxed.step(d.state, 0.0).launch  # 20 s on one worker is within 60 s
+    tight = ScalingController((ONE,), CompletionTarget(max_eta=8), forecast_interval=0.25)
+    assert [(nt.name, n) for _, nt, n in tight.step(d.state, 0.0).launch] == [("cpu", 2)]  # ~7 s
+
+
+def test_remaining_work_uses_elapsed_time_of_running_tasks() -> None:
+    d = driver_with([("slow-1", [])], {"fast": 0.1})
+    d.add_worker("w0")
+    d.state.now = 30.0
+    work = remaining_work(d.state, 30.0)
+    assert work.durations[0] == pytest.approx(7.5)  # ran 30 s already: expect a quarter more
+    assert work.unknown == frozenset({0})
+
+
+# ---- controller --------------------------------------------------------------------------------
+def test_controller_tracks_arrivals_and_learns_startup() -> None:
+    d = driver_with([(f"w-{i}", []) for i in range(8)], {"w": 10.0})
+    c = controller((ONE,))
+    (rid, nt, n), *_ = c.step(d.state, 0.0).launch
+    c.launched(rid, [f"cpu-{rid}-{i}" for i in range(n)], 0.0)
+    assert not c.step(d.state, 0.1).launch  # in flight: counted, not launched again
+    for i in range(n):
+        d.add_worker(f"cpu-{rid}-{i}")
+        c.worker_joined(f"cpu-{rid}-{i}", 2.0)
+    assert c.startup["cpu"] == 2.0 and not c.launches
+    assert any(r["kind"] == "launch-arrived" for r in c.journal.records)
+
+
+def test_controller_cancels_launch_that_never_arrives_backs_off_and_tries_another_type() -> None:
+    cpu = NodeType("cpu", {"cpu": 1}, max_nodes=2, startup_estimate=1.0)
+    big = NodeType("big", {"cpu": 4}, max_nodes=1, cost=5.0, startup_estimate=1.0)
+    d = driver_with([(f"w-{i}", []) for i in range(2)], {"w": 30.0})
+    c = ScalingController((cpu, big), Adaptive(), launch_timeout=10.0, forecast_interval=0.25)
+    acts = c.step(d.state, 0.0)
+    assert [nt.name for _, nt, _ in acts.launch] == ["cpu"]
+    rid = acts.launch[0][0]
+    c.launched(rid, ["cpu-x-1", "cpu-x-2"], 0.0)
+    acts = c.step(d.state, 11.0)
+    assert sorted(acts.terminate) == ["cpu-x-1", "cpu-x-2"]  # no leak: cancelled ones are stopped
+    assert [nt.name for _, nt, _ in acts.launch] == ["big"]  # cpu is in backoff: use what else fits
+    kinds = [r["kind"] for r in c.journal.records]
+    assert "cancel-launch" in kinds and "backoff" in kinds
+
+
+def test_controller_disables_type_after_repeated_failures_and_says_why() -> None:
+    d = driver_with([("w-0", [])], {"w": 30.0})
+    c = ScalingController((ONE,), Adaptive(), max_type_failures=2, backoff_base=1.0, forecast_interval=0.25)
+    t = 0.0
+    for _ in range(2):
+        acts = c.step(d.state, t)
+        assert acts.launch
+        c.launch_failed(acts.launch[0][0], "sbatch: invalid partition", t)
+        t += 10
+    assert "cpu" in c.unusable and "invalid partition" in c.unusable["cpu"]
+    assert not c.step(d.state, t + 100).launch
+
+
+def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
+    d = StateDriver()
+    floor = NodeType("cpu", {"cpu": 1}, min_nodes=2, max_nodes=3)
+    c = ScalingController((floor,), lambda s: ScaleDecision(launch={"cpu": 10}), forecast_interval=0.25)
+    acts = c.step(d.state, 0.0)
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 3)]
+    c2 = ScalingController((floor,), lambda s: None, forecast_interval=0.25)
+    assert [(nt.name, n) for _, nt, n in c2.step(d.state, 0.0).launch] == [("cpu", 2)]  # min_nodes
+    c3 = ScalingController((floor,), lambda s: ScaleDecision(launch={"cpu": 10}), max_workers=1,
+                           forecast_interval=0.25)  # fmt: skip
+    assert [(nt.name, n) for _, nt, n in c3.step(d.state, 0.0).launch] == [("cpu", 1)]
+
+
+def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
+    c = controller((CPU, GPU))
+    state = SchedulerState(infeasible=c.infeasible_reason)
+    d = StateDriver(state)
+    d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
+    ts = state.tasks["t-1"]
+    assert ts.state == "erred" and ts.exc_type == "InfeasibleTaskError"
+    assert "tpu" in ts.message and "gpu" in ts.message
+    assert state.tasks["ok-1"].state == "no-worker"  # feasible: waits as demand
+    assert d.status()["t-1"] == "erred"
