@@ -293,3 +293,11 @@ def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
     assert "tpu" in ts.message and "gpu" in ts.message
     assert state.tasks["ok-1"].state == "no-worker"  # feasible: waits as demand
     assert d.status()["t-1"] == "erred"
+
+
+def test_list_schedule_counts_each_task_once_behind_a_running_task() -> None:
+    from tidepool.scaling.forecast import RemainingWork
+
+    chain = RemainingWork((0.15,) + (0.2,) * 10, tuple((i - 1,) if i else () for i in range(11)), (0,))
+    assert list_schedule(chain, 1) == pytest.approx(2.15)
+    assert list_schedule(chain, 1, (0.1,)) == pytest.approx(2.15)  # another slot cannot help a chain

@@ -59,6 +59,7 @@ class LocalCluster:
         self.default_type = NodeType(node_type, res, max_nodes=10_000)
         self.closed = False
         self.autoscaler: AutoScaler | None = None
+        self._extra_provider: Any = None
         if n_workers:
             self.add_workers(n_workers, wait=True)
 
@@ -134,13 +135,15 @@ class LocalCluster:
 
     def adapt(self, *, minimum: int = 0, maximum: int | None = None,
               node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.05,
-              journal: str | Journal | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
+              journal: str | Journal | None = None, provider: Any = None,
+              **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
         """Let the scheduler grow and shrink the pool by itself.
 
         Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
         ``maximum`` nodes.  ``policy`` is any callable ``snapshot -> ScaleDecision`` (default:
         :class:`~tidepool.scaling.policies.Adaptive`).  Returns the running :class:`AutoScaler`;
-        its ``controller.journal`` records every decision with its reason.
+        its ``controller.journal`` records every decision with its reason.  ``provider`` replaces the
+        local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
         """
         if self.autoscaler is not None:
             raise ConfigError("adapt() was already called on this cluster")
@@ -150,9 +153,13 @@ class LocalCluster:
                                               startup_estimate=0.5)]  # fmt: skip
         j = journal if isinstance(journal, Journal) else Journal(journal)
         controller = ScalingController(node_types, policy, journal=j, **controller_kwargs)
+        prov = provider if provider is not None else self.provider
+        if hasattr(prov, "bind"):
+            prov.bind(self.address, self.token)
+        self._extra_provider = prov if provider is not None else None
 
         async def start() -> AutoScaler:
-            return await AutoScaler(self.scheduler, self.provider, controller, interval).start()
+            return await AutoScaler(self.scheduler, prov, controller, interval).start()
 
         self.autoscaler = self._loop.run(start())
         return self.autoscaler
@@ -175,6 +182,8 @@ class LocalCluster:
         except Exception:
             pass
         self.provider.close()
+        if self._extra_provider is not None:
+            self._extra_provider.close()
         self._loop.stop()
 
     def __enter__(self) -> LocalCluster:

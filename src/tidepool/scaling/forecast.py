@@ -138,11 +138,11 @@ def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] =
             if indeg[k] == 0:
                 heapq.heappush(pending, (ready_at[k], k))
 
-    for i in running:
-        release(i)
-    for i in range(n):
+    for i in range(n):  # ready now (before running tasks release their dependents)
         if indeg[i] == 0 and i not in running:
             heapq.heappush(pending, (0.0, i))
+    for i in running:
+        release(i)
     while pending or available:
         t = heapq.heappop(free)
         while pending and pending[0][0] <= t:
