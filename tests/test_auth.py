@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import pickle
 import struct
-import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -522,49 +521,12 @@ async def _pushing_server_roundtrip(address: str) -> Any:
         await lst.close()
 
 
-_SERVER_FIRST_BUG = (
-    "bug: the server's first message with a pickle is decoded before the client has left "
-    "pre-auth mode (over TCP it arrives in the same read as 'auth-ok'), and the client drops the "
-    "connection"
-)
-
-
-@pytest.mark.parametrize(
-    "address",
-    [
-        pytest.param(
-            "tcp://127.0.0.1:0", marks=pytest.mark.xfail(strict=True, reason=_SERVER_FIRST_BUG)
-        ),
-        # over memory:// the race is lost on Python < 3.12 only (3.12's wait_for runs the
-        # client's recv eagerly, so the client switches modes before the server's next send)
-        pytest.param(
-            "memory://",
-            marks=pytest.mark.xfail(
-                sys.version_info < (3, 12), strict=True, reason=_SERVER_FIRST_BUG
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("address", ADDRESSES)
 def test_server_may_send_a_pickle_right_after_the_handshake(address: str) -> None:
     assert run(_pushing_server_roundtrip(address)) == {"big": b"z" * 100_000}
 
 
-def _client_first_xfail(address: str) -> Any:
-    if address.startswith("memory"):
-        return pytest.param(
-            address,
-            marks=pytest.mark.xfail(
-                sys.version_info >= (3, 12),
-                strict=True,
-                reason="bug: over memory:// the server switches to authenticated mode only after "
-                "an await, so on Python >= 3.12 (eager wait_for) the client's first pickle "
-                "arrives while the server still refuses pickles",
-            ),
-        )
-    return address
-
-
-@pytest.mark.parametrize("address", [_client_first_xfail(a) for a in ADDRESSES])
+@pytest.mark.parametrize("address", ADDRESSES)
 def test_client_may_send_a_pickle_right_after_connect(address: str) -> None:
     async def main() -> Any:
         got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -373,11 +373,6 @@ def test_after_auth_max_frame_applies_to_buffers() -> None:
     assert "max_frame_bytes" in str(info.value)  # tells what to do
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: max_frame ignores the prefix + 8-byte-per-buffer length table, so frames larger "
-    "than max_frame pass (and up to MAX_BUFFERS=1e6 buffers -> 8 MB table + 1e6 memoryviews)",
-)
 def test_length_table_counts_towards_max_frame() -> None:
     max_frame = 1000
     frame = raw_frame(msgpack.packb({}), [b""] * 200)  # 1611 bytes on the wire

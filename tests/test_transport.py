@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import gc
 import socket
-import sys
 import time
 import tracemalloc
 from collections.abc import Awaitable
@@ -355,11 +354,6 @@ def test_concurrent_senders_do_not_interleave_frames(address: str) -> None:
     run(main(), timeout=20)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Connection keeps a single _waiter, so with two concurrent recv() calls one is "
-    "never woken, not by later messages and not even by close()",
-)
 @pytest.mark.parametrize("address", ADDRESSES)
 def test_concurrent_recv_calls_all_get_woken(address: str) -> None:
     async def main() -> None:
@@ -506,13 +500,6 @@ def test_listener_close_closes_its_connections() -> None:
     run(main())
 
 
-@pytest.mark.xfail(
-    sys.version_info >= (3, 12),
-    strict=True,
-    reason="bug: on Python >= 3.12 Server.wait_closed() waits for open connections, but "
-    "Listener.close() cancels the handlers (which close them) only after that wait, so it stalls "
-    "for its whole 2 s timeout whenever a connection is open",
-)
 def test_listener_close_is_prompt_with_open_connections() -> None:
     async def main() -> None:
         sink = Sink()
@@ -529,11 +516,6 @@ def test_listener_close_is_prompt_with_open_connections() -> None:
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Listener.close() cancels the _serve task, but a connection still in its "
-    "handshake is not closed (only CommError/OSError close it), so the socket leaks open",
-)
 def test_listener_close_also_closes_connections_still_in_the_handshake() -> None:
     async def main() -> None:
         lst = await listen("tcp://127.0.0.1:0", echo, TOKEN)
@@ -650,14 +632,7 @@ def test_recv_after_a_protocol_error_keeps_raising_it() -> None:
     "address",
     [
         "tcp://127.0.0.1:0",
-        pytest.param(
-            "memory://",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: FrameDecoder.feed (used by memory://) slices and assigns memoryviews "
-                "by item, so a non-byte buffer (format 'd') raises ValueError; TCP casts to 'B'",
-            ),
-        ),
+        "memory://",
     ],
 )
 def test_serialized_buffers_need_not_be_byte_views(address: str) -> None:

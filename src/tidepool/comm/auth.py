@@ -85,8 +85,8 @@ async def server_handshake(conn: Connection, token: str) -> dict:
         finally:
             conn.close()
         raise AuthenticationError(f"peer {conn.peer} failed authentication (wrong token)")
+    conn.set_authenticated()  # before auth-ok: the client may send a pickle right after it
     await conn.send({"op": "auth-ok", "mac": _mac(token, b"server", cnonce, nonce)})
-    conn.set_authenticated()
     return msg
 
 

@@ -53,9 +53,9 @@ class Connection:
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._max_frame_after_auth = max_frame
-        self._decoder = FrameDecoder(self._on_frame, PREAUTH_MAX_FRAME)
+        self._decoder = FrameDecoder(self._on_frame, PREAUTH_MAX_FRAME, one_frame_before_auth=True)
         self._inbox: collections.deque[Any] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: set[asyncio.Future[None]] = set()
         self._error: BaseException | None = None
         self._closed = False
         self.authenticated = False
@@ -67,9 +67,9 @@ class Connection:
         self._wake()
 
     def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -78,23 +78,35 @@ class Connection:
         self._wake()
 
     async def recv(self) -> Any:
+        if not self._inbox and self._decoder.holding and not self._closed:
+            self._resume()
         while not self._inbox:
             if self._error is not None or self._closed:
                 err = self._error
                 if isinstance(err, ProtocolError):
                     raise err
                 raise ConnectionLostError(f"connection to {self.peer} closed") from err
-            self._waiter = asyncio.get_running_loop().create_future()
+            w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.add(w)
             try:
-                await self._waiter
+                await w
             finally:
-                self._waiter = None
+                self._waiters.discard(w)
         return self._inbox.popleft()
 
     def set_authenticated(self) -> None:
         self.authenticated = True
         self._decoder.allow_pickles = True
         self._decoder.max_frame = self._max_frame_after_auth
+        self._resume()
+
+    def _resume(self) -> None:
+        try:
+            self._decoder.resume()
+        except ProtocolError as exc:
+            log.warning("closing connection to %s: %s", self.peer, exc)
+            self._fail(exc)
+            self.close()
 
     @property
     def closed(self) -> bool:
@@ -196,6 +208,8 @@ class TCPConnection(Connection):
                     await self._wait_drain()
                     self.transport.write(view[off : off + WRITE_CHUNK])
             await self._wait_drain()
+            if self.transport.is_closing():
+                raise ConnectionLostError(f"connection to {self.peer} closed while sending")
 
     def close(self) -> None:
         self._closed = True
@@ -248,6 +262,7 @@ class Listener:
         self.address = ""
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[Connection] = set()
 
     async def start(self) -> Listener:
         scheme, host, port = parse_address(self.requested)
@@ -277,6 +292,14 @@ class Listener:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: Connection) -> None:
+        self._conns.add(conn)
+        try:
+            await self._serve_one(conn)
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    async def _serve_one(self, conn: Connection) -> None:
         await asyncio.sleep(0)  # let connection_made run
         try:
             conn.info = await server_handshake(conn, self.token)
@@ -298,13 +321,16 @@ class Listener:
             conn.close()
 
     async def close(self) -> None:
+        _memory_listeners.pop(self.address.removeprefix("memory://"), None)
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
-        _memory_listeners.pop(self.address.removeprefix("memory://"), None)
+        for conn in list(self._conns):  # handshaking or serving: close them all first
+            conn.close()
         for t in list(self._tasks):
             t.cancel()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
 
 
 _memory_listeners: dict[str, Listener] = {}

@@ -77,9 +77,12 @@ def frame_size(parts: list[bytes | memoryview]) -> int:
 class FrameDecoder:
     """Incremental frame parser.  ``on_frame(msg)`` is called for each complete frame."""
 
-    def __init__(self, on_frame: Callable[[Any], None], max_frame: int = PREAUTH_MAX_FRAME) -> None:
+    def __init__(self, on_frame: Callable[[Any], None], max_frame: int = PREAUTH_MAX_FRAME,
+                 one_frame_before_auth: bool = False) -> None:  # fmt: skip
         self.on_frame = on_frame
         self.max_frame = max_frame
+        #: connections set this: before authentication, deliver one frame per ``resume()``
+        self.one_frame_before_auth = one_frame_before_auth
         self.allow_pickles = False
         self._staging = bytearray(256 * 1024)
         self._start = 0
@@ -87,6 +90,7 @@ class FrameDecoder:
         # the part being read directly by the kernel, if any
         self._target: bytearray | None = None
         self._target_filled = 0
+        self._hold = False
         self._reset()
 
     def _reset(self) -> None:
@@ -123,11 +127,13 @@ class FrameDecoder:
                 return
         else:
             self._end += nbytes
+            if self._hold and self._end - self._start > 2 * PREAUTH_MAX_FRAME:
+                raise ProtocolError("too much data before authentication finished")
         self._parse()
 
     def feed(self, data: bytes | memoryview) -> None:
         """Feed raw bytes (used by tests and the in-memory transport)."""
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         while view.nbytes:
             buf = self.get_buffer()
             n = min(buf.nbytes, view.nbytes)
@@ -145,8 +151,17 @@ class FrameDecoder:
             return self._header_len
         return self._lengths[len(self._buffers)]
 
+    def resume(self) -> None:
+        """Parse held-back bytes: all of them once authenticated, else the next frame only."""
+        self._hold = False
+        self._parse()
+
+    @property
+    def holding(self) -> bool:
+        return self._hold
+
     def _parse(self) -> None:
-        while self._target is None:
+        while self._target is None and not self._hold:
             need = self._need()
             avail = self._end - self._start
             if need >= LARGE_PART:
@@ -173,7 +188,8 @@ class FrameDecoder:
                 raise ProtocolError(f"frame announces {self._nbuf} buffers (limit {MAX_BUFFERS})")
             if self._nbuf and not self.allow_pickles:
                 raise ProtocolError("frame with buffers before authentication")
-            if self._header_len + _PREFIX.size > self.max_frame:
+            overhead = _PREFIX.size + _LEN.size * self._nbuf
+            if self._header_len + overhead > self.max_frame:
                 raise FrameTooLargeError(
                     f"frame header of {self._header_len} bytes exceeds the limit of {self.max_frame} "
                     "bytes; raise max_frame_bytes on both sides or send smaller results"
@@ -181,7 +197,7 @@ class FrameDecoder:
             self._stage = 1 if self._nbuf else 2
         elif self._stage == 1:
             self._lengths = [v[0] for v in _LEN.iter_unpack(part)]
-            total = self._header_len + sum(self._lengths)
+            total = _PREFIX.size + len(part) + self._header_len + sum(self._lengths)
             if total > self.max_frame:
                 raise FrameTooLargeError(
                     f"frame of {total} bytes exceeds the limit of {self.max_frame} bytes; raise "
@@ -196,6 +212,11 @@ class FrameDecoder:
         if self._stage == 3 and len(self._buffers) == self._nbuf:
             msg = self._decode(self._header, self._buffers)
             self._reset()
+            if not self.allow_pickles and self.one_frame_before_auth:
+                # Before authentication, stop after each frame: the next one may already be
+                # sent under the authenticated limits (it waits in the staging buffer, which
+                # the pre-auth frame limit keeps small).
+                self._hold = True
             self.on_frame(msg)
 
     def _decode(self, header: bytes | bytearray, buffers: list[memoryview]) -> Any:
