@@ -53,6 +53,14 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     token = token_from_env() or new_token()
 
+    cfg = None
+    if args.cluster:
+        from tidepool.config import load
+
+        cfg = load(args.cluster)
+        args.host = cfg.scheduler.get("host", args.host)
+        args.port = cfg.scheduler.get("port", args.port)
+
     async def main() -> None:
         s = await Scheduler(f"tcp://{args.host}:{args.port}", token).start()
         if args.token_file:
@@ -64,9 +72,24 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
         else:
             print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
+        scaler = None
+        if cfg is not None:
+            from tidepool.scaling.autoscaler import AutoScaler
+            from tidepool.scaling.controller import ScalingController
+            from tidepool.telemetry.journal import Journal
+
+            controller = ScalingController(cfg.node_types, cfg.make_policy(), journal=Journal(args.journal))
+            scaler = await AutoScaler(s, cfg.make_provider(s.address, token), controller).start()
+            print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
+                  f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
         try:
             await asyncio.Event().wait()
         finally:
+            if scaler is not None:
+                await scaler.close()
+                close = getattr(scaler.provider, "close", None)
+                if close is not None:
+                    close()
             await s.close()
 
     _run_until_signal(main())
@@ -109,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8786)
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
+    s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
+    s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
     s.set_defaults(fn=cmd_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that joins a scheduler")

@@ -222,8 +222,15 @@ class Client(concurrent.futures.Executor):
     def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
         self._check_open()
         msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
-        self._loop.run(self._conn.send(msg))
+        # Not awaited: sends run on the loop in call order; a lost scheduler fails the futures.
+        self._loop.submit(self._send_logged(msg))
         self._sent_funcs.update(functions)
+
+    async def _send_logged(self, msg: dict[str, Any]) -> None:
+        try:
+            await self._conn.send(msg)
+        except CommError as exc:
+            log.warning("could not send to the scheduler: %s", exc)
 
     def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
                resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
@@ -534,6 +541,15 @@ class Client(concurrent.futures.Executor):
     def scheduler_info(self) -> dict[str, Any]:
         """Workers (running tasks, held keys/bytes, idle since), task counts and counters."""
         return self._loop.run(self._request({"op": "info"}))  # type: ignore[no-any-return]
+
+    def eta(self) -> float | None:
+        """Forecast seconds until everything submitted so far is done (None: no worker, no launch).
+
+        At least max(remaining critical path, remaining work / slots), refined by simulating the
+        scheduler on the workers present and those being launched.
+        """
+        res = self._loop.run(self._request({"op": "eta"}))
+        return res["eta"]  # type: ignore[no-any-return]
 
     def retire_workers(self, workers: list[str]) -> dict[str, str]:
         """Gracefully retire workers: their needed data moves to survivors first.

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from tidepool.config import ClusterConfig
+from tidepool.config import load as config_load
 from tidepool.errors import ConfigError
 from tidepool.loop import LoopThread
 from tidepool.providers.local import LocalProvider
@@ -136,7 +138,7 @@ class LocalCluster:
     def adapt(self, *, minimum: int = 0, maximum: int | None = None,
               node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.05,
               journal: str | Journal | None = None, provider: Any = None,
-              **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
+              config: str | ClusterConfig | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
         """Let the scheduler grow and shrink the pool by itself.
 
         Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
@@ -147,6 +149,12 @@ class LocalCluster:
         """
         if self.autoscaler is not None:
             raise ConfigError("adapt() was already called on this cluster")
+        if config is not None:  # a cluster file: its node types, policy and provider
+            cfg = config_load(config) if isinstance(config, str) else config
+            node_types = node_types or cfg.node_types
+            policy = policy or cfg.make_policy()
+            if provider is None and cfg.provider.get("kind", "local") != "local":
+                provider = cfg.make_provider(self.address, self.token)
         if node_types is None:
             top = maximum if maximum is not None else (os.cpu_count() or 1)
             node_types = [dataclasses.replace(self.default_type, min_nodes=minimum, max_nodes=top,

@@ -40,6 +40,7 @@ class AutoScaler:
         self.scheduler.subscribe(self._observe)
         self.scheduler.subscribe(self.controller.journal.observe)
         self.scheduler.state.infeasible = self.controller.infeasible_reason
+        self.scheduler.eta_hooks.append(self._arrivals)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self
 
@@ -53,6 +54,14 @@ class AutoScaler:
                 wake = True
         if wake or (self.scheduler.state.pending and self.controller.backlog_since is None):
             self._wake.set()
+
+    def _arrivals(self, now: float) -> tuple[float, ...]:
+        out: list[float] = []
+        for rec in self.controller.launches.values():
+            nt = self.controller.node_types[rec.node_type]
+            slots = max(1, int(nt.worker_resources.get("cpu", 1))) * nt.workers_per_node * rec.nodes
+            out.extend([max(0.0, rec.since + nt.startup_estimate - now)] * slots)
+        return tuple(out)
 
     async def _run(self) -> None:
         while True:

@@ -50,6 +50,8 @@ class Scheduler:
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
         self.observers: list[Observer] = []
+        #: extra slots expected to arrive (seconds from now), e.g. launches in flight
+        self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
@@ -260,6 +262,8 @@ class Scheduler:
                              "result": {k: self.state.who_has(k) for k in msg["keys"]}})  # fmt: skip
         elif op == "info":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
+        elif op == "eta":
+            await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
             asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
         else:
@@ -285,6 +289,21 @@ class Scheduler:
         result = await self.retire_workers(list(msg["workers"]), "requested by a client")
         with contextlib.suppress(CommError):
             await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    def eta(self) -> dict[str, Any]:
+        """Forecast remaining seconds with the workers present now (and in-flight launches)."""
+        from tidepool.scaling.forecast import forecast, remaining_work
+
+        now = self.clock()
+        st = self.state
+        work = remaining_work(st, now)
+        slots = sum(w.slots for w in st.workers.values() if w.state in ("running", "starting"))
+        arrivals: tuple[float, ...] = ()
+        for hook in self.eta_hooks:
+            arrivals += hook(now)
+        eta = forecast(work, slots, arrivals)
+        return {"eta": None if eta == float("inf") else eta, "tasks": len(work), "slots": slots,
+                "work_seconds": work.total}  # fmt: skip
 
     def info(self) -> dict[str, Any]:
         st = self.state
