@@ -95,7 +95,7 @@ async def closed_by_peer(reader: asyncio.StreamReader, timeout: float = T) -> bo
         await asyncio.wait_for(drain(), timeout)
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     return True
 

@@ -140,7 +140,7 @@ def test_losing_every_worker_leaves_work_waiting_and_a_new_worker_resumes() -> N
         assert a.result() == 2
         b = client.submit(slow_inc, a, 0.5)
         state = cluster.scheduler.state
-        wait_until(lambda: state.tasks[b.key].state == "running", what="b running")
+        wait_until(lambda: b.key in state.tasks and state.tasks[b.key].state == "running", what="b running")
         (only,) = cluster.workers
         cluster.kill_worker(only)
         wait_until(lambda: not state.workers, what="worker gone")
