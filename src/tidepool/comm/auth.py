@@ -60,7 +60,7 @@ def _mac(token: str, label: bytes, a: bytes, b: bytes) -> bytes:
 async def _recv(conn: Connection) -> dict:
     try:
         return await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise AuthenticationError(
             f"no handshake answer from {conn.peer} within {HANDSHAKE_TIMEOUT:.0f}s; is it a tidepool "
             "process?"

@@ -370,7 +370,7 @@ async def connect(
                 tcp.peer = f"tcp://{host}:{port}"
                 conn = tcp
             break
-        except (OSError, asyncio.TimeoutError, ConnectionLostError) as exc:
+        except (TimeoutError, OSError, ConnectionLostError) as exc:
             if loop.time() + delay > deadline:
                 raise ConnectionLostError(
                     f"could not connect to {address} within {timeout:.1f}s ({exc}); is the scheduler "
