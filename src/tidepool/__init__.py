@@ -37,6 +37,7 @@ from tidepool.futures import Future
 from tidepool.graph import Delayed, task
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
+from tidepool.setup import setup_file
 from tidepool.worker import Worker
 
 __version__ = "0.1.0"
@@ -54,5 +55,5 @@ __all__ = [
     "InfeasibleTaskError", "KilledWorkerError", "LocalCluster", "NodeType", "ProtocolError",
     "ProviderError", "RemoteTaskError", "RemoteTraceback", "Scheduler", "SchedulerError",
     "TaskCancelledError", "TaskError", "TidepoolError", "Worker", "WorkerSetupError", "compute",
-    "default_client", "task",
+    "default_client", "setup_file", "task",
 ]  # fmt: skip

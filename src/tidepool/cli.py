@@ -101,11 +101,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     token = _token(args)
     resources = json.loads(args.resources) if args.resources else {}
+    for kv in args.env or []:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise ConfigError(f"--env takes KEY=VALUE, got {kv!r}")
+        os.environ[key] = value
+    if args.workdir:
+        try:
+            os.chdir(args.workdir)
+        except OSError as exc:
+            raise ConfigError(f"--workdir {args.workdir!r}: {exc}") from exc
 
     async def main() -> None:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
-                   memory_limit=args.memory_limit or 0)  # fmt: skip
+                   memory_limit=args.memory_limit or 0, preload=args.preload)  # fmt: skip
         await w.start()
         try:
             await w.finished()
@@ -146,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--memory-limit", default=None, help="e.g. 8GB")
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
     w.add_argument("--token-file", default=None, help="file with the scheduler's token")
+    w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")
+    w.add_argument("--env", action="append", default=[], help="set KEY=VALUE in the environment (repeatable)")
+    w.add_argument("--workdir", default=None, help="working directory of the worker process")
     w.set_defaults(fn=cmd_worker)
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")

@@ -37,6 +37,7 @@ from tidepool.errors import (
     RemoteTraceback,
     SchedulerError,
     TaskCancelledError,
+    WorkerSetupError,
 )
 from tidepool.futures import _UNSET, IN_MEMORY, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
@@ -92,6 +93,9 @@ class Client(concurrent.futures.Executor):
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._req_ids = itertools.count(1)
         self._to_release: list[str] = []
+        self._setups: list[str] = []
+        #: setup failures reported by workers since this client connected (dicts with traceback)
+        self.setup_errors: list[dict[str, Any]] = []
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
         self._loop = LoopThread("tidepool-client")
         try:
@@ -444,6 +448,9 @@ class Client(concurrent.futures.Executor):
                 op = msg.get("op")
                 if op == "report":
                     self._on_report(msg["items"])
+                elif op == "setup-error":
+                    self.setup_errors.append(msg)
+                    log.warning("worker %s failed setup %r: %s", msg.get("worker"), msg.get("name"), msg.get("error"))
                 elif op == "reply":
                     fut = self._requests.pop(msg.get("id"), None)
                     if fut is not None and not fut.done():
@@ -541,6 +548,35 @@ class Client(concurrent.futures.Executor):
     def scheduler_info(self) -> dict[str, Any]:
         """Workers (running tasks, held keys/bytes, idle since), task counts and counters."""
         return self._loop.run(self._request({"op": "info"}))  # type: ignore[no-any-return]
+
+    def register_setup(self, fn: Callable[[], Any] | None = None, *, modules: Iterable[str] = (),
+                       files: Iterable[str] = (), requirements: Iterable[str] = (),
+                       env: dict[str, str] | None = None, name: str | None = None,
+                       pip_args: Iterable[str] = ()) -> dict[str, str]:  # fmt: skip
+        """Prepare every worker, now and joining later, before it runs another task.
+
+        ``modules``: local modules/packages to ship (importable on the workers afterwards);
+        ``files``: local files (read them on a worker with ``tidepool.setup_file(name)``);
+        ``requirements``: pip requirement strings installed on each worker; ``env``: environment
+        variables; ``fn``: a function run last.  A setup with the same ``name`` replaces the
+        earlier one for future workers.  Returns worker id -> "ok"; raises
+        :class:`WorkerSetupError` (with the remote traceback) if it failed anywhere — such
+        workers are closed and take no tasks.
+        """
+        from tidepool.setup import build_spec
+
+        nm = name or (getattr(fn, "__name__", None) if fn is not None else None) or f"setup-{len(self._setups) + 1}"
+        spec = build_spec(nm, fn, modules=modules, files=files, requirements=requirements, env=env,
+                          pip_args=pip_args)  # fmt: skip
+        self._check_open()
+        self._setups.append(nm)
+        result = self._loop.run(self._request({"op": "register-setup", "name": nm, "setup": serialize(spec)}))
+        failed = {w: r for w, r in result.items() if r != "ok"}
+        if failed:
+            details = "\n".join(f"--- worker {w}: {r}" for w, r in failed.items())
+            raise WorkerSetupError(f"setup {nm!r} failed on {len(failed)} of {len(result)} workers "
+                                   f"(they were closed):\n{details}")  # fmt: skip
+        return result  # type: ignore[no-any-return]
 
     def eta(self) -> float | None:
         """Forecast seconds until everything submitted so far is done (None: no worker, no launch).

@@ -39,6 +39,7 @@ class LocalCluster:
                  resources: dict[str, Any] | None = None, node_type: str = "default",
                  host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,
                  timeout: float = 30.0, env: dict[str, str] | None = None,
+                 preload: list[str] | None = None, workdir: str | None = None,
                  **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
@@ -55,7 +56,8 @@ class LocalCluster:
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
         self.token = self.scheduler.token
-        self.provider = LocalProvider(self.address, self.token, env=env, heartbeat_interval=heartbeat_interval)
+        self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
+                                      heartbeat_interval=heartbeat_interval, preload=preload)  # fmt: skip
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)

@@ -38,12 +38,14 @@ class LocalProvider:
 
     def __init__(self, scheduler: str, token: str, *, env: dict[str, str] | None = None,
                  cwd: str | None = None, extra_args: list[str] | None = None,
-                 heartbeat_interval: float = 1.0) -> None:  # fmt: skip
+                 heartbeat_interval: float = 1.0, preload: list[str] | None = None) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.token = token
         self.env = env or {}
         self.cwd = cwd
-        self.extra_args = extra_args or []
+        self.extra_args = list(extra_args or [])
+        for mod in preload or []:
+            self.extra_args += ["--preload", mod]
         self.heartbeat_interval = heartbeat_interval
         self.procs: dict[str, LocalWorkerProcess] = {}
         self._requests: dict[str, list[str]] = {}

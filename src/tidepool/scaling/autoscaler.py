@@ -49,8 +49,16 @@ class AutoScaler:
         for e in events:
             if isinstance(e, ev.WorkerJoin):
                 self.controller.worker_joined(e.worker, e.now)
+                if e.ready:
+                    self.controller.worker_ready(e.worker)
                 wake = True
-            elif isinstance(e, (ev.WorkerRemove, ev.UpdateGraph)):
+            elif isinstance(e, ev.WorkerReady):
+                self.controller.worker_ready(e.worker)
+            elif isinstance(e, ev.WorkerRemove):
+                if e.reason.startswith("setup failed"):
+                    self.controller.worker_failed(e.worker, e.reason, e.now)
+                wake = True
+            elif isinstance(e, ev.UpdateGraph):
                 wake = True
         if wake or (self.scheduler.state.pending and self.controller.backlog_since is None):
             self._wake.set()

@@ -119,10 +119,15 @@ class ScalingController:
             took = now - rec.since
             old = self.startup.get(rec.node_type)
             self.startup[rec.node_type] = took if old is None else 0.7 * old + 0.3 * took
-            self.failures[rec.node_type] = 0
             del self.launches[rid]  # type: ignore[arg-type]
             self.journal.record("launch-arrived", now, request=rec.request_id, node_type=rec.node_type,
                                 seconds=round(took, 3))  # fmt: skip
+
+    def worker_ready(self, wid: str) -> None:
+        """A worker finished its setup and takes tasks: its node type works."""
+        nt = self.request_type.get(self.worker_request.get(wid, ""))
+        if nt is not None and nt not in self.unusable:
+            self.failures[nt] = 0
 
     def launched(self, request_id: str, worker_ids: list[str], now: float) -> None:
         rec = self.launches.get(request_id)

@@ -53,6 +53,8 @@ class Scheduler:
         #: extra slots expected to arrive (seconds from now), e.g. launches in flight
         self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
+        self.setups: dict[str, Any] = {}  # name -> pickled SetupSpec, in registration order
+        self.setup_waiters: dict[tuple[str, str], asyncio.Future[str]] = {}
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._client_ids = 0
@@ -180,6 +182,37 @@ class Scheduler:
             log.info("send to worker %s failed: %s", wid, exc)
             conn.close()
 
+    async def _setup_failed(self, wid: str, msg: dict[str, Any]) -> None:
+        name, error, tb = msg.get("name", "?"), msg.get("error", ""), msg.get("traceback", "")
+        log.warning("worker %s failed setup %s: %s", wid, name, error)
+        self._resolve_setup(wid, name, f"failed: {error}\n{tb}")
+        report = {"op": "setup-error", "worker": wid, "name": name, "error": error, "traceback": tb}
+        for conn in list(self.client_conns.values()):
+            with contextlib.suppress(CommError):
+                await conn.send(report)
+        await self._send_worker(wid, {"op": "close", "reason": f"setup {name!r} failed"})
+
+    def _resolve_setup(self, wid: str, name: str, outcome: str) -> None:
+        fut = self.setup_waiters.pop((wid, name), None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+
+    async def register_setup(self, name: str, blob: Any) -> dict[str, str]:
+        """Store a setup for future workers and run it on every current one; worker -> outcome."""
+        self.setups.pop(name, None)
+        self.setups[name] = blob
+        loop = asyncio.get_running_loop()
+        futs: dict[str, asyncio.Future[str]] = {}
+        for wid in list(self.worker_conns):
+            fut = loop.create_future()
+            self.setup_waiters[(wid, name)] = fut
+            futs[wid] = fut
+            await self._send_worker(wid, {"op": "setup", "setups": [[name, blob]]})
+        result = {}
+        for wid, fut in futs.items():
+            result[wid] = await fut
+        return result
+
     def _resolve_retire(self, wid: str, outcome: str) -> None:
         for fut in self.retire_waiters.pop(wid, []):
             if not fut.done():
@@ -203,12 +236,13 @@ class Scheduler:
         if wid in self.worker_conns or wid in self.state.workers:
             await conn.send({"op": "refused", "reason": f"worker id {wid} is already registered"})
             return
-        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval})
+        setups = [[name, blob] for name, blob in self.setups.items()]
+        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups})
         self.worker_conns[wid] = conn
         now = self.clock()
         join = ev.WorkerJoin(wid, str(msg["address"]), dict(msg["resources"]), now,
                              node_type=str(msg.get("node_type", "default")), name=str(msg.get("name", "")),
-                             memory_limit=int(msg.get("memory_limit", 0)))  # fmt: skip
+                             memory_limit=int(msg.get("memory_limit", 0)), ready=not setups)  # fmt: skip
         await self.apply([join])
         reason = "connection closed"
         try:
@@ -220,11 +254,22 @@ class Scheduler:
                     await self.apply(_batch_events(wid, msg, now))
                 elif op == "heartbeat":
                     self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
+                elif op == "setup-done":
+                    for name in msg.get("names", ()):
+                        self._resolve_setup(wid, name, "ok")
+                    if msg.get("initial"):
+                        await self.apply([ev.WorkerReady(wid, now)])
+                elif op == "setup-failed":
+                    await self._setup_failed(wid, msg)
+                    reason = f"setup failed: {msg.get('error', '')}"
+                    break
                 else:
                     raise ProtocolError(f"unknown worker op {op!r}")
         except (CommError, KeyError, TypeError, ValueError) as exc:
             reason = str(exc)
         finally:
+            for (w, name) in [k for k in self.setup_waiters if k[0] == wid]:
+                self._resolve_setup(w, name, f"failed: worker left ({reason})")
             if self.worker_conns.get(wid) is conn:
                 del self.worker_conns[wid]
             if wid in self.state.workers and not self._closed:
@@ -266,6 +311,8 @@ class Scheduler:
             await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
             asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
+        elif op == "register-setup":
+            asyncio.get_running_loop().create_task(self._setup_request(conn, msg))
         else:
             await conn.send({"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
 
@@ -287,6 +334,11 @@ class Scheduler:
 
     async def _retire_request(self, conn: Connection, msg: dict[str, Any]) -> None:
         result = await self.retire_workers(list(msg["workers"]), "requested by a client")
+        with contextlib.suppress(CommError):
+            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    async def _setup_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+        result = await self.register_setup(str(msg["name"]), msg["setup"])
         with contextlib.suppress(CommError):
             await conn.send({"op": "reply", "id": msg["id"], "result": result})
 

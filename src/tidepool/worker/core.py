@@ -20,21 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen, serialize
 from tidepool.comm.serialize import deserialize
-from tidepool.errors import CommError, ConfigError
+from tidepool.errors import CommError, ConfigError, WorkerSetupError
 from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
+from tidepool.setup import run_setup
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 from tidepool.worker.sizeof import sizeof
 
@@ -67,6 +72,7 @@ class Worker:
         worker_id: str | None = None,
         heartbeat_interval: float = 1.0,
         memory_limit: int | str = 0,
+        preload: list[str] | None = None,
     ) -> None:
         self.scheduler_address = scheduler
         self.token = token
@@ -86,6 +92,9 @@ class Worker:
         from tidepool.resources import parse_bytes
 
         self.memory_limit = parse_bytes(memory_limit)
+        self.preload = list(preload or [])
+        self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
+        self._initial_setups: list[list[Any]] = []
         self.data: dict[str, Any] = {}
         self.nbytes: dict[str, int] = {}
         self.functions: dict[str, Any] = {}
@@ -105,9 +114,15 @@ class Worker:
         self.closed: asyncio.Event | None = None  # created in start(), inside the loop
         self._tasks: list[asyncio.Task[Any]] = []
         self.executed = 0
+        self.setup_failed = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> Worker:
+        for mod in self.preload:
+            try:
+                importlib.import_module(mod)
+            except Exception as exc:
+                raise WorkerSetupError(f"preloading module {mod!r} failed: {type(exc).__name__}: {exc}") from exc
         loop = asyncio.get_running_loop()
         self.closed = asyncio.Event()
         self.pool = SlotPool(loop, self._on_done)
@@ -127,6 +142,7 @@ class Worker:
         if reply.get("op") != "registered":
             raise CommError(f"scheduler refused registration: {reply.get('reason', reply)}")
         self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
+        self._initial_setups = list(reply.get("setups") or [])
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
         log.info("worker %s at %s registered with %s", self.id, self.address, self.scheduler_address)
         return self
@@ -144,6 +160,7 @@ class Worker:
                 t.cancel()
         self.pool.stop()
         await self.listener.close()
+        shutil.rmtree(self.setup_dir, ignore_errors=True)
         for conn, _ in self._peers.values():
             conn.close()
         if self.conn is not None:
@@ -154,10 +171,14 @@ class Worker:
     async def _scheduler_loop(self) -> None:
         assert self.conn is not None
         try:
+            if self._initial_setups:
+                await self._apply_setups(self._initial_setups, initial=True)
             while True:
                 msg = await self.conn.recv()
                 op = msg.get("op")
-                if op == "compute":
+                if op == "setup":  # handled in order: later tasks wait for it
+                    await self._apply_setups(msg["setups"], initial=False)
+                elif op == "compute":
                     self._compute(msg)
                 elif op == "free":
                     self._free(msg["keys"])
@@ -171,6 +192,25 @@ class Worker:
                     log.warning("unknown message from scheduler: %r", op)
         except CommError as exc:
             await self.close(f"lost the scheduler: {exc}")
+
+    async def _apply_setups(self, items: list[list[Any]], initial: bool) -> None:
+        assert self.conn is not None
+        done = []
+        for name, blob in items:
+            try:
+                spec = blob.load()
+                await asyncio.to_thread(run_setup, spec, self.setup_dir)
+            except Exception as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed
+                import traceback
+
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                log.error("setup %s failed: %s", name, exc)
+                await self.conn.send({"op": "setup-failed", "name": name, "error": str(exc),
+                                      "traceback": tb, "initial": initial})  # fmt: skip
+                self.setup_failed = True
+                return
+            done.append(name)
+        await self.conn.send({"op": "setup-done", "names": done, "initial": initial})
 
     def _compute(self, msg: dict[str, Any]) -> None:
         for fid, blob in (msg.get("functions") or {}).items():

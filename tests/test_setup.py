@@ -1,0 +1,166 @@
+"""Code and environment on every worker, including workers that join later (real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tidepool
+from tidepool.errors import WorkerSetupError
+from tidepool.scaling.node_types import NodeType
+
+pytestmark = pytest.mark.integration
+
+
+def read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def read_setup_file(name: str) -> str:
+    with open(tidepool.setup_file(name)) as f:
+        return f.read()
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+@pytest.fixture
+def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A local package the workers cannot import until it is shipped."""
+    pkg = tmp_path / "src" / "tp_shipped_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .core import triple\n")
+    (pkg / "core.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    for m in [m for m in sys.modules if m.startswith("tp_shipped_pkg")]:
+        del sys.modules[m]
+    return "tp_shipped_pkg"
+
+
+def test_modules_env_files_and_function_reach_current_and_later_workers(shipped: str, tmp_path: Path) -> None:
+    import importlib
+
+    mod = importlib.import_module(shipped)
+    data = tmp_path / "table.csv"
+    data.write_text("a,b\n1,2\n")
+    marker = "TIDEPOOL_TEST_SETUP_FN"
+
+    def init() -> None:
+        os.environ[marker] = "ran"
+
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(ModuleNotFoundError):  # not importable on workers before shipping
+            client.submit(mod.triple, 2).result()
+        out = client.register_setup(init, modules=[shipped], files=[str(data)], env={"TP_COLOR": "teal"})
+        assert list(out.values()) == ["ok"]
+        assert client.submit(mod.triple, 5).result() == 15
+        (late,) = cluster.add_workers(1, node_type=NodeType("late", {"cpu": 1, "late": 1}))
+        checks = [client.submit(f, *a, resources={"late": 1}) for f, a in
+                  [(mod.triple, (7,)), (read_env, ("TP_COLOR",)), (read_env, (marker,)),
+                   (read_setup_file, ("table.csv",))]]  # fmt: skip
+        assert client.gather(checks) == [21, "teal", "ran", "a,b\n1,2\n"]
+        assert cluster.scheduler.state.workers[late].executed >= 4
+
+
+def test_worker_runs_no_task_before_its_setup_finished() -> None:
+    def slow_setup() -> None:
+        import time
+
+        time.sleep(1.0)
+        os.environ["TP_READY"] = "yes"
+
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        client.register_setup(slow_setup)  # no workers yet: stored for the future
+        futs = client.map(read_env, ["TP_READY"] * 5)
+        cluster.add_workers(2, wait=False)
+        assert client.gather(futs) == ["yes"] * 5
+
+
+def bad_setup() -> None:
+    raise RuntimeError("cannot reach the license server")
+
+
+def test_failing_setup_is_reported_with_traceback_and_the_worker_takes_no_tasks() -> None:
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(WorkerSetupError) as info:
+            client.register_setup(bad_setup)
+        msg = str(info.value)
+        assert "license server" in msg and "bad_setup" in msg and "Traceback" in msg
+        cluster.wait_for_removal(cluster.workers[0] if cluster.workers else "none", timeout=10)
+        assert cluster.workers == [] or all(
+            w not in cluster.scheduler.state.workers for w in cluster.workers)
+
+
+def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> None:
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        client.register_setup(bad_setup)
+        scaler = cluster.adapt(node_types=[NodeType("flaky", {"cpu": 1}, max_nodes=1, startup_estimate=0.3)],
+                               max_type_failures=2, backoff_base=0.2)  # fmt: skip
+        fut = client.submit(read_env, "HOME")
+        import time
+
+        deadline = time.monotonic() + 30
+        while "flaky" not in scaler.controller.unusable:
+            assert time.monotonic() < deadline, scaler.controller.journal.records
+            time.sleep(0.05)
+        why = scaler.controller.unusable["flaky"]
+        assert "setup failed" in why and "license server" in why
+        assert not fut.done()  # it waits (no usable node type) rather than running unprepared
+        assert len(client.setup_errors) >= 2
+
+
+def test_pip_requirements_install_on_workers_and_failures_are_clear(tmp_path: Path) -> None:
+    wheel = tmp_path / "tp_pip_demo-1.0-py3-none-any.whl"  # a real wheel, built by hand: no network
+    files = {
+        "tp_pip_demo/__init__.py": "VALUE = 41\n",
+        "tp_pip_demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tp-pip-demo\nVersion: 1.0\n",
+        "tp_pip_demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                           "Tag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        zf.writestr("tp_pip_demo-1.0.dist-info/RECORD", "".join(f"{n},,\n" for n in files) +
+                    "tp_pip_demo-1.0.dist-info/RECORD,,\n")
+
+    def value() -> int:
+        import tp_pip_demo  # type: ignore[import-not-found]
+
+        return int(tp_pip_demo.VALUE) + 1
+
+    try:
+        with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+            client.register_setup(requirements=[str(wheel)], pip_args=["--no-deps", "--no-index"])
+            assert client.submit(value).result() == 42
+            with pytest.raises(WorkerSetupError, match="pip exited"):
+                client.register_setup(requirements=[str(tmp_path / "does-not-exist")], name="broken")
+    finally:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "tp-pip-demo"], check=False)
+
+
+def test_worker_cli_preload_env_and_workdir(tmp_path: Path) -> None:
+    (tmp_path / "tp_preloaded.py").write_text("import os\nos.environ['TP_PRELOADED'] = 'yes'\n")
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        env = {**os.environ, "TIDEPOOL_TOKEN": cluster.token,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "worker", cluster.address,
+                                 "--preload", "tp_preloaded", "--env", "TP_FLAVOR=mint",
+                                 "--workdir", str(tmp_path), "--id", "cli-w"], env=env)  # fmt: skip
+        try:
+            cluster.wait_for_workers(["cli-w"])
+            got = client.gather([client.submit(read_env, "TP_PRELOADED"), client.submit(read_env, "TP_FLAVOR"),
+                                 client.submit(os.getcwd)])  # fmt: skip
+            assert got == ["yes", "mint", str(tmp_path)]
+        finally:
+            proc.terminate()
+            proc.wait(10)
+        bad = subprocess.run([sys.executable, "-m", "tidepool.cli", "worker", cluster.address,
+                              "--preload", "tp_no_such_module"], env=env, capture_output=True, text=True,
+                             timeout=30)  # fmt: skip
+        assert bad.returncode == 2 and "tp_no_such_module" in bad.stderr
