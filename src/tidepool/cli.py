@@ -129,7 +129,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tidepool.demo import run_demo
 
-    run_demo(workers=args.workers, tasks=args.tasks)
+    return run_demo(workers=args.workers, tasks=args.tasks, kill=not args.no_kill)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tidepool.telemetry.report import format_summary, load_records, plot_timeline, summary
+    from tidepool.telemetry.trace import write_chrome_trace
+
+    records = load_records(args.journal)
+    plot_timeline(records, args.output, title=args.title)
+    print(f"timeline written to {args.output}")
+    if args.trace:
+        write_chrome_trace(records, args.trace)
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    print(format_summary(summary(records)))
     return 0
 
 
@@ -162,9 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(fn=cmd_worker)
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--tasks", type=int, default=200)
+    d.add_argument("--workers", type=int, default=4, help="most workers the autoscaler may start")
+    d.add_argument("--tasks", type=int, default=40, help="tasks per wide phase")
+    d.add_argument("--no-kill", action="store_true", help="do not kill a worker mid-run")
     d.set_defaults(fn=cmd_demo)
+
+    r = sub.add_parser("report", help="plot a scaling journal (JSON lines) and print its summary")
+    r.add_argument("journal", help="journal file, e.g. from cluster.adapt(journal='run.jsonl')")
+    r.add_argument("-o", "--output", default="timeline.png", help="plot file (.png, .svg, .pdf)")
+    r.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace (JSON) here")
+    r.add_argument("--title", default=None)
+    r.set_defaults(fn=cmd_report)
     return p
 
 
