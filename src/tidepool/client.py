@@ -13,6 +13,7 @@ keys and read the values straight from those workers, in one request per worker.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import itertools
@@ -92,7 +93,8 @@ class Client(concurrent.futures.Executor):
         self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._req_ids = itertools.count(1)
-        self._to_release: list[str] = []
+        self._outbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._draining = False
         self._setups: list[str] = []
         #: setup failures reported by workers since this client connected (dicts with traceback)
         self.setup_errors: list[dict[str, Any]] = []
@@ -226,15 +228,48 @@ class Client(concurrent.futures.Executor):
     def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
         self._check_open()
         msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
-        # Not awaited: sends run on the loop in call order; a lost scheduler fails the futures.
-        self._loop.submit(self._send_logged(msg))
+        self._post(msg)
         self._sent_funcs.update(functions)
 
-    async def _send_logged(self, msg: dict[str, Any]) -> None:
-        try:
-            await self._conn.send(msg)
-        except CommError as exc:
-            log.warning("could not send to the scheduler: %s", exc)
+    # ---- the ordered outbox ------------------------------------------------------------------------
+    # Graph updates and releases leave in the order they were made, from any thread, without
+    # waiting for the loop: a release of a future dropped right after submitting its dependent
+    # must never overtake that dependent's update.
+    def _post(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            self._outbox.append(msg)
+            kick = not self._draining
+            self._draining = True
+        if kick:
+            self._loop.call_soon(self._start_drain)
+
+    def _start_drain(self) -> None:
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    self._draining = False
+                    return
+                item = self._outbox.popleft()
+                msg: dict[str, Any] | None = item
+                if item["op"] == "release":  # merge a run of releases
+                    run = [item]
+                    while self._outbox and self._outbox[0]["op"] == "release":
+                        run.append(self._outbox.popleft())
+                    # a dropped future's key whose future was re-created meanwhile stays wanted
+                    keys = [k for r in run for k in r["keys"] if not (r.get("auto") and k in self._futures)]
+                    msg = {"op": "release", "keys": keys} if keys else None
+            if msg is None or self._conn.closed:
+                continue
+            if msg["op"] == "release":
+                for k in msg["keys"]:
+                    self._errors.pop(k, None)
+            try:
+                await self._conn.send(msg)
+            except CommError as exc:
+                log.warning("could not send to the scheduler: %s", exc)
 
     def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
                resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
@@ -438,7 +473,7 @@ class Client(concurrent.futures.Executor):
         rid = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._requests[rid] = fut
-        await self._conn.send({**msg, "id": rid})
+        self._post({**msg, "id": rid})  # in order with graph updates and releases
         return await fut
 
     async def _read_loop(self) -> None:
@@ -522,23 +557,10 @@ class Client(concurrent.futures.Executor):
     def _release_later(self, key: str) -> None:
         if self.closed:
             return
-        with self._lock:
-            self._to_release.append(key)
-            first = len(self._to_release) == 1
-        if first:
-            self._loop.call_soon(self._flush_releases)
-
-    def _flush_releases(self) -> None:
-        with self._lock:
-            keys, self._to_release = self._to_release, []
-            keys = [k for k in keys if k not in self._futures]  # re-created meanwhile: keep
-        for k in keys:
-            self._errors.pop(k, None)
-        if keys and not self._conn.closed:
-            asyncio.get_running_loop().create_task(self._conn.send({"op": "release", "keys": keys}))
+        self._post({"op": "release", "keys": [key], "auto": True})  # after all posted before the drop
 
     def _release(self, keys: list[str]) -> None:
-        self._loop.run(self._conn.send({"op": "release", "keys": keys}))
+        self._post({"op": "release", "keys": list(keys)})
 
     def cancel(self, futures: list[Future[Any]]) -> None:
         """Release these futures' keys; tasks nobody else needs stop."""

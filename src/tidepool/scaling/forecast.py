@@ -45,25 +45,44 @@ class RemainingWork:
         return len(self.durations)
 
 
-def group_estimates(state: SchedulerState) -> dict[str, float]:
-    """Per-group estimates raised to the longest elapsed time of that group's running tasks."""
+def executing(state: SchedulerState) -> dict[str, float]:
+    """Keys most likely executing now, with when they most likely started.
+
+    Per worker, its ``slots`` earliest-assigned tasks; the rest wait in its queue, and their time
+    since assignment says nothing about their duration.  A queue head started no earlier than the
+    moment the task before it left the worker.
+    """
+    out: dict[str, float] = {}
+    for ws in state.workers.values():
+        procs = ws.processing
+        heads = procs if len(procs) <= ws.slots else sorted(procs, key=lambda t: (t.started, t.priority))[: ws.slots]
+        for ts in heads:
+            queued = len(procs) > ws.slots or ws.slots == 1
+            out[ts.key] = max(ts.started, ws.last_done) if queued else ts.started
+    return out
+
+
+def group_estimates(state: SchedulerState, now: float, running: dict[str, float]) -> dict[str, float]:
+    """Per-group estimates raised to the longest elapsed time of that group's executing tasks."""
     est = state.estimates
     out: dict[str, float] = {}
-    now = state.now
-    for ws in state.workers.values():
-        for ts in ws.processing:
-            g = ts.group
-            base = out.get(g)
-            if base is None:
-                base = est.estimate(g)
-            out[g] = max(base, now - ts.started)
+    for key, started in running.items():
+        ts = state.tasks.get(key)
+        if ts is None:
+            continue
+        g = ts.group
+        base = out.get(g)
+        if base is None:
+            base = est.estimate(g)
+        out[g] = max(base, now - started)
     return out
 
 
 def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None = None) -> RemainingWork:
     """The unfinished part of the graph (optionally only tasks of the given resource ``shapes``)."""
     est = state.estimates
-    raised = group_estimates(state)
+    running_now = executing(state)
+    raised = group_estimates(state, now, running_now)
     tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
              and (shapes is None or ts.shape in shapes)]  # fmt: skip
     tasks.sort(key=lambda t: t.priority)
@@ -76,8 +95,8 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
         e = raised.get(ts.group)
         if e is None:
             e = est.estimate(ts.group)
-        if ts.state == "running":
-            elapsed = max(0.0, now - ts.started)
+        if ts.key in running_now:
+            elapsed = max(0.0, now - running_now[ts.key])
             durations.append(max(e - elapsed, elapsed / 4))
             running.append(i)
             st = est.groups.get(ts.group)

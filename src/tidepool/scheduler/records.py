@@ -64,7 +64,7 @@ class WorkerRecord:
     __slots__ = (
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
-        "fit_cache", "memory_limit", "funcs", "executed",
+        "fit_cache", "memory_limit", "funcs", "executed", "last_done",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -89,6 +89,7 @@ class WorkerRecord:
         self.memory_limit = memory_limit
         self.funcs: set[str] = set()  # function ids already shipped to this worker
         self.executed = 0
+        self.last_done = now  # when a task last left this worker (its queue head started then)
 
     def __repr__(self) -> str:
         return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"

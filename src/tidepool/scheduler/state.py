@@ -402,6 +402,7 @@ class SchedulerState:
         est = ws.processing.pop(ts, None)
         if est is None:
             return
+        ws.last_done = self.now
         if ws.processing:
             ws.occupancy -= est
         else:
