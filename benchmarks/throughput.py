@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine_info()
     command = shlex.join([".venv/bin/python", "benchmarks/throughput.py", *sys.argv[1:]])
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{info['nproc']} CPUs, Python {info['python']}, {info['dask']}, {info['tidepool']}, "
           f"load average {info['load']}")  # fmt: skip
     if float(info["load"].split()[0]) > 0.5:
