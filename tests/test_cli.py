@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,6 +26,7 @@ import pytest
 
 import tidepool
 from tidepool.errors import AuthenticationError
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -51,13 +52,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        tick.wait(0.02)
 
 
 class Proc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import os
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ import pytest
 import tidepool
 from tidepool.errors import RemoteTaskError, RemoteTraceback
 from tidepool.scaling.node_types import NodeType
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +37,6 @@ def _worker_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Bounded wait on a condition."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        tick.wait(0.02)
 
 
 # ---- fixtures ------------------------------------------------------------------------------------

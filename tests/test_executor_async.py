@@ -21,6 +21,7 @@ import pytest
 
 import tidepool
 from tidepool.errors import RemoteTraceback
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +34,6 @@ def _worker_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Bounded wait on a condition."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        tick.wait(0.02)
 
 
 @pytest.fixture(scope="module")

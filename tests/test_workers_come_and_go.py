@@ -13,18 +13,11 @@ import pytest
 
 import tidepool
 from tidepool.errors import KilledWorkerError
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def wait_until(cond, timeout: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    """Bounded wait on a condition read from the scheduler (which runs in this process)."""
-    deadline = time.monotonic() + timeout
-    ev = threading.Event()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        ev.wait(0.02)
 
 
 def slow_inc(x: int, delay: float = 0.05) -> int:

@@ -43,7 +43,7 @@ from tidepool.errors import (
 from tidepool.futures import _UNSET, IN_MEMORY, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
 from tidepool.graph.refs import RECURSE, Ref, replace
-from tidepool.loop import LoopThread
+from tidepool.loop import ClosesOnExit, LoopThread
 from tidepool.resources import parse_resources
 
 log = logging.getLogger("tidepool.client")
@@ -60,7 +60,7 @@ def default_client() -> Client:
     raise ConfigError("no tidepool Client is running; create one with tidepool.Client(...)")
 
 
-class Client(concurrent.futures.Executor):
+class Client(ClosesOnExit, concurrent.futures.Executor):
     """Connects to a scheduler.  ``Client()`` alone starts a :class:`LocalCluster`.
 
     ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
@@ -145,19 +145,6 @@ class Client(concurrent.futures.Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """``concurrent.futures.Executor.shutdown``: closes the client."""
         self.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return f"<tidepool.Client {self.address} {'closed' if self.closed else 'open'}>"

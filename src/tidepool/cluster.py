@@ -19,7 +19,7 @@ from typing import Any
 from tidepool.config import ClusterConfig
 from tidepool.config import load as config_load
 from tidepool.errors import ConfigError
-from tidepool.loop import LoopThread
+from tidepool.loop import ClosesOnExit, LoopThread
 from tidepool.providers.local import LocalProvider
 from tidepool.scaling.autoscaler import AutoScaler
 from tidepool.scaling.controller import ScalingController
@@ -29,7 +29,7 @@ from tidepool.scheduler.server import Scheduler
 from tidepool.telemetry.journal import Journal
 
 
-class LocalCluster:
+class LocalCluster(ClosesOnExit):
     """``LocalCluster(n_workers=2)``: real worker processes on this machine.
 
     Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
@@ -195,19 +195,6 @@ class LocalCluster:
         if self._extra_provider is not None:
             self._extra_provider.close()
         self._loop.stop()
-
-    def __enter__(self) -> LocalCluster:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return f"<LocalCluster {self.address} workers={len(self.workers)}>"

@@ -62,3 +62,25 @@ class LoopThread:
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+class ClosesOnExit:
+    """``with`` support and best-effort cleanup at garbage collection for objects with ``close()``."""
+
+    closed: bool
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: T) -> T:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass

@@ -8,11 +8,28 @@ moves it.  Commands are recorded in ``log`` so tests can assert on them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition",
+               interval: float = 0.02) -> None:  # fmt: skip
+    """Block until ``cond()`` is true; fail after ``timeout`` seconds naming ``what``.
+
+    For integration tests on real processes: a bounded wait on an observable condition, never a
+    blind sleep.
+    """
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        tick.wait(interval)
 
 
 class FakeClock:

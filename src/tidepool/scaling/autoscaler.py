@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ProviderError
@@ -35,10 +36,17 @@ class AutoScaler:
         self._task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self.steps = 0
+        self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retire was asked
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
-        self.scheduler.subscribe(self.controller.journal.observe)
+        journal = self.controller.journal
+        now = self.scheduler.clock()
+        journal.record("journal-start", now, wall=time.time(), address=self.scheduler.address)
+        for ws in self.scheduler.state.workers.values():  # present before autoscaling started
+            journal.record("worker-join", ws.joined, worker=ws.id, node_type=ws.node_type,
+                           resources=dict(ws.resources))  # fmt: skip
+        self.scheduler.subscribe(journal.observe)
         self.scheduler.state.infeasible = self.controller.infeasible_reason
         self.scheduler.eta_hooks.append(self._arrivals)
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -90,6 +98,18 @@ class AutoScaler:
                 self.controller.worker_failed(failure.worker_id, failure.message, now)
             else:
                 self.controller.launch_failed(failure.request_id, failure.message, now)
+        expiring = getattr(self.provider, "expiring", None)  # e.g. Slurm jobs near their walltime
+        if expiring is not None:
+            st = self.scheduler.state
+            ids = [w for w in await asyncio.to_thread(expiring, time.time())
+                   if w in st.workers and st.workers[w].state == "running" and w not in self.controller.retiring
+                   and now - self._expiry_tried.get(w, -1e9) > 5.0]  # a refused retire is retried in 5 s  # fmt: skip
+            if ids:
+                self._expiry_tried.update(dict.fromkeys(ids, now))
+                self.controller.retiring.update(ids)
+                for w in ids:
+                    self.controller.journal.record("retire", now, worker=w, reason="provider: walltime ends soon")
+                self._spawn(self._retire(ids))
         actions = self.controller.step(self.scheduler.state, self.scheduler.clock())
         self.steps += 1
         for rid, nt, n in actions.launch:
@@ -136,4 +156,8 @@ class AutoScaler:
         if ids:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.provider.terminate, ids)
-        self.controller.journal.flush()
+        journal = self.controller.journal
+        now = self.scheduler.clock()
+        for wid in list(self.scheduler.state.workers):
+            journal.record("worker-leave", now, worker=wid, reason="cluster closed", graceful=True)
+        journal.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class ScalingController:
         self.request_type: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._last_reason = ""
+        self._last_reason_t = -1e9
         self._forecasts: tuple[TypeForecast, ...] = ()
         self._eta: float | None = None
         self._next_demand: float | None = None
@@ -266,9 +268,10 @@ class ScalingController:
             self.journal.record("retire", now, worker=wid, node_type=ws.node_type, reason=why)
         if not actions.launch and not actions.retire and decision.reasons:
             text = "; ".join(decision.reasons)[:2000]
-            if text != self._last_reason:
+            shape = re.sub(r"[0-9.]+", "#", text)  # idle 0.1s / 0.2s ... is the same decision
+            if shape != self._last_reason or now - self._last_reason_t > 10.0:
                 self.journal.record("decision", now, reason=text)
-            self._last_reason = text
+                self._last_reason, self._last_reason_t = shape, now
         return actions
 
     def _refresh_forecast(self, state: SchedulerState, types: tuple[NodeType, ...], now: float) -> None:

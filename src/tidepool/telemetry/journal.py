@@ -20,7 +20,8 @@ class Journal:
     def __init__(self, path: str | None = None, *, tasks: bool = True) -> None:
         self.records: list[dict[str, Any]] = []
         self.tasks = tasks
-        self._file: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
+        # one run per file: reusing a path starts it afresh (worker ids and clock restart per run)
+        self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
