@@ -301,3 +301,50 @@ def test_list_schedule_counts_each_task_once_behind_a_running_task() -> None:
     chain = RemainingWork((0.15,) + (0.2,) * 10, tuple((i - 1,) if i else () for i in range(11)), (0,))
     assert list_schedule(chain, 1) == pytest.approx(2.15)
     assert list_schedule(chain, 1, (0.1,)) == pytest.approx(2.15)  # another slot cannot help a chain
+
+
+def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
+    tasks = [(f"w-{i}", []) for i in range(40)] + [("r-1", [f"w-{i}" for i in range(40)])]
+    tasks += [(f"b-{i}", ["r-1"]) for i in range(40)] + [("z-1", [f"b-{i}" for i in range(40)])]
+    d = driver_with(tasks, {"w": 0.5, "b": 0.5})
+    c = controller((ONE,))
+    acts = c.step(d.state, 0.0)
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 4)]  # wide phase: all at once
+    c.launched(acts.launch[0][0], [f"cpu-{i}" for i in range(4)], 0.0)
+    for i in range(4):
+        d.add_worker(f"cpu-{i}", node_type="cpu")
+        c.worker_joined(f"cpu-{i}", 0.5)
+    for _ in range(10):
+        d.step(duration=0.5)
+    assert d.state.tasks["r-1"].state == "running"  # the reduce: one task, duration never seen
+    runner = d.state.tasks["r-1"].worker
+    from tidepool.scheduler import events as ev
+
+    for i in range(40):  # the reduce's worker fetched its inputs (as a real worker reports)
+        d.send(ev.AddReplica(runner, f"w-{i}", 8, d.clock()))  # type: ignore[arg-type]
+    d.state.now = d.clock.advance(7.0)
+    acts = c.step(d.state, d.clock())
+    assert not acts.launch
+    assert len(acts.retire) == 3  # nothing can use them before the reduce ends: let them go
+    for w in acts.retire:
+        d.remove_worker(w, graceful=True)
+    assert list(d.state.workers) == [runner]
+    d.finish(runner, "r-1", duration=3.0)  # type: ignore[arg-type]
+    d.state.now = d.clock.advance(3.0)
+    acts = c.step(d.state, d.clock())
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 3)], acts.snapshot  # second wide phase
+
+
+def test_duration_estimates_adapt_but_resist_outliers() -> None:
+    from tidepool.scheduler.estimates import DurationEstimates
+
+    est = DurationEstimates(default_prior=0.5)
+    assert est.estimate("new") == 0.5
+    for _ in range(20):
+        est.observe("f", 1.0)
+    assert est.estimate("never-seen") == pytest.approx(1.0)  # the prior follows what was seen
+    est.observe("f", 1000.0)  # one freak sample
+    assert est.estimate("f") < 1.3
+    for _ in range(60):
+        est.observe("f", 3.0)  # a real shift is followed
+    assert est.estimate("f") == pytest.approx(3.0, rel=0.05)

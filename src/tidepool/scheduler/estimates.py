@@ -1,7 +1,7 @@
 """Duration statistics per task group (the task's function name).
 
 State: for each group an exponentially weighted mean and variance of measured durations plus a
-count.  A group never seen uses the prior: the mean over all groups seen so far, or
+count; once a group has a few samples, a sample far above its spread is clipped before it counts.  A group never seen uses the prior: the mean over all groups seen so far, or
 ``default_prior`` before anything finished.  The scheduler uses :meth:`estimate` to decide how much
 work to queue on a worker (a worker holds at most ``queue_seconds`` of estimated work beyond its
 slots), and the scaling policies use it to forecast remaining time.
@@ -25,6 +25,9 @@ class GroupStats:
             self.mean = duration
             self.var = 0.0
             return
+        if self.count > 5:
+            # robust to outliers: one freak sample moves the estimate, but only so far
+            duration = min(duration, max(self.mean + 4 * math.sqrt(self.var), 2 * self.mean))
         # plain average while few samples, then exponential weighting (adapts to drift)
         a = max(alpha, 1.0 / self.count)
         diff = duration - self.mean

@@ -1,0 +1,55 @@
+"""Resources on real workers: placement never oversubscribes what a worker advertises."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tidepool
+from tidepool.errors import ConfigError
+from tidepool.resources import parse_bytes, parse_resources
+from tidepool.scaling.node_types import NodeType
+
+pytestmark = pytest.mark.integration
+
+
+def span(seconds: float) -> tuple[float, float, int]:
+    import os
+
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time(), os.getpid()
+
+
+def max_overlap(spans: list[tuple[float, float, int]]) -> int:
+    events = sorted([(s, 1) for s, _, _ in spans] + [(e, -1) for _, e, _ in spans])
+    n = best = 0
+    for _, d in events:
+        n += d
+        best = max(best, n)
+    return best
+
+
+def test_tasks_never_use_more_than_a_worker_advertises() -> None:
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.add_workers(1, node_type=NodeType("box", {"cpu": 4, "gpu": 1, "memory": "1GB"}))
+        gpu = client.map(span, [0.15] * 4, resources={"gpu": 1})
+        big = client.map(span, [0.15] * 4, resources={"cpu": 1, "memory": "600MB"})
+        cpu = client.map(span, [0.15] * 8, resources={"cpu": 2})
+        g, b, c = client.gather(gpu), client.gather(big), client.gather(cpu)
+    assert max_overlap(g) == 1  # one GPU: GPU tasks run one at a time
+    assert max_overlap(b) == 1  # 600 MB each in 1 GB: one at a time
+    assert max_overlap(c) <= 2  # 2 CPUs each on 4 CPUs: at most two together
+    assert max_overlap(g + c) <= 4
+
+
+def test_resource_amounts_are_validated_with_clear_messages() -> None:
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30) and parse_bytes(10) == 10
+    assert parse_resources({"cpu": 2, "memory": "4GB"}) == {"cpu": 2.0, "memory": 4e9}
+    for bad, msg in [({"cpu": -1}, "must not be negative"), ({"cpu": "two"}, "byte amount"),
+                     ({"": 1}, "non-empty"), ({"gpu": True}, "must be a number")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            parse_resources(bad)
+    with pytest.raises(ConfigError, match="resources must be"):
+        tidepool.task(resources=[1])(span)  # type: ignore[arg-type]
