@@ -404,6 +404,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         deadline = None if timeout is None else loop.time() + timeout
         values: dict[str, Any] = {}
         remaining = list(keys)
+        backoff = 0.05
         while remaining:
             who = await self._request({"op": "who-has", "keys": remaining})
             by_addr: dict[str, list[str]] = {}
@@ -435,10 +436,19 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                     w = loop.create_future()
                     self._waiting.setdefault(k, []).append(w)
                     waits.append(w)
+                # a report (recomputed, or failed) wakes us; otherwise ask again soon: the value
+                # may sit on a worker we failed to reach this time
                 left = None if deadline is None else max(0.0, deadline - loop.time())
-                done, _ = await asyncio.wait(waits, timeout=left if left is not None else 5.0,
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if not done and deadline is not None and loop.time() >= deadline:
+                pause = backoff if left is None else min(left, backoff)
+                backoff = min(1.0, backoff * 2)
+                await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+                for k, w in zip(remaining, waits, strict=True):  # forget waiters nobody woke
+                    lst = self._waiting.get(k)
+                    if lst is not None and w in lst:
+                        lst.remove(w)
+                        if not lst:
+                            del self._waiting[k]
+                if deadline is not None and loop.time() >= deadline:
                     raise TimeoutError(f"values of {remaining[:3]} not available within {timeout}s")
                 if self._conn.closed:
                     raise ConnectionLostError("lost the scheduler while waiting for results")
