@@ -334,3 +334,28 @@ def test_random_failures_keep_invariants_and_always_finish(scn: tuple) -> None:
         assert status.get(k) == "memory", (k, d.state.tasks.get(k))
     d.release(wanted)
     assert d.state.tasks == {}
+
+
+def test_worker_leaving_does_not_park_ready_tasks_that_others_fit() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([(f"t-{i}", []) for i in range(10)], [f"t-{i}" for i in range(10)])
+    d.send(ev.RetireWorkers(["w1"], d.clock()))
+    d.finish("w1", "t-0")
+    d.send(ev.AddReplica("w2", "t-0", 8, d.clock()))
+    d.finish("w2", d.running["w2"][0])
+    assert not d.state.no_worker
+    d.run_until_idle()
+    assert sum(1 for s in d.status().values() if s == "memory") == 10
+
+
+def test_retiring_a_batch_keeps_one_survivor_for_the_data() -> None:
+    d = StateDriver()
+    for w in ("w1", "w2", "w3"):
+        d.add_worker(w)
+    d.submit([(f"t-{i}", []) for i in range(3)], [f"t-{i}" for i in range(3)])
+    d.run_until_idle()
+    cmds = d.send(ev.RetireWorkers(["w1", "w2", "w3"], d.clock()))
+    refused = [c.worker for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert len(refused) == 1  # all but one can go; the last must keep the data

@@ -86,6 +86,7 @@ class ScalingController:
         self.startup: dict[str, float] = {}
         self.backlog_since: float | None = None
         self.retiring: set[str] = set()
+        self.refused_until: dict[str, float] = {}
         self.joined: set[str] = set()
         self.worker_request: dict[str, str] = {}
         self.request_type: dict[str, str] = {}
@@ -162,6 +163,8 @@ class ScalingController:
 
     def retire_done(self, wid: str, outcome: str, now: float) -> None:
         self.retiring.discard(wid)
+        if outcome != "retired":
+            self.refused_until[wid] = now + 10.0  # do not ask again at every step
         self.journal.record("retire-done", now, worker=wid, outcome=outcome)
 
     def _type_of_request(self, rid: str) -> str | None:
@@ -255,6 +258,8 @@ class ScalingController:
         for wid in decision.retire:
             ws = state.workers.get(wid)
             if ws is None or wid in self.retiring or ws.state != "running":
+                continue
+            if self.refused_until.get(wid, -1e9) > now:
                 continue
             wt = self.node_types.get(ws.node_type)
             if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:

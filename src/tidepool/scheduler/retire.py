@@ -24,14 +24,14 @@ MEMORY_FRACTION = 0.8
 
 
 def start_retire(state: SchedulerState, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
-    names = set(e.workers)
+    names: set[str] = set()  # accepted for retirement in this batch
     for wid in e.workers:
         ws = state.workers.get(wid)
         if ws is None or ws.state == "retiring":
             continue
         survivors = [
             w for w in state.workers.values()
-            if w.state == "running" and w.id not in names and w.id not in state.retiring
+            if w.state == "running" and w.id != wid and w.id not in names and w.id not in state.retiring
         ]  # fmt: skip
         unique = state.unique_data(ws)
         need = sum(ts.nbytes for ts in unique)
@@ -44,6 +44,7 @@ def start_retire(state: SchedulerState, e: ev.RetireWorkers, out: list[ev.Comman
             out.append(ev.RetireRefused(wid, f"its {need} bytes of needed data do not fit in the "
                                               f"{room} bytes the survivors have free"))  # fmt: skip
             continue
+        names.add(wid)
         state._move_worker(ws, "retiring")
         state._room.discard(wid)
         state.retiring[wid] = set()

@@ -351,7 +351,12 @@ class SchedulerState:
                     continue
                 if head is not None and heap[0][0] >= head[0]:
                     continue
-                if not self._fit_any.get(shape, False):
+                ok = self._fit_any.get(shape)
+                if ok is None:  # cache dropped when workers changed: recompute, never assume
+                    ok = self._fit_any[shape] = any(
+                        fits(w.resources, shape) for w in workers.values() if w.state == "running"
+                    )
+                if not ok:
                     self._park_no_worker(shape)
                     continue
                 if any(fits(workers[w].resources, shape) for w in self._room):

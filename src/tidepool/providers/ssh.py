@@ -1,0 +1,676 @@
+"""SSHProvider: worker processes on other machines, started over SSH (asyncssh).
+
+Place in the data flow: the scaling controller asks for ``count`` nodes of a node type; this
+provider picks hosts (least loaded first, ties in the order given), opens one SSH *session channel*
+per worker and runs ``python -m tidepool.worker`` there with the scheduler address it got from
+``bind`` and the worker id it returns from ``launch``.  The worker then connects to the scheduler by
+itself; the SSH channel only carries the worker's output and its exit status back.
+
+State (all of it lives on a private asyncio loop on a daemon thread; the synchronous methods hand
+coroutines to that loop and wait, because the controller calls providers from worker threads):
+
+- ``_hosts``: one record per host with its open SSH connections (several when one connection's
+  session limit is reached; OpenSSH allows 10 sessions per connection) and, after a failed connect,
+  when to try it again and why it failed.
+- ``_workers``: worker id -> host, remote pid, the process handle, the last lines it printed, and
+  whether it exited (with which code) and whether we asked it to stop.
+- ``_requests``: request id -> worker ids, so launching a request id twice starts it once.
+
+How a worker is started (one command, nothing secret on any command line)::
+
+    sh -c '<script>'       # the script reads K=V lines from stdin until a blank line and exports
+                           # them (TIDEPOOL_TOKEN, TIDEPOOL_WORKER_ID, the user's env), prints
+                           # "tidepool-pid $$", starts a watchdog, then ``exec``s the worker
+
+The pid line is how ``terminate`` finds the process: closing a channel without a PTY does not stop
+the remote process, and as root sshd refuses channel signals, so ``terminate`` runs a small script
+on the host that sends ``TERM`` to the recorded pids (only if that pid's command line still carries
+the worker id, so a recycled pid is never hit), waits up to ``term_timeout`` and sends ``KILL`` to
+what is left.  The watchdog is the safety net for crashes: it holds the channel's stdin and, when
+that reaches end-of-file (the channel or connection closed, e.g. because this process died), sends
+the worker ``TERM`` and later ``KILL``.  So nothing is left running even if ``close`` never ran.
+
+Errors: a launch that cannot reach any host raises :class:`~tidepool.errors.ProviderError` with the
+request id, within ``connect_timeout`` per host (never hangs); an unreachable host is skipped for
+``host_retry`` seconds while others work.  ``poll_errors`` reports workers whose remote process
+exited with an error (with the tail of its output) or whose connection was lost, each once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import itertools
+import logging
+import os
+import re
+import shlex
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tidepool.errors import ConfigError, ProviderError
+from tidepool.providers._address import contact_address
+from tidepool.providers.base import ProviderFailure, worker_command
+from tidepool.scaling.node_types import NodeType
+
+if TYPE_CHECKING:
+    from tidepool.loop import LoopThread
+
+log = logging.getLogger("tidepool.providers.ssh")
+
+T = TypeVar("T")
+
+_PID_PREFIX = "tidepool-pid "
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DEFAULT_KNOWN_HOSTS: Any = ()  # asyncssh's own default: ~/.ssh/known_hosts
+EXIT_NO_WORKDIR = 97
+
+# Shell helper: is process $1 still the worker whose id is $2?  On Linux the id must be one argument
+# of /proc/$1/cmdline (so a pid recycled by another process is never signalled); elsewhere kill -0.
+_ALIVE_FN = (
+    'tp_alive() { if [ -d /proc/self ]; then tr "\\000" "\\n" < "/proc/$1/cmdline" 2>/dev/null '
+    '| grep -qxF -- "$2"; else kill -0 "$1" 2>/dev/null; fi; }'
+)
+_SLEEP = "sleep 0.1 2>/dev/null || sleep 1"
+
+
+def _asyncssh() -> Any:
+    try:
+        import asyncssh
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ConfigError("SSHProvider needs asyncssh: pip install 'tidepool[ssh]'") from exc
+    return asyncssh
+
+
+def parse_host(spec: str, default_user: str | None, default_port: int) -> tuple[str | None, str, int]:
+    """``"user@host:port"`` / ``"host"`` / ``"[::1]:2222"`` -> (user, host, port)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"SSH host must be a non-empty string like 'user@host:22', got {spec!r}")
+    user = default_user
+    rest = spec.strip()
+    if "@" in rest:
+        user, rest = rest.rsplit("@", 1)
+    port = default_port
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        if tail.startswith(":"):
+            port = int(tail[1:])
+    elif rest.count(":") == 1:
+        host, p = rest.split(":")
+        try:
+            port = int(p)
+        except ValueError:
+            raise ConfigError(f"SSH host {spec!r}: port {p!r} is not a number") from None
+    else:
+        host = rest
+    if not host:
+        raise ConfigError(f"SSH host {spec!r} has no host name")
+    return user, host, port
+
+
+def remote_script(command: Sequence[str], worker_id: str, workdir: str | None,
+                  term_grace: int = 10) -> str:  # fmt: skip
+    """The ``sh`` script that runs one worker (see the module docstring); env comes on stdin."""
+    wid = shlex.quote(worker_id)
+    lines = [
+        'while IFS= read -r tp_kv && [ -n "$tp_kv" ]; do export "$tp_kv"; done',
+        _ALIVE_FN,
+        f'echo "{_PID_PREFIX}$$"',
+        "exec 3<&0",
+        # watchdog: stdin EOF (channel or connection gone) -> TERM, then KILL after term_grace s
+        f"( trap '' HUP INT; cat <&3 >/dev/null 2>&1; tp_alive $$ {wid} || exit 0; kill -TERM $$; "
+        f"n=0; while [ $n -lt {term_grace * 10} ] && tp_alive $$ {wid}; do {_SLEEP}; n=$((n+1)); done; "
+        f"tp_alive $$ {wid} && kill -KILL $$ ) >/dev/null 2>&1 &",
+        "exec 3<&-",
+    ]
+    if workdir:
+        d = shlex.quote(workdir)
+        lines.append(f'cd {d} || {{ echo "tidepool: cannot cd to {workdir} on $(hostname)" >&2; '
+                     f"exit {EXIT_NO_WORKDIR}; }}")  # fmt: skip
+    lines.append("exec " + " ".join(shlex.quote(a) for a in command) + " </dev/null")
+    return "\n".join(lines)
+
+
+def kill_script(targets: Sequence[tuple[int, str]], term_timeout: float) -> str:
+    """TERM the (pid, worker id) pairs still alive, wait up to ``term_timeout``, KILL the rest.
+
+    A pid is signalled only while its command line still carries the worker id.  Prints
+    ``survivor PID`` for anything still alive at the end (nothing, normally).
+    """
+    checks = [(int(pid), shlex.quote(wid)) for pid, wid in targets]
+    ticks = max(1, int(term_timeout * 10))
+    any_alive = " || ".join(f"tp_alive {p} {w}" for p, w in checks) or "false"
+    return "\n".join([
+        _ALIVE_FN,
+        f"tp_any() {{ {any_alive}; }}",
+        "tp_sig() { " + " ".join(f'tp_alive {p} {w} && kill "-$1" {p} 2>/dev/null;' for p, w in checks) + " :; }",
+        "tp_sig TERM",
+        f"n=0; while [ $n -lt {ticks} ] && tp_any; do {_SLEEP}; n=$((n+1)); done",
+        "tp_sig KILL",
+        f"n=0; while [ $n -lt 20 ] && tp_any; do {_SLEEP}; n=$((n+1)); done",
+        *(f'tp_alive {p} {w} && echo "survivor {p}"' for p, w in checks),
+        "exit 0",
+    ])  # fmt: skip
+
+
+@dataclass
+class _Conn:
+    conn: Any  # asyncssh.SSHClientConnection
+    sessions: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return not self.conn.is_closed()
+
+
+@dataclass
+class _Host:
+    spec: str
+    user: str | None
+    host: str
+    port: int
+    index: int
+    conns: list[_Conn] = field(default_factory=list)
+    down_until: float = 0.0
+    down_reason: str = ""
+    lock: asyncio.Lock | None = None
+
+    @property
+    def name(self) -> str:
+        u = f"{self.user}@" if self.user else ""
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{u}{h}:{self.port}"
+
+
+@dataclass
+class _SSHWorker:
+    worker_id: str
+    node_type: str
+    request_id: str
+    host: _Host
+    conn: _Conn
+    proc: Any  # asyncssh.SSHClientProcess
+    pid: int
+    started: float = field(default_factory=time.time)
+    output: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    returncode: int | None = None
+    lost: bool = False  # the channel closed without an exit status (connection lost)
+    stopping: bool = False
+    reported: bool = False
+    ended: float | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class SSHProvider:
+    """Start workers on ``hosts`` over SSH; see the module docstring for how and why.
+
+    ``hosts`` are ``"host"``, ``"host:port"`` or ``"user@host:port"`` strings.  ``client_keys`` are
+    private key paths (default: asyncssh's defaults, i.e. ``~/.ssh/id_*`` and the SSH agent).
+    ``known_hosts`` is a known_hosts file path (or list of them); the default checks host keys
+    against ``~/.ssh/known_hosts``; ``None`` (or ``False``) turns host key checking *off* — only
+    for throw-away test hosts.  ``python`` is the interpreter *on the hosts* that has tidepool
+    installed; ``env`` is exported for the workers (never on a command line); ``workdir`` is ``cd``-ed
+    into first.  ``scheduler_host`` is the address the hosts dial back (default: the scheduler's
+    own, or this machine's name when the scheduler listens on ``0.0.0.0``).
+    """
+
+    def __init__(self, hosts: Sequence[str] | str, *, user: str | None = None, port: int = 22,
+                 client_keys: Sequence[str] | str | None = None, known_hosts: Any = _DEFAULT_KNOWN_HOSTS,
+                 python: str = "python3", env: Mapping[str, str] | None = None,
+                 workdir: str | None = None, connect_timeout: float = 10.0,
+                 term_timeout: float = 5.0, host_retry: float = 30.0,
+                 keepalive_interval: float = 15.0, sessions_per_connection: int = 8,
+                 heartbeat_interval: float = 1.0, extra_args: Sequence[str] | None = None,
+                 scheduler: str = "", token: str = "", scheduler_host: str | None = None,
+                 connect_options: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        if isinstance(hosts, str):
+            hosts = [hosts]
+        if not hosts:
+            raise ConfigError("SSHProvider needs at least one host, e.g. SSHProvider(['node1', 'node2'])")
+        if connect_timeout <= 0 or term_timeout < 0:
+            raise ConfigError("SSHProvider: connect_timeout must be > 0 and term_timeout >= 0")
+        if sessions_per_connection < 1:
+            raise ConfigError("SSHProvider: sessions_per_connection must be >= 1")
+        self._hosts = [_Host(h, *parse_host(h, user, port), index=i) for i, h in enumerate(hosts)]
+        names = [h.name for h in self._hosts]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"SSHProvider: duplicate hosts in {list(hosts)}")
+        keys = [client_keys] if isinstance(client_keys, str) else client_keys
+        self.client_keys = None if keys is None else [os.path.expanduser(k) for k in keys]
+        if isinstance(known_hosts, str):
+            known_hosts = os.path.expanduser(known_hosts)
+        elif isinstance(known_hosts, list) and all(isinstance(k, str) for k in known_hosts):
+            known_hosts = [os.path.expanduser(k) for k in known_hosts]
+        self.known_hosts = None if known_hosts is False else known_hosts
+        self.python = python
+        self.env = dict(env or {})
+        for k, v in self.env.items():
+            if not _ENV_KEY.match(k) or "\n" in str(v):
+                raise ConfigError(f"SSHProvider env: {k!r} must be a shell variable name and its value "
+                                  "must not contain a newline")  # fmt: skip
+        self.workdir = workdir
+        self.connect_timeout = float(connect_timeout)
+        self.term_timeout = float(term_timeout)
+        self.host_retry = float(host_retry)
+        self.keepalive_interval = keepalive_interval
+        self.sessions_per_connection = sessions_per_connection
+        self.heartbeat_interval = heartbeat_interval
+        self.extra_args = list(extra_args or [])
+        self.connect_options = dict(connect_options or {})
+        self.scheduler = scheduler
+        self.token = token
+        self.scheduler_host = scheduler_host
+        self._workers: dict[str, _SSHWorker] = {}
+        self._requests: dict[str, list[str]] = {}
+        self._launching: dict[str, asyncio.Future[list[str]]] = {}
+        self._seq = itertools.count(1)
+        self._loop_thread: LoopThread | None = None
+        self._loop_lock = threading.Condition()
+        self._inflight = 0  # calls waiting on the loop; close() lets them finish before stopping it
+        self._closed = False
+        _asyncssh()  # fail at construction, not at the first launch, when asyncssh is missing
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+    def bind(self, scheduler: str, token: str) -> None:
+        """Called by the cluster once the scheduler's address and token are known."""
+        self.scheduler, self.token = scheduler, token
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        with self._loop_lock:
+            if self._closed:
+                coro.close()
+                raise ProviderError("this SSHProvider is closed; create a new one")
+            if self._loop_thread is None:
+                from tidepool.loop import LoopThread
+
+                self._loop_thread = LoopThread("tidepool-ssh")
+            lt = self._loop_thread
+            self._inflight += 1
+        try:
+            return lt.run(coro, timeout)
+        finally:
+            with self._loop_lock:
+                self._inflight -= 1
+                self._loop_lock.notify_all()
+
+    @property
+    def hosts(self) -> builtins.list[str]:
+        return [h.name for h in self._hosts]
+
+    # ---- connections ------------------------------------------------------------------------------
+    async def _connect(self, host: _Host) -> _Conn:
+        asyncssh = _asyncssh()
+        opts: dict[str, Any] = {
+            "port": host.port, "known_hosts": self.known_hosts, "connect_timeout": self.connect_timeout,
+            "login_timeout": self.connect_timeout, "keepalive_interval": self.keepalive_interval,
+            **self.connect_options,
+        }  # fmt: skip
+        if host.user:
+            opts["username"] = host.user
+        if self.client_keys is not None:
+            opts["client_keys"] = list(self.client_keys)
+        try:
+            conn = await asyncio.wait_for(asyncssh.connect(host.host, **opts), self.connect_timeout + 2)
+        except TimeoutError:
+            raise ProviderError(
+                f"SSH to {host.name} timed out after {self.connect_timeout:g}s: is the host up and "
+                "reachable from here (firewall, address, port)?") from None  # fmt: skip
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise ProviderError(
+                f"SSH to {host.name}: host key not verifiable ({exc}); add it to known_hosts "
+                f"(ssh-keyscan -p {host.port} {host.host} >> ~/.ssh/known_hosts) or pass "
+                "known_hosts=PATH") from exc  # fmt: skip
+        except asyncssh.PermissionDenied as exc:
+            raise ProviderError(
+                f"SSH to {host.name}: permission denied ({exc}); check the user and that the key in "
+                "client_keys is in the host's authorized_keys") from exc  # fmt: skip
+        except (OSError, asyncssh.Error) as exc:
+            raise ProviderError(
+                f"cannot connect to {host.name}: {exc or type(exc).__name__}; is sshd running there "
+                f"and is the port right? (try: ssh -p {host.port} {host.host} true)") from exc  # fmt: skip
+        c = _Conn(conn)
+        host.conns.append(c)
+        return c
+
+    async def _session_conn(self, host: _Host) -> _Conn:
+        """A connection to ``host`` with a free session slot (opening one if needed)."""
+        if host.lock is None:
+            host.lock = asyncio.Lock()
+        async with host.lock:
+            host.conns = [c for c in host.conns if c.usable or c.sessions > 0]
+            for c in host.conns:
+                if c.usable and c.sessions < self.sessions_per_connection:
+                    c.sessions += 1
+                    return c
+            c = await self._connect(host)
+            host.down_until, host.down_reason = 0.0, ""
+            c.sessions += 1
+            return c
+
+    async def _any_conn(self, host: _Host) -> _Conn:
+        """Any open connection to ``host`` for a short command (connects if there is none)."""
+        for c in host.conns:
+            if c.usable:
+                return c
+        if host.lock is None:
+            host.lock = asyncio.Lock()
+        async with host.lock:
+            for c in host.conns:
+                if c.usable:
+                    return c
+            return await self._connect(host)
+
+    def _load(self, host: _Host) -> int:
+        return sum(1 for w in self._workers.values() if w.host is host and not w.done.is_set())
+
+    # ---- launch -----------------------------------------------------------------------------------
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        """Start ``count`` nodes (``count * workers_per_node`` workers); return their worker ids.
+
+        Raises :class:`ProviderError` (with ``request_id``) when no host can be reached or a worker
+        could not be started; workers of this request already started are stopped again then.
+        """
+        budget = (self.connect_timeout + 5) * (len(self._hosts) + 2) * max(1, count) + self.term_timeout
+        return self._run(self._launch(node_type, count, request_id), budget)
+
+    async def _launch(self, nt: NodeType, count: int, rid: str) -> builtins.list[str]:
+        if rid in self._requests:
+            return list(self._requests[rid])
+        if rid in self._launching:  # the same request from another thread: wait for that launch
+            return list(await asyncio.shield(self._launching[rid]))
+        if not self.scheduler or not self.token:
+            raise ProviderError(f"SSHProvider cannot launch {rid}: it has no scheduler address/token; "
+                                "call bind(address, token) or use cluster.adapt(provider=...)", rid)  # fmt: skip
+        fut: asyncio.Future[builtins.list[str]] = asyncio.get_running_loop().create_future()
+        self._launching[rid] = fut
+        try:
+            ids = await self._launch_new(nt, count, rid)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: no "never retrieved" warning when nobody else waits
+            else:
+                fut.cancel()
+            raise
+        else:
+            fut.set_result(ids)
+            return ids
+        finally:
+            del self._launching[rid]
+
+    async def _launch_new(self, nt: NodeType, count: int, rid: str) -> builtins.list[str]:
+        started: builtins.list[_SSHWorker] = []
+        try:
+            for _ in range(count):
+                host = await self._pick_host(nt, rid)
+                ids = [f"{nt.name}-{rid}-{next(self._seq)}" for _ in range(nt.workers_per_node)]
+                results = await asyncio.gather(*(self._start(host, nt, rid, w) for w in ids),
+                                               return_exceptions=True)  # fmt: skip
+                started += [r for r in results if isinstance(r, _SSHWorker)]
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+        except BaseException as exc:
+            if started:
+                with contextlib.suppress(Exception):
+                    await self._stop(started)
+            for w in started:
+                self._workers.pop(w.worker_id, None)
+            if isinstance(exc, ProviderError):
+                raise ProviderError(f"launch {rid} of {count} {nt.name!r} node(s) failed: {exc}", rid) from exc
+            if isinstance(exc, Exception):
+                raise ProviderError(f"launch {rid} of {count} {nt.name!r} node(s) failed: "
+                                    f"{type(exc).__name__}: {exc}", rid) from exc  # fmt: skip
+            raise
+        ids = [w.worker_id for w in started]
+        self._requests[rid] = ids
+        log.info("launched %s on %s", ids, sorted({w.host.name for w in started}))
+        return ids
+
+    async def _pick_host(self, nt: NodeType, rid: str) -> _Host:
+        """The least-loaded reachable host (connecting to check), skipping hosts that just failed."""
+        now = time.monotonic()
+        order = sorted(self._hosts, key=lambda h: (h.down_until > now, self._load(h), h.index))
+        errors = []
+        for h in order:
+            if h.down_until > now and any(x.down_until <= now for x in order):
+                continue
+            if any(c.usable for c in h.conns):
+                return h
+            try:
+                c = await self._connect(h)
+            except ProviderError as exc:
+                h.down_until, h.down_reason = time.monotonic() + self.host_retry, str(exc)
+                log.warning("SSH host %s unusable for %gs: %s", h.name, self.host_retry, exc)
+                errors.append(str(exc))
+                continue
+            h.down_until, h.down_reason = 0.0, ""
+            log.debug("connected to %s (%d connections)", h.name, len(h.conns) if c else 0)
+            return h
+        raise ProviderError("no SSH host could be reached: " + "; ".join(errors or
+                            [f"{h.name}: {h.down_reason}" for h in self._hosts]), rid)  # fmt: skip
+
+    async def _start(self, host: _Host, nt: NodeType, rid: str, wid: str) -> _SSHWorker:
+        conn = await self._session_conn(host)
+        try:
+            cmd = worker_command(contact_address(self.scheduler, self.scheduler_host), wid, nt, self.python,
+                                 self.heartbeat_interval, self.extra_args)  # fmt: skip
+            script = remote_script(cmd, wid, self.workdir, max(1, int(self.term_timeout * 2)))
+            proc = await asyncio.wait_for(
+                conn.conn.create_process("sh -c " + shlex.quote(script), encoding="utf-8", errors="replace"),
+                self.connect_timeout)  # fmt: skip
+        except BaseException as exc:
+            conn.sessions -= 1
+            if isinstance(exc, TimeoutError):
+                raise ProviderError(f"opening an SSH session on {host.name} for {wid} timed out") from None
+            if isinstance(exc, Exception) and not isinstance(exc, ProviderError):
+                raise ProviderError(f"cannot start {wid} on {host.name}: {exc}") from exc
+            raise
+        env = {**self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
+        proc.stdin.write("".join(f"{k}={v}\n" for k, v in env.items()) + "\n")
+        line, noise = "", builtins.list[str]()  # a chatty shell start-up file may print before the pid
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                while not line.startswith(_PID_PREFIX) and len(noise) < 200:
+                    line = await proc.stdout.readline()
+                    if not line:
+                        break
+                    if not line.startswith(_PID_PREFIX):
+                        noise.append(line.rstrip("\n"))
+        except TimeoutError:
+            line = ""
+        if not line.startswith(_PID_PREFIX):
+            proc.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait_closed(), 2)
+            conn.sessions -= 1
+            err = ""
+            with contextlib.suppress(Exception):
+                err = (await asyncio.wait_for(proc.stderr.read(), 0.5)).strip()[-500:]
+            raise ProviderError(f"the shell on {host.name} did not start {wid} (output: {noise[-5:]!r}; "
+                                f"stderr: {err!r}); is /bin/sh usable for this user?")  # fmt: skip
+        w = _SSHWorker(wid, nt.name, rid, host, conn, proc, int(line[len(_PID_PREFIX):].strip()))
+        w.output.extend(noise)
+        self._workers[wid] = w
+        w.task = asyncio.get_running_loop().create_task(self._watch(w))
+        return w
+
+    async def _watch(self, w: _SSHWorker) -> None:
+        """Drain the worker's output (keeping the tail) and record how its process ended."""
+
+        async def drain(stream: Any, prefix: str) -> None:
+            with contextlib.suppress(Exception):
+                async for line in stream:
+                    text = line.rstrip("\n")
+                    w.output.append(prefix + text)
+                    log.debug("[%s] %s", w.worker_id, text)
+
+        try:
+            await asyncio.gather(drain(w.proc.stdout, ""), drain(w.proc.stderr, ""))
+            with contextlib.suppress(Exception):
+                await w.proc.wait_closed()
+        finally:
+            rc = w.proc.returncode
+            w.returncode = rc
+            w.lost = rc is None
+            w.ended = time.time()
+            w.conn.sessions -= 1
+            w.done.set()
+
+    # ---- terminate --------------------------------------------------------------------------------
+    def terminate(self, worker_ids: builtins.list[str]) -> None:
+        """Stop these workers for sure (TERM, then KILL after ``term_timeout``); unknown ids: no-op.
+
+        Raises :class:`ProviderError` naming the workers it could not confirm stopped (host down).
+        """
+        if not worker_ids or self._loop_thread is None or self._closed:
+            return  # nothing was ever started, or close() already stopped everything
+        self._run(self._terminate(list(worker_ids)), self.term_timeout + 2 * self.connect_timeout + 15)
+
+    async def _terminate(self, ids: builtins.list[str]) -> None:
+        ws = [self._workers[w] for w in ids if w in self._workers]
+        await self._stop(ws)
+
+    async def _stop(self, ws: builtins.list[_SSHWorker]) -> None:
+        for w in ws:
+            w.stopping = True
+        # still running, or the connection was lost so we do not know: kill by pid on the host
+        todo = [w for w in ws if not w.done.is_set() or w.lost]
+        by_host: dict[int, builtins.list[_SSHWorker]] = {}
+        for w in todo:
+            by_host.setdefault(w.host.index, []).append(w)
+        results = await asyncio.gather(*(self._kill_on(self._hosts[i], group) for i, group in by_host.items()),
+                                       return_exceptions=True)  # fmt: skip
+        problems = [str(r) for r in results if isinstance(r, BaseException)]
+        if problems:
+            raise ProviderError("; ".join(problems))
+
+    async def _kill_on(self, host: _Host, ws: builtins.list[_SSHWorker]) -> None:
+        ids = [w.worker_id for w in ws]
+        try:
+            conn = await self._any_conn(host)
+            res = await asyncio.wait_for(
+                conn.conn.run(kill_script([(w.pid, w.worker_id) for w in ws], self.term_timeout), check=False),
+                self.term_timeout + self.connect_timeout + 5)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - reported with what to do
+            pids = " ".join(str(w.pid) for w in ws)
+            raise ProviderError(
+                f"could not confirm that workers {ids} on {host.name} stopped ({exc}); their watchdog "
+                f"stops them when the SSH connection closes, or run: ssh {host.host} kill {pids}") from exc
+        survivors = [line.split()[1] for line in str(res.stdout or "").splitlines() if line.startswith("survivor ")]
+        if survivors:
+            raise ProviderError(f"workers {ids} on {host.name}: pids {survivors} survived SIGKILL")
+        # the processes are gone; give their channels a moment to report the exit
+        live = [w for w in ws if not w.done.is_set()]
+        if live:
+            await asyncio.wait([asyncio.ensure_future(w.done.wait()) for w in live], timeout=5)
+        for w in ws:
+            w.lost = False  # confirmed gone on the host
+
+    # ---- observation ------------------------------------------------------------------------------
+    def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
+        """Worker id -> {node_type, request_id, host, pid, alive, returncode, started}."""
+        if self._loop_thread is None or self._closed:
+            return self._list_now()  # no loop running: nothing can change under us
+        return self._run(self._async(self._list_now), 10)
+
+    async def _async(self, fn: Any) -> Any:
+        return fn()
+
+    def _list_now(self) -> dict[str, dict[str, Any]]:
+        return {w.worker_id: {"node_type": w.node_type, "request_id": w.request_id, "host": w.host.name,
+                              "pid": w.pid, "alive": not w.done.is_set(), "returncode": w.returncode,
+                              "started": w.started, "stopping": w.stopping}
+                for w in self._workers.values()}  # fmt: skip
+
+    def host_status(self) -> dict[str, dict[str, Any]]:
+        """Host -> {workers, connections, down_for, reason}: which hosts are skipped and why."""
+        now = time.monotonic()
+        return {h.name: {"workers": self._load(h), "connections": sum(c.usable for c in h.conns),
+                         "down_for": max(0.0, h.down_until - now), "reason": h.down_reason}
+                for h in self._hosts}  # fmt: skip
+
+    def poll_errors(self) -> builtins.list[ProviderFailure]:
+        """Workers that exited with an error or lost their connection since the last call (each once)."""
+        if self._loop_thread is None or self._closed:
+            return self._poll_now()
+        return self._run(self._async(self._poll_now), 10)  # type: ignore[no-any-return]
+
+    def _poll_now(self) -> builtins.list[ProviderFailure]:
+        out: builtins.list[ProviderFailure] = []
+        seen_requests: set[str] = set()
+        now = time.time()
+        for wid, w in list(self._workers.items()):
+            if not w.done.is_set():
+                continue
+            if not w.reported and not w.stopping and w.returncode != 0:
+                w.reported = True
+                if w.request_id in seen_requests:
+                    continue  # one report per request per poll: the controller backs off once
+                seen_requests.add(w.request_id)
+                out.append(ProviderFailure(w.request_id, wid, self._describe_exit(w)))
+            if w.ended is not None and now - w.ended > 600:
+                del self._workers[wid]
+        return out
+
+    def _describe_exit(self, w: _SSHWorker) -> str:
+        tail = " | ".join(list(w.output)[-6:])
+        where = f"worker {w.worker_id} on {w.host.name} (pid {w.pid})"
+        if w.lost:
+            return (f"{where}: lost the SSH connection; the worker's watchdog stops it on the host. "
+                    f"Last output: {tail or '(none)'}")  # fmt: skip
+        rc = w.returncode
+        hint = ""
+        if rc == 127:
+            hint = f" (command not found: set python= to the interpreter on the host; now {self.python!r})"
+        elif rc == EXIT_NO_WORKDIR:
+            hint = f" (workdir {self.workdir!r} does not exist on the host)"
+        elif "No module named" in tail:
+            hint = " (install tidepool for that interpreter on the host, or set python=)"
+        how = f"was killed by signal {-rc}" if rc is not None and rc < 0 else f"exited with code {rc}"
+        return f"{where} {how}{hint}. Last output: {tail or '(none)'}"
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every worker this provider started, close the connections and the loop thread."""
+        with self._loop_lock:
+            lt = self._loop_thread
+            if self._closed:
+                return
+            self._closed = True
+        if lt is None:
+            return
+        try:
+            lt.run(self._close(), self.term_timeout + 2 * self.connect_timeout + 20)
+        except Exception as exc:  # noqa: BLE001 - close must not raise into cleanup paths
+            log.warning("SSHProvider.close: %s", exc)
+        finally:
+            with self._loop_lock:  # calls already on the loop (e.g. a terminate) finish first
+                self._loop_lock.wait_for(lambda: self._inflight == 0, timeout=self.term_timeout + 10)
+            lt.stop()
+
+    async def _close(self) -> None:
+        try:
+            await self._stop(list(self._workers.values()))
+        finally:
+            for h in self._hosts:
+                for c in h.conns:
+                    c.conn.close()
+                for c in h.conns:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(c.conn.wait_closed(), 5)
+                h.conns.clear()
+            tasks = [w.task for w in self._workers.values() if w.task is not None and not w.task.done()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+                for t in tasks:
+                    t.cancel()
+
+    def __repr__(self) -> str:
+        return f"<SSHProvider hosts={self.hosts} workers={sum(not w.done.is_set() for w in self._workers.values())}>"

@@ -1,0 +1,412 @@
+"""SlurmProvider: unit tests (walltimes, job scripts, expiring) and a real single-node Slurm.
+
+The session fixture brings Slurm up from scratch in a private directory: its own munged on its own
+socket, a slurm.conf generated from ``slurmd -C`` with free ports, ``slurmctld -D`` and
+``slurmd -D``; ``SLURM_CONF`` points every Slurm command of this process at it, so a Slurm already
+on the machine is not touched.  Needs root and the slurm-wlm + munge packages
+(``.ci/setup-services.sh`` installs them); those tests are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+
+import tidepool
+from tidepool.errors import ConfigError, ProviderError
+from tidepool.providers.local import LocalProvider
+from tidepool.providers.slurm import (
+    SlurmProvider,
+    _Job,
+    default_margin,
+    format_walltime,
+    parse_walltime,
+)
+from tidepool.scaling.node_types import NodeType
+
+DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
+
+
+def whereami(i: int, delay: float = 0.3) -> tuple[int, str, str]:
+    time.sleep(delay)
+    return i, os.environ.get("SLURM_JOB_ID", ""), os.environ.get("TIDEPOOL_WORKER_ID", "")
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- unit tests: no Slurm needed -----------------------------------------------------------------
+@pytest.mark.parametrize("text,seconds", [
+    ("30", 1800), ("1", 60), ("05:30", 330), ("01:00:00", 3600), ("2-00:00:00", 172800),
+    ("1-12", 129600), ("1-01:30", 91800), (90, 5400), ("UNLIMITED", None), (None, None),
+])  # fmt: skip
+def test_parse_walltime_accepts_slurm_forms(text: Any, seconds: float | None) -> None:
+    assert parse_walltime(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "1:2:3:4", "abc", "-5", "0", 0, True])
+def test_parse_walltime_rejects_garbage(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="walltime"):
+        parse_walltime(bad)
+
+
+def test_format_walltime_and_default_margin() -> None:
+    assert format_walltime(3600) == "01:00:00" and format_walltime(90061) == "1-01:01:01"
+    assert default_margin(3600.0) == 360.0  # 10 % of an hour
+    assert default_margin(300.0) == 60.0  # at least a minute...
+    assert default_margin(60.0) == 30.0  # ...but never more than half the walltime
+    assert default_margin(None) == 60.0
+
+
+def test_job_script_exports_the_token_and_starts_one_worker_per_id() -> None:
+    p = SlurmProvider("debug", "proj", walltime="1-00:00:00", job_extra=["--qos=short"], env={"A": "b c"},
+                      python="/opt/py/bin/python", workdir="/scratch/x", log_dir="/logs")  # fmt: skip
+    p.bind("tcp://10.0.0.1:8786", "s3cret")
+    nt = NodeType("big", {"cpu": 8, "memory": "16GiB"}, workers_per_node=2)
+    script = p.job_script(nt, "r4", ["big-r4-1", "big-r4-2"])
+    for line in ["#SBATCH --partition=debug", "#SBATCH --account=proj", "#SBATCH --time=1-00:00:00",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --mem=16384M", "#SBATCH --qos=short",
+                 "#SBATCH --chdir=/scratch/x", "#SBATCH --output=/logs/tidepool-%j.out",
+                 "export TIDEPOOL_TOKEN=s3cret", "export A='b c'"]:  # fmt: skip
+        assert line in script.splitlines(), line
+    workers = [ln for ln in script.splitlines() if "-m tidepool.worker" in ln]
+    assert len(workers) == 2 and all("s3cret" not in ln for ln in workers)  # never on a command line
+    assert "--id big-r4-1" in workers[0] and '{"cpu": 4.0, "memory": 8589934592.0}' in workers[0]
+    assert "<redacted>" in p.job_script(nt, "r4", ["big-r4-1"], redact=True)
+    with_file = SlurmProvider(token_file="/shared/tok")
+    with_file.scheduler = "tcp://h:1"
+    assert "export TIDEPOOL_TOKEN_FILE=/shared/tok" in with_file.job_script(nt, "r1", ["a", "b"])
+
+
+def test_missing_sbatch_is_a_provider_error_that_says_what_to_do() -> None:
+    p = SlurmProvider(submit_command="/nonexistent/sbatch")
+    p.bind("tcp://127.0.0.1:1", "t")
+    with pytest.raises(ProviderError, match="not found") as info:
+        p.launch(NodeType("x"), 1, "r9")
+    assert info.value.request_id == "r9"
+
+
+def test_expiring_lists_workers_of_jobs_that_end_within_the_margin() -> None:
+    p = SlurmProvider(walltime="01:00:00", retire_margin=120, poll_interval=1e9)
+    p._last_refresh = time.monotonic()  # no squeue here: use the job records as they are
+    t = 1_000_000.0
+    p._jobs = {
+        "1": _Job("1", "r1", "cpu", ["cpu-r1-1", "cpu-r1-2"], state="RUNNING", start=t - 3500, end=t + 100),
+        "2": _Job("2", "r1", "cpu", ["cpu-r1-3"], state="RUNNING", start=t - 100, end=t + 3500),
+        "3": _Job("3", "r2", "cpu", ["cpu-r2-4"], state="PENDING"),
+        "4": _Job("4", "r3", "cpu", ["cpu-r3-5"], state="RUNNING", end=t + 10, cancelled=True),
+    }
+    p._stopping = {"cpu-r1-2"}
+    assert p.expiring(t) == ["cpu-r1-1"]
+    assert p.expiring(t - 1000) == []
+    assert sorted(p.expiring(t + 3400)) == ["cpu-r1-1", "cpu-r1-3"]
+
+
+def retired_gracefully(records: list[dict[str, Any]], wid: str | None) -> bool:
+    """The scheduler closed ``wid`` after a successful graceful retirement (no failure, no loss)."""
+    done = any(r["kind"] == "retire-done" and r["worker"] == wid and r["outcome"] == "retired" for r in records)
+    lost = any(r["kind"] == "worker-leave" and r["worker"] == wid and not r.get("graceful") for r in records)
+    return done and not lost
+
+
+class ExpiringLocal(LocalProvider):
+    """Local workers; once ``armed``, the first one launched 'reaches its walltime'."""
+
+    def __init__(self) -> None:
+        super().__init__("", "")
+        self.asked: list[float] = []
+        self.first: str | None = None
+        self.armed = False
+
+    def bind(self, scheduler: str, token: str) -> None:
+        self.scheduler, self.token = scheduler, token
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
+        ids = super().launch(node_type, count, request_id)
+        self.first = self.first or ids[0]
+        return ids
+
+    def expiring(self, now_wall: float) -> list[str]:
+        self.asked.append(now_wall)
+        p = self.procs.get(self.first or "")
+        return [p.worker_id] if self.armed and p is not None and p.proc.poll() is None else []
+
+
+def test_autoscaler_retires_expiring_workers_gracefully() -> None:
+    provider = ExpiringLocal()
+    nt = NodeType("w", {"cpu": 1}, min_nodes=2, max_nodes=2, startup_estimate=0.5)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        futs = client.map(whereami, range(10), [0.1] * 10)
+        assert [r[0] for r in client.gather(futs, timeout=60)] == list(range(10))
+        journal = cluster.journal
+        assert journal is not None
+        first = provider.first
+        provider.armed = True  # its results are still wanted: they must move to the other worker
+        wait_until(lambda: retired_gracefully(journal.records, first), 20, f"{first} to be retired")
+        retired = [r for r in journal.of_kind("retire") if r["worker"] == first]
+        assert retired and "walltime" in retired[0]["reason"]
+        assert [r[0] for r in client.gather(futs, timeout=30)] == list(range(10))  # nothing was lost
+        assert provider.asked and abs(provider.asked[-1] - time.time()) < 60  # wall-clock time
+
+
+# ---- a real single-node Slurm ----------------------------------------------------------------------
+@dataclass
+class Slurm:
+    dir: str
+    conf: str
+    procs: dict[str, subprocess.Popen]  # type: ignore[type-arg]
+
+    def run(self, *argv: str) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30).stdout
+
+    def active(self, job_ids: list[str]) -> dict[str, str]:
+        """Job id -> state for the given jobs that are still pending/running/completing."""
+        if not job_ids:
+            return {}
+        out = self.run("squeue", "-h", "-o", "%i|%T", "-j", ",".join(job_ids))
+        return dict(line.split("|", 1) for line in out.split())
+
+
+def _start(argv: list[str], log: str) -> subprocess.Popen:  # type: ignore[type-arg]
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+
+
+def _stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[Slurm]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: runs slurmctld, slurmd and munged")
+    missing = [p for p in (*DAEMONS, shutil.which("sbatch") or "sbatch") if not os.path.exists(p)]
+    if missing:
+        pytest.skip(f"Slurm/munge not installed ({missing}); run .ci/setup-services.sh "
+                    "(apt-get install slurm-wlm munge)")  # fmt: skip
+    d = tempfile.mkdtemp(prefix="tidepool-slurm-")
+    os.chmod(d, 0o755)  # munged insists that every directory above its socket is world-executable
+    munge_dir = os.path.join(d, "munge")
+    os.makedirs(munge_dir, mode=0o755)
+    mu = pwd.getpwnam("munge")
+    os.chown(munge_dir, mu.pw_uid, mu.pw_gid)
+    sock = os.path.join(munge_dir, "munge.socket")
+    procs: dict[str, subprocess.Popen] = {}  # type: ignore[type-arg]
+    old_conf = os.environ.get("SLURM_CONF")
+    conf = os.path.join(d, "slurm.conf")
+    try:
+        procs["munged"] = _start(["runuser", "-u", "munge", "--", DAEMONS[2], "-F", f"--socket={sock}",
+                                  f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
+                                  f"--seed-file={munge_dir}/seed"], os.path.join(d, "munged.out"))  # fmt: skip
+
+        def munge_ok() -> bool:
+            if procs["munged"].poll() is not None:
+                raise RuntimeError(f"munged exited: {open(os.path.join(d, 'munged.out')).read()[-1500:]}")
+            return subprocess.run(["munge", "-n", "-S", sock], capture_output=True).returncode == 0
+
+        wait_until(munge_ok, 15, "munged to answer")
+        node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+        for sub in ("ctld", "d", "log"):
+            os.makedirs(os.path.join(d, sub))
+        with open(conf, "w") as f:
+            f.write(f"""ClusterName=tidepooltest
+SlurmctldHost={socket.gethostname()}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthType=auth/munge
+AuthInfo=socket={sock}
+CredType=cred/munge
+MailProg=/bin/true
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+KillWait=5
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/ctld
+SlurmdSpoolDir={d}/d
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd.log
+{node} NodeAddr=127.0.0.1 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+        os.environ["SLURM_CONF"] = conf  # every Slurm command from here on (and in the jobs) uses it
+        procs["slurmctld"] = _start(["/usr/sbin/slurmctld", "-D", "-f", conf], os.path.join(d, "slurmctld.out"))
+        procs["slurmd"] = _start(["/usr/sbin/slurmd", "-D", "-f", conf], os.path.join(d, "slurmd.out"))
+
+        def idle() -> bool:
+            for name in ("slurmctld", "slurmd"):
+                if procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited: {open(os.path.join(d, name + '.out')).read()[-1500:]}")
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout
+            return out.strip() == "idle"
+
+        wait_until(idle, 30, "the Slurm node to be idle")
+        yield Slurm(d, conf, procs)
+    finally:
+        with contextlib.suppress(Exception):
+            subprocess.run(["scancel", "--user=root"], capture_output=True, timeout=10)
+        for name in ("slurmd", "slurmctld", "munged"):
+            if name in procs:
+                _stop(procs[name])
+        if old_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old_conf
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def make_provider(slurm: Slurm, **kw: Any) -> SlurmProvider:
+    opts: dict[str, Any] = dict(walltime="00:10:00", python=sys.executable, log_dir=slurm.dir,
+                                workdir=slurm.dir, poll_interval=0.3,
+                                env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})  # fmt: skip
+    opts.update(kw)
+    return SlurmProvider(**opts)
+
+
+def worker_procs(tag: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if "tidepool.worker" in cmd and any(tag in a for a in cmd) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
+@pytest.mark.integration
+def test_adaptive_cluster_runs_tasks_in_slurm_jobs_and_cancels_them(slurm: Slurm) -> None:
+    provider = make_provider(slurm)
+    nt = NodeType("slurm", {"cpu": 1}, max_nodes=2, startup_estimate=5.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        futs = client.map(whereami, range(8), [0.5] * 8)
+        results = client.gather(futs)
+        assert [r[0] for r in results] == list(range(8))
+        jobs = provider.jobs()
+        assert jobs and {r[1] for r in results} <= set(jobs)  # every task ran inside one of our jobs
+        assert {r[2] for r in results} <= set(provider.list())
+        del futs, results  # nothing needed any more: idle workers retire and their jobs are cancelled
+        wait_until(lambda: not slurm.active(list(provider.jobs())), 30, "scale-down to cancel the jobs")
+        assert provider.poll_errors() == []  # jobs we ended are not failures
+        # new demand: new jobs, then close() cancels them
+        assert client.submit(whereami, 99, 0.0).result(timeout=60)[0] == 99
+        later = [j for j in provider.jobs() if j not in jobs]
+        assert later and slurm.active(later)
+    wait_until(lambda: not slurm.active(list(provider.jobs())), 20, "close() to cancel every job")
+    wait_until(lambda: not worker_procs("slurm-r"), 20, "the job's workers to exit")
+
+
+@pytest.mark.integration
+def test_pending_job_cancelled_outside_is_a_failed_launch_and_backs_off(slurm: Slurm) -> None:
+    provider = make_provider(slurm, job_extra=["--begin=now+1hour"])  # stays PENDING
+    nt = NodeType("later", {"cpu": 1}, max_nodes=1, startup_estimate=30.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        fut = client.submit(whereami, 1, 0.0)
+        wait_until(lambda: provider.jobs(), 15, "a job to be submitted")
+        [job] = list(provider.jobs())
+        assert slurm.active([job]) == {job: "PENDING"}
+        subprocess.run(["scancel", job], check=True)
+        journal = cluster.journal
+        assert journal is not None
+        wait_until(lambda: journal.of_kind("launch-failed"), 15, "the cancelled job to be reported")
+        failed = journal.of_kind("launch-failed")[0]
+        assert f"Slurm job {job}" in failed["reason"] and "CANCELLED before it started" in failed["reason"]
+        assert journal.of_kind("backoff")
+        assert not fut.done()
+
+
+@pytest.mark.integration
+def test_unsatisfiable_jobs_are_refused_or_reported_and_cancelled(slurm: Slurm) -> None:
+    provider = make_provider(slurm, memory="100TB")  # sbatch itself refuses this one
+    provider.bind("tcp://127.0.0.1:9", "t" * 32)
+    with pytest.raises(ProviderError, match="memory=") as info:
+        provider.launch(NodeType("huge", {"cpu": 1}), 1, "r3")
+    assert info.value.request_id == "r3" and provider.jobs() == {}
+    provider.close()
+    provider = make_provider(slurm, cores=512)  # accepted, but pends forever (PartitionConfig)
+    provider.bind("tcp://127.0.0.1:9", "t" * 32)
+    provider.launch(NodeType("huge", {"cpu": 1}), 1, "r4")
+    [job] = list(provider.jobs())
+    errors: list[Any] = []
+    wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 15, "the doomed job to be reported")
+    assert errors[0].request_id == "r4" and errors[0].worker_id is None
+    assert "can never start" in errors[0].message and "cores=" in errors[0].message
+    wait_until(lambda: not slurm.active([job]), 10, "the doomed job to be cancelled")
+    provider.close()
+
+
+@pytest.mark.integration
+def test_jobs_near_their_walltime_retire_gracefully_before_slurm_kills_them(slurm: Slurm) -> None:
+    # 1-minute walltime, 50 s margin: a worker is retired ~10 s after its job starts.  Its results
+    # (still wanted by the client) must move to a survivor first: a burst of work starts a second job.
+    provider = make_provider(slurm, walltime="1", retire_margin=50)
+    nt = NodeType("short", {"cpu": 1}, max_nodes=2, startup_estimate=5.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        journal = cluster.journal
+        assert journal is not None
+        long = client.submit(whereami, -1, 3.0)
+        wait_until(lambda: cluster.workers, 30, "the first job's worker")
+        [first] = cluster.workers
+        burst = client.map(whereami, range(8), [0.4] * 8)
+        assert [r[0] for r in client.gather(burst, timeout=60)] == list(range(8))  # before the walltime
+        assert long.result(timeout=30)[2] == first
+        wait_until(lambda: retired_gracefully(journal.records, first), 30,
+                   "the first worker to be retired for its walltime")  # fmt: skip
+        assert client.gather(burst) and long.result()  # its results moved to the survivor
+        retire = [r for r in journal.of_kind("retire") if r["worker"] == first]
+        assert retire and "walltime" in retire[0]["reason"]
+        job = provider.list()[first]["job_id"]
+        wait_until(lambda: provider.refresh(force=True) is None
+                   and provider.jobs()[job] not in ("RUNNING", "PENDING", "COMPLETING"), 20, "its job to end")  # fmt: skip
+        assert provider.jobs()[job] in ("COMPLETED", "CANCELLED")  # not TIMEOUT: we got there first
+        assert [f for f in provider.poll_errors() if f.worker_id == first] == []
+
+
+def test_slurm_provider_rejects_bad_arguments() -> None:
+    for kw in ({"cores": 0}, {"workers_per_job": 0}, {"retire_margin": -1}, {"env": {"A B": "x"}},
+               {"job_extra": ["--a\n--b"]}, {"walltime": "soon"}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            SlurmProvider(**kw)  # type: ignore[arg-type]
+    assert dataclasses.is_dataclass(_Job)

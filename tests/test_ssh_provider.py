@@ -1,0 +1,465 @@
+"""SSHProvider against a real OpenSSH server (loopback, and one inside a network namespace).
+
+The session fixture starts ``sshd`` on 127.0.0.1 with throw-away ed25519 host and user keys (key
+auth only); workers are started over SSH as root and stopped by pid, which is exactly the case
+where closing a channel would leave them running.  Needs root and ``/usr/sbin/sshd``
+(``.ci/setup-services.sh`` installs openssh-server); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+import tidepool
+from tidepool.errors import ConfigError, ProviderError
+from tidepool.providers.ssh import (
+    EXIT_NO_WORKDIR,
+    SSHProvider,
+    kill_script,
+    parse_host,
+    remote_script,
+)
+from tidepool.scaling.node_types import NodeType
+
+pytestmark = pytest.mark.integration
+
+SSHD = "/usr/sbin/sshd"
+NS_HOSTNAME = "tp-netns-host"
+
+
+def whereami(i: int, delay: float = 0.3) -> tuple[int, str, int, str]:
+    time.sleep(delay)
+    return i, socket.gethostname(), os.getpid(), os.environ.get("TIDEPOOL_WORKER_ID", "")
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def worker_pids(tag: str) -> list[int]:
+    """Pids of live tidepool worker processes whose command line mentions ``tag``."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if "tidepool.worker" in cmd and any(tag in a for a in cmd) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p.pid)
+    return out
+
+
+@dataclass
+class Sshd:
+    host: str
+    port: int
+    client_key: str
+    known_hosts: str
+    proc: subprocess.Popen  # type: ignore[type-arg]
+    log: str
+
+    def provider(self, **kw: object) -> SSHProvider:
+        opts: dict[str, object] = dict(port=self.port, client_keys=[self.client_key],
+                                       known_hosts=self.known_hosts, python=sys.executable,
+                                       env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+                                       connect_timeout=5.0, term_timeout=3.0)  # fmt: skip
+        opts.update(kw)
+        return SSHProvider([self.host], **opts)  # type: ignore[arg-type]
+
+
+def make_keys(d: str) -> tuple[str, str, str]:
+    """(host key path, user key path, host public key line)."""
+    for name in ("host_ed25519", "user_ed25519"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "tidepool-test", "-f",
+                        os.path.join(d, name)], check=True)  # fmt: skip
+    shutil.copy(os.path.join(d, "user_ed25519.pub"), os.path.join(d, "authorized_keys"))
+    with open(os.path.join(d, "host_ed25519.pub")) as f:
+        host_pub = " ".join(f.read().split()[:2])
+    return os.path.join(d, "host_ed25519"), os.path.join(d, "user_ed25519"), host_pub
+
+
+def write_sshd_config(d: str, name: str, listen: str, host_key: str) -> str:
+    path = os.path.join(d, f"{name}.conf")
+    with open(path, "w") as f:
+        f.write(f"""ListenAddress {listen}
+HostKey {host_key}
+PidFile {d}/{name}.pid
+AuthorizedKeysFile {d}/authorized_keys
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PermitRootLogin prohibit-password
+StrictModes no
+MaxSessions 10
+LogLevel ERROR
+""")
+    return path
+
+
+def start_sshd(argv: list[str], host: str, port: int, log: str) -> subprocess.Popen:  # type: ignore[type-arg]
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            with open(log) as f:
+                raise RuntimeError(f"sshd exited with {proc.returncode}: {f.read()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return proc
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sshd did not listen on {host}:{port} within 10s")
+        time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def require_root_and_sshd() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: starts sshd and logs in as root over loopback")
+    if not os.path.exists(SSHD):
+        pytest.skip(f"{SSHD} not installed (run .ci/setup-services.sh, or apt-get install openssh-server)")
+
+
+@dataclass
+class Keys:
+    dir: str
+    host_key: str
+    user_key: str
+    host_pub: str  # "ssh-ed25519 AAAA..." for known_hosts lines
+
+
+@pytest.fixture(scope="session")
+def keys() -> Iterator[Keys]:
+    require_root_and_sshd()
+    d = tempfile.mkdtemp(prefix="tidepool-sshd-")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    yield Keys(d, *make_keys(d))
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sshd(keys: Keys) -> Iterator[Sshd]:
+    port = free_port()
+    cfg = write_sshd_config(keys.dir, "lo", "127.0.0.1", keys.host_key)
+    log = os.path.join(keys.dir, "lo.log")
+    proc = start_sshd([SSHD, "-D", "-e", "-f", cfg, "-p", str(port)], "127.0.0.1", port, log)
+    kh = os.path.join(keys.dir, "known_hosts_lo")
+    with open(kh, "w") as f:
+        f.write(f"[127.0.0.1]:{port} {keys.host_pub}\n")
+    yield Sshd("127.0.0.1", port, keys.user_key, kh, proc, log)
+    stop(proc)
+
+
+# ---- the shell scripts, run locally (no sshd, no root) ---------------------------------------------
+def test_parse_host_forms() -> None:
+    assert parse_host("node1", None, 22) == (None, "node1", 22)
+    assert parse_host("bob@node1:2222", "alice", 22) == ("bob", "node1", 2222)
+    assert parse_host("node1", "alice", 2200) == ("alice", "node1", 2200)
+    assert parse_host("[::1]:2022", None, 22) == (None, "::1", 2022)
+    with pytest.raises(ConfigError):
+        parse_host("node:xx", None, 22)
+
+
+def test_remote_script_takes_env_from_stdin_and_keeps_it_off_the_command_line(tmp_path: Path) -> None:
+    code = "import os, sys; print(os.environ['TIDEPOOL_TOKEN'], os.environ['A'], os.getcwd()); sys.exit(3)"
+    script = remote_script([sys.executable, "-c", code, "w-1"], "w-1", str(tmp_path))
+    assert "s3cret" not in script
+    proc = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("TIDEPOOL_TOKEN=s3cret\nA=x y\n\n")
+    proc.stdin.flush()  # stdin stays open, as the SSH channel does
+    first, second = proc.stdout.read().splitlines()[:2]
+    assert first.startswith("tidepool-pid ") and second == f"s3cret x y {tmp_path}"
+    assert proc.wait(10) == 3
+    proc.stdin.close()
+    missing = remote_script(["true"], "w-2", str(tmp_path / "nope"))
+    r = subprocess.run(["sh", "-c", missing], input="\n", text=True, capture_output=True, timeout=30)
+    assert r.returncode == EXIT_NO_WORKDIR and "cannot cd" in r.stderr
+
+
+def test_remote_script_watchdog_stops_the_worker_when_stdin_closes() -> None:
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen(["sh", "-c", remote_script([sys.executable, "-c", code, "w-3"], "w-3", None, 2)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().startswith("tidepool-pid ") and proc.stdout.readline() == "up\n"
+        proc.stdin.close()  # what the host sees when the connection dies
+        assert proc.wait(10) == -15
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill_script_stops_only_the_worker_it_names() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, "w-7"], stdout=subprocess.PIPE, text=True)
+    try:  # it ignores TERM: only the KILL after the grace period stops it
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        r = subprocess.run(["sh", "-c", kill_script([(proc.pid, "w-70")], 0.2)], capture_output=True, text=True)
+        assert r.returncode == 0 and proc.poll() is None  # another id on that pid: not touched
+        t0 = time.monotonic()
+        r = subprocess.run(["sh", "-c", kill_script([(proc.pid, "w-7")], 0.5)], capture_output=True, text=True)
+        assert r.returncode == 0 and "survivor" not in r.stdout
+        assert proc.wait(5) == -9 and time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- loopback --------------------------------------------------------------------------------------
+def test_adaptive_cluster_starts_workers_over_ssh_and_terminate_stops_them(sshd: Sshd) -> None:
+    provider = sshd.provider()
+    nt = NodeType("ssh", {"cpu": 1}, max_nodes=2, startup_estimate=1.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        results = client.gather(client.map(whereami, range(8)))
+        assert [r[0] for r in results] == list(range(8))
+        listing = provider.list()
+        assert listing and all(info["host"] == f"127.0.0.1:{sshd.port}" for info in listing.values())
+        ran_on = {r[3]: r[2] for r in results}
+        assert ran_on and set(ran_on) <= set(listing)
+        for wid, pid in ran_on.items():
+            assert listing[wid]["pid"] == pid  # the pid echoed by the remote shell is the worker
+            ancestors = [p.name() for p in psutil.Process(pid).parents()]
+            assert "sshd" in ancestors, f"worker {wid} was not started through sshd: {ancestors}"
+        # terminate one worker that is alive: its process is gone afterwards, for sure
+        alive = [w for w, info in provider.list().items() if info["alive"]]
+        assert alive
+        victim = alive[0]
+        pid = provider.list()[victim]["pid"]
+        provider.terminate([victim])
+        assert pid_gone(pid)
+        assert provider.list()[victim]["alive"] is False
+        provider.terminate([victim, "no-such-worker"])  # idempotent
+        pids = [info["pid"] for info in provider.list().values()]
+    # the cluster closed the provider: nothing it started is left on the host
+    wait_until(lambda: all(pid_gone(p) for p in pids), 10, "every SSH worker to exit")
+    assert worker_pids("ssh-r") == []
+    assert provider.poll_errors() == []  # stopped on purpose: not failures
+
+
+def test_launch_is_idempotent_and_close_stops_everything(sshd: Sshd) -> None:
+    nt = NodeType("idem", {"cpu": 1}, workers_per_node=2)
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.launch(nt, 2, "r77")
+        assert ids == [f"idem-r77-{i}" for i in range(1, 5)]
+        assert provider.launch(nt, 2, "r77") == ids  # same request id: started once
+        cluster.wait_for_workers(ids, timeout=20)
+        pids = [info["pid"] for info in provider.list().values()]
+        assert len(pids) == 4 and not any(pid_gone(p) for p in pids)
+        provider.close()
+        assert all(pid_gone(p) for p in pids)
+        provider.close()  # idempotent
+
+
+def test_worker_that_cannot_start_is_reported_by_poll_errors(sshd: Sshd) -> None:
+    provider = sshd.provider(python="/nonexistent/python3")
+    provider.bind("tcp://127.0.0.1:9", "x" * 32)
+    try:
+        [wid] = provider.launch(NodeType("bad", {"cpu": 1}), 1, "r1")
+        errors: list = []  # type: ignore[type-arg]
+        wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 10, "the failure report")
+        assert errors[0].request_id == "r1" and errors[0].worker_id == wid
+        assert "exited with code 127" in errors[0].message and "python=" in errors[0].message
+        assert provider.poll_errors() == []  # reported once
+    finally:
+        provider.close()
+
+
+def test_unreachable_host_raises_provider_error_quickly(sshd: Sshd) -> None:
+    closed = free_port()  # nothing listens there: connection refused
+    provider = sshd.provider(port=closed)
+    provider.bind("tcp://127.0.0.1:9", "x" * 32)
+    t0 = time.monotonic()
+    with pytest.raises(ProviderError, match="cannot connect") as info:
+        provider.launch(NodeType("x", {"cpu": 1}), 1, "r5")
+    assert info.value.request_id == "r5"
+    assert time.monotonic() - t0 < 5
+    provider.close()
+    # a port that accepts TCP but never speaks SSH: the connect timeout bounds the launch
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        provider = sshd.provider(port=silent.getsockname()[1], connect_timeout=1.0)
+        provider.bind("tcp://127.0.0.1:9", "x" * 32)
+        t0 = time.monotonic()
+        with pytest.raises(ProviderError, match="timed out") as info:
+            provider.launch(NodeType("x", {"cpu": 1}), 1, "r6")
+        assert info.value.request_id == "r6"
+        assert time.monotonic() - t0 < 6
+        provider.close()
+
+
+def test_autoscaler_backs_off_an_unreachable_ssh_host(sshd: Sshd) -> None:
+    provider = sshd.provider(port=free_port())
+    nt = NodeType("down", {"cpu": 1}, max_nodes=1, startup_estimate=1.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider)
+        fut = client.submit(whereami, 1, 0.0)
+        journal = cluster.journal
+        assert journal is not None
+        wait_until(lambda: journal.of_kind("launch-failed") and journal.of_kind("backoff"), 10,
+                   "launch-failed and backoff records")  # fmt: skip
+        failed = journal.of_kind("launch-failed")[0]
+        assert failed["node_type"] == "down" and "cannot connect" in failed["reason"]
+        assert not fut.done()
+
+
+def test_watchdog_stops_workers_when_the_ssh_connection_dies(sshd: Sshd) -> None:
+    """If the provider's process dies, the remote workers must not live on (no PTY, no HUP)."""
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.launch(NodeType("wd", {"cpu": 1}), 1, "r1")
+        cluster.wait_for_workers(ids, timeout=20)
+        pid = provider.list()[ids[0]]["pid"]
+
+        async def crash() -> None:  # what the host sees when our process is SIGKILLed
+            for h in provider._hosts:
+                for c in h.conns:
+                    c.conn.abort()
+
+        provider._run(crash())
+        wait_until(lambda: pid_gone(pid), 15, f"worker pid {pid} to be stopped by its watchdog")
+        provider.close()
+
+
+# ---- a second host in a network namespace ----------------------------------------------------------
+@dataclass
+class NetnsHost:
+    ns: str
+    root_ip: str
+    ns_ip: str
+    sshd: Sshd
+
+
+def _free_subnet() -> int:
+    used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+    for x in [*range(100 + os.getpid() % 100, 250), *range(100, 250)]:
+        if f"10.200.{x}." not in used:
+            return x
+    raise RuntimeError("no free 10.200.x.0/24 subnet for the test namespace")
+
+
+@pytest.fixture(scope="session")
+def netns_host(keys: Keys, sshd: Sshd) -> Iterator[NetnsHost]:
+    if not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs iproute2 (ip) and util-linux (unshare) for the namespace host")
+    tag = f"{os.getpid() % 100000}"
+    ns, veth_root, veth_ns = f"tp-h{tag}", f"tpv{tag}a", f"tpv{tag}b"
+    x = _free_subnet()
+    root_ip, ns_ip = f"10.200.{x}.1", f"10.200.{x}.2"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    proc = None
+    try:
+        ip("netns", "add", ns)
+        ip("link", "add", veth_root, "type", "veth", "peer", "name", veth_ns)
+        ip("link", "set", veth_ns, "netns", ns)
+        ip("addr", "add", f"{root_ip}/24", "dev", veth_root)
+        ip("link", "set", veth_root, "up")
+        ip("-n", ns, "addr", "add", f"{ns_ip}/24", "dev", veth_ns)
+        ip("-n", ns, "link", "set", veth_ns, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        cfg = write_sshd_config(keys.dir, "ns", ns_ip, keys.host_key)
+        # own UTS namespace too, so tasks there see their own hostname
+        cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+               f"hostname {NS_HOSTNAME} && exec {SSHD} -D -e -f {cfg} -p 22"]  # fmt: skip
+        proc = start_sshd(cmd, ns_ip, 22, os.path.join(keys.dir, "ns.log"))
+        kh = os.path.join(keys.dir, "known_hosts_ns")
+        with open(kh, "w") as out:
+            out.write(f"{ns_ip} {keys.host_pub}\n")
+        yield NetnsHost(ns, root_ip, ns_ip, Sshd(ns_ip, 22, sshd.client_key, kh, proc, ""))
+    finally:
+        if proc is not None:
+            stop(proc)
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(p), 9)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", veth_root], capture_output=True)  # gone with the ns, normally
+
+
+def test_worker_in_a_network_namespace_host_runs_a_task(netns_host: NetnsHost) -> None:
+    provider = netns_host.sshd.provider()
+    nt = NodeType("far", {"cpu": 1}, max_nodes=1, startup_estimate=1.0)
+    # the namespace only reaches the root end of the veth: the scheduler must listen there
+    with tidepool.LocalCluster(n_workers=0, host=netns_host.root_ip) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        cluster.adapt(node_types=[nt], provider=provider)
+        i, hostname, pid, wid = client.submit(whereami, 5, 0.0).result(timeout=60)
+        assert i == 5 and hostname == NS_HOSTNAME != socket.gethostname()
+        assert provider.list()[wid]["host"] == f"{netns_host.ns_ip}:22"
+        ns_pids = subprocess.run(["ip", "netns", "pids", netns_host.ns], capture_output=True,
+                                 text=True).stdout.split()  # fmt: skip
+        assert str(pid) in ns_pids  # the worker really runs inside the namespace
+    wait_until(lambda: pid_gone(pid), 10, "the namespace worker to exit")
+
+
+def test_workers_spread_over_hosts_and_a_dead_host_is_skipped(sshd: Sshd, netns_host: NetnsHost) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    hosts = [dead, f"127.0.0.1:{sshd.port}", f"{netns_host.ns_ip}:22"]
+    kh = os.path.join(os.path.dirname(sshd.known_hosts), "known_hosts_both")
+    with open(kh, "w") as out:
+        for path in (sshd.known_hosts, netns_host.sshd.known_hosts):
+            with open(path) as f:
+                out.write(f.read())
+    provider = SSHProvider(hosts, client_keys=[sshd.client_key], known_hosts=kh, python=sys.executable,
+                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, connect_timeout=5.0)  # fmt: skip
+    with tidepool.LocalCluster(n_workers=0, host=netns_host.root_ip) as cluster:  # both hosts reach it
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.launch(NodeType("pair", {"cpu": 1}), 2, "r1")
+        cluster.wait_for_workers(ids, timeout=30)
+        placed = sorted(info["host"] for info in provider.list().values())
+        assert placed == sorted(hosts[1:])  # least loaded first: one node on each live host
+        status = provider.host_status()
+        assert status[dead]["down_for"] > 0 and "cannot connect" in status[dead]["reason"]
+        assert status[hosts[1]]["workers"] == status[hosts[2]]["workers"] == 1
+        pids = [info["pid"] for info in provider.list().values()]
+        provider.close()
+        assert all(pid_gone(p) for p in pids)
