@@ -42,7 +42,7 @@ from tidepool.errors import (
 )
 from tidepool.futures import _UNSET, IN_MEMORY, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
-from tidepool.graph.refs import RECURSE, Ref, replace
+from tidepool.graph.refs import RECURSE, Ref, collect, replace
 from tidepool.loop import ClosesOnExit, LoopThread
 from tidepool.resources import parse_resources
 
@@ -331,15 +331,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
 
     def compute(self, collection: Any, *, progress: bool = False) -> Any:
         """Submit the graphs behind delayed values; returns futures in the same structure."""
-        roots: list[Delayed[Any]] = []
-
-        def collect(x: Any) -> Any:
-            if isinstance(x, Delayed):
-                roots.append(x)
-                return x
-            return RECURSE
-
-        replace(collection, collect)
+        roots: list[Delayed[Any]] = collect(collection, Delayed)
         if not roots:
             raise ConfigError("compute() found no delayed values; build them with @tidepool.task")
         functions: dict[str, Any] = {}
@@ -364,8 +356,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers."""
         if errors not in ("raise", "skip"):
             raise ConfigError("errors must be 'raise' or 'skip'")
-        flat: list[Future[Any]] = []
-        _collect_futures(futures, flat)
+        flat: list[Future[Any]] = collect(futures, Future)
         done, not_done = concurrent.futures.wait(flat, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s")
@@ -389,8 +380,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
 
     async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
         """``await client.gather_async(futures)`` from any asyncio loop."""
-        flat: list[Future[Any]] = []
-        _collect_futures(futures, flat)
+        flat: list[Future[Any]] = collect(futures, Future)
         for f in flat:
             await f
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
@@ -629,16 +619,6 @@ def _without_errors(obj: Any) -> Any:
         return x
 
     return walk(obj)
-
-
-def _collect_futures(obj: Any, into: list[Future[Any]]) -> None:
-    def visit(x: Any) -> Any:
-        if isinstance(x, Future):
-            into.append(x)
-            return x
-        return RECURSE
-
-    replace(obj, visit)
 
 
 def serialize_bytes(blob: bytes) -> Any:

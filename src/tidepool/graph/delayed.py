@@ -65,19 +65,9 @@ class Delayed(Generic[T]):
         return c.compute(self, **kwargs).result()  # type: ignore[no-any-return]
 
     def dependencies(self) -> Iterator[Delayed[Any]]:
-        from tidepool.graph.refs import RECURSE, replace
+        from tidepool.graph.refs import collect
 
-        found: list[Delayed[Any]] = []
-
-        def visit(x: Any) -> Any:
-            if isinstance(x, Delayed):
-                found.append(x)
-                return x
-            return RECURSE
-
-        replace(self.args, visit)
-        replace(self.kwargs, visit)
-        return iter(found)
+        return iter(collect(self.args, Delayed) + collect(self.kwargs, Delayed))
 
 
 class TaskFunction(Generic[T]):

@@ -8,7 +8,9 @@ Containers walked: list, tuple, dict values, set/frozenset.  Pure functions, no 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Ref:
@@ -53,6 +55,20 @@ class _Recurse:
 
 #: Returned by a :func:`replace` callback to mean "not mine: look inside".
 RECURSE: Any = _Recurse()
+
+
+def collect(obj: Any, cls: type[T]) -> list[T]:
+    """Every instance of ``cls`` inside ``obj``'s containers, in walk order."""
+    found: list[T] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, cls):
+            found.append(x)
+            return x
+        return RECURSE
+
+    replace(obj, visit)
+    return found
 
 
 def replace(obj: Any, fn: Callable[[Any], Any]) -> Any:
