@@ -74,11 +74,10 @@ from typing import Any
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import DOCS_HEADER, machine_info, render_markdown, render_text  # noqa: E402
+from throughput import machine_info, render_markdown, render_text, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
-START, END = "<!-- elastic:start -->", "<!-- elastic:end -->"
 MAX_WORKERS = 4
 SAMPLE_EVERY = 0.05
 TASK_LOG_ENV = "TIDEPOOL_ELASTIC_TASK_LOG"
@@ -993,15 +992,7 @@ Every run:
 
 
 def write_docs(section: str) -> None:
-    block = f"{START}\n{section.rstrip()}\n{END}"
-    text = DOCS.read_text() if DOCS.exists() else DOCS_HEADER
-    if START in text and END in text and text.index(START) < text.index(END):
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
+    write_section(DOCS, "elastic", section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import matplotlib
 
@@ -24,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import tidepool  # noqa: E402
+from throughput import write_section  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs")
@@ -124,21 +126,11 @@ def main() -> int:
         table += [f"| {n} | {t:.2f} s | {f:.2f}x | {e:.1%} |" for n, t, f, e in rows]
         stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
         section = "\n".join([
-            "<!-- forecast:start -->",
             f"Measured {stamp} on {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
             f"{args.workers} local workers: `.venv/bin/python benchmarks/forecast_accuracy.py --write-docs`.",
-            "", *table, "", "![forecast vs reality](forecast.png)", "<!-- forecast:end -->",
+            "", *table, "", "![forecast vs reality](forecast.png)"
         ])  # fmt: skip
-        path = os.path.join(DOCS, "forecast.md")
-        text = open(path).read() if os.path.exists(path) else ""
-        if "<!-- forecast:start -->" in text:
-            a = text.index("<!-- forecast:start -->")
-            b = text.index("<!-- forecast:end -->") + len("<!-- forecast:end -->")
-            text = text[:a] + section + text[b:]
-        else:
-            text += "\n" + section + "\n"
-        with open(path, "w") as f:
-            f.write(text)
+        write_section(Path(DOCS) / "forecast.md", "forecast", section, header="# The completion forecast\n")
     return 0
 
 

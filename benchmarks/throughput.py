@@ -41,7 +41,6 @@ from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
-START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
 TARGET_RATIO = 5.0
 WARMUP_TASKS = 100
 DOCS_HEADER = """# Benchmarks
@@ -370,17 +369,22 @@ Every timed run, in seconds:
 """
 
 
-def write_docs(section: str) -> None:
-    block = f"{START}\n{section.rstrip()}\n{END}"
-    text = DOCS.read_text() if DOCS.exists() else DOCS_HEADER
-    if START in text and END in text and text.index(START) < text.index(END):
-        head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
+def write_section(path: Path, name: str, section: str, header: str = DOCS_HEADER) -> None:
+    """Replace this benchmark's section (between its markers) in ``path``, or append it."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{section.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else header
+    if start in text and end in text and text.index(start) < text.index(end):
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def write_docs(section: str) -> None:
+    write_section(DOCS, "throughput", section)
 
 
 def main(argv: list[str] | None = None) -> int:
