@@ -111,8 +111,14 @@ def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> N
             time.sleep(0.05)
         why = scaler.controller.unusable["flaky"]
         assert "setup failed" in why and "license server" in why
-        assert not fut.done()  # it waits (no usable node type) rather than running unprepared
+        # the task never runs unprepared, and it does not wait forever either: it fails with the
+        # setup's own error once the only node type that could run it is disabled
+        with pytest.raises(WorkerSetupError, match="license server") as info:
+            fut.result(timeout=30)
+        assert "flaky" in str(info.value) and "disabled" in str(info.value)
         assert len(client.setup_errors) >= 2
+        kinds = [r["kind"] for r in scaler.controller.journal.records]
+        assert "node-type-disabled" in kinds
 
 
 def test_pip_requirements_install_on_workers_and_failures_are_clear(tmp_path: Path) -> None:

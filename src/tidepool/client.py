@@ -8,6 +8,11 @@ Data flow: ``submit``/``map``/``compute`` pickle tasks in the calling thread (ea
 once, by content hash) and send one ``update-graph`` message; the scheduler answers with
 ``report`` messages that complete futures; ``result``/``gather`` ask the scheduler who holds the
 keys and read the values straight from those workers, in one request per worker.
+
+Never hanging: once the scheduler connection is lost (``_lost``), every pending future fails with
+:class:`ConnectionLostError`, a finished future whose value was not fetched yet raises it from
+``result()``, and every later call raises it at once.  ``result(timeout=t)`` and
+``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -32,12 +38,20 @@ from tidepool.errors import (
     CommError,
     ConfigError,
     ConnectionLostError,
+    CycleError,
     DependencyError,
+    InfeasibleTaskError,
+    KeyCollisionError,
     KilledWorkerError,
+    ProviderError,
     RemoteTaskError,
     RemoteTraceback,
+    ResultTooLargeError,
     SchedulerError,
+    SerializationError,
     TaskCancelledError,
+    TaskError,
+    TransferError,
     WorkerSetupError,
 )
 from tidepool.futures import _UNSET, IN_MEMORY, Future
@@ -95,6 +109,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         self._req_ids = itertools.count(1)
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()
         self._draining = False
+        self._lost: ConnectionLostError | None = None
+        #: explicit key -> what the task under it is, to refuse a different task under a live key
+        self._idents: dict[str, tuple[Any, ...]] = {}
         self._setups: list[str] = []
         #: setup failures reported by workers since this client connected (dicts with traceback)
         self.setup_errors: list[dict[str, Any]] = []
@@ -110,8 +127,16 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         _clients.append(weakref.ref(self))
 
     async def _start(self) -> None:
-        self._conn = await connect(self.address, self.token, timeout=self.timeout, hello={"role": "client"})
-        welcome = await self._conn.recv()
+        try:
+            async with asyncio.timeout(self.timeout):
+                self._conn = await connect(self.address, self.token, timeout=self.timeout,
+                                           hello={"role": "client"})  # fmt: skip
+                welcome = await self._conn.recv()
+        except TimeoutError:
+            raise ConnectionLostError(
+                f"could not connect to the scheduler at {self.address} within {self.timeout:g}s; is it "
+                "running, and is the address reachable from here?"
+            ) from None
         self.id = welcome.get("client", "?")
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
@@ -196,6 +221,22 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         return [key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
                 opts.name or func_name(fn)]  # fmt: skip
 
+    def _check_collisions(self, specs: list[list[Any]]) -> None:
+        """Explicit keys: the same task may share a live key, a different one may not."""
+        for spec in specs:
+            ident = _identity(spec)
+            with self._lock:
+                old = self._futures.get(spec[0])
+                if old is None or old.cancelled():
+                    self._idents[spec[0]] = ident
+                    continue
+                before = self._idents.get(spec[0])
+            if before is not None and before != ident:
+                raise KeyCollisionError(
+                    f"key {spec[0]!r} is already used by a different task that is still alive (another "
+                    "function, arguments or inputs); give this task its own key, or release the first "
+                    "future before reusing the key", spec[0])  # fmt: skip
+
     def _new_future(self, key: str) -> Future[Any]:
         with self._lock:
             fut = self._futures.get(key)
@@ -209,11 +250,14 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         return fut
 
     def _check_open(self) -> None:
+        if self._lost is not None:
+            raise self._lost
         if self.closed:
             raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
 
     def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None:
         self._check_open()
+        _check_acyclic(tasks)
         msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
         self._post(msg)
         self._sent_funcs.update(functions)
@@ -248,7 +292,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                     # a dropped future's key whose future was re-created meanwhile stays wanted
                     keys = [k for r in run for k in r["keys"] if not (r.get("auto") and k in self._futures)]
                     msg = {"op": "release", "keys": keys} if keys else None
-            if msg is None or self._conn.closed:
+            if msg is None:
+                continue
+            if self._conn.closed:
+                self._fail_request(msg, self._lost or ConnectionLostError(
+                    f"the connection to the scheduler at {self.address} is closed"))  # fmt: skip
                 continue
             if msg["op"] == "release":
                 for k in msg["keys"]:
@@ -257,6 +305,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                 await self._conn.send(msg)
             except CommError as exc:
                 log.warning("could not send to the scheduler: %s", exc)
+                self._fail_request(msg, exc)
+
+    def _fail_request(self, msg: dict[str, Any], exc: BaseException) -> None:
+        fut = self._requests.pop(msg.get("id", -1), None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
                resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
@@ -272,11 +326,14 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         if not callable(fn):
             raise ConfigError(f"submit needs a callable, got {fn!r}")
         opts = TaskOptions(resources, retries)
+        explicit = key is not None
         key = key or make_key(fn)
         functions: dict[str, Any] = {}
         extra: list[Delayed[Any]] = []
         spec = self._spec(key, fn, args, kwargs, opts, functions, extra)
         tasks = self._delayed_specs(extra, functions) + [spec]
+        if explicit:
+            self._check_collisions([spec])
         fut = self._new_future(key)
         self._send_graph(tasks, [key], functions)
         return fut
@@ -302,6 +359,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         for k, args in zip(names, argsets, strict=False):
             tasks.append(self._spec(k, fn, args, kwargs, opts, functions, extra))
             keys.append(k)
+        if isinstance(key, list):
+            self._check_collisions(tasks)
         tasks = self._delayed_specs(extra, functions) + tasks
         futs = [self._new_future(k) for k in keys]
         self._send_graph(tasks, keys, functions)
@@ -311,6 +370,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
         specs: list[list[Any]] = []
         seen: set[str] = set()
+        open_: dict[str, Delayed[Any]] = {}  # on the current DFS path: reaching one again is a cycle
         for root in roots:
             if root.key in seen:
                 continue
@@ -320,11 +380,20 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                 if d.key in seen:
                     continue
                 if expanded:
+                    del open_[d.key]
                     seen.add(d.key)
                     specs.append(self._spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None))
                     continue
+                if d.key in open_:
+                    continue  # reached twice by different paths before finishing: handled below
+                open_[d.key] = d
                 stack.append((d, True))
                 for dep in reversed(list(d.dependencies())):
+                    if dep.key in open_:
+                        path = list(open_)
+                        cycle = path[path.index(dep.key):] + [dep.key]
+                        raise CycleError(f"the task graph has a cycle: {' -> '.join(map(repr, cycle))}; "
+                                         "a task cannot depend on its own result")  # fmt: skip
                     if dep.key not in seen:
                         stack.append((dep, False))
         return specs
@@ -370,7 +439,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                 need.append(f.key)
         if need:
             self._check_open()
-            values = self._loop.run(self._fetch(list(dict.fromkeys(need)), timeout))
+            values = self._run_fetch(list(dict.fromkeys(need)), timeout)
             for f in flat:
                 if f.key in values:
                     f._value = values[f.key]
@@ -387,7 +456,18 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
 
     def _fetch_one(self, fut: Future[Any], timeout: float | None) -> Any:
         self._check_open()
-        return self._loop.run(self._fetch([fut.key], timeout))[fut.key]
+        return self._run_fetch([fut.key], timeout)[fut.key]
+
+    def _run_fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``."""
+        try:
+            return self._loop.run(self._fetch_within(keys, timeout))
+        except TimeoutError:
+            raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+
+    async def _fetch_within(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            return await self._fetch(keys, timeout)
 
     async def _fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -412,8 +492,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                 if isinstance(res, BaseException):
                     absent.extend(ks)
                 else:
-                    values.update(res)
-                    absent.extend(k for k in ks if k not in res)
+                    got, failed = res
+                    for k, why in failed.items():  # the value exists but cannot reach us: final
+                        too_big = "frame limit" in why and "unpickled" not in why
+                        raise (ResultTooLargeError if too_big else SerializationError)(why, k)
+                    values.update(got)
+                    absent.extend(k for k in ks if k not in got)
             remaining = absent
             if remaining:
                 # lost with a worker (being recomputed) or raced a move: wait for the next report
@@ -440,23 +524,25 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                             del self._waiting[k]
                 if deadline is not None and loop.time() >= deadline:
                     raise TimeoutError(f"values of {remaining[:3]} not available within {timeout}s")
-                if self._conn.closed:
-                    raise ConnectionLostError("lost the scheduler while waiting for results")
+                if self._lost is not None:
+                    raise self._lost
         return values
 
-    async def _get_from(self, address: str, keys: list[str]) -> dict[str, Any]:
+    async def _get_from(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        from tidepool.worker.core import request_data
+
         entry = self._workers.get(address)
         if entry is None or entry[0].closed:
-            conn = await connect(address, self.token, timeout=5, hello={"role": "client"})
+            # refused: the worker is gone; ask the scheduler again rather than retrying here
+            conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False)
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        async with lock:
-            await conn.send({"op": "get-data", "keys": keys})
-            reply = await conn.recv()
-        return {k: v.load() for k, v in reply["data"].items()}
+        return await request_data(conn, lock, keys)
 
     # ---- scheduler messages ----------------------------------------------------------------------
     async def _request(self, msg: dict[str, Any]) -> Any:
+        if self._lost is not None:
+            raise self._lost
         rid = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._requests[rid] = fut
@@ -481,15 +567,28 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                         else:
                             fut.set_result(msg.get("result"))
         except CommError as exc:
-            err = ConnectionLostError(f"lost the scheduler at {self.address}: {exc}")
-            for fut in self._requests.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            with self._lock:
-                futs = list(self._futures.values())
-            for f in futs:
-                if not f.done():
+            self._connection_lost(exc)
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        err = ConnectionLostError(
+            f"lost the scheduler at {self.address} ({exc}); results not fetched yet are gone with it. "
+            "Restart the scheduler and submit again with a new Client"
+        )
+        self._lost = err
+        for fut in list(self._requests.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._requests.clear()
+        with self._lock:
+            futs = list(self._futures.values())
+        for f in futs:
+            if not f.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
                     f.set_exception(err)
+        for waits in list(self._waiting.values()):  # fetches waiting for a report: wake them
+            for w in waits:
+                if not w.done():
+                    w.set_result(None)
 
     def _on_report(self, items: list[list[Any]]) -> None:
         for item in items:
@@ -534,14 +633,19 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
             return DependencyError(f"task {key!r} cannot run: {message}", key)
         if typ == "TaskCancelledError":
             return TaskCancelledError(message, key)
-        if typ in ("InfeasibleTaskError",):
-            from tidepool.errors import InfeasibleTaskError
-
-            return InfeasibleTaskError(message, key)
+        if typ in _SCHEDULER_ERRORS:
+            cls = _SCHEDULER_ERRORS[typ]
+            if issubclass(cls, TaskError):
+                return cls(message, key)
+            return cls(message)
         return RemoteTaskError(f"task {origin!r} raised {typ}: {message}\n{tb}", key, typ, tb)
 
     # ---- releasing ---------------------------------------------------------------------------------
     def _release_later(self, key: str) -> None:
+        if self._idents:
+            with self._lock:
+                if key not in self._futures:
+                    self._idents.pop(key, None)
         if self.closed:
             return
         self._post({"op": "release", "keys": [key], "auto": True})  # after all posted before the drop
@@ -602,6 +706,60 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
         """
         return self._loop.run(self._request({"op": "retire", "workers": list(workers)}))  # type: ignore[no-any-return]
+
+
+#: errors the scheduler makes (not raised by the task itself), by the type name it reports
+_SCHEDULER_ERRORS: dict[str, type[Exception]] = {
+    c.__name__: c for c in (
+        InfeasibleTaskError, SerializationError, ResultTooLargeError, TransferError, KeyCollisionError,
+        CycleError, ProviderError, WorkerSetupError,
+    )
+}  # fmt: skip
+
+
+def _identity(spec: list[Any]) -> tuple[Any, ...]:
+    payload = spec[2]
+    digest = None
+    if payload is not None:
+        h = hashlib.blake2b(bytes(payload.data), digest_size=16)
+        digest = (h.hexdigest(), tuple(b.nbytes for b in payload.buffers))
+    return (spec[1], digest, tuple(spec[3]))
+
+
+def _check_acyclic(tasks: list[list[Any]]) -> None:
+    """Raise :class:`CycleError` if the specs (key, func, payload, deps, ...) depend on themselves.
+
+    Specs arrive dependencies first, so a dependency on a key that comes later in the same batch
+    (or on itself) is the only way to close a cycle; such a batch is checked fully to name it.
+    """
+    pos = {t[0]: i for i, t in enumerate(tasks)}
+    if not any(pos.get(d, -1) >= i for i, t in enumerate(tasks) for d in t[3]):
+        return
+    graph = {t[0]: [d for d in t[3] if d in pos] for t in tasks}
+    state: dict[str, int] = {}
+    for root in graph:
+        if root in state:
+            continue
+        stack: list[tuple[str, int]] = [(root, 0)]
+        path: list[str] = []
+        while stack:
+            k, i = stack.pop()
+            if i == 0:
+                state[k] = 1
+                path.append(k)
+            deps = graph[k]
+            if i < len(deps):
+                stack.append((k, i + 1))
+                d = deps[i]
+                if state.get(d) == 1:
+                    cycle = path[path.index(d):] + [d]
+                    raise CycleError(f"the task graph has a cycle: {' -> '.join(map(repr, cycle))}; "
+                                     "a task cannot depend on its own result")  # fmt: skip
+                if d not in state:
+                    stack.append((d, 0))
+            else:
+                state[k] = 2
+                path.pop()
 
 
 def _without_errors(obj: Any) -> Any:

@@ -5,6 +5,7 @@ what happened *and* what to do about it.  The tree::
 
     TidepoolError
     ├── ConfigError                 bad arguments, cluster files, resources, addresses
+    │   └── CycleError              a task graph that depends on itself
     ├── CommError                   network level problems
     │   ├── AuthenticationError     the peer does not know our token (or we do not know theirs)
     │   ├── ProtocolError           a malformed frame; only that connection is closed
@@ -16,7 +17,11 @@ what happened *and* what to do about it.  The tree::
     │   ├── KilledWorkerError       the task took its worker down too many times
     │   ├── InfeasibleTaskError     no worker and no node type can ever satisfy its resources
     │   ├── DependencyError         a task it depends on failed
-    │   └── TaskCancelledError      the result was released or cancelled before it was computed
+    │   ├── TaskCancelledError      the result was released or cancelled before it was computed
+    │   ├── SerializationError      its value cannot be pickled, unpickled or sent
+    │   │   └── ResultTooLargeError its value is over the frame size limit
+    │   ├── TransferError           an input could not be moved to the worker that needs it
+    │   └── KeyCollisionError       its key is taken by a different live task
     ├── WorkerSetupError            a setup hook failed on a worker
     └── ProviderError               a provider could not launch/stop/list workers
 
@@ -33,6 +38,10 @@ class TidepoolError(Exception):
 
 class ConfigError(TidepoolError, ValueError):
     """Invalid configuration or arguments: fix the call or the cluster file named in the message."""
+
+
+class CycleError(ConfigError):
+    """A task graph contains a cycle (a task that depends, directly or not, on itself)."""
 
 
 class CommError(TidepoolError, ConnectionError):
@@ -95,6 +104,30 @@ class DependencyError(TaskError):
 
 class TaskCancelledError(TaskError):
     """The task was cancelled or its result released before it finished."""
+
+
+class SerializationError(TaskError):
+    """A task's value (or an input) cannot be pickled, unpickled, or sent; it is not recomputed.
+
+    Return values that pickle (``cloudpickle``), or hold them on the worker and return a summary.
+    """
+
+
+class ResultTooLargeError(SerializationError):
+    """A task's value is over the frame size limit; return something smaller, or write it to shared
+    storage and return its path."""
+
+
+class TransferError(TaskError):
+    """An input could not be fetched from a live worker holding it, several times in a row."""
+
+
+class KeyCollisionError(TaskError, ValueError):
+    """A task was submitted under a key a *different* live task already uses.
+
+    The same task (function, arguments, inputs) under the same key shares the first one's result;
+    anything else needs its own key, or the first task's futures released first.
+    """
 
 
 class WorkerSetupError(TidepoolError):

@@ -47,9 +47,13 @@ class FakeClock:
 
 
 class StateDriver:
-    def __init__(self, state: SchedulerState | None = None, clock: FakeClock | None = None) -> None:
+    def __init__(self, state: SchedulerState | None = None, clock: FakeClock | None = None, *,
+                 auto_start: bool = True) -> None:  # fmt: skip
         self.state = state or SchedulerState()
         self.clock = clock or FakeClock()
+        #: report every assigned task as executing at once (a worker with unlimited slots);
+        #: False: tests call :meth:`start` for the tasks a worker really began
+        self.auto_start = auto_start
         self.running: dict[str, list[str]] = {}  # worker -> keys it was told to execute
         self.log: list[ev.Command] = []
         self.reports: list[ev.Report] = []
@@ -69,7 +73,18 @@ class StateDriver:
                 self.reports.append(c)
             elif isinstance(c, ev.CloseWorker):
                 self.running.pop(c.worker, None)
+        if self.auto_start:
+            started: dict[str, list[str]] = {}
+            for c in cmds:
+                if isinstance(c, ev.Execute):
+                    started.setdefault(c.worker, []).append(c.key)
+            for wid, keys in started.items():
+                self.state.handle(ev.TasksStarted(wid, keys, self.clock()))
         return cmds
+
+    def start(self, wid: str, *keys: str) -> list[ev.Command]:
+        """``wid`` reports that ``keys`` left its queue for a slot (they are executing)."""
+        return self.send(ev.TasksStarted(wid, list(keys), self.clock()))
 
     # ---- shortcuts ------------------------------------------------------------------------------
     def add_worker(self, wid: str, resources: dict[str, float] | None = None, node_type: str = "default",

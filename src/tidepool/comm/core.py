@@ -112,9 +112,19 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def max_frame(self) -> int:
+        """The largest frame this side accepts once authenticated (peers use the same default)."""
+        return self._max_frame_after_auth
+
     # -- sending (transport specific) ---------------------------------------------------------------
     async def send(self, msg: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def send_nowait(self, msg: dict[str, Any]) -> bool:
+        """Write ``msg`` now, before returning, if it is small and nothing is queued; else False
+        (and nothing was written: use :meth:`send`)."""
+        return False
 
     def close(self) -> None:
         raise NotImplementedError
@@ -211,6 +221,15 @@ class TCPConnection(Connection):
             if self.transport.is_closing():
                 raise ConnectionLostError(f"connection to {self.peer} closed while sending")
 
+    def send_nowait(self, msg: dict[str, Any]) -> bool:
+        if self._paused or self._send_lock.locked() or self.transport is None:
+            return False
+        parts = self._encode(msg)
+        if len(parts) != 1 or len(parts[0]) > SMALL_FRAME:
+            return False
+        self.transport.write(parts[0])
+        return True
+
     def close(self) -> None:
         self._closed = True
         if self.transport is not None:
@@ -238,6 +257,19 @@ class MemoryConnection(Connection):
             other._fail(exc)
             other.close()
         await asyncio.sleep(0)
+
+    def send_nowait(self, msg: dict[str, Any]) -> bool:
+        parts = self._encode(msg)
+        other = self.other
+        if other is None or other._closed:
+            raise ConnectionLostError(f"connection to {self.peer} closed")
+        try:
+            for part in parts:
+                other._decoder.feed(part)
+        except ProtocolError as exc:
+            other._fail(exc)
+            other.close()
+        return True
 
     def close(self) -> None:
         if self._closed and (self.other is None or self.other._closed):
@@ -350,8 +382,13 @@ async def connect(
     timeout: float = 10.0,
     hello: dict[str, Any] | None = None,
     max_frame: int = DEFAULT_MAX_FRAME,
+    retry: bool = True,
 ) -> Connection:
-    """Open an authenticated connection, retrying refused connections until ``timeout``."""
+    """Open an authenticated connection, retrying refused connections until ``timeout``.
+
+    ``retry=False`` fails at the first refusal: for peers that were up a moment ago (a worker's
+    data server), a refused connection means the process is gone and waiting is pointless.
+    """
     scheme, host, port = parse_address(address)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -371,6 +408,8 @@ async def connect(
                 conn = tcp
             break
         except (TimeoutError, OSError, ConnectionLostError) as exc:
+            if not retry:
+                raise ConnectionLostError(f"could not connect to {address}: {exc}") from exc
             if loop.time() + delay > deadline:
                 raise ConnectionLostError(
                     f"could not connect to {address} within {timeout:.1f}s ({exc}); is the scheduler "

@@ -2,8 +2,11 @@
 
 It wakes every ``interval`` seconds and whenever the scheduler reports demand or a worker change,
 polls the provider for failures, calls ``controller.step`` with the scheduler's state and clock,
-then launches (in a thread: providers may block), retires gracefully through the scheduler, and
-terminates.  ``close`` terminates every worker it ever launched, so nothing leaks.
+then launches (in a daemon thread, bounded by the launch timeout: a provider call that hangs
+fails that launch and never blocks ``close`` or interpreter exit), retires gracefully through the
+scheduler, and terminates.  When a node type gets disabled it asks the scheduler to re-check
+waiting tasks (``CheckFeasible``): those only that type could run fail with the provider's error.
+``close`` terminates every worker it ever launched, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
 from tidepool.scaling.controller import ScalingController
@@ -23,6 +28,35 @@ if TYPE_CHECKING:
     from tidepool.scheduler.server import Scheduler
 
 log = logging.getLogger("tidepool.scaling")
+T = TypeVar("T")
+#: seconds a provider's poll/list/terminate call may take before the autoscaler stops waiting
+PROVIDER_CALL_TIMEOUT = 30.0
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+    """Run a blocking call in a daemon thread; raise TimeoutError after ``timeout`` (the call keeps
+    running in its thread, but nobody waits for it: not the loop, not interpreter exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def run() -> None:
+        value: Any
+        try:
+            value, ok = fn(*args), True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            value, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name=f"tidepool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
 
 class AutoScaler:
@@ -37,6 +71,7 @@ class AutoScaler:
         self._bg: set[asyncio.Task[Any]] = set()
         self.steps = 0
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retire was asked
+        self._disabled_seen = 0  # how many disabled node types the scheduler was told about
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
@@ -93,7 +128,7 @@ class AutoScaler:
 
     async def step(self) -> None:
         now = self.scheduler.clock()
-        for failure in await asyncio.to_thread(self.provider.poll_errors):
+        for failure in await in_daemon_thread(self.provider.poll_errors, timeout=PROVIDER_CALL_TIMEOUT):
             if failure.worker_id:
                 self.controller.worker_failed(failure.worker_id, failure.message, now)
             else:
@@ -101,7 +136,7 @@ class AutoScaler:
         expiring = getattr(self.provider, "expiring", None)  # e.g. Slurm jobs near their walltime
         if expiring is not None:
             st = self.scheduler.state
-            ids = [w for w in await asyncio.to_thread(expiring, time.time())
+            ids = [w for w in await in_daemon_thread(expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
                    if w in st.workers and st.workers[w].state == "running" and w not in self.controller.retiring
                    and now - self._expiry_tried.get(w, -1e9) > 5.0]  # a refused retire is retried in 5 s  # fmt: skip
             if ids:
@@ -112,10 +147,13 @@ class AutoScaler:
                 self._spawn(self._retire(ids))
         actions = self.controller.step(self.scheduler.state, self.scheduler.clock())
         self.steps += 1
+        if len(self.controller.unusable) != self._disabled_seen:
+            self._disabled_seen = len(self.controller.unusable)
+            await self.scheduler.apply([ev.CheckFeasible(self.scheduler.clock())])
         for rid, nt, n in actions.launch:
             self._spawn(self._launch(rid, nt, n))
         if actions.terminate:
-            await asyncio.to_thread(self.provider.terminate, actions.terminate)
+            await in_daemon_thread(self.provider.terminate, actions.terminate, timeout=PROVIDER_CALL_TIMEOUT)
         if actions.retire:
             self._spawn(self._retire(actions.retire))
 
@@ -125,8 +163,16 @@ class AutoScaler:
         t.add_done_callback(self._bg.discard)
 
     async def _launch(self, rid: str, nt: Any, n: int) -> None:
+        rec = self.controller.launches.get(rid)
+        timeout = max(1.0, rec.deadline - rec.since) if rec is not None else 60.0
         try:
-            ids = await asyncio.to_thread(self.provider.launch, nt, n, rid)
+            ids = await in_daemon_thread(self.provider.launch, nt, n, rid, timeout=timeout)
+        except TimeoutError:
+            msg = (f"provider.launch({nt.name!r}, {n}, {rid!r}) did not return within {timeout:g}s; "
+                   "a provider's launch must not block (submit the request and return)")  # fmt: skip
+            log.warning("%s", msg)
+            self.controller.launch_failed(rid, msg, self.scheduler.clock())
+            return
         except Exception as exc:  # noqa: BLE001 - any provider failure backs the type off
             msg = str(exc) if isinstance(exc, ProviderError) else f"{type(exc).__name__}: {exc}"
             log.warning("launch %s of %s failed: %s", rid, nt.name, msg)
@@ -143,7 +189,7 @@ class AutoScaler:
             if outcome == "retired":
                 done.append(wid)
         if done:
-            await asyncio.to_thread(self.provider.terminate, done)
+            await in_daemon_thread(self.provider.terminate, done, timeout=PROVIDER_CALL_TIMEOUT)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -155,7 +201,7 @@ class AutoScaler:
         ids = self.controller.launched_worker_ids()
         if ids:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.provider.terminate, ids)
+                await in_daemon_thread(self.provider.terminate, ids, timeout=PROVIDER_CALL_TIMEOUT)
         journal = self.controller.journal
         now = self.scheduler.clock()
         for wid in list(self.scheduler.state.workers):

@@ -83,6 +83,9 @@ class ScalingController:
         self.failures: dict[str, int] = {}
         self.backoff_until: dict[str, float] = {}
         self.unusable: dict[str, str] = {}
+        #: per disabled type, the error class its waiting tasks fail with (ProviderError/WorkerSetupError)
+        self.unusable_error: dict[str, str] = {}
+        self._failed_requests: set[str] = set()  # each failed launch is counted once
         self.startup: dict[str, float] = {}
         self.backlog_since: float | None = None
         self.retiring: set[str] = set()
@@ -103,12 +106,23 @@ class ScalingController:
         self._fc_finished = -1
 
     # ---- feasibility -------------------------------------------------------------------------------
-    def infeasible_reason(self, shape: Shape) -> str | None:
-        """Why no node type could ever run ``shape`` (None if one could)."""
-        if rank_types(shape, tuple(self.node_types.values())):
-            return None
-        return (f"it needs {dict(shape)} and no node type offers that; node types: "
-                f"{describe_types(tuple(self.node_types.values()))}")  # fmt: skip
+    def infeasible_reason(self, shape: Shape) -> str | tuple[str, str] | None:
+        """Why no usable node type could ever run ``shape`` (None if one could).
+
+        A shape only disabled node types fit fails with the error that disabled them
+        (``(error type, message)``), so the user sees the provider's own words.
+        """
+        fitting = rank_types(shape, tuple(self.node_types.values()))
+        if not fitting:
+            return (f"it needs {dict(shape)} and no node type offers that; node types: "
+                    f"{describe_types(tuple(self.node_types.values()))}")  # fmt: skip
+        names = [nt.name for nt in fitting]
+        if all(n in self.unusable for n in names):
+            why = "; ".join(f"node type {n!r} is disabled: {self.unusable[n]}" for n in names)
+            return self.unusable_error.get(names[0], "ProviderError"), (
+                f"it needs {dict(shape)}, which only disabled node types offer ({why}). Fix the "
+                "provider or the setup, then start a new cluster (or add a worker by hand)")  # fmt: skip
+        return None
 
     # ---- reports from the shell -------------------------------------------------------------------
     def worker_joined(self, wid: str, now: float) -> None:
@@ -145,6 +159,9 @@ class ScalingController:
             self.worker_joined(worker_ids[-1], now)
 
     def launch_failed(self, request_id: str, message: str, now: float) -> None:
+        if request_id in self._failed_requests:
+            return  # already counted (a provider may both raise and report the same failure)
+        self._failed_requests.add(request_id)
         rec = self.launches.pop(request_id, None)
         nt = rec.node_type if rec else self._type_of_request(request_id)
         self.journal.record("launch-failed", now, request=request_id, node_type=nt, reason=message)
@@ -155,11 +172,11 @@ class ScalingController:
         """A worker this controller launched died before joining (or its setup failed)."""
         rid = self.worker_request.get(wid)
         if rid is not None and wid not in self.joined:
-            self.launch_failed(rid, message, now)
+            self.launch_failed(rid, f"worker {wid}: {message}", now)
         elif wid in self.joined and rid is not None:
             nt = self._type_of_request(rid)
             if nt and "setup" in message:
-                self._type_failed(nt, message, now)
+                self._type_failed(nt, message, now, "WorkerSetupError")
 
     def retire_done(self, wid: str, outcome: str, now: float) -> None:
         self.retiring.discard(wid)
@@ -170,7 +187,7 @@ class ScalingController:
     def _type_of_request(self, rid: str) -> str | None:
         return self.request_type.get(rid)
 
-    def _type_failed(self, nt: str, message: str, now: float) -> None:
+    def _type_failed(self, nt: str, message: str, now: float, error: str = "ProviderError") -> None:
         n = self.failures.get(nt, 0) + 1
         self.failures[nt] = n
         wait = min(self.backoff_max, self.backoff_base * 2 ** (n - 1))
@@ -179,6 +196,7 @@ class ScalingController:
         if n >= self.max_type_failures and nt not in self.unusable:
             why = f"{n} launches of {nt!r} failed in a row (last: {message}); not launching it again"
             self.unusable[nt] = why
+            self.unusable_error[nt] = error
             self.journal.record("node-type-disabled", now, node_type=nt, reason=why)
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -199,6 +217,7 @@ class ScalingController:
                 missing = [w for w in rec.worker_ids if w not in rec.arrived]
                 actions.terminate.extend(missing)
                 del self.launches[rid]
+                self._failed_requests.add(rid)
                 msg = f"{len(missing)} workers of launch {rid} did not register within {rec.deadline - rec.since:.0f}s"
                 self.journal.record("cancel-launch", now, request=rid, node_type=rec.node_type, reason=msg)
                 self._type_failed(rec.node_type, msg, now)

@@ -107,6 +107,7 @@ class MissingData:
     dep: str
     holder: str
     now: float
+    error: str = ""  # why the fetch failed (connection refused, lost, ...)
 
 
 @dataclass(slots=True)
@@ -118,6 +119,39 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Tick:
+    """Periodic clock tick.  ``stalled``: seconds the scheduler itself could not run (its loop was
+    blocked or the process was paused) since the last tick; silence in that time is not the
+    workers' fault and is not counted against their heartbeat time-to-live."""
+
+    now: float
+    stalled: float = 0.0
+
+
+@dataclass(slots=True)
+class TasksStarted:
+    """``worker`` began executing ``keys`` (they left its queue for a slot): only such tasks are
+    suspects if the worker dies."""
+
+    worker: str
+    keys: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class ValueUnservable:
+    """``worker`` holds ``key`` but cannot send it: serialising failed or it is over the frame limit."""
+
+    worker: str
+    key: str
+    exc_type: str
+    message: str
+    now: float
+
+
+@dataclass(slots=True)
+class CheckFeasible:
+    """Node types changed (one was disabled): tasks no worker and no usable node type can run err."""
+
     now: float
 
 
@@ -150,6 +184,9 @@ Event = (
     | MissingData
     | Heartbeat
     | Tick
+    | TasksStarted
+    | ValueUnservable
+    | CheckFeasible
     | AddReplica
     | RetireWorkers
 )
@@ -175,6 +212,7 @@ class Report:
     client: str
     key: str
     status: str
+    error: dict[str, Any] | None = None  # an error for this client only (e.g. a key collision)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ class TaskRecord:
         "key", "func_id", "payload", "deps", "dependents", "waiters", "waiting_on", "state",
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
-        "est", "ready_seq", "started", "duration", "recomputes",
+        "est", "ready_seq", "started", "duration", "recomputes", "executing", "no_worker_since",
+        "fetch_failures",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
@@ -45,6 +46,9 @@ class TaskRecord:
         self.started = 0.0
         self.duration = 0.0
         self.recomputes = 0
+        self.executing = False  # its worker reported it left the queue for a slot
+        self.no_worker_since = 0.0
+        self.fetch_failures = 0  # times a worker could not fetch this value from its holder
 
     @property
     def needed(self) -> bool:

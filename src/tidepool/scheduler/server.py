@@ -6,6 +6,12 @@ translates messages into events (stamped with ``clock()``), applies them in batc
 commands into one message per destination per batch (so 1,000 task assignments to a worker are one
 frame).  A periodic tick drives heartbeat timeouts; observers (the scaling controller, the journal)
 subscribe with :meth:`Scheduler.subscribe`.
+
+Liveness: a closed connection is the death signal (a killed process closes its socket at once);
+heartbeats only catch a worker that is alive but silent, after a generous time-to-live
+(``heartbeat_timeout``, default :data:`DEFAULT_HEARTBEAT_TTL`).  The tick loop measures its own lag:
+time the scheduler could not run (blocked loop, SIGSTOP, a suspended VM) is passed on as
+``Tick.stalled`` so workers are not blamed for our silence.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ log = logging.getLogger("tidepool.scheduler")
 
 Observer = Callable[[list[ev.Event], list[ev.Command]], None]
 
+#: seconds a connected worker may stay silent before it is removed (a task holding the GIL, or
+#: a huge result being pickled, blocks its heartbeats; a dead process closes its socket instead)
+DEFAULT_HEARTBEAT_TTL = 300.0
+
 
 class Scheduler:
     def __init__(
@@ -45,7 +55,7 @@ class Scheduler:
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
         self.tick_interval = tick_interval
-        timeout = heartbeat_timeout if heartbeat_timeout is not None else max(10 * heartbeat_interval, 5.0)
+        timeout = heartbeat_timeout if heartbeat_timeout is not None else DEFAULT_HEARTBEAT_TTL
         self.state = SchedulerState(heartbeat_timeout=timeout, **state_kwargs)
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
@@ -164,6 +174,8 @@ class Scheduler:
     def _report_item(self, c: ev.Report) -> list[Any]:
         if c.status != "erred":
             return [c.key, c.status]
+        if c.error is not None:
+            return [c.key, "erred", c.error]
         ts = self.state.tasks.get(c.key)
         if ts is None:
             return [c.key, "lost"]
@@ -363,23 +375,36 @@ class Scheduler:
                 "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty()}  # fmt: skip
 
     async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            before = loop.time()
             await asyncio.sleep(self.tick_interval)
+            # anything beyond the interval (plus slack for ordinary jitter) is time we could not run
+            lag = loop.time() - before - self.tick_interval
+            stalled = lag if lag > max(0.5, self.tick_interval) else 0.0
+            if stalled:
+                log.warning("the scheduler was stalled for %.1fs; not counting it against workers", stalled)
             try:
-                await self.apply([ev.Tick(self.clock())])
+                await self.apply([ev.Tick(self.clock(), stalled)])
             except Exception:
                 log.exception("tick failed")
 
 
 def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
     out: list[ev.Event] = []
+    started = msg.get("started")
+    if started:
+        out.append(ev.TasksStarted(wid, list(started), now))
     for key, nbytes, duration in msg.get("finished", ()):
         out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
     for e in msg.get("erred", ()):
         out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
                                 e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
-    for key, dep, holder in msg.get("missing", ()):
-        out.append(ev.MissingData(wid, key, dep, holder, now))
+    for item in msg.get("missing", ()):
+        key, dep, holder = item[0], item[1], item[2]
+        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else ""))
     for key, nbytes in msg.get("replicas", ()):
         out.append(ev.AddReplica(wid, key, int(nbytes), now))
+    for key, typ, message in msg.get("unservable", ()):
+        out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
     return out

@@ -60,6 +60,7 @@ TASK_TRANSITIONS: dict[tuple[str, str], str] = {
     ("running", "erred"): "raised with no retries left, or killed too many workers",
     ("running", "released"): "cancelled while running",
     ("memory", "released"): "nobody needs the value (freed), or it was lost with its worker",
+    ("memory", "erred"): "its holder cannot send the value (unpicklable, or over the frame limit)",
     ("erred", "released"): "nobody holds the error any more",
 }
 
@@ -77,6 +78,10 @@ WORKER_TRANSITIONS: dict[tuple[str, str], str] = {
 ACTIVE = frozenset({"waiting", "ready", "no-worker", "running"})
 PENDING = frozenset({"ready", "no-worker"})  # runnable now, but on no worker yet: demand
 DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
+
+
+#: what the ``infeasible`` hook returns: None (feasible), a reason, or (error type, message)
+Infeasible = str | tuple[str, str] | None
 
 
 class InvalidTransition(RuntimeError):
@@ -99,18 +104,26 @@ class SchedulerState:
         self,
         *,
         allowed_failures: int = 3,
-        heartbeat_timeout: float = 30.0,
+        heartbeat_timeout: float = 300.0,
+        no_worker_timeout: float | None = 60.0,
+        max_fetch_failures: int = 5,
         queue_seconds: float = 0.05,
         max_queue_per_slot: int = 200,
         estimates: DurationEstimates | None = None,
-        infeasible: Callable[[ev.Shape], str | None] | None = None,
+        infeasible: Callable[[ev.Shape], Infeasible] | None = None,
     ) -> None:
         self.allowed_failures = allowed_failures
+        #: seconds of silence (beyond the scheduler's own stalls) after which a worker is removed
         self.heartbeat_timeout = heartbeat_timeout
+        #: without an autoscaler: seconds a task may wait for a worker with its resources, then errs
+        self.no_worker_timeout = no_worker_timeout
+        #: a value that could not be fetched this many times (holder alive) fails its dependent
+        self.max_fetch_failures = max_fetch_failures
         self.queue_seconds = queue_seconds
         self.max_queue_per_slot = max_queue_per_slot
         self.estimates = estimates or DurationEstimates()
-        #: optional hook: returns a reason when no node type could ever run this shape
+        #: optional hook (set by the autoscaler): why no usable node type could ever run this shape,
+        #: as a reason string or ``(error type, message)``; None when one could
         self.infeasible = infeasible
         self.tasks: dict[str, TaskRecord] = {}
         self.workers: dict[str, WorkerRecord] = {}
@@ -147,6 +160,9 @@ class SchedulerState:
             ev.MissingData: self._missing_data,
             ev.Heartbeat: self._heartbeat,
             ev.Tick: self._tick,
+            ev.TasksStarted: self._tasks_started,
+            ev.ValueUnservable: self._value_unservable,
+            ev.CheckFeasible: self._check_feasible,
             ev.AddReplica: self._add_replica,
             ev.RetireWorkers: self._retire_workers,
         }
@@ -210,8 +226,13 @@ class SchedulerState:
     def _update_graph(self, e: ev.UpdateGraph, out: list[ev.Command]) -> None:
         self.functions.update(e.functions)
         new: list[TaskRecord] = []
+        collided: dict[str, str] = {}
         for spec in e.tasks:
-            if spec.key in self.tasks:
+            old = self.tasks.get(spec.key)
+            if old is not None:
+                why = _differs(old, spec)
+                if why:
+                    collided[spec.key] = why
                 continue
             ts = TaskRecord(spec.key, spec.func_id, spec.payload, normalize_resources(spec.resources),
                             spec.retries, self._priority, spec.group or spec.key)  # fmt: skip
@@ -221,6 +242,10 @@ class SchedulerState:
             new.append(ts)
             for dk in spec.deps:
                 dep = self.tasks.get(dk)
+                if dep is ts:
+                    ts.message = f"task {dk!r} depends on itself (a cycle); a graph must be acyclic"
+                    ts.exc_type = "CycleError"
+                    continue
                 if dep is None:
                     ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
                     ts.exc_type = "DependencyError"
@@ -230,6 +255,14 @@ class SchedulerState:
         keys = self.clients.setdefault(e.client, set())
         for k in e.wanted:
             wts = self.tasks.get(k)
+            if k in collided:
+                out.append(ev.Report(e.client, k, "erred", error={
+                    "type": "KeyCollisionError", "origin": k, "message": (
+                        f"key {k!r} is already used by another task that is still alive ({collided[k]}); "
+                        "give this task another key, or release every future of the first one before "
+                        "reusing its key"),
+                }))  # fmt: skip
+                continue
             if wts is None:
                 out.append(ev.Report(e.client, k, "lost"))
                 continue
@@ -264,7 +297,7 @@ class SchedulerState:
             ts = stack.pop()
             if ts.state != "released":
                 continue
-            if ts.exc_type == "DependencyError" and ts.message and not ts.exception:
+            if ts.exc_type in ("DependencyError", "CycleError") and ts.message and not ts.exception:
                 self._move(ts, "erred")
                 self._erred_cascade(ts, out)
                 continue
@@ -300,14 +333,12 @@ class SchedulerState:
                 fits(w.resources, shape) for w in self.workers.values() if w.state == "running"
             )
         if not ok:
-            reason = self.infeasible(shape) if self.infeasible is not None else None
-            if reason:
-                ts.exception, ts.traceback, ts.exc_type = None, "", "InfeasibleTaskError"
-                ts.message, ts.error_origin = f"task {ts.key!r} can never run: {reason}", ts.key
-                self._move(ts, "erred")
-                self._erred_cascade(ts, out)
+            why = self._why_infeasible(ts)
+            if why is not None:
+                self._fail(ts, why[0], why[1], out)
                 return
             self._move(ts, "no-worker")
+            ts.no_worker_since = self.now
             self.no_worker.setdefault(shape, set()).add(ts)
             return
         self._ready_seq += 1
@@ -378,6 +409,7 @@ class SchedulerState:
         for _, seq, ts in heap:
             if ts.state == "ready" and ts.ready_seq == seq:
                 self._move(ts, "no-worker")
+                ts.no_worker_since = self.now
                 self.no_worker.setdefault(shape, set()).add(ts)
 
     def _has_room(self, ws: WorkerRecord) -> bool:
@@ -390,6 +422,7 @@ class SchedulerState:
         self._move(ts, "running")
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
+        ts.executing = False
         ts.est = est
         ts.started = self.now
         ws.processing[ts] = est
@@ -402,6 +435,7 @@ class SchedulerState:
     def _unassign(self, ts: TaskRecord) -> None:
         ws: WorkerRecord | None = self.workers.get(ts.worker) if ts.worker else None
         ts.worker = None
+        ts.executing = False
         if ws is None:
             return
         est = ws.processing.pop(ts, None)
@@ -475,6 +509,7 @@ class SchedulerState:
         if ts is None or ts.state != "memory":
             out.append(ev.Free(e.worker, [e.key]))
             return
+        ts.fetch_failures = 0  # a copy moved fine: earlier failures were about dead holders
         self._add_holder(ts, ws, e.nbytes)
 
     def _task_erred(self, e: ev.TaskErred, out: list[ev.Command]) -> None:
@@ -616,14 +651,16 @@ class SchedulerState:
         for ts in running:
             if ts.state != "running" or ts.worker != ws.id:
                 continue
+            executing = ts.executing
             ts.worker = None
-            if not e.graceful:
+            ts.executing = False
+            if not e.graceful and executing:  # queued tasks were innocent bystanders
                 ts.suspicious += 1
             if ts.suspicious > self.allowed_failures:
                 ts.exception = None
                 ts.exc_type = "KilledWorkerError"
                 ts.message = (
-                    f"task {ts.key!r} was running on {ts.suspicious} workers that died "
+                    f"task {ts.key!r} was executing on {ts.suspicious} workers that died "
                     f"(last: {ws.name}, {e.reason}); it is not retried again. Check it for crashes "
                     "or memory blow-ups, or raise allowed_failures"
                 )
@@ -656,6 +693,17 @@ class SchedulerState:
     def _missing_data(self, e: ev.MissingData, out: list[ev.Command]) -> None:
         dts = self.tasks.get(e.dep)
         holder = self.workers.get(e.holder)
+        ts = self.tasks.get(e.key)
+        if dts is not None and holder is not None:
+            dts.fetch_failures += 1  # the holder is alive as far as we know: count it
+            if dts.fetch_failures >= self.max_fetch_failures and ts is not None and ts.state == "running":
+                self._unassign(ts)
+                self._fail(ts, "TransferError", (
+                    f"task {ts.key!r} could not get its input {e.dep!r}: fetching it from a live holder "
+                    f"failed {dts.fetch_failures} times (last from {holder.name}: {e.error or 'unknown error'}); "
+                    "check that the value can be pickled and sent, and that workers can reach each other"
+                ), out)  # fmt: skip
+                return
         if dts is not None and holder is not None and e.holder in dts.who_has:
             dts.who_has.discard(e.holder)
             holder.has_what.discard(dts)
@@ -663,7 +711,6 @@ class SchedulerState:
             out.append(ev.Free(e.holder, [dts.key]))
             if dts.state == "memory" and not dts.who_has:
                 self._lose_value(dts, out)
-        ts = self.tasks.get(e.key)
         if ts is not None and ts.state == "running" and ts.worker == e.worker:
             self._unassign(ts)
             self._reschedule(ts, out)
@@ -676,10 +723,74 @@ class SchedulerState:
 
     def _tick(self, e: ev.Tick, out: list[ev.Command]) -> None:
         for ws in list(self.workers.values()):
+            if e.stalled > 0:  # silence while we ourselves could not listen does not count
+                ws.last_seen = min(e.now, ws.last_seen + e.stalled)
             if e.now - ws.last_seen > self.heartbeat_timeout:
-                reason = f"no heartbeat for {e.now - ws.last_seen:.1f}s"
+                reason = (f"no heartbeat for {e.now - ws.last_seen:.1f}s (time-to-live "
+                          f"{self.heartbeat_timeout:g}s; raise heartbeat_timeout if tasks block workers longer)")  # fmt: skip
                 out.append(ev.CloseWorker(ws.id, reason))
                 self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason), out)
+        timeout = self.no_worker_timeout
+        if timeout is not None and self.infeasible is None and self.no_worker:
+            for shape in list(self.no_worker):
+                tasks = self.no_worker.get(shape, set())
+                late = sorted((t for t in tasks if e.now - t.no_worker_since > timeout), key=lambda t: t.priority)
+                for ts in late:
+                    if ts.state != "no-worker":
+                        continue
+                    have = sorted({f"{k}={v:g}" for w in self.workers.values() for k, v in w.resources.items()})
+                    self._fail(ts, "InfeasibleTaskError", (
+                        f"task {ts.key!r} needs {dict(shape)} and no worker has offered that for "
+                        f"{timeout:g}s ({len(self.workers)} workers; resources seen: {', '.join(have) or 'none'}); "
+                        "no autoscaler can launch one. Start a worker with these resources "
+                        "(tidepool worker --resources ...), use adapt() with a node type that has them, "
+                        "or raise no_worker_timeout"
+                    ), out)  # fmt: skip
+
+    def _tasks_started(self, e: ev.TasksStarted, out: list[ev.Command]) -> None:
+        tasks = self.tasks
+        for key in e.keys:
+            ts = tasks.get(key)
+            if ts is not None and ts.state == "running" and ts.worker == e.worker:
+                ts.executing = True
+
+    def _value_unservable(self, e: ev.ValueUnservable, out: list[ev.Command]) -> None:
+        ts = self.tasks.get(e.key)
+        if ts is None or ts.state != "memory" or e.worker not in ts.who_has:
+            return
+        self._drop_value(ts, out)
+        ts.exception, ts.traceback, ts.exc_type = None, "", e.exc_type
+        ts.message, ts.error_origin = e.message, ts.key
+        self._move(ts, "erred")
+        self._erred_cascade(ts, out)
+
+    def _check_feasible(self, e: ev.CheckFeasible, out: list[ev.Command]) -> None:
+        if self.infeasible is None:
+            return
+        for shape in list(self.no_worker):
+            for ts in sorted(self.no_worker.get(shape, ()), key=lambda t: t.priority):
+                if ts.state != "no-worker":
+                    continue
+                why = self._why_infeasible(ts)
+                if why is None:
+                    break  # the shape is feasible: the rest of its tasks are too
+                self._fail(ts, why[0], why[1], out)
+
+    # ---- failing tasks ---------------------------------------------------------------------------
+    def _why_infeasible(self, ts: TaskRecord) -> tuple[str, str] | None:
+        r = self.infeasible(ts.shape) if self.infeasible is not None else None
+        if not r:
+            return None
+        if isinstance(r, tuple):
+            return r[0], f"task {ts.key!r} can never run: {r[1]}"
+        return "InfeasibleTaskError", f"task {ts.key!r} can never run: {r}"
+
+    def _fail(self, ts: TaskRecord, exc_type: str, message: str, out: list[ev.Command]) -> None:
+        """A task not on any worker fails with a scheduler-made error; dependents fail with it."""
+        ts.exception, ts.traceback, ts.exc_type = None, "", exc_type
+        ts.message, ts.error_origin = message, ts.key
+        self._move(ts, "erred")
+        self._erred_cascade(ts, out)
 
     def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
         from tidepool.scheduler.retire import start_retire
@@ -753,3 +864,14 @@ class SchedulerState:
                 assert w in ts.who_has
             for ts in ws.processing:
                 assert ts.worker == w and ts.state == "running", (w, ts)
+
+
+def _differs(old: TaskRecord, spec: ev.TaskSpec) -> str:
+    """Why ``spec`` is not the task already known under its key ("" when it is the same task)."""
+    if old.func_id != spec.func_id:
+        return "a different function"
+    if old.payload != spec.payload:
+        return "different arguments"
+    if [d.key for d in old.deps] != list(spec.deps):
+        return "different inputs"
+    return ""

@@ -14,11 +14,18 @@ that holds them (``get-data`` on the peer's data server) and kept as replicas; a
 its resources fit what is free, so slots are never oversubscribed.  Outcomes go back in one
 ``task-batch`` message per loop wake-up.  Peers and clients read results over the data server;
 ``free`` messages drop values.  If the scheduler connection is lost the worker stops.
+
+Blame: the keys of tasks about to enter a slot are written to the scheduler (``started``) *before*
+the slot runs them, so if a task kills the process the scheduler knows it was executing, and tasks
+merely queued here are not suspected.  A value that cannot be served (pickling fails, or it is over
+the frame limit) is reported once as ``unservable`` and dropped: the scheduler fails that task with
+the reason instead of recomputing it forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import importlib
 import logging
@@ -30,13 +37,13 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen, serialize
 from tidepool.comm.serialize import deserialize
-from tidepool.errors import CommError, ConfigError, WorkerSetupError
+from tidepool.errors import CommError, ConfigError, SerializationError, WorkerSetupError
 from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
 from tidepool.setup import run_setup
@@ -94,6 +101,7 @@ class Worker:
         self.memory_limit = parse_bytes(memory_limit)
         self.preload = list(preload or [])
         self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
+        atexit.register(shutil.rmtree, self.setup_dir, True)  # also on exits that skip close()
         self._initial_setups: list[list[Any]] = []
         self.data: dict[str, Any] = {}
         self.nbytes: dict[str, int] = {}
@@ -102,12 +110,14 @@ class Worker:
         self.waiting: dict[str, _Task] = {}
         self.running: dict[str, _Task] = {}
         self.cancelled: set[str] = set()
-        self._fetching: dict[str, asyncio.Future[bool]] = {}
+        self._fetching: dict[str, asyncio.Future[Fetched]] = {}
         self._peers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._finished: list[list[Any]] = []
         self._erred: list[dict[str, Any]] = []
         self._missing: list[list[str]] = []
         self._replicas: list[list[Any]] = []
+        self._started: list[str] = []
+        self._unservable: list[list[str]] = []
         self._flush_scheduled = False
         self.conn: Connection | None = None
         self.address = ""
@@ -252,6 +262,7 @@ class Worker:
         if not q:
             return
         skipped: list[_Task] = []
+        items: list[WorkItem] = []
         while q:
             t = q.popleft()
             if not fits(self.free, t.resources):
@@ -275,9 +286,14 @@ class Worker:
                 self.free[name] = self.free.get(name, 0.0) - amount
             self.running[t.key] = t
             deps = {d: self.data[d] for d in t.deps} if t.deps else {}
-            self.pool.submit(WorkItem(t.key, func, t.payload, deps))
+            items.append(WorkItem(t.key, func, t.payload, deps))
         if skipped:
             q.extendleft(reversed(skipped))
+        if items:
+            self._started.extend(i.key for i in items)
+            self._flush()  # the scheduler hears "started" before any of them can crash us
+            for item in items:
+                self.pool.submit(item)
 
     def _on_done(self) -> None:
         for o in self.pool.drain():
@@ -313,7 +329,8 @@ class Worker:
         })  # fmt: skip
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and (self._finished or self._erred or self._missing or self._replicas):
+        if not self._flush_scheduled and (self._finished or self._erred or self._missing or self._replicas
+                                          or self._unservable):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
@@ -328,19 +345,33 @@ class Worker:
             msg["missing"], self._missing = self._missing, []
         if self._replicas:
             msg["replicas"], self._replicas = self._replicas, []
+        if self._started:
+            msg["started"], self._started = self._started, []
+        if self._unservable:
+            msg["unservable"], self._unservable = self._unservable, []
         if len(msg) > 1 and self.conn is not None and not self.conn.closed:
+            try:
+                if self.conn.send_nowait(msg):
+                    return
+            except CommError:
+                return
             t = asyncio.get_running_loop().create_task(self.conn.send(msg))
             t.add_done_callback(_log_send_error)
 
     # ---- fetching inputs from peers ------------------------------------------------------------
     async def _need(self, t: _Task, dep: str, holders: list[list[str]]) -> None:
-        ok = await self._fetch(dep, holders)
+        outcome = await self._fetch(dep, holders)
         if t.key not in self.waiting:
             return  # freed meanwhile
-        if not ok:
+        if outcome is not True:
             del self.waiting[t.key]
-            holder = holders[0][0] if holders else ""
-            self._missing.append([t.key, dep, holder])
+            kind, why = outcome
+            if kind == "broken":  # the value exists but cannot reach us: fail, do not recompute
+                self._fail(t, SerializationError(f"input {dep!r} of task {t.key!r} could not be "
+                                                 f"transferred: {why}", t.key), "")  # fmt: skip
+            else:
+                holder = holders[0][0] if holders else ""
+                self._missing.append([t.key, dep, holder, why])
             self._schedule_flush()
             return
         t.missing -= 1
@@ -349,7 +380,8 @@ class Worker:
             self.queue.append(t)
             self._start_ready()
 
-    async def _fetch(self, key: str, holders: list[list[str]]) -> bool:
+    async def _fetch(self, key: str, holders: list[list[str]]) -> Fetched:
+        """Copy ``key`` from one of its holders: True, ("missing", why) or ("broken", why)."""
         if key in self.data:
             return True
         fut = self._fetching.get(key)
@@ -357,39 +389,44 @@ class Worker:
             return await fut
         fut = asyncio.get_running_loop().create_future()
         self._fetching[key] = fut
-        ok = False
+        outcome: Fetched = ("missing", "no holder known")
         try:
             for _wid, addr in holders:
                 try:
-                    got = await self.get_from_peer(addr, [key])
+                    got, failed = await self.get_from_peer(addr, [key])
                 except CommError as exc:
                     log.info("fetching %s from %s failed: %s", key, addr, exc)
+                    outcome = ("missing", str(exc))
                     continue
+                if key in failed:
+                    outcome = ("broken", failed[key])
+                    break
                 if key in got:
                     value = got[key]
                     self.data[key] = value
                     self.nbytes[key] = sizeof(value)
                     self._replicas.append([key, self.nbytes[key]])
                     self._schedule_flush()  # the scheduler learns of the copy now, not later
-                    ok = True
+                    outcome = True
                     break
-            return ok
+                outcome = ("missing", f"{addr} does not hold it")
+            return outcome
         finally:
             del self._fetching[key]
-            fut.set_result(ok)
+            fut.set_result(outcome)
 
-    async def get_from_peer(self, address: str, keys: list[str]) -> dict[str, Any]:
+    async def get_from_peer(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Values of ``keys`` held at ``address``, and why some could not be had (key -> reason)."""
         entry = self._peers.get(address)
         if entry is None or entry[0].closed:
-            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"})
+            # a refused connection means the peer is gone: fail now, the scheduler reschedules
+            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False)
             entry = self._peers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        async with lock:
-            await conn.send({"op": "get-data", "keys": keys})
-            reply = await conn.recv()
-        return {k: v.load() for k, v in reply["data"].items()}
+        return await request_data(conn, lock, keys)
 
     async def _replicate(self, key: str, holders: list[list[str]]) -> None:
+        # a value that cannot move is reported by its holder; the retirement waits or is refused
         await self._fetch(key, holders)
         self._schedule_flush()
 
@@ -398,16 +435,57 @@ class Worker:
         while True:
             msg = await conn.recv()
             if msg.get("op") == "get-data":
-                data = {}
-                missing = []
-                for k in msg["keys"]:
-                    if k in self.data:
-                        data[k] = serialize(self.data[k])
-                    else:
-                        missing.append(k)
-                await conn.send({"op": "data", "data": data, "missing": missing})
+                await conn.send(self._data_reply(list(msg["keys"]), conn.max_frame))
             else:
                 await conn.send({"op": "error", "message": f"unknown op {msg.get('op')!r}"})
+
+    def _data_reply(self, keys: list[str], limit: int) -> dict[str, Any]:
+        """Serialise what fits in one frame; the rest is ``deferred`` (ask again), values that can
+        never be sent are ``failed`` (and reported to the scheduler once, then dropped)."""
+        data: dict[str, Serialized] = {}
+        missing: list[str] = []
+        failed: dict[str, str] = {}
+        deferred: list[str] = []
+        budget = limit - 64 * 1024  # room for the header
+        for k in keys:
+            if k not in self.data:
+                missing.append(k)
+                continue
+            if data and self.nbytes.get(k, 0) > budget:
+                deferred.append(k)
+                continue
+            why = ""
+            if self.nbytes.get(k, 0) > limit:  # do not even try to pickle it
+                why = (f"its value is about {self.nbytes[k]:,} bytes, over the {limit:,}-byte frame "
+                       "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
+                typ = "ResultTooLargeError"
+            else:
+                try:
+                    ser = serialize(self.data[k])
+                except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's
+                    why = (f"its value of type {type(self.data[k]).__name__} cannot be pickled: "
+                           f"{type(exc).__name__}: {exc}")  # fmt: skip
+                    typ = "SerializationError"
+                else:
+                    if ser.nbytes > limit:
+                        why = (f"its value pickles to {ser.nbytes:,} bytes, over the {limit:,}-byte frame "
+                               "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
+                        typ = "ResultTooLargeError"
+                    elif data and ser.nbytes > budget:
+                        deferred.append(k)
+                        continue
+                    else:
+                        data[k] = ser
+                        budget -= ser.nbytes
+                        continue
+            message = f"task {k!r} produced a value that cannot be sent: {why}"
+            failed[k] = message
+            log.warning("%s", message)
+            self.data.pop(k, None)
+            self.nbytes.pop(k, None)
+            self._unservable.append([k, typ, message])
+            self._schedule_flush()
+        return {"op": "data", "data": data, "missing": missing, "failed": failed, "deferred": deferred}
 
     # ---- heartbeats ------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -424,6 +502,31 @@ class Worker:
                        "running": len(self.running), "queued": len(self.queue), "time": time.time()}  # fmt: skip
             with contextlib.suppress(CommError):
                 await self.conn.send({"op": "heartbeat", "metrics": metrics})
+
+
+#: what fetching a value gives: True, or ("missing" | "broken", reason)
+Fetched = Literal[True] | tuple[str, str]
+
+
+async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
+    and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
+    unpickle here).  Keys the holder does not have are in neither."""
+    values: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    todo = list(keys)
+    while todo:
+        async with lock:
+            await conn.send({"op": "get-data", "keys": todo})
+            reply = await conn.recv()
+        for k, blob in reply["data"].items():
+            try:
+                values[k] = blob.load()
+            except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
+                failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
+        failed.update(reply.get("failed") or {})
+        todo = list(reply.get("deferred") or ())
+    return values, failed
 
 
 def _log_send_error(t: asyncio.Task[Any]) -> None:
