@@ -240,7 +240,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
     def _new_future(self, key: str) -> Future[Any]:
         with self._lock:
             fut = self._futures.get(key)
-            if fut is None or fut.cancelled():
+            collided = self._errors.get(key, {}).get("type") == "KeyCollisionError"
+            if collided:  # that attempt was refused; this one is a new request
+                del self._errors[key]
+            if fut is None or fut.cancelled() or collided:
                 fut = Future(key, self)
                 self._futures[key] = fut
                 weakref.finalize(fut, self._release_later, key)
@@ -600,6 +603,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
                 if fut is not None and not fut.done():
                     fut.set_result(IN_MEMORY)
             elif status == "erred":
+                if item[2].get("type") == "KeyCollisionError":  # the key stays the other task's
+                    with self._lock:
+                        self._idents.pop(key, None)
                 self._errors[key] = item[2]
                 if fut is not None and not fut.done():
                     fut.set_exception(self._make_exception(key, item[2]))

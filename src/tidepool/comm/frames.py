@@ -17,6 +17,7 @@ memory once on receipt and then wrapped, not copied, by pickle.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,9 @@ LARGE_PART = 64 * 1024
 
 #: Limits before authentication: a handshake frame is tiny and carries no buffers.
 PREAUTH_MAX_FRAME = 64 * 1024
-DEFAULT_MAX_FRAME = 4 * 1024**3  # 4 GiB; configurable per connection
+#: Largest frame accepted after authentication: 4 GiB, or ``$TIDEPOOL_MAX_FRAME_BYTES`` (set it the
+#: same for the scheduler, workers and clients); a value over it is refused with its size named.
+DEFAULT_MAX_FRAME = int(os.environ.get("TIDEPOOL_MAX_FRAME_BYTES", 4 * 1024**3))
 MAX_BUFFERS = 1_000_000
 
 

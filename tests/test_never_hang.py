@@ -1,0 +1,219 @@
+"""Every failure reaches the user as a clear error in bounded time (real processes and sockets).
+
+Each test here hung, or threw healthy workers away, before the never-hang work; the waits are
+bounded by ``result(timeout=...)`` / ``wait_until`` on observable conditions, never blind sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import tidepool
+from tidepool.errors import (
+    ConnectionLostError,
+    CycleError,
+    DependencyError,
+    InfeasibleTaskError,
+    KeyCollisionError,
+    ResultTooLargeError,
+    SerializationError,
+)
+from tidepool.graph.refs import Ref
+from tidepool.testing import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def hold_the_gil(n: int) -> int:
+    return sum(range(n))  # one C call: the worker's event loop cannot run, no heartbeats go out
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def slow_inc(x: int, delay: float) -> int:
+    time.sleep(delay)
+    return x + 1
+
+
+def make_lock() -> Any:
+    return threading.Lock()  # cannot be pickled
+
+
+def use(x: Any) -> str:
+    return f"got {type(x).__name__}"
+
+
+def make_poisoned() -> Any:
+    def explode() -> None:
+        raise RuntimeError("refusing to be unpickled")
+
+    class Poisoned:
+        def __reduce__(self) -> Any:
+            return (explode, ())
+
+    return Poisoned()
+
+
+def big_bytes(n: int) -> bytes:
+    return b"x" * n
+
+
+def crash_worker() -> None:
+    os._exit(13)
+
+
+def test_a_task_holding_the_gil_longer_than_the_old_heartbeat_timeout_keeps_its_worker() -> None:
+    # heartbeat every 0.1 s: the old time-to-live was max(10 x 0.1 s, 5 s) = 5 s of silence
+    with tidepool.LocalCluster(n_workers=1, heartbeat_interval=0.1) as cluster, tidepool.Client(cluster) as client:
+        n = 5 * 10**8
+        fut = client.submit(hold_the_gil, n)
+        assert fut.result(timeout=120) == n * (n - 1) // 2
+        info = client.scheduler_info()
+        assert info["counters"]["workers_lost"] == 0 and len(info["workers"]) == 1
+
+
+def test_losing_the_scheduler_fails_every_future_and_call_at_once() -> None:
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        done = client.submit(inc, 1)
+        wait_until(done.done, what="first task done")  # done, but its value was never fetched
+        pending = client.submit(slow_inc, 1, 60)
+        cluster._loop.run(cluster.scheduler.close())  # the scheduler goes away
+        with pytest.raises(ConnectionLostError, match="lost the scheduler"):
+            pending.result(timeout=30)
+        with pytest.raises(ConnectionLostError):
+            done.result(timeout=30)
+        with pytest.raises(ConnectionLostError):
+            client.submit(inc, 2)
+        with pytest.raises(ConnectionLostError):
+            client.scheduler_info()
+
+
+def test_an_unpicklable_result_errs_once_naming_the_task_and_is_not_recomputed() -> None:
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        lock = client.submit(make_lock, key="the-lock")
+        after = client.submit(use, lock, key="user")
+        # the dependent runs where the lock is, or fails because it cannot be moved; either way
+        # asking for the lock itself is a clear, final error
+        with pytest.raises(SerializationError, match="the-lock") as info:
+            lock.result(timeout=30)
+        assert "cannot be pickled" in str(info.value) and "lock" in str(info.value)
+        try:
+            after.result(timeout=30)
+        except (SerializationError, DependencyError):
+            pass
+        with pytest.raises(SerializationError):
+            lock.result(timeout=30)  # asked again: the same error, not a retry loop
+        assert client.scheduler_info()["counters"]["recomputed"] == 0
+
+
+def test_a_value_that_cannot_be_unpickled_fails_its_reader_instead_of_looping() -> None:
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        bad = client.submit(make_poisoned, key="poisoned")
+        with pytest.raises(SerializationError, match="cannot be unpickled") as info:
+            bad.result(timeout=30)
+        assert "refusing to be unpickled" in str(info.value) and "poisoned" in str(info.value)
+        # a task on the other worker that needs it fails too, with the reason, and it is not
+        # recomputed over and over (old code: ~190 recomputations per second)
+        readers = [client.submit(use, bad, key=f"reader-{i}") for i in range(4)]
+        outcomes = []
+        for r in readers:
+            try:
+                outcomes.append(r.result(timeout=30))
+            except SerializationError as exc:
+                assert "refusing to be unpickled" in str(exc)
+                outcomes.append("failed")
+        assert all(o in ("got Poisoned", "failed") for o in outcomes)
+        assert client.scheduler_info()["counters"]["recomputed"] == 0
+
+
+def test_a_result_over_the_frame_limit_errs_with_its_size_and_the_limit() -> None:
+    limit = 8 * 1024 * 1024
+    env = {"TIDEPOOL_MAX_FRAME_BYTES": str(limit)}
+    with tidepool.LocalCluster(n_workers=1, env=env) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(big_bytes, 3 * limit, key="huge")
+        with pytest.raises(ResultTooLargeError, match="huge") as info:
+            fut.result(timeout=60)
+        text = str(info.value)
+        assert f"{limit:,}" in text and "frame limit" in text
+        assert client.submit(big_bytes, 10).result(timeout=30) == b"x" * 10  # the worker is fine
+        assert client.scheduler_info()["counters"]["recomputed"] == 0
+
+
+def test_tasks_queued_on_a_crashing_worker_are_not_blamed() -> None:
+    # allowed_failures=0: one death is enough to fail every suspect, so an innocent bystander that
+    # was merely queued on the dying worker would fail at once under the old rule
+    with tidepool.LocalCluster(n_workers=2, allowed_failures=0) as cluster, tidepool.Client(cluster) as client:
+        assert client.gather(client.map(inc, range(200)), timeout=60) == list(range(1, 201))  # learn: inc is fast
+        crasher = client.submit(crash_worker, key="crasher")
+        innocents = client.map(inc, range(300))  # queued deeply behind it on both workers
+        with pytest.raises(tidepool.KilledWorkerError, match="crasher"):
+            crasher.result(timeout=60)
+        if not cluster.workers:
+            cluster.add_workers(1)
+        assert client.gather(innocents, timeout=60) == list(range(1, 301))
+
+
+def test_without_autoscaling_a_task_no_worker_can_run_errs_after_the_no_worker_timeout() -> None:
+    with tidepool.LocalCluster(n_workers=1, no_worker_timeout=1.0) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(inc, 1, resources={"gpu": 1}, key="needs-gpu")
+        with pytest.raises(InfeasibleTaskError, match="needs-gpu") as info:
+            fut.result(timeout=30)
+        assert "gpu" in str(info.value) and "no_worker_timeout" in str(info.value)
+        assert client.submit(inc, 1).result(timeout=30) == 2
+
+
+def test_cycles_are_refused_at_submit() -> None:
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(CycleError, match="'k'"):
+            client.submit(inc, Ref("k"), key="k")
+
+        @tidepool.task
+        def add(a: int, b: int) -> int:
+            return a + b
+
+        a = add(1, 2)
+        b = add(a, 3)
+        a.args = (b, 1)  # hand-built cycle a -> b -> a
+        with pytest.raises(CycleError, match="cycle"):
+            client.compute(b)
+        assert client.submit(inc, 1).result(timeout=30) == 2  # the client still works
+
+
+def test_a_key_reused_for_a_different_task_is_a_collision() -> None:
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client, \
+            tidepool.Client(cluster) as other:  # fmt: skip
+        first = client.submit(inc, 1, key="shared")
+        assert first.result(timeout=30) == 2
+        same = client.submit(inc, 1, key="shared")  # the same task: shares the result
+        assert same.result(timeout=30) == 2
+        with pytest.raises(KeyCollisionError, match="shared"):
+            client.submit(inc, 41, key="shared")
+        theirs = other.submit(inc, 41, key="shared")  # another client: refused too
+        with pytest.raises(KeyCollisionError, match="shared"):
+            theirs.result(timeout=30)
+        assert first.result() == 2
+        assert other.submit(inc, 1, key="shared").result(timeout=30) == 2
+
+
+def test_result_timeout_holds_when_the_holding_worker_stops_answering() -> None:
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        assert client.submit(inc, 1).result(timeout=30) == 2  # the client now has a connection to it
+        fut = client.submit(inc, 2)
+        wait_until(fut.done, what="task done")
+        (wid,) = cluster.workers
+        pid = cluster.provider.procs[wid].proc.pid
+        os.kill(pid, signal.SIGSTOP)  # alive, socket open, silent
+        try:
+            with pytest.raises(TimeoutError):
+                fut.result(timeout=2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert fut.result(timeout=30) == 3

@@ -1,0 +1,167 @@
+"""Failure paths of the pure state machine that used to end in a silent wait (issue: never hang).
+
+Driven with :class:`StateDriver` and a fake clock only: no processes, no sleeps.
+"""
+
+from __future__ import annotations
+
+from tidepool.comm.serialize import serialize
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.server import DEFAULT_HEARTBEAT_TTL
+from tidepool.scheduler.state import SchedulerState
+from tidepool.testing import StateDriver
+
+
+def test_heartbeat_time_to_live_is_minutes_by_default() -> None:
+    assert SchedulerState().heartbeat_timeout >= 120
+    assert DEFAULT_HEARTBEAT_TTL >= 120
+
+
+def test_silence_while_the_scheduler_was_stalled_does_not_remove_workers() -> None:
+    d = StateDriver(SchedulerState(heartbeat_timeout=10))
+    d.add_worker("w1")
+    d.clock.advance(30)  # we were paused for 30 s: nobody could hear the worker
+    d.send(ev.Tick(d.clock(), stalled=30))
+    assert "w1" in d.state.workers
+    d.clock.advance(11)  # but real silence after that still counts
+    cmds = d.send(ev.Tick(d.clock()))
+    assert "w1" not in d.state.workers
+    assert any(isinstance(c, ev.CloseWorker) and "time-to-live" in c.reason for c in cmds)
+
+
+def test_only_tasks_executing_on_a_dying_worker_are_suspects() -> None:
+    d = StateDriver(SchedulerState(allowed_failures=0, queue_seconds=1000), auto_start=False)
+    d.submit([("crash", [])] + [(f"inc-{i}", []) for i in range(20)], ["crash"] + [f"inc-{i}" for i in range(20)])
+    d.add_worker("w1")
+    queued = list(d.running["w1"])
+    assert "crash" in queued and len(queued) > 1
+    d.start("w1", "crash")  # it entered the slot; the others still sat in w1's queue
+    d.remove_worker("w1")
+    st = d.state.tasks
+    assert st["crash"].state == "erred" and st["crash"].exc_type == "KilledWorkerError"
+    innocent = [k for k in queued if k != "crash"]
+    assert all(st[k].state in ("ready", "no-worker") for k in innocent), [st[k] for k in innocent]
+    d.add_worker("w2")
+    d.run_until_idle()
+    assert all(d.status()[k] == "memory" for k in innocent)
+
+
+def test_without_autoscaling_a_task_nobody_can_run_errs_after_the_no_worker_timeout() -> None:
+    d = StateDriver(SchedulerState(no_worker_timeout=30))
+    d.add_worker("w1")
+    d.submit([("train", [], {"gpu": 1}), ("report", ["train"])], ["report"])
+    assert d.state.tasks["train"].state == "no-worker"
+    d.clock.advance(29)
+    d.send(ev.Tick(d.clock()))
+    assert d.state.tasks["train"].state == "no-worker"  # workers may still join by hand
+    d.clock.advance(2)
+    d.send(ev.Tick(d.clock()))
+    assert d.status()["report"] == "erred"
+    ts = d.state.tasks["report"]
+    assert ts.exc_type == "InfeasibleTaskError" and "gpu" in ts.message and "no_worker_timeout" in ts.message
+
+
+def test_a_worker_joining_in_time_saves_a_no_worker_task() -> None:
+    d = StateDriver(SchedulerState(no_worker_timeout=30))
+    d.submit([("train", [], {"gpu": 1})], ["train"])
+    d.clock.advance(20)
+    d.add_worker("g1", {"cpu": 1, "gpu": 1})
+    d.clock.advance(20)
+    d.send(ev.Tick(d.clock()))
+    d.run_until_idle()
+    assert d.status()["train"] == "memory"
+
+
+def test_with_an_autoscaler_the_no_worker_timeout_does_not_apply() -> None:
+    d = StateDriver(SchedulerState(no_worker_timeout=1, infeasible=lambda shape: None))
+    d.submit([("train", [], {"gpu": 1})], ["train"])
+    d.clock.advance(100)
+    d.send(ev.Tick(d.clock()))
+    assert d.state.tasks["train"].state == "no-worker"  # a launch is the autoscaler's business
+
+
+def test_a_task_that_depends_on_itself_errs_instead_of_waiting_forever() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("k", ["k"])], ["k"])
+    assert d.status()["k"] == "erred"
+    assert d.state.tasks["k"].exc_type == "CycleError"
+    d.state.validate()
+
+
+def _spec(key: str, func: str, arg: int) -> ev.TaskSpec:
+    return ev.TaskSpec(key, func, serialize(((arg,), {})), (), {}, 0, "g")
+
+
+def test_a_key_reused_by_a_different_task_is_a_collision_for_that_client_only() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.send(ev.UpdateGraph("a", [_spec("x", "f", 1)], ["x"], d.clock()))
+    cmds = d.send(ev.UpdateGraph("b", [_spec("x", "f", 2)], ["x"], d.clock()))
+    rep = [c for c in cmds if isinstance(c, ev.Report) and c.client == "b"]
+    assert rep and rep[0].status == "erred" and rep[0].error is not None
+    assert rep[0].error["type"] == "KeyCollisionError" and "different arguments" in rep[0].error["message"]
+    assert "b" not in d.state.tasks["x"].wanted_by
+    d.run_until_idle()
+    assert d.status("a")["x"] == "memory"
+
+
+def test_the_same_task_under_the_same_key_shares_the_result() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.send(ev.UpdateGraph("a", [_spec("x", "f", 1)], ["x"], d.clock()))
+    d.send(ev.UpdateGraph("b", [_spec("x", "f", 1)], ["x"], d.clock()))
+    d.run_until_idle()
+    assert d.status("a")["x"] == d.status("b")["x"] == "memory"
+    assert d.state.counters["finished"] == 1
+
+
+def test_a_value_its_holder_cannot_send_errs_once_with_its_dependents() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["a", "b"])
+    d.finish("w1", "a")
+    cmds = d.send(ev.ValueUnservable("w1", "a", "SerializationError", "task 'a' cannot be pickled", d.clock()))
+    assert d.status()["a"] == "erred" and d.status()["b"] == "erred"
+    assert d.state.tasks["b"].message == "task 'a' cannot be pickled"
+    assert any(isinstance(c, ev.Free) and "a" in c.keys for c in cmds)  # the worker drops it
+    assert d.state.counters["recomputed"] == 0
+    d.state.validate()
+
+
+def test_an_input_that_repeatedly_cannot_be_fetched_fails_its_dependent() -> None:
+    d = StateDriver(SchedulerState(max_fetch_failures=4))
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    for _ in range(50):  # old code: drop the copy, recompute, fail again, forever
+        holder = next(iter(d.state.tasks["a"].who_has), None) if d.state.tasks["a"].state == "memory" else None
+        if holder is None:
+            if not d.step():
+                break
+            continue
+        ts = d.state.tasks["b"]
+        if ts.state != "running":
+            d.step()
+            continue
+        wid = ts.worker or ""
+        d.running[wid].remove("b")  # the worker gave up on it
+        d.send(ev.MissingData(wid, "b", "a", holder, d.clock(), "ConnectionResetError: boom"))
+    assert d.status()["b"] == "erred"
+    ts = d.state.tasks["b"]
+    assert ts.exc_type == "TransferError" and "boom" in ts.message and "4 times" in ts.message
+
+
+def test_disabled_node_types_fail_waiting_tasks_with_the_providers_error() -> None:
+    disabled: dict[str, str] = {}
+
+    def hook(shape: ev.Shape) -> tuple[str, str] | None:
+        return ("ProviderError", "node type 'gpu' is disabled: sbatch: invalid account") if disabled else None
+
+    d = StateDriver(SchedulerState(infeasible=hook))
+    d.submit([("train", [], {"gpu": 1})], ["train"])
+    assert d.state.tasks["train"].state == "no-worker"
+    disabled["gpu"] = "yes"
+    d.send(ev.CheckFeasible(d.clock()))
+    ts = d.state.tasks["train"]
+    assert d.status()["train"] == "erred" and ts.exc_type == "ProviderError" and "invalid account" in ts.message
