@@ -19,18 +19,23 @@ from tidepool.errors import (
     CommError,
     ConfigError,
     ConnectionLostError,
+    CycleError,
     DependencyError,
     FrameTooLargeError,
     InfeasibleTaskError,
+    KeyCollisionError,
     KilledWorkerError,
     ProtocolError,
     ProviderError,
     RemoteTaskError,
     RemoteTraceback,
+    ResultTooLargeError,
     SchedulerError,
+    SerializationError,
     TaskCancelledError,
     TaskError,
     TidepoolError,
+    TransferError,
     WorkerSetupError,
 )
 from tidepool.futures import Future
@@ -39,6 +44,7 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
 from tidepool.setup import setup_file
 from tidepool.worker import Worker
+from tidepool.worker.context import get_client, get_worker, secede, worker_client
 
 __version__ = "0.1.0"
 
@@ -51,9 +57,10 @@ def compute(*values: Delayed, client: Client | None = None) -> tuple:  # type: i
 
 __all__ = [
     "AuthenticationError", "Client", "ClientExecutor", "CommError", "ConfigError",
-    "ConnectionLostError", "Delayed", "DependencyError", "FrameTooLargeError", "Future",
-    "InfeasibleTaskError", "KilledWorkerError", "LocalCluster", "NodeType", "ProtocolError",
-    "ProviderError", "RemoteTaskError", "RemoteTraceback", "Scheduler", "SchedulerError",
-    "TaskCancelledError", "TaskError", "TidepoolError", "Worker", "WorkerSetupError", "compute",
-    "default_client", "setup_file", "task",
+    "ConnectionLostError", "CycleError", "Delayed", "DependencyError", "FrameTooLargeError", "Future",
+    "InfeasibleTaskError", "KeyCollisionError", "KilledWorkerError", "LocalCluster", "NodeType",
+    "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
+    "Scheduler", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
+    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "compute", "default_client",
+    "get_client", "get_worker", "secede", "setup_file", "task", "worker_client",
 ]  # fmt: skip

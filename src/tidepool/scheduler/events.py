@@ -149,6 +149,25 @@ class ValueUnservable:
 
 
 @dataclass(slots=True)
+class StealReply:
+    """``worker`` gave back ``stolen`` (they were still queued there) and kept ``kept`` (started)."""
+
+    worker: str
+    stolen: list[str]
+    kept: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class TaskSeceded:
+    """A task on ``worker`` left its slot to wait for tasks it submitted (``worker_client``)."""
+
+    worker: str
+    key: str
+    now: float
+
+
+@dataclass(slots=True)
 class CheckFeasible:
     """Node types changed (one was disabled): tasks no worker and no usable node type can run err."""
 
@@ -187,6 +206,8 @@ Event = (
     | TasksStarted
     | ValueUnservable
     | CheckFeasible
+    | StealReply
+    | TaskSeceded
     | AddReplica
     | RetireWorkers
 )
@@ -224,6 +245,14 @@ class Replicate:
 
 
 @dataclass(slots=True)
+class Steal:
+    """Ask ``worker`` to give back ``keys`` if they have not started: an idle worker will run them."""
+
+    worker: str
+    keys: list[str]
+
+
+@dataclass(slots=True)
 class CloseWorker:
     worker: str
     reason: str
@@ -235,4 +264,4 @@ class RetireRefused:
     reason: str
 
 
-Command = Execute | Free | Report | Replicate | CloseWorker | RetireRefused
+Command = Execute | Free | Report | Replicate | Steal | CloseWorker | RetireRefused

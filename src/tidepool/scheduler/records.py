@@ -7,6 +7,10 @@ from typing import Any
 from tidepool.comm.serialize import Serialized
 from tidepool.scheduler.events import Shape
 
+#: resources every worker has; any other (gpu, fpga, licence, ...) is scarce and kept for tasks
+#: that ask for it
+ORDINARY = frozenset({"cpu", "memory"})
+
 
 class TaskRecord:
     __slots__ = (
@@ -14,7 +18,7 @@ class TaskRecord:
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
         "est", "ready_seq", "started", "duration", "recomputes", "executing", "no_worker_since",
-        "fetch_failures",
+        "fetch_failures", "stealing", "seceded",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
@@ -49,6 +53,8 @@ class TaskRecord:
         self.executing = False  # its worker reported it left the queue for a slot
         self.no_worker_since = 0.0
         self.fetch_failures = 0  # times a worker could not fetch this value from its holder
+        self.stealing = False  # asked its worker to give it back (it was queued there)
+        self.seceded = False  # left its slot to wait for other tasks (worker_client)
 
     @property
     def needed(self) -> bool:
@@ -68,7 +74,7 @@ class WorkerRecord:
     __slots__ = (
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
-        "fit_cache", "memory_limit", "funcs", "executed", "last_done",
+        "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -94,6 +100,9 @@ class WorkerRecord:
         self.funcs: set[str] = set()  # function ids already shipped to this worker
         self.executed = 0
         self.last_done = now  # when a task last left this worker (its queue head started then)
+        #: scarce resources it offers (anything but cpu and memory, e.g. gpu): kept for tasks that need them
+        self.special = frozenset(k for k, v in resources.items() if v > 0 and k not in ORDINARY)
+        self.seceded = 0  # tasks in ``processing`` that left their slot (they do not count as load)
 
     def __repr__(self) -> str:
         return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"

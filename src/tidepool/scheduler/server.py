@@ -146,6 +146,8 @@ class Scheduler:
                     if rts is not None:
                         holders[k] = [[w, workers[w].address] for w in rts.who_has if w in workers]
                 other.append((c.worker, {"op": "replicate", "keys": holders}))
+            elif isinstance(c, ev.Steal):
+                other.append((c.worker, {"op": "steal", "keys": c.keys}))
             elif isinstance(c, ev.CloseWorker):
                 other.append((c.worker, {"op": "close", "reason": c.reason}))
                 self._resolve_retire(c.worker, "retired")
@@ -405,6 +407,10 @@ def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
         out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else ""))
     for key, nbytes in msg.get("replicas", ()):
         out.append(ev.AddReplica(wid, key, int(nbytes), now))
+    if "stolen" in msg or "kept" in msg:
+        out.append(ev.StealReply(wid, list(msg.get("stolen") or ()), list(msg.get("kept") or ()), now))
+    for key in msg.get("seceded", ()):
+        out.append(ev.TaskSeceded(wid, str(key), now))
     for key, typ, message in msg.get("unservable", ()):
         out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
     return out

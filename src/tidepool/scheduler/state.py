@@ -20,6 +20,13 @@ runs).  Values lost with a worker are recomputed from lineage if still needed.
 Ready tasks wait in one priority heap per resource shape; a worker takes tasks while it has a free
 slot or less than ``queue_seconds`` of estimated work queued per slot (so no-op tasks are batched
 deeply and long tasks are not hoarded by one worker).
+
+Placement keeps scarce resources free: a worker with a resource beyond cpu/memory (a GPU) takes a
+task that does not need it only into a free slot, never into its queue, and not at all while ready
+tasks that need that resource could run on it.  Work stealing: when a worker has a free slot and
+nothing ready fits it, tasks still *queued* (not executing) on busier workers are asked back
+(``Steal``) and placed again, so an idle worker never waits while another has a queue.  A task that
+secedes (``worker_client``) stays on its worker but stops counting as load.
 """
 
 from __future__ import annotations
@@ -163,6 +170,8 @@ class SchedulerState:
             ev.TasksStarted: self._tasks_started,
             ev.ValueUnservable: self._value_unservable,
             ev.CheckFeasible: self._check_feasible,
+            ev.StealReply: self._steal_reply,
+            ev.TaskSeceded: self._task_seceded,
             ev.AddReplica: self._add_replica,
             ev.RetireWorkers: self._retire_workers,
         }
@@ -182,6 +191,8 @@ class SchedulerState:
             progress_retirements(self, out)
         if self._room and self._ready:
             self._schedule(out)
+        if self._room and len(self.workers) > 1:
+            self._steal(out)
         return out
 
     def handle_many(self, events: Iterable[ev.Event]) -> list[ev.Command]:
@@ -373,6 +384,7 @@ class SchedulerState:
         while self._room:
             best: ev.Shape | None = None
             head: tuple[int, int, TaskRecord] | None = None
+            cands: list[WorkerRecord] = []
             for shape in list(ready):
                 heap = ready[shape]
                 while heap and (heap[0][2].state != "ready" or heap[0][2].ready_seq != heap[0][1]):
@@ -390,13 +402,27 @@ class SchedulerState:
                 if not ok:
                     self._park_no_worker(shape)
                     continue
-                if any(fits(workers[w].resources, shape) for w in self._room):
-                    best, head = shape, heap[0]
+                c = [workers[w] for w in self._room if self._fits(workers[w], shape) and self._allowed(workers[w], shape)]
+                if c:
+                    best, head, cands = shape, heap[0], c
             if best is None:
                 return
             _, _, ts = heapq.heappop(ready[best])
-            candidates = [workers[w] for w in self._room if self._fits(workers[w], best)]
-            self._assign(ts, choose_worker(ts, candidates), out)
+            self._assign(ts, choose_worker(ts, cands), out)
+
+    def _allowed(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
+        """May ``ws`` take a task of ``shape`` now, given its scarce resources?"""
+        if not ws.special:
+            return True
+        extra = ws.special.difference(name for name, _ in shape)
+        if not extra:
+            return True
+        if len(ws.processing) - ws.seceded >= ws.slots:
+            return False  # never queue ordinary work behind a GPU
+        for s, heap in self._ready.items():  # ready work that needs what ws has spare comes first
+            if heap and any(name in extra for name, _ in s) and self._fits(ws, s):
+                return False
+        return True
 
     def _fits(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
         ok = ws.fit_cache.get(shape)
@@ -413,7 +439,7 @@ class SchedulerState:
                 self.no_worker.setdefault(shape, set()).add(ts)
 
     def _has_room(self, ws: WorkerRecord) -> bool:
-        n = len(ws.processing)
+        n = len(ws.processing) - ws.seceded
         if ws.state != "running" or n >= ws.slots * self.max_queue_per_slot:
             return False
         return n < ws.slots or ws.occupancy < self.queue_seconds * ws.slots
@@ -436,11 +462,17 @@ class SchedulerState:
         ws: WorkerRecord | None = self.workers.get(ts.worker) if ts.worker else None
         ts.worker = None
         ts.executing = False
+        ts.stealing = False
+        seceded, ts.seceded = ts.seceded, False
         if ws is None:
             return
+        if seceded and ts in ws.processing:
+            ws.seceded -= 1
         est = ws.processing.pop(ts, None)
         if est is None:
             return
+        if seceded:
+            est = 0.0
         ws.last_done = self.now
         if ws.processing:
             ws.occupancy -= est
@@ -653,7 +685,7 @@ class SchedulerState:
                 continue
             executing = ts.executing
             ts.worker = None
-            ts.executing = False
+            ts.executing = ts.stealing = ts.seceded = False
             if not e.graceful and executing:  # queued tasks were innocent bystanders
                 ts.suspicious += 1
             if ts.suspicious > self.allowed_failures:
@@ -791,6 +823,66 @@ class SchedulerState:
         ts.message, ts.error_origin = message, ts.key
         self._move(ts, "erred")
         self._erred_cascade(ts, out)
+
+    # ---- work stealing and seceded tasks -------------------------------------------------------
+    def _steal(self, out: list[ev.Command]) -> None:
+        """Idle slots, nothing ready for them: ask busy workers to give back queued tasks."""
+        workers = self.workers
+        idle = [workers[w] for w in sorted(self._room) if len(workers[w].processing) - workers[w].seceded < workers[w].slots]
+        if not idle:
+            return
+        victims = [w for w in workers.values()
+                   if w.state in ("running", "retiring") and len(w.processing) - w.seceded > w.slots]  # fmt: skip
+        if not victims:
+            return
+        victims.sort(key=lambda w: (-(len(w.processing) - w.seceded - w.slots), w.seq))
+        asks: dict[str, list[str]] = {}
+        for thief in idle:
+            want = thief.slots - (len(thief.processing) - thief.seceded)
+            for victim in victims:
+                if victim is thief or want <= 0:
+                    continue
+                queued = len(victim.processing) - victim.seceded - victim.slots
+                take = min(want, (queued + 1) // 2)
+                for ts in reversed(list(victim.processing)):  # the most recently queued first
+                    if take <= 0:
+                        break
+                    if ts.executing or ts.stealing or ts.seceded or not self._fits(thief, ts.shape):
+                        continue
+                    if not self._allowed(thief, ts.shape):
+                        continue
+                    ts.stealing = True
+                    asks.setdefault(victim.id, []).append(ts.key)
+                    take -= 1
+                    want -= 1
+        for wid, keys in asks.items():
+            out.append(ev.Steal(wid, keys))
+
+    def _steal_reply(self, e: ev.StealReply, out: list[ev.Command]) -> None:
+        for key in e.kept:  # kept: it had started (or finished) there; do not ask again
+            ts = self.tasks.get(key)
+            if ts is not None and ts.worker == e.worker:
+                ts.stealing = False
+                ts.executing = True
+        for key in e.stolen:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "running" or ts.worker != e.worker:
+                continue  # released or moved meanwhile: the worker dropped it, nothing to do
+            self._unassign(ts)
+            self._reschedule(ts, out)  # ready again (or waiting, if an input was lost meanwhile)
+
+    def _task_seceded(self, e: ev.TaskSeceded, out: list[ev.Command]) -> None:
+        ts = self.tasks.get(e.key)
+        ws = self.workers.get(e.worker)
+        if ts is None or ws is None or ts.state != "running" or ts.worker != e.worker or ts.seceded:
+            return
+        ts.seceded = True
+        ts.executing = True
+        ws.seceded += 1
+        est = ws.processing.get(ts, 0.0)
+        ws.occupancy = max(0.0, ws.occupancy - est)
+        if self._has_room(ws):
+            self._room.add(ws.id)
 
     def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
         from tidepool.scheduler.retire import start_retire

@@ -117,6 +117,10 @@ class Worker:
         self._missing: list[list[str]] = []
         self._replicas: list[list[Any]] = []
         self._started: list[str] = []
+        self._stolen: list[str] = []
+        self._kept: list[str] = []
+        self._seceded: list[str] = []
+        self.seceded: set[str] = set()  # running tasks that gave their slot back (worker_client)
         self._unservable: list[list[str]] = []
         self._flush_scheduled = False
         self.conn: Connection | None = None
@@ -134,6 +138,7 @@ class Worker:
             except Exception as exc:
                 raise WorkerSetupError(f"preloading module {mod!r} failed: {type(exc).__name__}: {exc}") from exc
         loop = asyncio.get_running_loop()
+        self.loop = loop
         self.closed = asyncio.Event()
         self.pool = SlotPool(loop, self._on_done)
         self.listener = await listen(f"tcp://{self.host}:0", self._serve_peer, self.token)
@@ -154,6 +159,9 @@ class Worker:
         self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
         self._initial_setups = list(reply.get("setups") or [])
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
+        from tidepool.worker import context
+
+        context.set_worker(self)
         log.info("worker %s at %s registered with %s", self.id, self.address, self.scheduler_address)
         return self
 
@@ -192,6 +200,8 @@ class Worker:
                     self._compute(msg)
                 elif op == "free":
                     self._free(msg["keys"])
+                elif op == "steal":
+                    self._give_back(msg["keys"])
                 elif op == "replicate":
                     for key, holders in msg["keys"].items():
                         asyncio.get_running_loop().create_task(self._replicate(key, holders))
@@ -257,6 +267,36 @@ class Worker:
             ks = set(keys)
             self.queue = deque(t for t in self.queue if t.key not in ks)
 
+    def _give_back(self, keys: list[str]) -> None:
+        """The scheduler wants these back for an idle worker: give those not started yet."""
+        ks = set(keys)
+        stolen = [t.key for t in self.queue if t.key in ks]
+        if stolen:
+            self.queue = deque(t for t in self.queue if t.key not in ks)
+        for k in keys:
+            if k in self.waiting:  # still fetching inputs: the fetch finishes for nobody
+                del self.waiting[k]
+                stolen.append(k)
+        got = set(stolen)
+        self._stolen.extend(stolen)
+        self._kept.extend(k for k in keys if k not in got)
+        self._flush()
+
+    def secede(self, key: str) -> None:
+        """Called from a task's thread: that task leaves its slot (it will wait on other tasks)."""
+        self.loop.call_soon_threadsafe(self._secede, key)
+
+    def _secede(self, key: str) -> None:
+        t = self.running.get(key)
+        if t is None or key in self.seceded:
+            return
+        self.seceded.add(key)
+        for name, amount in t.resources:
+            self.free[name] = self.free.get(name, 0.0) + amount
+        self._seceded.append(key)
+        self._start_ready()
+        self._flush()
+
     def _start_ready(self) -> None:
         q = self.queue
         if not q:
@@ -303,7 +343,9 @@ class Worker:
 
     def _outcome(self, o: Outcome) -> None:
         t = self.running.pop(o.key, None)
-        if t is not None:
+        if o.key in self.seceded:
+            self.seceded.discard(o.key)  # its resources went back when it seceded
+        elif t is not None:
             for name, amount in t.resources:
                 self.free[name] = self.free.get(name, 0.0) + amount
         if o.key in self.cancelled:
@@ -349,6 +391,10 @@ class Worker:
             msg["started"], self._started = self._started, []
         if self._unservable:
             msg["unservable"], self._unservable = self._unservable, []
+        if self._stolen or self._kept:
+            msg["stolen"], msg["kept"], self._stolen, self._kept = self._stolen, self._kept, [], []
+        if self._seceded:
+            msg["seceded"], self._seceded = self._seceded, []
         if len(msg) > 1 and self.conn is not None and not self.conn.closed:
             try:
                 if self.conn.send_nowait(msg):

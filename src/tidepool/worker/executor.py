@@ -87,8 +87,13 @@ class SlotPool:
             self.q.put(None)
 
 
+#: the key of the task the current slot thread runs (``tidepool.worker.context`` reads it)
+current = threading.local()
+
+
 def run_item(item: WorkItem) -> Outcome:
     start = time.perf_counter()
+    current.key = item.key
     try:
         if item.payload is None:
             args: tuple[Any, ...] = ()
@@ -103,3 +108,5 @@ def run_item(item: WorkItem) -> Outcome:
     except BaseException as exc:  # noqa: BLE001 - a task's failure, whatever it is, goes to the client
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return Outcome(item.key, False, exc, time.perf_counter() - start, tb)
+    finally:
+        current.key = None

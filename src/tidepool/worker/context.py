@@ -1,0 +1,79 @@
+"""What a running task can know about where it runs, and how it submits more tasks.
+
+State: the process's :class:`~tidepool.worker.core.Worker` (set when it registers) and one cached
+:class:`~tidepool.client.Client` per worker process for tasks that submit tasks.  The key of the
+task a slot thread runs lives in ``executor.current`` (a thread-local).
+
+A task that waits for tasks it submitted must not hold its slot, or a one-slot pool deadlocks
+(the inner tasks queue behind it).  :func:`worker_client` (or :func:`secede` then
+:func:`get_client`) gives the slot back first: the worker starts the next queued task, the scheduler
+stops counting this task as load and stops forecasting it as occupying a slot, and the task keeps
+running in its own thread until it returns.  Unlike Dask there is no ``rejoin``: a seceded task
+finishes outside the slot count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tidepool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidepool.client import Client
+    from tidepool.worker.core import Worker
+
+_worker: Worker | None = None
+_client: Client | None = None
+_lock = threading.Lock()
+
+
+def set_worker(worker: Worker) -> None:
+    global _worker
+    _worker = worker
+
+
+def get_worker() -> Worker:
+    """The worker this code runs on; raises :class:`ConfigError` outside a worker process."""
+    if _worker is None:
+        raise ConfigError("get_worker() was called outside a tidepool worker (call it inside a task)")
+    return _worker
+
+
+def current_task() -> str | None:
+    """The key of the task running in this thread (None outside a task)."""
+    from tidepool.worker.executor import current
+
+    return getattr(current, "key", None)
+
+
+def get_client() -> Client:
+    """Inside a task: a client of the scheduler this worker serves (one per worker process).
+    Outside: the most recent open client."""
+    global _client
+    from tidepool.client import Client, default_client
+
+    if _worker is None:
+        return default_client()
+    with _lock:
+        if _client is None or _client.closed:
+            _client = Client(_worker.scheduler_address, token=_worker.token, name=f"{_worker.id}-client")
+        return _client
+
+
+def secede() -> None:
+    """Give this task's slot back to the worker (it keeps running in its thread)."""
+    key = current_task()
+    if key is None or _worker is None:
+        raise ConfigError("secede() must be called inside a running task")
+    _worker.secede(key)
+
+
+@contextlib.contextmanager
+def worker_client() -> Iterator[Any]:
+    """``with worker_client() as client:`` inside a task: submit tasks and wait for them without
+    holding a slot (the task secedes first)."""
+    secede()
+    yield get_client()

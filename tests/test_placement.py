@@ -1,0 +1,149 @@
+"""Placement: scarce resources stay free for the tasks that need them, idle workers steal queued
+work, and tasks that submit tasks give their slot back.  Pure rules with the state driver, then
+the same behaviour on real processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tidepool
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.state import SchedulerState
+from tidepool.testing import StateDriver, wait_until
+
+GPU = {"cpu": 2.0, "gpu": 1.0}
+
+
+def _where(d: StateDriver) -> dict[str, str]:
+    return {k: w for w, keys in d.running.items() for k in keys}
+
+
+def test_ordinary_tasks_never_queue_on_a_gpu_worker() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000))  # deep queues allowed in general
+    d.add_worker("gpu1", GPU)
+    d.submit([(f"cpu-{i}", []) for i in range(10)], [f"cpu-{i}" for i in range(10)])
+    on_gpu = [k for k, w in _where(d).items() if w == "gpu1"]
+    assert len(on_gpu) == 2  # its two free slots, nothing queued behind them
+
+
+def test_gpu_work_that_is_ready_keeps_the_gpu_worker_for_itself() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    d.add_worker("gpu1", GPU)
+    d.add_worker("cpu1", {"cpu": 1.0})
+    cpu = [(f"cpu-{i}", []) for i in range(10)]  # submitted first: they have priority
+    gpu = [(f"gpu-{i}", [], {"gpu": 1}) for i in range(4)]
+    d.submit(cpu + gpu, [t[0] for t in cpu + gpu])
+    where = _where(d)
+    assert where["gpu-0"] == "gpu1"
+    assert not [k for k, w in where.items() if w == "gpu1" and k.startswith("cpu")]
+    assert all(w == "cpu1" for k, w in where.items() if k.startswith("cpu"))
+
+
+def test_ordinary_tasks_prefer_workers_without_scarce_resources() -> None:
+    d = StateDriver()
+    d.add_worker("gpu1", GPU)
+    d.add_worker("cpu1", {"cpu": 2.0})
+    d.submit([("a", [])], ["a"])
+    assert _where(d)["a"] == "cpu1"
+
+
+def test_an_idle_worker_steals_tasks_queued_elsewhere() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
+    d.add_worker("w1")
+    d.submit([("long", [])] + [(f"tiny-{i}", []) for i in range(6)], ["long"] + [f"tiny-{i}" for i in range(6)])
+    assert all(w == "w1" for w in _where(d).values())
+    d.start("w1", "long")
+    cmds = d.add_worker("w2")  # an idle worker appears while w1 has a queue
+    steals = [c for c in cmds if isinstance(c, ev.Steal)]
+    assert steals and steals[0].worker == "w1" and "long" not in steals[0].keys
+    asked = steals[0].keys
+    for k in asked:  # w1 gives back what had not started
+        d.running["w1"].remove(k)
+    cmds = d.send(ev.StealReply("w1", asked, [], d.clock()))
+    moved = [c.key for c in cmds if isinstance(c, ev.Execute) and c.worker == "w2"]
+    assert moved and set(moved) <= set(asked)
+    d.state.validate()
+
+
+def test_a_steal_refused_because_the_task_started_leaves_it_in_place() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
+    d.add_worker("w1")
+    d.submit([(f"t-{i}", []) for i in range(4)], [f"t-{i}" for i in range(4)])
+    d.start("w1", "t-0")
+    steals = [c for c in d.add_worker("w2") if isinstance(c, ev.Steal)]
+    assert steals
+    kept = steals[0].keys
+    d.send(ev.StealReply("w1", [], kept, d.clock()))  # they had started meanwhile
+    assert all(d.state.tasks[k].worker == "w1" and not d.state.tasks[k].stealing for k in kept)
+    d.run_until_idle()
+    assert all(s == "memory" for s in d.status().values())
+
+
+def test_a_seceded_task_stops_counting_as_load() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=0.0))
+    d.add_worker("w1")
+    d.submit([("outer", [])], ["outer"])
+    d.submit([("inner", [])], ["inner"])
+    assert _where(d) == {"outer": "w1"}  # one slot, taken
+    d.send(ev.TaskSeceded("w1", "outer", d.clock()))
+    assert _where(d)["inner"] == "w1"  # the slot went to the inner task
+    d.run_until_idle()
+    assert d.status() == {"outer": "memory", "inner": "memory"}
+    d.state.validate()
+
+
+# ---- real processes ------------------------------------------------------------------------------
+def sleep_then(x: int, delay: float) -> int:
+    time.sleep(delay)
+    return x
+
+
+def fib(n: int) -> int:
+    if n < 2:
+        return n
+    with tidepool.worker_client() as client:
+        a = client.submit(fib, n - 1)
+        b = client.submit(fib, n - 2)
+        return a.result() + b.result()
+
+
+def which_worker(_: int) -> tuple[str, float]:
+    start = time.time()
+    time.sleep(0.2)
+    return tidepool.get_worker().id, start
+
+
+@pytest.mark.integration
+def test_tiny_tasks_do_not_wait_behind_a_long_one_while_a_worker_is_idle() -> None:
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        # teach the scheduler that sleep_then is quick, so it queues several per worker
+        assert client.gather(client.map(sleep_then, range(20), [0.0] * 20), timeout=30) == list(range(20))
+        long = client.submit(sleep_then, -1, 8.0)
+        tiny = client.map(sleep_then, range(12), [0.0] * 12)
+        assert client.gather(tiny, timeout=30) == list(range(12))
+        assert not long.done()  # they all finished while the long task was still running
+        assert long.result(timeout=30) == -1
+
+
+@pytest.mark.integration
+def test_tasks_that_submit_tasks_do_not_deadlock_on_one_slot_workers() -> None:
+    with tidepool.LocalCluster(n_workers=2, slots=1) as cluster, tidepool.Client(cluster) as client:
+        assert client.submit(fib, 15).result(timeout=110) == 610
+
+
+@pytest.mark.integration
+def test_gpu_tasks_run_on_the_gpu_worker_and_cpu_work_goes_elsewhere() -> None:
+    with tidepool.LocalCluster(n_workers=2, slots=1) as cluster, tidepool.Client(cluster) as client:
+        (gpu_worker,) = cluster.add_workers(1, node_type=tidepool.NodeType("gpu", {"cpu": 1, "gpu": 1}))
+        cpu = client.map(which_worker, range(10), key="cpu")
+        gpu = client.map(which_worker, range(8), key="gpu", resources={"gpu": 1})
+        gpu_ran = client.gather(gpu, timeout=60)
+        assert {w for w, _ in gpu_ran} == {gpu_worker}
+        last_gpu_start = max(t for _, t in gpu_ran)
+        cpu_ran = client.gather(cpu, timeout=60)
+        # the GPU worker's one slot may have taken a CPU task before the GPU tasks were submitted;
+        # after that, no CPU task started there while GPU tasks were still waiting
+        on_gpu_early = [t for w, t in cpu_ran if w == gpu_worker and t < last_gpu_start]
+        assert len(on_gpu_early) <= 1, (cpu_ran, last_gpu_start)
