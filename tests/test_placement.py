@@ -11,7 +11,7 @@ import pytest
 import tidepool
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
-from tidepool.testing import StateDriver, wait_until
+from tidepool.testing import StateDriver
 
 GPU = {"cpu": 2.0, "gpu": 1.0}
 
