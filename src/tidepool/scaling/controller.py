@@ -7,7 +7,14 @@ per type, and the ``journal`` it writes every decision to, with reasons.
 
 Each :meth:`ScalingController.step` observes first (arrivals, timeouts), then acts: it builds a
 :class:`ClusterSnapshot`, asks the policy, and clamps the answer to ``min_nodes``/``max_nodes`` per
-type and ``max_workers`` overall.  The asyncio shell (``autoscaler.py``) carries out the returned
+type and ``max_workers`` overall.  A policy that raises is logged once (then at most once a
+minute), journaled as ``policy-error``, and replaced for that step by the default policy, so the
+pool keeps serving waiting tasks.
+
+Whose workers: the controller retires only workers it launched or was told to ``adopt`` (a
+LocalCluster's own workers); a worker started by hand belongs to the user and is left alone
+(journaled once as ``not-managed``) unless ``manage_foreign=True``.  Launch request ids are
+``a1``, ``a2``, ... so they never collide with ids the user's cluster gave its own workers.  The asyncio shell (``autoscaler.py``) carries out the returned
 :class:`Actions` through a provider and reports back (``launched``, ``launch_failed``,
 ``retire_done``).
 """
@@ -65,7 +72,7 @@ class ScalingController:
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
                  backoff_max: float = 120.0, max_type_failures: int = 3,
                  max_workers: int | None = None, journal: Journal | None = None,
-                 forecast_interval: float | None = None) -> None:  # fmt: skip
+                 forecast_interval: float | None = None, manage_foreign: bool = False) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -92,6 +99,13 @@ class ScalingController:
         self.refused_until: dict[str, float] = {}
         self.joined: set[str] = set()
         self.worker_request: dict[str, str] = {}
+        #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
+        self.manage_foreign = manage_foreign
+        self.adopted: set[str] = set()  # not launched here, but ours to retire (the cluster's own)
+        self._foreign_noted: set[str] = set()
+        self._fallback = Adaptive()
+        self._policy_error_t = -1e9
+        self._policy_error = ""
         self.request_type: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._last_reason = ""
@@ -237,7 +251,10 @@ class ScalingController:
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
         actions.snapshot = snap
-        decision = as_decision(self.policy(snap))
+        try:
+            decision = as_decision(self.policy(snap))
+        except Exception as exc:  # noqa: BLE001 - a user policy must not stop the pool from serving
+            decision = self._policy_failed(exc, snap, now)
         for shape_desc in decision.infeasible:
             self.journal.record("infeasible", now, demand=shape_desc)
         # clamp launches to limits
@@ -266,7 +283,7 @@ class ScalingController:
                 total_workers += n * known.workers_per_node
         for name, n in planned.items():
             nt = self.node_types[name]
-            rid = f"r{next(self._ids)}"
+            rid = f"a{next(self._ids)}"
             timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
             self.launches[rid] = LaunchRecord(rid, name, n, now, now + timeout)
             self.request_type[rid] = name
@@ -277,6 +294,13 @@ class ScalingController:
         for wid in decision.retire:
             ws = state.workers.get(wid)
             if ws is None or wid in self.retiring or ws.state != "running":
+                continue
+            if not self.manages(wid):
+                if wid not in self._foreign_noted:
+                    self._foreign_noted.add(wid)
+                    self.journal.record("not-managed", now, worker=wid, node_type=ws.node_type, reason=(
+                        "not retired: the autoscaler did not launch it (started by hand?); "
+                        "adapt(manage_foreign=True) lets it retire such workers"))  # fmt: skip
                 continue
             if self.refused_until.get(wid, -1e9) > now:
                 continue
@@ -318,6 +342,26 @@ class ScalingController:
             self._fc_every = min(5.0, max(0.25, 10 * (time.perf_counter() - t0)))
         self._fc_time, self._fc_key = now, changed
         self._fc_finished = state.counters["finished"]
+
+    def adopt(self, wid: str) -> None:
+        """Treat ``wid`` as ours to retire although this controller did not launch it."""
+        self.adopted.add(wid)
+
+    def manages(self, wid: str) -> bool:
+        return self.manage_foreign or wid in self.worker_request or wid in self.adopted
+
+    def _policy_failed(self, exc: Exception, snap: ClusterSnapshot, now: float) -> Any:
+        import logging
+        import traceback
+
+        text = f"{type(exc).__name__}: {exc}"
+        if text != self._policy_error or now - self._policy_error_t > 60.0:
+            logging.getLogger("tidepool.scaling").error(
+                "the scaling policy raised (using the default policy until it works again):\n%s",
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # fmt: skip
+            self.journal.record("policy-error", now, reason=f"policy raised {text}; used the default policy")
+            self._policy_error, self._policy_error_t = text, now
+        return as_decision(self._fallback(snap))
 
     def launched_worker_ids(self) -> list[str]:
         return list(self.worker_request)

@@ -4,22 +4,32 @@ Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``wor
 ``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration), and the
 scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed``, ``backoff``,
 ``infeasible`` and ``decision`` records carrying ``reason``.  The journal lives in memory and,
-given a path, is appended to a JSON-lines file that ``tidepool report`` reads.
+given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  The file is
+flushed at least once a second while records arrive and on every scheduler tick (the scheduler
+calls :meth:`observe` every ``tick_interval``), so a journal survives a killed scheduler up to its
+last second.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from tidepool.scheduler import events as ev
 
 
 class Journal:
-    def __init__(self, path: str | None = None, *, tasks: bool = True) -> None:
+    #: seconds between flushes of the file at most
+    FLUSH_EVERY = 1.0
+
+    def __init__(self, path: str | None = None, *, tasks: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.records: list[dict[str, Any]] = []
         self.tasks = tasks
+        self._clock = clock
+        self._flushed = clock()
         # one run per file: reusing a path starts it afresh (worker ids and clock restart per run)
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
@@ -29,6 +39,12 @@ class Journal:
         self.records.append(rec)
         if self._file is not None:
             self._file.write(json.dumps(rec, default=str) + "\n")
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Flush the file if the last flush was more than :attr:`FLUSH_EVERY` seconds ago."""
+        if self._file is not None and self._clock() - self._flushed >= self.FLUSH_EVERY:
+            self.flush()
 
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         """Scheduler observer: worker joins/leaves and task outcomes."""
@@ -48,10 +64,12 @@ class Journal:
             if isinstance(c, ev.CloseWorker):
                 self.record("worker-close", max((e.now for e in events), default=0.0), worker=c.worker,
                             reason=c.reason)  # fmt: skip
+        self.flush_if_due()  # ticks arrive even when nothing else happens
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+            self._flushed = self._clock()
 
     def close(self) -> None:
         if self._file is not None:

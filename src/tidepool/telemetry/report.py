@@ -281,14 +281,29 @@ _RETIRE_COLOR = "tab:orange"
 _TYPE_COLORS = ("tab:blue", "tab:cyan", "tab:brown", "tab:olive", "tab:pink", "tab:gray")
 
 
-def _markers(axes: Sequence[Axes], recs: Sequence[Record], t0: float) -> None:
+def launch_labels(recs: Sequence[Record], t0: float, span: float) -> list[tuple[float, str]]:
+    """``(x, "+n")`` labels for launches; launches closer than 4% of ``span`` to the label before
+    share it (their nodes summed), so labels never overlap however bursty the launches were."""
+    gap = 0.04 * span if span > 0 else 0.0
+    out: list[list[Any]] = []
+    for r in sorted((r for r in recs if r["kind"] in LAUNCH_KINDS), key=lambda r: float(r["t"])):
+        x = float(r["t"]) - t0
+        n = r.get("nodes")
+        if out and x - out[-1][0] < gap:
+            prev = out[-1]
+            prev[1] = prev[1] + n if isinstance(prev[1], int) and isinstance(n, int) else "?"
+            continue
+        out.append([x, n if isinstance(n, int) else "?"])
+    return [(x, f" +{n}") for x, n in out]
+
+
+def _markers(axes: Sequence[Axes], recs: Sequence[Record], t0: float, span: float) -> None:
     from matplotlib.transforms import blended_transform_factory
 
     top = axes[0]
-    for r in recs:
-        if r["kind"] in LAUNCH_KINDS:  # how many nodes, at the top of the first panel
-            top.text(float(r["t"]) - t0, 0.98, f" +{r.get('nodes', '?')}", color=_LAUNCH_COLOR, fontsize="small",
-                     va="top", ha="left", transform=blended_transform_factory(top.transData, top.transAxes))  # fmt: skip
+    for x, text in launch_labels(recs, t0, span):  # how many nodes, at the top of the first panel
+        top.text(x, 0.98, text, color=_LAUNCH_COLOR, fontsize="small", va="top", ha="left",
+                 transform=blended_transform_factory(top.transData, top.transAxes))  # fmt: skip
     for kinds, color, style in ((LAUNCH_KINDS, _LAUNCH_COLOR, "--"), (RETIRE_KINDS, _RETIRE_COLOR, ":")):
         times = [float(r["t"]) - t0 for r in recs if r["kind"] in kinds]
         alpha = max(0.2, min(0.8, 16 / max(len(times), 1)))  # hundreds of retirements stay see-through
@@ -349,7 +364,7 @@ def plot_timeline(records: Iterable[Record], path: str | None, *, title: str | N
         xs, ys = step_series(total_changes, t0, t_end)
         top.step(rel(xs), ys, where="post", color="black", linestyle="--", linewidth=1.2,
                  label="held: all types", gid="held-total", zorder=3)  # fmt: skip
-    _markers([top, gantt], recs, t0)
+    _markers([top, gantt], recs, t0, t_end - t0)
     top.set_ylabel("workers")
     top.set_ylim(0, max(1, s["peak_workers"]) * 1.15 + 0.2)
     top.yaxis.set_major_locator(MaxNLocator(integer=True))

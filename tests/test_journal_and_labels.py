@@ -1,0 +1,41 @@
+"""The journal reaches its file while the run goes on; launch labels on the timeline never overlap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tidepool.scheduler import events as ev
+from tidepool.telemetry.journal import Journal
+from tidepool.telemetry.report import launch_labels
+from tidepool.testing import FakeClock
+
+
+def lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_records_reach_the_file_within_a_second_even_if_nothing_else_happens(tmp_path: Path) -> None:
+    clock = FakeClock()
+    path = tmp_path / "run.jsonl"
+    j = Journal(str(path), clock=clock)
+    j.record("launch", 0.0, request="a1", nodes=2, reason="backlog")
+    clock.advance(0.5)
+    j.observe([ev.Tick(0.5)], [])
+    clock.advance(0.6)  # a second since the last flush: the next tick writes it out
+    j.observe([ev.Tick(1.1)], [])
+    assert [r["kind"] for r in lines(path)] == ["launch"]  # there before close(): survives a SIGKILL
+    j.record("retire", 1.2, worker="w1", reason="idle")
+    clock.advance(1.0)
+    j.observe([ev.Tick(2.2)], [])
+    assert [r["kind"] for r in lines(path)] == ["launch", "retire"]
+    j.close()
+
+
+def test_launch_labels_close_in_time_share_one_label() -> None:
+    recs = [{"t": 10.0, "kind": "launch", "nodes": 1}, {"t": 10.05, "kind": "launch", "nodes": 3},
+            {"t": 10.1, "kind": "launch", "nodes": 2}, {"t": 30.0, "kind": "launch", "nodes": 1}]  # fmt: skip
+    labels = launch_labels(recs, 10.0, 40.0)
+    assert labels == [(0.0, " +6"), (20.0, " +1")]
+    xs = [x for x, _ in labels]
+    assert all(b - a >= 0.04 * 40.0 for a, b in zip(xs, xs[1:], strict=False))

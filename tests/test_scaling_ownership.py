@@ -1,0 +1,70 @@
+"""The controller and the workers it did not launch, its request ids, and policies that raise
+(pure: fake time, no I/O)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.policies import Adaptive
+from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
+from tidepool.testing import StateDriver
+
+CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
+
+
+def retire_everyone(snap: ClusterSnapshot) -> ScaleDecision:
+    return ScaleDecision(retire=tuple(w.id for w in snap.workers), reasons=tuple(f"{w.id}: idle" for w in snap.workers))
+
+
+def test_a_worker_started_by_hand_is_left_alone_and_the_journal_says_why() -> None:
+    d = StateDriver()
+    d.add_worker("by-hand", node_type="cpu")
+    c = ScalingController((CPU,), retire_everyone, forecast_interval=0.25)
+    for t in (100.0, 200.0, 300.0):
+        assert c.step(d.state, t).retire == []
+    notes = [r for r in c.journal.records if r["kind"] == "not-managed"]
+    assert len(notes) == 1 and notes[0]["worker"] == "by-hand" and "manage_foreign" in notes[0]["reason"]
+
+
+def test_foreign_workers_retire_when_the_user_opts_in_or_adopts_them() -> None:
+    d = StateDriver()
+    d.add_worker("by-hand", node_type="cpu")
+    d.add_worker("cluster-own", node_type="cpu")
+    c = ScalingController((CPU,), retire_everyone, forecast_interval=0.25, manage_foreign=True)
+    assert sorted(c.step(d.state, 100.0).retire) == ["by-hand", "cluster-own"]
+    c2 = ScalingController((CPU,), retire_everyone, forecast_interval=0.25)
+    c2.adopt("cluster-own")
+    assert c2.step(d.state, 100.0).retire == ["cluster-own"]
+
+
+def test_launch_request_ids_never_look_like_a_clusters_own() -> None:
+    d = StateDriver()
+    d.add_worker("default-r1-1", node_type="cpu")  # a LocalCluster's first worker: request r1
+    d.submit([(f"t-{i}", []) for i in range(20)], [f"t-{i}" for i in range(20)])
+    c = ScalingController((CPU,), lambda s: ScaleDecision(launch={"cpu": 2}), forecast_interval=0.25)
+    (rid, _, _), = c.step(d.state, 0.0).launch
+    assert not rid.startswith("r") and rid == "a1"
+
+
+def test_a_policy_that_raises_is_logged_once_journaled_and_replaced_by_the_default(
+        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    d = StateDriver()
+    d.submit([(f"t-{i}", []) for i in range(8)], [f"t-{i}" for i in range(8)])
+
+    def broken(snap: ClusterSnapshot) -> ScaleDecision:
+        raise KeyError("node_typ")
+
+    c = ScalingController((CPU,), broken, forecast_interval=0.25)
+    launched = []
+    with caplog.at_level(logging.ERROR, logger="tidepool.scaling"):
+        for i in range(50):
+            launched += c.step(d.state, i * 0.2).launch
+    assert launched  # the default policy served the waiting tasks
+    errors = [r for r in c.journal.records if r["kind"] == "policy-error"]
+    assert len(errors) == 1 and "KeyError" in errors[0]["reason"] and "default policy" in errors[0]["reason"]
+    assert sum("scaling policy raised" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(c._fallback, Adaptive)
