@@ -44,6 +44,7 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
 from tidepool.setup import setup_file
 from tidepool.worker import Worker
+from tidepool.waiting import as_completed, wait
 from tidepool.worker.context import get_client, get_worker, secede, worker_client
 
 __version__ = "0.1.0"
@@ -61,6 +62,6 @@ __all__ = [
     "InfeasibleTaskError", "KeyCollisionError", "KilledWorkerError", "LocalCluster", "NodeType",
     "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
     "Scheduler", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
-    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "compute", "default_client",
-    "get_client", "get_worker", "secede", "setup_file", "task", "worker_client",
+    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute",
+    "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip

@@ -1,0 +1,138 @@
+"""Waiting on many futures, with Dask's names: :func:`wait` and :class:`as_completed`.
+
+State: an :class:`as_completed` holds the futures not yet yielded and a queue of those that
+finished (filled by done-callbacks, from whatever thread completed them), guarded by one condition
+variable.  Both work on any ``concurrent.futures.Future``, tidepool's included, so user code written
+for ``distributed`` keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+from tidepool.errors import ConfigError
+
+_WHEN = {
+    "ALL_COMPLETED": concurrent.futures.ALL_COMPLETED,
+    "FIRST_COMPLETED": concurrent.futures.FIRST_COMPLETED,
+    "FIRST_EXCEPTION": concurrent.futures.FIRST_EXCEPTION,
+}
+
+
+class DoneAndNotDone(NamedTuple):
+    done: set[Any]
+    not_done: set[Any]
+
+
+def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETED") -> DoneAndNotDone:
+    """Block until the futures are done (``return_when`` as in Dask and ``concurrent.futures``).
+
+    Like Dask, and unlike ``concurrent.futures.wait``, it raises :class:`TimeoutError` when
+    ``timeout`` passes before the condition holds.  ``fs`` may be one future or an iterable.
+    """
+    if return_when not in _WHEN:
+        raise ConfigError(f"return_when must be one of {sorted(_WHEN)}, got {return_when!r}")
+    futs = [fs] if isinstance(fs, concurrent.futures.Future) else list(fs)
+    done, not_done = concurrent.futures.wait(futs, timeout=timeout, return_when=_WHEN[return_when])
+    if return_when == "ALL_COMPLETED" and not_done:
+        raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
+    if return_when != "ALL_COMPLETED" and not done and futs:
+        raise TimeoutError(f"none of {len(futs)} futures done after {timeout}s")
+    return DoneAndNotDone(set(done), set(not_done))
+
+
+class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
+    """Iterate over futures in the order they finish; more may be :meth:`add`-ed meanwhile.
+
+    ``with_results=True`` yields ``(future, result)``; a failed future then raises its exception
+    (``raise_errors=True``, the default) or yields ``(future, exception)``.
+    """
+
+    def __init__(self, futures: Iterable[concurrent.futures.Future[Any]] = (), *,
+                 with_results: bool = False, raise_errors: bool = True) -> None:  # fmt: skip
+        self.with_results = with_results
+        self.raise_errors = raise_errors
+        self._cond = threading.Condition()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._done: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self.update(futures)
+
+    def add(self, future: concurrent.futures.Future[Any]) -> None:
+        """Also yield ``future`` when it finishes."""
+        with self._cond:
+            self._pending.add(future)
+        raw = getattr(future, "_add_raw_callback", None)  # tidepool futures: no hop to the callback thread
+        if raw is not None:
+            raw(self._finished)
+        else:
+            future.add_done_callback(self._finished)
+
+    def update(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+        for f in futures:
+            self.add(f)
+
+    def _finished(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._cond:
+            if future in self._pending:
+                self._pending.discard(future)
+                self._done.append(future)
+                self._cond.notify_all()
+
+    def count(self) -> int:
+        """Futures not yielded yet (pending or finished)."""
+        with self._cond:
+            return len(self._pending) + len(self._done)
+
+    __len__ = count
+
+    def is_empty(self) -> bool:
+        return self.count() == 0
+
+    def clear(self) -> None:
+        """Forget every future not yielded yet."""
+        with self._cond:
+            self._pending.clear()
+            self._done.clear()
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        with self._cond:
+            while not self._done:
+                if not self._pending:
+                    raise StopIteration
+                self._cond.wait()
+            f = self._done.popleft()
+        return self._item(f)
+
+    def next_batch(self, block: bool = True) -> list[Any]:
+        """Everything finished so far (at least one if ``block`` and any are pending)."""
+        with self._cond:
+            while block and not self._done and self._pending:
+                self._cond.wait()
+            batch, self._done = list(self._done), collections.deque()
+        return [self._item(f) for f in batch]
+
+    def batches(self) -> Iterator[list[Any]]:
+        while not self.is_empty():
+            yield self.next_batch(block=True)
+
+    def _item(self, f: concurrent.futures.Future[Any]) -> Any:
+        if not self.with_results:
+            return f
+        if f.cancelled():
+            exc: BaseException = concurrent.futures.CancelledError()
+        else:
+            e = f.exception()
+            if e is None:
+                return f, f.result()
+            exc = e
+        if self.raise_errors:
+            raise exc
+        return f, exc
+
