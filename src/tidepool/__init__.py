@@ -43,8 +43,8 @@ from tidepool.graph import Delayed, task
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
 from tidepool.setup import setup_file
-from tidepool.worker import Worker
 from tidepool.waiting import as_completed, wait
+from tidepool.worker import Worker
 from tidepool.worker.context import get_client, get_worker, secede, worker_client
 
 __version__ = "0.1.0"
