@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import pickle
 import struct
-import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -340,14 +339,12 @@ def test_silent_peers_do_not_block_other_clients() -> None:
             for reader, _ in silent:
                 assert (await read_frame(reader))["op"] == "challenge"
             # ... and while all of them are still waiting (default 10 s timeout), others get in
-            t0 = time.monotonic()
             conns = await asyncio.gather(
                 *(connect(lst.address, TOKEN, timeout=T) for _ in range(3))
             )
             for i, c in enumerate(conns):
                 assert await exchange(c, i) == i
-            assert time.monotonic() - t0 < auth.HANDSHAKE_TIMEOUT
-            for reader, _ in silent:
+            for reader, _ in silent:  # still open: the others did not wait for them to time out
                 assert not reader.at_eof()
             for c in conns:
                 c.close()
@@ -370,9 +367,7 @@ def test_server_closes_a_peer_that_never_answers_the_challenge(
         host, port = tcp_host_port(lst.address)
         try:
             reader, writer = await asyncio.open_connection(host, port)
-            t0 = time.monotonic()
             assert await closed_by_peer(reader, timeout=T), "no handshake timeout on the server"
-            assert time.monotonic() - t0 < 0.2 + 3.0
             writer.close()
             assert server.served == []
             good = await connect(lst.address, TOKEN, timeout=T)
@@ -394,11 +389,9 @@ def test_client_gives_up_on_a_server_that_never_speaks(monkeypatch: pytest.Monke
 
         srv = await asyncio.start_server(mute, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        try:
-            t0 = time.monotonic()
+        try:  # the handshake's own timeout ends it (its message), not the connect timeout T
             with pytest.raises(AuthenticationError, match="no handshake answer"):
                 await connect(f"tcp://127.0.0.1:{port}", TOKEN, timeout=T)
-            assert time.monotonic() - t0 < 0.2 + 3.0
         finally:
             srv.close()
 

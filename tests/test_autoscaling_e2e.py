@@ -12,26 +12,27 @@ from tidepool.errors import InfeasibleTaskError
 from tidepool.providers.base import LaunchRequest
 from tidepool.providers.callback import CallbackProvider
 from tidepool.scaling.node_types import NodeType
-from tidepool.telemetry.journal import held_worker_seconds, worker_intervals
+from tidepool.telemetry.journal import worker_intervals
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def work(x: int, d: float = 0.5) -> int:
+def work(x: int, d: float = 0.3) -> int:
     time.sleep(d)
     return x
 
 
-def reduce(xs: list, d: float = 3.0) -> int:  # type: ignore[type-arg]
+def reduce(xs: list, d: float = 1.0) -> int:  # type: ignore[type-arg]
     time.sleep(d)
     return sum(xs)
 
 
 def bursty(client: tidepool.Client) -> tidepool.Future:  # type: ignore[type-arg]
-    """40 x 0.5 s tasks, one 3 s reduce, 40 x 0.5 s tasks that need it, and a short reduce."""
-    a = client.map(work, range(40))
+    """24 x 0.3 s tasks, one 1 s reduce, 24 x 0.3 s tasks that need it, and a short reduce."""
+    a = client.map(work, range(24))
     r = client.submit(reduce, a)
-    b = [client.submit(work, r, 0.5, key=f"phase2-{i}") for i in range(40)]
+    b = [client.submit(work, r, 0.3, key=f"phase2-{i}") for i in range(24)]
     return client.submit(reduce, b, 0.1)
 
 
@@ -46,27 +47,33 @@ def max_concurrent(records: list, t0: float, t1: float) -> int:  # type: ignore[
     return best
 
 
-def test_bursty_graph_beats_fixed_pool_on_held_worker_seconds() -> None:
-    expected = sum(range(40)) * 40
-    with tidepool.LocalCluster(n_workers=4) as cluster, tidepool.Client(cluster) as client:
-        t0 = time.monotonic()
-        assert bursty(client).result() == expected
-        fixed = time.monotonic() - t0
+#: journal records that are scaling decisions: each must say why
+DECISIONS = ("launch", "retire", "cancel-launch", "launch-failed", "backoff", "node-type-disabled",
+             "infeasible", "decision")  # fmt: skip
+
+
+def test_bursty_graph_grows_the_pool_and_shrinks_it_back_with_reasons() -> None:
+    """Behaviour, not speed: how much worker time autoscaling saves is measured by
+    ``benchmarks/elastic.py`` (docs/benchmarks.md), where a loaded machine skews a number
+    instead of failing a test."""
+    expected = sum(range(24)) * 24
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
         cluster.adapt(maximum=4)
         clock = cluster.scheduler.clock
         t0 = clock()
-        assert bursty(client).result() == expected
-        t1 = clock()
+        assert bursty(client).result(timeout=120) == expected
+        # idle workers go; at most the one holding the result (still wanted by our future) stays
+        wait_until(lambda: len(cluster.workers) <= 1, timeout=60, what="the pool to shrink back")
         records = cluster.journal.records  # type: ignore[union-attr]
-        held = held_worker_seconds(records, t0, t1)
-        peak = max_concurrent(records, t0, t1)
-    makespan = t1 - t0
-    print(f"fixed pool of 4: {fixed:.2f}s, {4 * fixed:.1f} worker-s; adaptive: {makespan:.2f}s, "
-          f"{held:.1f} worker-s, peak {peak} workers")  # fmt: skip
-    assert peak <= 4
-    assert makespan <= 1.15 * fixed
-    assert held <= 0.85 * 4 * fixed
+        peak = max_concurrent(records, t0, clock())
+    assert 1 < peak <= 4  # it grew for the wide phases, within the limit
+    launched = sum(r["nodes"] for r in records if r["kind"] == "launch")
+    joined = {r["worker"] for r in records if r["kind"] == "worker-join"}
+    assert launched >= len(joined) >= peak  # only workers it launched joined
+    retired = {r["worker"] for r in records if r["kind"] == "retire-done" and r["outcome"] == "retired"}
+    assert retired and retired <= joined  # it shrank by graceful retirement of its own workers
+    decisions = [r for r in records if r["kind"] in DECISIONS]
+    assert decisions and all(isinstance(r.get("reason"), str) and r["reason"] for r in decisions), decisions
 
 
 def test_chain_never_holds_more_than_one_worker() -> None:

@@ -179,10 +179,9 @@ def test_scheduler_workers_and_client_end_to_end(scheduler: tuple[Proc, str, Pat
 
 def test_client_with_wrong_token_is_rejected(scheduler: tuple[Proc, str, Path]) -> None:
     _, address, _ = scheduler
-    started = time.monotonic()
+    # the handshake's own answer, not the connect timeout running out (that would be a TimeoutError)
     with pytest.raises(AuthenticationError, match="token"):
         tidepool.Client(address, token="not-the-token", timeout=10)
-    assert time.monotonic() - started < 10
 
 
 def test_worker_with_wrong_token_exits_with_an_error(scheduler: tuple[Proc, str, Path],
@@ -229,3 +228,50 @@ def test_demo_runs_and_reports_ok(tmp_path: Path) -> None:
         m = p.wait_for_line(re.compile(r"result (\d+) \(serial answer (\d+)\): (OK|MISMATCH)"), timeout=40)
         assert m.group(3) == "OK" and m.group(1) == m.group(2)
         assert p.popen.wait(30) == 0, p.stderr()
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ("[scheduler]\nprot = 8786\n", "unknown key 'prot' (did you mean 'port'?) in [scheduler]"),
+    ("[provider]\nenvv = { A = '1' }\n", "unknown key 'envv' (did you mean 'env'?) in [provider]"),
+    ("[policy]\nkind = 'fastest'\n", "[policy] kind must be one of"),
+])  # fmt: skip
+def test_scheduler_with_a_bad_cluster_file_exits_with_the_config_error(tmp_path: Path, toml: str,
+                                                                       message: str) -> None:  # fmt: skip
+    path = tmp_path / "bad.toml"
+    path.write_text(toml + "\n[[node_types]]\nname = 'cpu'\nmax_nodes = 2\n")
+    p = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--cluster", str(path)), tmp_path / "s.err")
+    with running(p):
+        try:
+            rc = p.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"scheduler with a bad cluster file kept running; stderr: {p.stderr()!r}")
+        err = p.stderr()
+        assert rc == 2, f"exit code {rc}, stderr: {err!r}"
+        assert err.startswith(f"tidepool: error: {path}: ") and message in err, err
+        assert "Traceback" not in err, err
+
+
+def test_worker_memory_limit_is_refused_until_it_is_enforced(tmp_path: Path) -> None:
+    env = {**clean_env(), "TIDEPOOL_TOKEN": "0" * 64}
+    w = Proc(tidepool_cmd("worker", f"tcp://127.0.0.1:{free_port()}", "--memory-limit", "8GB"),
+             tmp_path / "w.err", env=env)  # fmt: skip
+    with running(w):
+        assert w.popen.wait(20) == 2, w.stderr()
+        err = w.stderr()
+        assert "--memory-limit 8GB is not supported yet" in err and "docs/errors.md" in err, err
+        assert "Leave the flag out" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--resources", "{cpu: 8}"], "--resources must be a JSON object"),
+    (["--resources", "[1, 2]"], "resources must be a mapping"),
+    (["--heartbeat-interval", "0"], "--heartbeat-interval must be a positive number of seconds"),
+    (["--slots", "0"], "slots must be at least 1"),
+])  # fmt: skip
+def test_worker_with_bad_arguments_fails_fast_without_a_traceback(tmp_path: Path, args: list[str],
+                                                                   message: str) -> None:  # fmt: skip
+    env = {**clean_env(), "TIDEPOOL_TOKEN": "0" * 64}
+    w = Proc(tidepool_cmd("worker", f"tcp://127.0.0.1:{free_port()}", *args), tmp_path / "w.err", env=env)
+    with running(w):
+        assert w.popen.wait(20) == 2, w.stderr()
+        assert message in w.stderr() and "Traceback" not in w.stderr(), w.stderr()

@@ -61,26 +61,81 @@ def test_good_file_gives_node_types_policy_and_provider(tmp_path: Path) -> None:
     assert isinstance(cfg.make_provider("tcp://127.0.0.1:1", "tok"), LocalProvider)
 
 
+NT = "[[node_types]]\nname='a'\n"
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("", "at least one [[node_types]]"),
-        ("[[node_types]]\nname='a'\nresources={cpu=1}\nmax_nodse=3\n", "unknown keys ['max_nodse']"),
         ("[[node_types]]\nname='a'\nresources={cpu='many'}\n", "byte amount"),
         ("[[node_types]]\nname='a'\n[[node_types]]\nname='a'\n", "unique"),
         ("[[node_types]]\nname='a'\nmin_nodes=2\nmax_nodes=1\n", "min_nodes <= max_nodes"),
-        ("[policy]\nkind='magic'\n[[node_types]]\nname='a'\n", "kind must be one of"),
-        ("[policy]\nidle_timout=1\n[[node_types]]\nname='a'\n", "unknown [policy] keys"),
-        ("[nodes]\n", "unknown tables"),
+        ("[policy]\nkind='magic'\n" + NT, "kind must be one of"),
         ("[[node_types]\n", "invalid TOML"),
+        # unknown keys, in every table: named, with the closest allowed key and the allowed list
+        ("[[node_types]]\nname='a'\nresources={cpu=1}\nmax_nodse=3\n",
+         "unknown key 'max_nodse' (did you mean 'max_nodes'?) in [[node_types]] #1 ('a')"),
+        ("[policy]\nidle_timout=1\n" + NT, "unknown key 'idle_timout' (did you mean 'idle_timeout'?) in [policy]"),
+        ("[nodes]\n", "unknown key 'nodes' (did you mean 'node_types'?) in the top level"),
+        ("[scheduler]\nprot=1\n" + NT, "unknown key 'prot' (did you mean 'port'?) in [scheduler]; allowed keys: host, port"),
+        ("[provider]\nenvv={A='1'}\n" + NT, "unknown key 'envv' (did you mean 'env'?) in [provider]"),
+        ("[provider]\nkind='slurm'\nwaltime='1:00:00'\n" + NT, "unknown key 'waltime' (did you mean 'walltime'?)"),
+        ("[provider]\nkind='callback'\nlaunch='os:getcwd'\nterminate='os:getpid'\npyton='x'\n" + NT,
+         "unknown key 'pyton' (did you mean 'python'?)"),
+        ("[policy]\nkind='backlog'\nmax_eta=5\n" + NT, "unknown key 'max_eta' in [policy] (kind = 'backlog')"),
+        ("[policy]\nkind='tidepool.scaling.policies:Backlog'\ndellay=1\n" + NT, "unknown key 'dellay'"),
+        # bad values fail at load time, not when the scheduler starts
+        ("[[node_types]]\nname='a'\nmax_nodes=2.5\n", "max_nodes must be a whole number >= 0, got 2.5"),
+        ("[[node_types]]\nname='a'\nmax_nodes=true\n", "max_nodes must be a whole number >= 0, got True"),
+        ("[[node_types]]\nname='a'\nmin_nodes=-1\n", "min_nodes must be a whole number >= 0"),
+        ("[[node_types]]\nname='a'\nworkers_per_node=0\n", "workers_per_node must be a whole number >= 1"),
+        ("[[node_types]]\nname='a'\ncost=nan\n", "cost must be a finite number >= 0, got nan"),
+        ("[[node_types]]\nname='a'\nstartup_estimate=inf\n", "startup_estimate must be a finite number >= 0"),
+        ("[[node_types]]\nname='a b'\n", "node type name must be letters, digits"),
+        ("[[node_types]]\nmax_nodes=1\n", "[[node_types]] #1 needs a name"),
+        ("[node_types]\nname='a'\n", "write [[node_types]] (double brackets)"),
+        ("[scheduler]\nport=70000\n" + NT, "port must be a whole number 0..65535"),
+        ("[scheduler]\nport='8786'\n" + NT, "port must be a whole number 0..65535"),
+        ("[scheduler]\nhost=1\n" + NT, "host must be a host name or address"),
+        ("scheduler=3\n" + NT, "[scheduler] must be a table"),
+        ("[provider]\nkind='kubernetes'\n" + NT, "[provider] kind must be one of local, ssh, slurm, callback"),
+        ("[provider]\nenv='A=1'\n" + NT, "[provider] env must be a table of strings"),
+        ("[provider]\nextra_args='--x'\n" + NT, "[provider] extra_args must be a list of strings"),
+        ("[provider]\nheartbeat_interval=-1\n" + NT, "heartbeat_interval must be a finite number >= 0"),
+        ("[provider]\nkind='slurm'\nwalltime='soon'\n" + NT, "cannot read walltime 'soon'"),
+        ("[provider]\nkind='slurm'\ncores=0\n" + NT, "cores must be >= 1"),
+        ("[provider]\nkind='callback'\nlaunch='os:getcwd'\n" + NT, "needs launch and terminate"),
+        ("[provider]\nkind='callback'\nlaunch='nope_mod:x'\nterminate='os:getpid'\n" + NT, "cannot import 'nope_mod:x'"),
+        ("[provider]\nkind='nope_mod:Provider'\n" + NT, "cannot import 'nope_mod:Provider'"),
+        ("[policy]\nidle_timeout=-1\n" + NT, "[policy] idle_timeout must be a number of seconds >= 0"),
+        ("[policy]\nmax_eta='soon'\n" + NT, "[policy] max_eta must be a number of seconds >= 0"),
+        ("[policy]\nkind='tidepool.scaling.policies:Backlog'\ndelay='x'\n" + NT, "[policy] delay must be a number"),
+        ("[policy]\nkind='os:getcwd'\nx=1\n" + NT, "a function: it takes no options"),
+        ("[policy]\nkind='os:sep'\n" + NT, "is not callable"),
     ],
-)
+)  # fmt: skip
 def test_bad_files_fail_with_the_file_and_key_named(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
         load(path)
     assert message in str(info.value)
     assert path in str(info.value)
+
+
+def test_unknown_keys_list_every_allowed_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, "[provider]\nkind='local'\nenvv={}\nfoo=1\n" + NT))
+    msg = str(info.value)
+    assert "unknown keys 'envv' (did you mean 'env'?), 'foo' in [provider]" in msg
+    assert "allowed keys: cwd, env, extra_args, heartbeat_interval, kind, preload" in msg
+
+
+def test_provider_values_are_checked_without_starting_anything(tmp_path: Path) -> None:
+    """Loading builds nothing that runs: a slurm file loads on a machine without sbatch."""
+    cfg = load(write(tmp_path, "[provider]\nkind='slurm'\nwalltime='02:00:00'\njob_extra=['--qos=x']\n"
+                               "submit_command='/nonexistent/sbatch'\n" + NT))  # fmt: skip
+    assert cfg.provider["submit_command"] == "/nonexistent/sbatch"
 
 
 def test_callback_provider_from_module_functions() -> None:

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.integration
 def span(seconds: float) -> tuple[float, float, int]:
     import os
 
-    start = time.time()
+    start = time.monotonic()  # one system-wide clock for every worker process; never steps back
     time.sleep(seconds)
-    return start, time.time(), os.getpid()
+    return start, time.monotonic(), os.getpid()
 
 
 def max_overlap(spans: list[tuple[float, float, int]]) -> int:

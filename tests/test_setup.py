@@ -13,6 +13,7 @@ import pytest
 import tidepool
 from tidepool.errors import WorkerSetupError
 from tidepool.scaling.node_types import NodeType
+from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -103,12 +104,8 @@ def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> N
         scaler = cluster.adapt(node_types=[NodeType("flaky", {"cpu": 1}, max_nodes=1, startup_estimate=0.3)],
                                max_type_failures=2, backoff_base=0.2)  # fmt: skip
         fut = client.submit(read_env, "HOME")
-        import time
-
-        deadline = time.monotonic() + 30
-        while "flaky" not in scaler.controller.unusable:
-            assert time.monotonic() < deadline, scaler.controller.journal.records
-            time.sleep(0.05)
+        wait_until(lambda: "flaky" in scaler.controller.unusable, timeout=30,
+                   what="the autoscaler to disable the node type whose setup keeps failing")  # fmt: skip
         why = scaler.controller.unusable["flaky"]
         assert "setup failed" in why and "license server" in why
         # the task never runs unprepared, and it does not wait forever either: it fails with the

@@ -244,8 +244,10 @@ def test_chrome_trace_of_a_real_run(real_journal: Path) -> None:
     trace = json.loads(json.dumps(to_chrome_trace(records)))
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == sum(1 for r in records if r["kind"] == "task") == N_TASKS
+    durations = sorted(r["duration"] for r in records if r["kind"] == "task")
+    assert sorted(e["dur"] for e in xs) == pytest.approx([d * 1e6 for d in durations])  # microseconds
     for e in xs:
-        assert 0.09e6 <= e["dur"] < 1e6  # 0.1 s tasks, in microseconds
+        assert e["dur"] >= 0.09e6  # 0.1 s tasks: never shorter
         assert e["ts"] >= 0
     threads = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {e["tid"] for e in xs} <= threads - {0}
@@ -371,10 +373,8 @@ def test_show_progress_blocks_until_a_real_cluster_is_done() -> None:
     with LocalCluster(n_workers=2) as cluster, Client(cluster) as client:
         futs = client.map(quick, range(10))
         con, buf = console()
-        t = time.monotonic()
         show_progress(client, futs, console=con, refresh=0.05)
         assert all(f.done() for f in futs)
-        assert time.monotonic() - t < 20
     out = buf.getvalue()
     assert "10/10 done | 1 failed | workers default:2 in " in out, out
 

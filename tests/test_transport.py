@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import gc
 import socket
-import time
 import tracemalloc
 from collections.abc import Awaitable
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tidepool.comm import Connection, Listener, connect, listen, serialize
+from tidepool.comm import Connection, Listener, connect, core, listen, serialize
 from tidepool.comm.core import SMALL_FRAME, WRITE_CHUNK, TCPConnection, parse_address
 from tidepool.comm.serialize import Serialized
 from tidepool.errors import (
@@ -500,18 +499,16 @@ def test_listener_close_closes_its_connections() -> None:
     run(main())
 
 
-def test_listener_close_is_prompt_with_open_connections() -> None:
+def test_listener_close_does_not_wait_for_open_connections() -> None:
     async def main() -> None:
         sink = Sink()
         lst = await listen("tcp://127.0.0.1:0", sink.handler, TOKEN)
         conn = await connect(lst.address, TOKEN, timeout=T)
         await settle(conn, sink)
-        t0 = time.monotonic()
-        await lst.close()
-        elapsed = time.monotonic() - t0
+        # the handler is still waiting on its connection; close() must end it, not wait for it
+        await asyncio.wait_for(lst.close(), T)
         with pytest.raises(ConnectionLostError):
             await asyncio.wait_for(conn.recv(), T)
-        assert elapsed < 1.0, f"Listener.close() took {elapsed:.2f}s"
 
     run(main())
 
@@ -541,33 +538,50 @@ def test_listener_close_also_closes_connections_still_in_the_handshake() -> None
 # -- connecting ----------------------------------------------------------------------------------
 
 
-def test_connect_to_a_port_nobody_listens_on_fails_within_its_timeout() -> None:
+def test_connect_to_a_port_nobody_listens_on_retries_then_fails_with_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    attempts = []
+
+    class Counted(TCPConnection):  # one per connection attempt
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            attempts.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(core, "TCPConnection", Counted)
     # a bound but not listening socket reserves a port that refuses connections
     with socket.socket() as placeholder:
         placeholder.bind(("127.0.0.1", 0))
         port = placeholder.getsockname()[1]
 
         async def main() -> None:
-            timeout = 0.6
-            t0 = time.monotonic()
             with pytest.raises(ConnectionLostError, match="could not connect") as info:
-                await connect(f"tcp://127.0.0.1:{port}", TOKEN, timeout=timeout)
-            elapsed = time.monotonic() - t0
-            assert elapsed <= timeout + 0.3, elapsed
-            assert elapsed >= timeout / 4, "gave up without retrying"
-            assert "is the scheduler running" in str(info.value)
+                # its own 0.6 s gives up (a ConnectionLostError), long before this bound would
+                await asyncio.wait_for(connect(f"tcp://127.0.0.1:{port}", TOKEN, timeout=0.6), T)
+            assert "within 0.6s" in str(info.value) and "is the scheduler running" in str(info.value)
 
         run(main())
+    assert len(attempts) >= 2, "gave up without retrying"
 
 
-def test_connect_to_a_memory_name_nobody_listens_on_fails_within_its_timeout() -> None:
+def test_connect_to_a_memory_name_nobody_listens_on_fails_with_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    attempts = []
+    memory_connect = core._memory_connect
+
+    def counted(*args: Any) -> Any:
+        attempts.append(1)
+        return memory_connect(*args)
+
+    monkeypatch.setattr(core, "_memory_connect", counted)
+
     async def main() -> None:
-        t0 = time.monotonic()
-        with pytest.raises(ConnectionLostError):
-            await connect("memory://nobody-here", TOKEN, timeout=0.3)
-        assert time.monotonic() - t0 <= 0.3 + 0.3
+        with pytest.raises(ConnectionLostError, match="within 0.3s"):
+            await asyncio.wait_for(connect("memory://nobody-here", TOKEN, timeout=0.3), T)
 
     run(main())
+    assert len(attempts) >= 2, "gave up without retrying"
 
 
 def test_connect_retries_until_the_listener_appears() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -26,25 +27,56 @@ def _token(args: argparse.Namespace) -> str:
     return tok
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _ignore_late_signal(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT after ``main`` has ended: the process is already on its way out."""
+
+
 def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coro_main`` until it ends or SIGTERM/SIGINT arrives (then cancel it and return).
+
+    The loop's signal handlers write to a wakeup socket that ``loop.close()`` closes *before* it
+    removes the handlers, so a signal in that gap (say the provider's SIGTERM reaching a worker that
+    is already shutting down) printed "Exception ignored when trying to write to the signal wakeup
+    fd ... Bad file descriptor".  So the handlers come off while the loop still runs, and a late
+    signal during the rest of the teardown is ignored; the previous handlers are back on return.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    replaced: list[signal.Signals] = []
+
     async def runner() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        installed = []
+        for sig in _STOP_SIGNALS:
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        main_task: asyncio.Task[Any] = loop.create_task(coro_main)
-        stop_task = loop.create_task(stop.wait())
-        await asyncio.wait([main_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        if main_task.done():
-            main_task.result()  # re-raise why it ended (wrong token, port in use, ...)
-            return
-        main_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await main_task
+                installed.append(sig)
+        try:
+            main_task: asyncio.Task[Any] = loop.create_task(coro_main)
+            stop_task = loop.create_task(stop.wait())
+            await asyncio.wait([main_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+            stop_task.cancel()
+            if main_task.done():
+                main_task.result()  # re-raise why it ended (wrong token, port in use, ...)
+                return
+            main_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await main_task
+        finally:
+            for sig in installed:  # also clears the wakeup fd once none is left
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, _ignore_late_signal)
+                replaced.append(sig)
 
-    asyncio.run(runner())
+    try:
+        asyncio.run(runner())
+    finally:
+        for sig in replaced:
+            handler = previous[sig]
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
@@ -99,8 +131,22 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidepool.worker.core import Worker
 
+    if args.memory_limit is not None:
+        raise ConfigError(
+            f"--memory-limit {args.memory_limit} is not supported yet: tidepool does not enforce memory "
+            "limits, so the worker would use any amount of memory while claiming a limit (see "
+            "docs/errors.md).  Leave the flag out; to keep memory-hungry tasks apart, advertise memory "
+            "as a resource (--resources '{\"memory\": \"8GB\"}') and submit them with "
+            "resources={\"memory\": ...}"
+        )
+    if not (math.isfinite(args.heartbeat_interval) and args.heartbeat_interval > 0):
+        raise ConfigError(f"--heartbeat-interval must be a positive number of seconds, got {args.heartbeat_interval}")
     token = _token(args)
-    resources = json.loads(args.resources) if args.resources else {}
+    try:
+        resources = json.loads(args.resources) if args.resources else {}
+    except ValueError as exc:
+        raise ConfigError(f"--resources must be a JSON object like '{{\"cpu\": 8, \"gpu\": 2}}', "
+                          f"got {args.resources!r}: {exc}") from exc  # fmt: skip
     for kv in args.env or []:
         key, sep, value = kv.partition("=")
         if not sep:
@@ -115,7 +161,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def main() -> None:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
-                   memory_limit=args.memory_limit or 0, preload=args.preload)  # fmt: skip
+                   preload=args.preload)  # fmt: skip
         await w.start()
         try:
             await w.finished()
@@ -166,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--node-type", default="default")
     w.add_argument("--name", default=None)
     w.add_argument("--id", default=None, help="worker id (default: random)")
-    w.add_argument("--memory-limit", default=None, help="e.g. 8GB")
+    w.add_argument("--memory-limit", default=None,
+                   help="not supported yet: memory limits are not enforced, so the flag is refused")  # fmt: skip
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
     w.add_argument("--token-file", default=None, help="file with the scheduler's token")
     w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")

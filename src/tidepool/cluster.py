@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
+import numbers
 import os
 import threading
 import time
@@ -43,8 +45,8 @@ class LocalCluster(ClosesOnExit):
                  **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
-        if n_workers < 0:
-            raise ConfigError(f"n_workers must be >= 0, got {n_workers}")
+        if not _whole(n_workers):
+            raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
         self.timeout = timeout
@@ -148,9 +150,15 @@ class LocalCluster(ClosesOnExit):
         :class:`~tidepool.scaling.policies.Adaptive`).  Returns the running :class:`AutoScaler`;
         its ``controller.journal`` records every decision with its reason.  ``provider`` replaces the
         local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
+
+        Arguments are checked before anything starts (a ConfigError leaves the cluster as it was):
+        ``minimum``/``maximum`` are whole numbers that size the default node type only, so they do
+        not combine with ``node_types`` or ``config``; an autoscaler that could never start a worker
+        (``maximum=0``, ``max_workers=0``, every node type at ``max_nodes=0``) is refused.
         """
         if self.autoscaler is not None:
             raise ConfigError("adapt() was already called on this cluster")
+        _check_adapt_arguments(minimum, maximum, node_types, config, interval)
         if config is not None:  # a cluster file: its node types, policy and provider
             cfg = config_load(config) if isinstance(config, str) else config
             node_types = node_types or cfg.node_types
@@ -158,9 +166,10 @@ class LocalCluster(ClosesOnExit):
             if provider is None and cfg.provider.get("kind", "local") != "local":
                 provider = cfg.make_provider(self.address, self.token)
         if node_types is None:
-            top = maximum if maximum is not None else (os.cpu_count() or 1)
+            top = maximum if maximum is not None else max(minimum, os.cpu_count() or 1)
             node_types = [dataclasses.replace(self.default_type, min_nodes=minimum, max_nodes=top,
                                               startup_estimate=0.5)]  # fmt: skip
+        _check_can_launch(node_types, controller_kwargs.get("max_workers"))
         j = journal if isinstance(journal, Journal) else Journal(journal)
         controller = ScalingController(node_types, policy, journal=j, **controller_kwargs)
         prov = provider if provider is not None else self.provider
@@ -198,3 +207,46 @@ class LocalCluster(ClosesOnExit):
 
     def __repr__(self) -> str:
         return f"<LocalCluster {self.address} workers={len(self.workers)}>"
+
+
+def _whole(value: Any) -> bool:
+    """A whole number >= 0 (numpy integers too; bools and floats such as 2.0 are not)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+
+
+def _check_adapt_arguments(minimum: Any, maximum: Any, node_types: Any, config: Any, interval: Any) -> None:
+    """``adapt``'s own arguments: whole-number bounds, one way to say what to launch, a real interval."""
+    if not _whole(minimum):
+        raise ConfigError(f"adapt(minimum=...) must be a whole number >= 0, got {minimum!r}")
+    if maximum is not None and not _whole(maximum):
+        raise ConfigError(f"adapt(maximum=...) must be a whole number >= 0 (or None for the CPU count), "
+                          f"got {maximum!r}")  # fmt: skip
+    if maximum is not None and minimum > maximum:
+        raise ConfigError(f"adapt(minimum={minimum}, maximum={maximum}): minimum must not exceed maximum")
+    if maximum == 0 and node_types is None and config is None:
+        raise ConfigError("adapt(maximum=0) can never start a worker, so every task would wait forever; "
+                          "pass maximum >= 1, or skip adapt() and size the pool with add_workers()")  # fmt: skip
+    if (node_types is not None or config is not None) and (minimum != 0 or maximum is not None):
+        raise ConfigError("adapt(minimum=/maximum=) size the cluster's default node type only; with "
+                          "node_types or a config, set min_nodes/max_nodes on each node type instead")  # fmt: skip
+    if node_types is not None:
+        if not isinstance(node_types, (list, tuple)):
+            raise ConfigError(f"adapt(node_types=...) must be a list of NodeType, got {node_types!r}")
+        for nt in node_types:
+            if not isinstance(nt, NodeType):
+                raise ConfigError(f"adapt(node_types=...) must hold NodeType objects, got {nt!r}; "
+                                  "e.g. NodeType('cpu', {'cpu': 2}, max_nodes=4)")  # fmt: skip
+    if (isinstance(interval, bool) or not isinstance(interval, numbers.Real) or not math.isfinite(interval)
+            or interval <= 0):  # fmt: skip
+        raise ConfigError(f"adapt(interval=...) must be a positive number of seconds, got {interval!r}")
+
+
+def _check_can_launch(node_types: list[NodeType], max_workers: Any) -> None:
+    """An autoscaler that can never start a node would leave every task waiting forever: refuse it."""
+    if max_workers is not None and (not _whole(max_workers) or max_workers == 0):
+        raise ConfigError(f"adapt(max_workers=...) must be a whole number >= 1 (or None), got "
+                          f"{max_workers!r}; with 0 the autoscaler could never start a worker")  # fmt: skip
+    if node_types and all(nt.max_nodes == 0 for nt in node_types):
+        names = ", ".join(repr(nt.name) for nt in node_types)
+        raise ConfigError(f"adapt() can never start a worker: max_nodes is 0 for every node type ({names}); "
+                          "give at least one node type max_nodes >= 1 (e.g. adapt(maximum=4))")

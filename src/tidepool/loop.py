@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -55,13 +56,45 @@ class LoopThread:
         except RuntimeError:
             pass
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs on the loop, stop it, join the thread and close the loop.
+
+        Tasks are cancelled (and given up to half of ``timeout`` to finish) *before* the loop
+        closes, so none is destroyed pending ("Task was destroyed but it is pending!").  Cancelling
+        is repeated: a task can swallow one cancellation (Python 3.11's ``asyncio.wait_for`` returns
+        the result when its awaitable finished in the same step).  Daemon threads still running a
+        blocking call must tolerate a closed loop (``call_soon_threadsafe`` raises RuntimeError).
+        From the loop's own thread it can only ask the loop to stop; nothing is joined or closed.
+        """
         if self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
+        if threading.current_thread() is self.thread:
+            self.loop.stop()
+            return
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.run(_cancel_remaining(timeout / 2), timeout)
+            with contextlib.suppress(RuntimeError):  # closed meanwhile by another stop()
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout)
+        if not self.thread.is_alive() and not self.loop.is_closed():
             self.loop.close()
+
+
+async def _cancel_remaining(timeout: float) -> None:
+    """Cancel every other task on this loop until none is left or ``timeout`` seconds have passed."""
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+    deadline = loop.time() + timeout
+    while True:
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        left = deadline - loop.time()
+        if not tasks or left <= 0:
+            break
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=min(left, 0.1))
+    await loop.shutdown_asyncgens()
 
 
 class ClosesOnExit:

@@ -5,15 +5,26 @@ and node type it was launched for.  Any node type is "simulated" by starting the
 type's resource labels (a ``gpu`` node here is a process that advertises ``gpu: 2``).  Launch and
 terminate are idempotent: a request id launched twice starts its workers once; terminating an
 unknown or dead worker is a no-op.  ``close()`` kills whatever is left, so nothing leaks.
+
+Nothing on disk leaks either: a worker keeps a ``tidepool-<worker id>-XXXXXXXX`` directory in its
+temp folder and removes it only when it closes cleanly, so whenever this provider sees one of its
+processes has exited (``poll_errors``, ``list``, ``terminate``, ``close``) it removes that worker's
+directory.  Matching by the id is safe because ids are unique on the machine: they carry this
+process's pid and a per-process sequence number (``cpu-r3-7-p4242``), so two clusters here never
+name a worker alike, and a directory is only removed once the one process that could use it is gone.
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +33,10 @@ from tidepool.providers.base import ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
 WorkerListing = dict[str, dict[str, Any]]
+#: worker numbers, shared by every LocalProvider in this process (ids must not repeat on the machine)
+_SEQ = itertools.count(1)
+#: the environment variables ``tempfile.gettempdir()`` reads, in its order
+_TMP_VARS = ("TMPDIR", "TEMP", "TMP")
 
 
 @dataclass
@@ -51,15 +66,14 @@ class LocalProvider:
         self._requests: dict[str, list[str]] = {}
         self._errors: list[ProviderFailure] = []
         self._stopped: set[str] = set()
-        self._seq = 0
+        self._cleaned: set[str] = set()  # workers whose temp directory is gone
 
     def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
         if request_id in self._requests:
             return list(self._requests[request_id])
         ids = []
         for _ in range(count * node_type.workers_per_node):
-            self._seq += 1
-            wid = f"{node_type.name}-{request_id}-{self._seq}"
+            wid = f"{node_type.name}-{request_id}-{next(_SEQ)}-p{os.getpid()}"
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
             env = {**os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
@@ -73,11 +87,15 @@ class LocalProvider:
         for wid in worker_ids:
             self._stopped.add(wid)
             p = self.procs.get(wid)
-            if p is not None and p.proc.poll() is None:
+            if p is None:
+                continue
+            if p.proc.poll() is None:
                 try:
                     p.proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
+            else:
+                self._remove_temp_dir(wid)
 
     def kill(self, worker_id: str) -> None:
         """SIGKILL one worker (for failure tests)."""
@@ -90,6 +108,8 @@ class LocalProvider:
             rc = p.proc.poll()
             out[wid] = {"node_type": p.node_type, "request_id": p.request_id, "alive": rc is None,
                         "returncode": rc}  # fmt: skip
+            if rc is not None:
+                self._remove_temp_dir(wid)
         return out
 
     def poll_errors(self) -> builtins.list[ProviderFailure]:
@@ -99,6 +119,7 @@ class LocalProvider:
             if rc is not None:
                 if rc not in (0, -signal.SIGTERM, -signal.SIGKILL) and wid not in self._stopped:
                     self._errors.append(ProviderFailure(p.request_id, wid, f"worker {wid} exited with code {rc}"))
+                self._remove_temp_dir(wid)
                 del self.procs[wid]
         errs, self._errors = self._errors, []
         return errs
@@ -112,4 +133,27 @@ class LocalProvider:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
+        for wid in self.procs:
+            self._remove_temp_dir(wid)
         self.procs.clear()
+
+    def _temp_roots(self) -> builtins.list[str]:
+        """Where this provider's workers make temp directories: ours, or the one their env names."""
+        roots = [tempfile.gettempdir()]
+        roots += [self.env[v] for v in _TMP_VARS if self.env.get(v)]
+        return list(dict.fromkeys(roots))
+
+    def _remove_temp_dir(self, wid: str) -> None:
+        """Remove the ``tidepool-<wid>-XXXXXXXX`` directory of an exited worker (once)."""
+        if wid in self._cleaned:
+            return
+        self._cleaned.add(wid)
+        name = re.compile(re.escape(f"tidepool-{wid}-") + r"[a-z0-9_]{8}")  # tempfile.mkdtemp's suffix
+        for root in self._temp_roots():
+            try:
+                with os.scandir(root) as it:
+                    found = [e.path for e in it if name.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for path in found:
+                shutil.rmtree(path, ignore_errors=True)

@@ -8,6 +8,9 @@ costs and how long it takes to start.  Immutable; used by providers (what to lau
 
 from __future__ import annotations
 
+import math
+import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +18,19 @@ from typing import Any
 from tidepool.errors import ConfigError
 from tidepool.resources import parse_resources
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
 
 @dataclass(frozen=True)
 class NodeType:
+    """One kind of node.  Every field is checked here, so a bad value fails where it is written.
+
+    ``name``: letters, digits, ``_``, ``.``, ``-`` (it becomes part of worker ids and file names);
+    ``min_nodes``/``max_nodes``: whole numbers, ``0 <= min_nodes <= max_nodes``;
+    ``workers_per_node``: a whole number >= 1; ``cost``/``startup_estimate``: finite numbers >= 0;
+    ``resources``: see :func:`~tidepool.resources.parse_resources`; ``options``: a mapping.
+    """
+
     name: str
     resources: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0})
     min_nodes: int = 0
@@ -28,23 +41,46 @@ class NodeType:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ConfigError(f"node type needs a name, got {self.name!r}")
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"node type name must be letters, digits, '_', '.' or '-' (it becomes part of worker "
+                f"ids and file names), got {self.name!r}; e.g. NodeType('cpu', {{'cpu': 8}})"
+            )
         res = parse_resources(self.resources)
         res.setdefault("cpu", 1.0)
-        object.__setattr__(self, "resources", res)
-        if self.min_nodes < 0 or self.max_nodes < self.min_nodes:
+        set_ = object.__setattr__  # frozen: normalised values are written once, here
+        set_(self, "resources", res)
+        set_(self, "min_nodes", _whole(self.name, "min_nodes", self.min_nodes, 0))
+        set_(self, "max_nodes", _whole(self.name, "max_nodes", self.max_nodes, 0))
+        set_(self, "workers_per_node", _whole(self.name, "workers_per_node", self.workers_per_node, 1))
+        if self.max_nodes < self.min_nodes:
             raise ConfigError(
                 f"node type {self.name!r}: need 0 <= min_nodes <= max_nodes, got "
-                f"{self.min_nodes}..{self.max_nodes}"
+                f"{self.min_nodes}..{self.max_nodes}; raise max_nodes or lower min_nodes"
             )
-        if self.workers_per_node < 1:
-            raise ConfigError(f"node type {self.name!r}: workers_per_node must be >= 1")
-        if self.cost < 0 or self.startup_estimate < 0:
-            raise ConfigError(f"node type {self.name!r}: cost and startup_estimate must be >= 0")
+        set_(self, "cost", _finite(self.name, "cost", self.cost))
+        set_(self, "startup_estimate", _finite(self.name, "startup_estimate", self.startup_estimate))
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"node type {self.name!r}: options must be a mapping (a TOML table), "
+                              f"got {self.options!r}")  # fmt: skip
 
     @property
     def worker_resources(self) -> dict[str, float]:
         """Resources of one worker process on this node type."""
         n = self.workers_per_node
         return {k: v / n for k, v in self.resources.items()}
+
+
+def _whole(node: str, key: str, value: Any, least: int) -> int:
+    """``value`` as an int if it is a whole number >= ``least`` (bools and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ConfigError(f"node type {node!r}: {key} must be a whole number >= {least}, got {value!r}")
+    return int(value)
+
+
+def _finite(node: str, key: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number >= 0 (nan, inf and bools are refused)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < 0):  # fmt: skip
+        raise ConfigError(f"node type {node!r}: {key} must be a finite number >= 0, got {value!r}")
+    return float(value)

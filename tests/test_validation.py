@@ -1,0 +1,126 @@
+"""Bad sizes fail at once, where they are written: NodeType fields and ``LocalCluster.adapt``.
+
+An autoscaler that can never start a node would leave every task waiting forever, so ``adapt``
+refuses one with a ConfigError that says so (and leaves the cluster as it was).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tidepool
+from tidepool.errors import ConfigError
+from tidepool.scaling.node_types import NodeType
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_nodes": 2.5}, "max_nodes must be a whole number >= 0, got 2.5"),
+        ({"max_nodes": 2.0}, "max_nodes must be a whole number >= 0, got 2.0"),
+        ({"max_nodes": True}, "max_nodes must be a whole number >= 0, got True"),
+        ({"max_nodes": -1}, "max_nodes must be a whole number >= 0, got -1"),
+        ({"max_nodes": "3"}, "max_nodes must be a whole number >= 0, got '3'"),
+        ({"min_nodes": -1}, "min_nodes must be a whole number >= 0"),
+        ({"min_nodes": 0.5}, "min_nodes must be a whole number >= 0"),
+        ({"min_nodes": 3, "max_nodes": 2}, "need 0 <= min_nodes <= max_nodes, got 3..2"),
+        ({"workers_per_node": 0}, "workers_per_node must be a whole number >= 1"),
+        ({"workers_per_node": 1.5}, "workers_per_node must be a whole number >= 1"),
+        ({"workers_per_node": False}, "workers_per_node must be a whole number >= 1"),
+        ({"cost": float("nan")}, "cost must be a finite number >= 0, got nan"),
+        ({"cost": float("inf")}, "cost must be a finite number >= 0, got inf"),
+        ({"cost": -1}, "cost must be a finite number >= 0"),
+        ({"cost": True}, "cost must be a finite number >= 0"),
+        ({"startup_estimate": float("nan")}, "startup_estimate must be a finite number >= 0"),
+        ({"startup_estimate": float("-inf")}, "startup_estimate must be a finite number >= 0"),
+        ({"startup_estimate": "5s"}, "startup_estimate must be a finite number >= 0"),
+        ({"options": ["a"]}, "options must be a mapping"),
+        ({"resources": {"cpu": -1}}, "must not be negative"),
+    ],
+)  # fmt: skip
+def test_node_type_fields_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        NodeType("cpu", **kwargs)
+    assert message in str(info.value) and "'cpu'" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["", "a b", "gpu/large", "x\n", 3, None])
+def test_node_type_names_must_be_usable_in_ids_and_file_names(name: Any) -> None:
+    with pytest.raises(ConfigError, match="node type name must be letters, digits"):
+        NodeType(name)
+
+
+def test_good_node_types_are_normalised() -> None:
+    nt = NodeType("gpu-large.v2", {"cpu": 4, "gpu": 1}, min_nodes=1, max_nodes=3, workers_per_node=2,
+                  cost=4, startup_estimate=0)  # fmt: skip
+    assert (nt.min_nodes, nt.max_nodes, nt.workers_per_node) == (1, 3, 2)
+    assert isinstance(nt.cost, float) and nt.cost == 4.0 and nt.startup_estimate == 0.0
+    assert nt.worker_resources == {"cpu": 2.0, "gpu": 0.5}
+    assert NodeType("zero", max_nodes=0).max_nodes == 0  # allowed alone: a type kept in reserve
+
+
+# ---- adapt -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tidepool.LocalCluster]:
+    """A scheduler without workers: adapt() is refused before anything starts."""
+    with tidepool.LocalCluster(n_workers=0) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"maximum": 0}, "adapt(maximum=0) can never start a worker"),
+        ({"minimum": 0, "maximum": 0}, "adapt(maximum=0) can never start a worker"),
+        ({"node_types": [NodeType("a", max_nodes=0), NodeType("b", max_nodes=0)]},
+         "can never start a worker: max_nodes is 0 for every node type ('a', 'b')"),
+        ({"max_workers": 0}, "with 0 the autoscaler could never start a worker"),
+        ({"max_workers": 1.5}, "adapt(max_workers=...) must be a whole number >= 1"),
+        ({"maximum": 2.5}, "adapt(maximum=...) must be a whole number >= 0"),
+        ({"maximum": True}, "adapt(maximum=...) must be a whole number >= 0"),
+        ({"maximum": -1}, "adapt(maximum=...) must be a whole number >= 0"),
+        ({"minimum": -1}, "adapt(minimum=...) must be a whole number >= 0"),
+        ({"minimum": 1.5}, "adapt(minimum=...) must be a whole number >= 0"),
+        ({"minimum": 3, "maximum": 2}, "minimum must not exceed maximum"),
+        ({"node_types": [NodeType("a")], "maximum": 3}, "set min_nodes/max_nodes on each node type"),
+        ({"node_types": [NodeType("a")], "minimum": 1}, "set min_nodes/max_nodes on each node type"),
+        ({"node_types": ["cpu"]}, "must hold NodeType objects"),
+        ({"node_types": NodeType("a")}, "must be a list of NodeType"),
+        ({"interval": 0}, "adapt(interval=...) must be a positive number of seconds"),
+        ({"interval": float("nan")}, "adapt(interval=...) must be a positive number of seconds"),
+    ],
+)  # fmt: skip
+def test_adapt_that_cannot_work_is_refused_at_once(cluster: tidepool.LocalCluster, kwargs: dict[str, Any],
+                                                   message: str) -> None:  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        cluster.adapt(**kwargs)
+    assert message in str(info.value)
+    assert cluster.autoscaler is None  # nothing started: a corrected call still works
+
+
+def test_adapt_from_a_file_whose_node_types_can_never_launch(cluster: tidepool.LocalCluster,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    path = tmp_path / "cluster.toml"
+    path.write_text("[[node_types]]\nname = 'cpu'\nmax_nodes = 0\n")
+    with pytest.raises(ConfigError, match=r"max_nodes is 0 for every node type \('cpu'\)"):
+        cluster.adapt(config=str(path))
+    assert cluster.autoscaler is None
+
+
+@pytest.mark.parametrize("n", [2.5, -1, True, "2"])
+def test_local_cluster_worker_count_must_be_a_whole_number(n: Any) -> None:
+    with pytest.raises(ConfigError, match="n_workers must be a whole number >= 0"):
+        tidepool.LocalCluster(n_workers=n)
+
+
+@pytest.mark.integration
+def test_a_corrected_adapt_after_a_refused_one_scales() -> None:
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(ConfigError):
+            cluster.adapt(maximum=0)
+        cluster.adapt(maximum=1)
+        assert client.submit(sum, [1, 2, 3]).result(timeout=60) == 6
