@@ -43,6 +43,7 @@ from tidepool.graph import Delayed, task
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
 from tidepool.setup import setup_file
+from tidepool.client_dask import fire_and_forget
 from tidepool.waiting import as_completed, wait
 from tidepool.worker import Worker
 from tidepool.worker.context import get_client, get_worker, secede, worker_client
@@ -62,6 +63,6 @@ __all__ = [
     "InfeasibleTaskError", "KeyCollisionError", "KilledWorkerError", "LocalCluster", "NodeType",
     "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
     "Scheduler", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
-    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute",
+    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip

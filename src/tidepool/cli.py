@@ -161,7 +161,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def main() -> None:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
-                   preload=args.preload)  # fmt: skip
+                   preload=args.preload, restartable=True)  # fmt: skip
         await w.start()
         try:
             await w.finished()

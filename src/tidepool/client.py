@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
+from tidepool.client_dask import DaskAPI
 from tidepool.comm import Connection, connect, serialize
 from tidepool.comm.auth import token_from_env
 from tidepool.errors import (
@@ -74,7 +75,7 @@ def default_client() -> Client:
     raise ConfigError("no tidepool Client is running; create one with tidepool.Client(...)")
 
 
-class Client(ClosesOnExit, concurrent.futures.Executor):
+class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
     """Connects to a scheduler.  ``Client()`` alone starts a :class:`LocalCluster`.
 
     ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
@@ -218,8 +219,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         fid, blob = self._function(fn)
         if blob is not None:
             functions[fid] = serialize_bytes(blob)
-        return [key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
+        spec = [key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
                 opts.name or func_name(fn)]  # fmt: skip
+        if opts.priority or opts.workers:
+            spec += [opts.priority, list(opts.workers), opts.loose]
+        return spec
 
     def _check_collisions(self, specs: list[list[Any]]) -> None:
         """Explicit keys: the same task may share a live key, a different one may not."""
@@ -316,24 +320,35 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
             fut.set_exception(exc)
 
     def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
-               resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> Future[T]:  # fmt: skip
+               resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
+               workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
+               pure: bool = False, **kwargs: Any) -> Future[T]:  # fmt: skip
         """Run ``fn(*args, **kwargs)`` on a worker; returns a :class:`Future`.
 
-        ``key``, ``resources`` and ``retries`` are options, not passed to ``fn`` (use
-        :meth:`get_executor` for a strict ``Executor`` that passes every keyword through).
+        Options (not passed to ``fn``; :meth:`get_executor` gives a strict ``Executor`` that
+        passes every keyword through), named as in Dask: ``key``; ``resources``; ``retries``;
+        ``priority`` (higher runs first); ``workers`` (ids, names or addresses it may run on) with
+        ``allow_other_workers`` (then only a preference); ``pure=True`` names the task by its
+        function and arguments, so equal calls share one result (the default, ``False``, gives
+        every call its own key).
         """
-        return self._submit(fn, args, kwargs, key=key, resources=resources, retries=retries)
+        _refuse_dask_only(kwargs)
+        opts = TaskOptions(resources, retries, priority=priority, workers=workers, loose=allow_other_workers)
+        return self._submit(fn, args, kwargs, key=key, opts=opts, pure=pure)
 
     def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                key: str | None = None, resources: dict[str, Any] | None = None, retries: int = 0) -> Future[T]:  # fmt: skip
+                key: str | None = None, resources: dict[str, Any] | None = None, retries: int = 0,
+                opts: TaskOptions | None = None, pure: bool = False) -> Future[T]:  # fmt: skip
         if not callable(fn):
             raise ConfigError(f"submit needs a callable, got {fn!r}")
-        opts = TaskOptions(resources, retries)
+        opts = opts or TaskOptions(resources, retries)
         explicit = key is not None
         key = key or make_key(fn)
         functions: dict[str, Any] = {}
         extra: list[Delayed[Any]] = []
         spec = self._spec(key, fn, args, kwargs, opts, functions, extra)
+        if pure and not explicit:
+            key = spec[0] = _pure_key(spec)
         tasks = self._delayed_specs(extra, functions) + [spec]
         if explicit:
             self._check_collisions([spec])
@@ -342,11 +357,17 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         return fut
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: str | list[str] | None = None,  # type: ignore[override]
-            resources: dict[str, Any] | None = None, retries: int = 0, **kwargs: Any) -> list[Future[T]]:  # fmt: skip
-        """``fn`` over the zipped iterables, one task each; returns a list of futures."""
+            resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
+            workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
+            pure: bool = False, **kwargs: Any) -> list[Future[T]]:  # fmt: skip
+        """``fn`` over the zipped iterables, one task each; returns a list of futures.
+
+        Takes :meth:`submit`'s options; ``pure=True`` names each task by its arguments.
+        """
         if not callable(fn):
             raise ConfigError(f"map needs a callable, got {fn!r}")
-        opts = TaskOptions(resources, retries)
+        _refuse_dask_only(kwargs, batch=True)
+        opts = TaskOptions(resources, retries, priority=priority, workers=workers, loose=allow_other_workers)
         functions: dict[str, Any] = {}
         extra: list[Delayed[Any]] = []
         tasks = []
@@ -360,8 +381,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
             prefix = key or make_key(fn)
             names = (f"{prefix}-{i}" for i in range(len(argsets)))
         for k, args in zip(names, argsets, strict=False):
-            tasks.append(self._spec(k, fn, args, kwargs, opts, functions, extra))
-            keys.append(k)
+            spec = self._spec(k, fn, args, kwargs, opts, functions, extra)
+            if pure and key is None:
+                spec[0] = _pure_key(spec)
+            tasks.append(spec)
+            keys.append(spec[0])
         if isinstance(key, list):
             self._check_collisions(tasks)
         tasks = self._delayed_specs(extra, functions) + tasks
@@ -687,6 +711,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor):
         nm = name or (getattr(fn, "__name__", None) if fn is not None else None) or f"setup-{len(self._setups) + 1}"
         spec = build_spec(nm, fn, modules=modules, files=files, requirements=requirements, env=env,
                           pip_args=pip_args)  # fmt: skip
+        return self._register_spec(nm, spec)
+
+    def _register_spec(self, nm: str, spec: Any) -> dict[str, str]:
         self._check_open()
         self._setups.append(nm)
         result = self._loop.run(self._request({"op": "register-setup", "name": nm, "setup": serialize(spec)}))
@@ -721,6 +748,32 @@ _SCHEDULER_ERRORS: dict[str, type[Exception]] = {
         CycleError, ProviderError, WorkerSetupError,
     )
 }  # fmt: skip
+
+
+#: Dask keywords of submit/map that tidepool does not implement: refused rather than passed to fn
+_DASK_ONLY = {
+    "fifo_timeout": "tidepool schedules by priority and submission order; leave it out",
+    "actor": "tidepool has no actors; keep state in a task's result, or in a setup hook",
+    "actors": "tidepool has no actors; keep state in a task's result, or in a setup hook",
+}
+
+
+def _refuse_dask_only(kwargs: dict[str, Any], batch: bool = False) -> None:
+    for name in kwargs:
+        why = _DASK_ONLY.get(name) or ("map sends every task at once; leave it out" if batch and name == "batch_size" else None)
+        if why:
+            raise ConfigError(f"the Dask option {name}= is not supported by tidepool ({why}); "
+                              "a function keyword of that name can be passed through get_executor().submit")  # fmt: skip
+
+
+def _pure_key(spec: list[Any]) -> str:
+    """A key from the task's function, arguments and inputs: equal calls get equal keys."""
+    h = hashlib.blake2b(repr(_identity(spec)).encode(), digest_size=12)
+    payload = spec[2]
+    if payload is not None:
+        for b in payload.buffers:
+            h.update(b)
+    return f"{spec[6]}-{h.hexdigest()}"
 
 
 def _identity(spec: list[Any]) -> tuple[Any, ...]:

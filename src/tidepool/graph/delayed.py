@@ -31,14 +31,28 @@ def make_key(fn: Callable[..., Any]) -> str:
 
 
 class TaskOptions:
-    __slots__ = ("resources", "retries", "name")
+    """How a task runs: ``resources``, ``retries``, ``priority`` (higher first), ``workers`` (ids,
+    names or addresses it may run on; ``loose``: only a preference)."""
 
-    def __init__(self, resources: dict[str, Any] | None = None, retries: int = 0, name: str | None = None) -> None:
-        if not isinstance(retries, int) or retries < 0:
+    __slots__ = ("resources", "retries", "name", "priority", "workers", "loose")
+
+    def __init__(self, resources: dict[str, Any] | None = None, retries: int | None = 0, name: str | None = None,
+                 *, priority: int = 0, workers: Any = None, loose: bool = False) -> None:  # fmt: skip
+        retries = 0 if retries is None else retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ConfigError(f"retries must be a non-negative integer, got {retries!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ConfigError(f"priority must be an integer (higher runs first), got {priority!r}")
+        if isinstance(workers, str):
+            workers = [workers]
+        if workers is not None and not all(isinstance(w, str) for w in workers):
+            raise ConfigError(f"workers must be worker ids, names or addresses (strings), got {workers!r}")
         self.resources = parse_resources(resources) if resources else {}
         self.retries = retries
         self.name = name
+        self.priority = priority
+        self.workers: tuple[str, ...] = tuple(workers or ())
+        self.loose = bool(loose)
 
 
 class Delayed(Generic[T]):

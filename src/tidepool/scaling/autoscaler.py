@@ -56,7 +56,8 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | No
             loop.call_soon_threadsafe(settle, ok, value)
 
     threading.Thread(target=run, name=f"tidepool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    async with asyncio.timeout(timeout):  # (3.11's wait_for can swallow a cancel that races the result)
+        return await asyncio.shield(fut)
 
 
 class AutoScaler:
@@ -72,6 +73,7 @@ class AutoScaler:
         self.steps = 0
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retire was asked
         self._disabled_seen = 0  # how many disabled node types the scheduler was told about
+        self._closing = False
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
@@ -115,9 +117,12 @@ class AutoScaler:
         return tuple(out)
 
     async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            if self._closing:
+                return
             self._wake.clear()
             try:
                 await self.step()
@@ -192,6 +197,8 @@ class AutoScaler:
             await in_daemon_thread(self.provider.terminate, done, timeout=PROVIDER_CALL_TIMEOUT)
 
     async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -26,6 +26,9 @@ class TaskSpec:
     resources: dict[str, float] = field(default_factory=dict)
     retries: int = 0
     group: str = ""
+    priority: int = 0  # higher runs first (Dask's meaning); ties keep submission order
+    workers: tuple[str, ...] = ()  # run only on these workers (ids, names or addresses)
+    loose: bool = False  # ``allow_other_workers``: the restriction is a preference
 
 
 # ---- events ------------------------------------------------------------------------------------
@@ -168,6 +171,30 @@ class TaskSeceded:
 
 
 @dataclass(slots=True)
+class FireAndForget:
+    """Keep computing ``keys`` although no client holds them; forget them once finished."""
+
+    keys: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class Broadcast:
+    """Copy the values of ``keys`` to every running worker."""
+
+    keys: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class Restart:
+    """Forget every task (clients' futures fail with ``reason``); workers restart fresh."""
+
+    reason: str
+    now: float
+
+
+@dataclass(slots=True)
 class CheckFeasible:
     """Node types changed (one was disabled): tasks no worker and no usable node type can run err."""
 
@@ -208,6 +235,9 @@ Event = (
     | CheckFeasible
     | StealReply
     | TaskSeceded
+    | FireAndForget
+    | Broadcast
+    | Restart
     | AddReplica
     | RetireWorkers
 )

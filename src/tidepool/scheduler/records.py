@@ -18,7 +18,7 @@ class TaskRecord:
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
         "est", "ready_seq", "started", "duration", "recomputes", "executing", "no_worker_since",
-        "fetch_failures", "stealing", "seceded",
+        "fetch_failures", "stealing", "seceded", "restrict", "loose",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
@@ -55,6 +55,8 @@ class TaskRecord:
         self.fetch_failures = 0  # times a worker could not fetch this value from its holder
         self.stealing = False  # asked its worker to give it back (it was queued there)
         self.seceded = False  # left its slot to wait for other tasks (worker_client)
+        self.restrict: frozenset[str] | None = None  # worker ids/names/addresses it may run on
+        self.loose = False  # the restriction is only a preference (allow_other_workers)
 
     @property
     def needed(self) -> bool:

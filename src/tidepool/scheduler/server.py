@@ -65,6 +65,8 @@ class Scheduler:
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
         self.setups: dict[str, Any] = {}  # name -> pickled SetupSpec, in registration order
         self.setup_waiters: dict[tuple[str, str], asyncio.Future[str]] = {}
+        self.run_waiters: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
+        self._run_ids = 0
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._client_ids = 0
@@ -273,6 +275,10 @@ class Scheduler:
                         self._resolve_setup(wid, name, "ok")
                     if msg.get("initial"):
                         await self.apply([ev.WorkerReady(wid, now)])
+                elif op == "run-result":
+                    entry = self.run_waiters.pop(int(msg["rid"]), None)
+                    if entry is not None and not entry[1].done():
+                        entry[1].set_result(msg)
                 elif op == "setup-failed":
                     await self._setup_failed(wid, msg)
                     reason = f"setup failed: {msg.get('error', '')}"
@@ -282,6 +288,10 @@ class Scheduler:
         except (CommError, KeyError, TypeError, ValueError) as exc:
             reason = str(exc)
         finally:
+            for rid in [r for r, (w, _) in self.run_waiters.items() if w == wid]:
+                _, fut = self.run_waiters.pop(rid)
+                if not fut.done():
+                    fut.set_result({"ok": False, "error": f"worker {wid} left before answering ({reason})"})
             for (w, name) in [k for k in self.setup_waiters if k[0] == wid]:
                 self._resolve_setup(w, name, f"failed: worker left ({reason})")
             if self.worker_conns.get(wid) is conn:
@@ -310,9 +320,10 @@ class Scheduler:
         now = self.clock()
         if op == "update-graph":
             specs = [
-                ev.TaskSpec(t[0], t[1], t[2], tuple(t[3]), t[4] or {}, int(t[5]), t[6])
+                ev.TaskSpec(t[0], t[1], t[2], tuple(t[3]), t[4] or {}, int(t[5]), t[6],
+                            *((int(t[7]), tuple(t[8] or ()), bool(t[9])) if len(t) > 7 else ()))
                 for t in msg["tasks"]
-            ]
+            ]  # fmt: skip
             await self.apply([ev.UpdateGraph(cid, specs, list(msg["wanted"]), now, msg.get("functions") or {})])
         elif op == "release":
             await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now)])
@@ -325,6 +336,16 @@ class Scheduler:
             await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
             asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
+        elif op in ("run", "restart"):
+            asyncio.get_running_loop().create_task(self._long_request(conn, msg))
+        elif op == "has-what":
+            st = self.state
+            result = {w.address: [ts.key for ts in w.has_what] for w in st.workers.values()}
+            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+        elif op == "fire-and-forget":
+            await self.apply([ev.FireAndForget(list(msg["keys"]), now)])
+        elif op == "broadcast":
+            await self.apply([ev.Broadcast(list(msg["keys"]), now)])
         elif op == "register-setup":
             asyncio.get_running_loop().create_task(self._setup_request(conn, msg))
         else:
@@ -350,6 +371,51 @@ class Scheduler:
         result = await self.retire_workers(list(msg["workers"]), "requested by a client")
         with contextlib.suppress(CommError):
             await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    async def _long_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+        try:
+            if msg["op"] == "run":
+                reply: dict[str, Any] = {"result": await self.run_on_workers(
+                    msg["function"], msg.get("args"), msg.get("workers"))}  # fmt: skip
+            else:
+                reply = {"result": await self.restart(float(msg.get("timeout") or 30.0))}
+        except Exception as exc:  # noqa: BLE001 - the client gets the reason, the scheduler stays up
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        with contextlib.suppress(CommError):
+            await conn.send({"op": "reply", "id": msg["id"], **reply})
+
+    async def run_on_workers(self, function: Any, args: Any, workers: list[str] | None = None) -> dict[str, Any]:
+        """Call ``function(*args, **kwargs)`` on every (or the named) worker: address -> outcome."""
+        loop = asyncio.get_running_loop()
+        st = self.state
+        targets = [w for w in st.workers.values() if w.id in self.worker_conns
+                   and (workers is None or w.id in workers or w.name in workers or w.address in workers)]  # fmt: skip
+        futs: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        for w in targets:
+            self._run_ids += 1
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            self.run_waiters[self._run_ids] = (w.id, fut)
+            futs[w.address] = fut
+            await self._send_worker(w.id, {"op": "run", "rid": self._run_ids, "function": function, "args": args})
+        return {addr: await fut for addr, fut in futs.items()}
+
+    async def restart(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Forget every task and restart every worker process; wait for as many to come back."""
+        n = len(self.worker_conns)
+        since = self.clock()
+        await self.apply([ev.Restart("the cluster was restarted (client.restart()); submit the work again",
+                                     since)])  # fmt: skip
+        for wid in list(self.worker_conns):
+            await self._send_worker(wid, {"op": "restart"})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        back = 0
+        while loop.time() < deadline:  # old connections close, the same processes register again
+            back = sum(1 for ws in self.state.workers.values() if ws.joined > since)
+            if back >= n:
+                break
+            await asyncio.sleep(0.05)
+        return {"workers": back, "expected": n}
 
     async def _setup_request(self, conn: Connection, msg: dict[str, Any]) -> None:
         result = await self.register_setup(str(msg["name"]), msg["setup"])

@@ -83,6 +83,10 @@ WORKER_TRANSITIONS: dict[tuple[str, str], str] = {
 }
 
 ACTIVE = frozenset({"waiting", "ready", "no-worker", "running"})
+#: the pseudo-client that holds fire-and-forget tasks until they finish
+FIRE_AND_FORGET = "<fire-and-forget>"
+#: one step of user priority outweighs any difference in submission order
+PRIORITY_STEP = 1 << 40
 PENDING = frozenset({"ready", "no-worker"})  # runnable now, but on no worker yet: demand
 DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
 
@@ -137,6 +141,8 @@ class SchedulerState:
         self.clients: dict[str, set[str]] = {}
         self.functions: dict[str, Serialized] = {}
         self._ready: dict[ev.Shape, list[tuple[int, int, TaskRecord]]] = {}
+        #: ready tasks restricted to named workers (``workers=``), in priority order
+        self._restricted: list[tuple[int, int, TaskRecord]] = []
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
         #: tasks per state
         self.counts: dict[str, int] = {"released": 0}
@@ -171,6 +177,9 @@ class SchedulerState:
             ev.ValueUnservable: self._value_unservable,
             ev.CheckFeasible: self._check_feasible,
             ev.StealReply: self._steal_reply,
+            ev.FireAndForget: self._fire_and_forget,
+            ev.Broadcast: self._broadcast,
+            ev.Restart: self._restart,
             ev.TaskSeceded: self._task_seceded,
             ev.AddReplica: self._add_replica,
             ev.RetireWorkers: self._retire_workers,
@@ -189,7 +198,7 @@ class SchedulerState:
             from tidepool.scheduler.retire import progress_retirements
 
             progress_retirements(self, out)
-        if self._room and self._ready:
+        if self._room and (self._ready or self._restricted):
             self._schedule(out)
         if self._room and len(self.workers) > 1:
             self._steal(out)
@@ -246,7 +255,10 @@ class SchedulerState:
                     collided[spec.key] = why
                 continue
             ts = TaskRecord(spec.key, spec.func_id, spec.payload, normalize_resources(spec.resources),
-                            spec.retries, self._priority, spec.group or spec.key)  # fmt: skip
+                            spec.retries, self._priority - spec.priority * PRIORITY_STEP,
+                            spec.group or spec.key)  # fmt: skip
+            if spec.workers:
+                ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
             self._priority += 1
             self.tasks[spec.key] = ts
             self.counts["released"] += 1
@@ -352,12 +364,62 @@ class SchedulerState:
             ts.no_worker_since = self.now
             self.no_worker.setdefault(shape, set()).add(ts)
             return
+        if ts.restrict is not None and self._restricted_ready(ts):
+            return
+        self._push_ready(ts)
+
+    def _push_ready(self, ts: TaskRecord) -> None:
+        shape = ts.shape
         self._ready_seq += 1
         ts.ready_seq = self._ready_seq
         heap = self._ready.get(shape)
         if heap is None:
             heap = self._ready[shape] = []
         heapq.heappush(heap, (ts.priority, self._ready_seq, ts))
+
+    def _matches(self, ws: WorkerRecord, ts: TaskRecord) -> bool:
+        r = ts.restrict
+        return r is None or ws.id in r or ws.name in r or ws.address in r
+
+    def _restricted_ready(self, ts: TaskRecord) -> bool:
+        """Queue a ready task restricted to named workers; False: it went to the shape heap
+        instead (a loose restriction none of whose workers is here)."""
+        if any(w.state == "running" and self._matches(w, ts) and self._fits(w, ts.shape)
+               for w in self.workers.values()):  # fmt: skip
+            self._ready_seq += 1
+            ts.ready_seq = self._ready_seq
+            heapq.heappush(self._restricted, (ts.priority, self._ready_seq, ts))
+            return True
+        if ts.loose:
+            return False
+        self._move(ts, "no-worker")  # waits for one of its workers (no_worker_timeout applies)
+        ts.no_worker_since = self.now
+        self.no_worker.setdefault(ts.shape, set()).add(ts)
+        return True
+
+    def _schedule_restricted(self, out: list[ev.Command]) -> None:
+        heap = self._restricted
+        keep: list[tuple[int, int, TaskRecord]] = []
+        while heap and self._room:
+            item = heapq.heappop(heap)
+            _, seq, ts = item
+            if ts.state != "ready" or ts.ready_seq != seq:
+                continue
+            cands = [self.workers[w] for w in self._room if self._matches(self.workers[w], ts)
+                     and self._fits(self.workers[w], ts.shape) and self._allowed(self.workers[w], ts.shape)]  # fmt: skip
+            if cands:
+                self._assign(ts, choose_worker(ts, cands), out)
+            elif not any(w.state == "running" and self._matches(w, ts) for w in self.workers.values()):
+                if ts.loose:  # its workers left: any worker will do
+                    self._push_ready(ts)
+                else:  # wait for one of them to come back
+                    self._move(ts, "no-worker")
+                    ts.no_worker_since = self.now
+                    self.no_worker.setdefault(ts.shape, set()).add(ts)
+            else:
+                keep.append(item)  # its workers are busy: wait for them
+        for item in keep:
+            heapq.heappush(heap, item)
 
     def _reschedule(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """Running (or ready) task goes back to waiting/ready; missing inputs are recomputed."""
@@ -379,6 +441,8 @@ class SchedulerState:
                 return
 
     def _schedule(self, out: list[ev.Command]) -> None:
+        if self._restricted:
+            self._schedule_restricted(out)
         ready = self._ready
         workers = self.workers
         while self._room:
@@ -515,6 +579,7 @@ class SchedulerState:
         self._add_holder(ts, ws, e.nbytes)
         for c in ts.wanted_by:
             out.append(ev.Report(c, ts.key, "memory"))
+        ts.wanted_by.discard(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
         for dt in ts.waiters:
             if ts in dt.waiting_on:
                 dt.waiting_on.discard(ts)
@@ -585,6 +650,7 @@ class SchedulerState:
                 self._move(ts, "erred")
             for c in ts.wanted_by:
                 out.append(ev.Report(c, ts.key, "erred"))
+            ts.wanted_by.discard(FIRE_AND_FORGET)
             for dep in ts.deps:
                 dep.waiters.discard(ts)
             stack.extend(ts.waiters)
@@ -770,6 +836,14 @@ class SchedulerState:
                 for ts in late:
                     if ts.state != "no-worker":
                         continue
+                    if ts.restrict is not None:
+                        names = sorted(w.name for w in self.workers.values())
+                        self._fail(ts, "InfeasibleTaskError", (
+                            f"task {ts.key!r} may run only on workers {sorted(ts.restrict)} (workers=...), and "
+                            f"none of them that fits {dict(shape)} has been here for {timeout:g}s (connected: "
+                            f"{', '.join(names) or 'none'}); start that worker, name others in workers=, pass "
+                            "allow_other_workers=True, or raise no_worker_timeout"), out)  # fmt: skip
+                        continue
                     have = sorted({f"{k}={v:g}" for w in self.workers.values() for k, v in w.resources.items()})
                     self._fail(ts, "InfeasibleTaskError", (
                         f"task {ts.key!r} needs {dict(shape)} and no worker has offered that for "
@@ -849,6 +923,8 @@ class SchedulerState:
                         break
                     if ts.executing or ts.stealing or ts.seceded or not self._fits(thief, ts.shape):
                         continue
+                    if ts.restrict is not None and not self._matches(thief, ts):
+                        continue
                     if not self._allowed(thief, ts.shape):
                         continue
                     ts.stealing = True
@@ -870,6 +946,50 @@ class SchedulerState:
                 continue  # released or moved meanwhile: the worker dropped it, nothing to do
             self._unassign(ts)
             self._reschedule(ts, out)  # ready again (or waiting, if an input was lost meanwhile)
+
+    # ---- Dask-shaped requests: fire and forget, broadcast, restart ----------------------------
+    def _fire_and_forget(self, e: ev.FireAndForget, out: list[ev.Command]) -> None:
+        for key in e.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state in ("memory", "erred"):
+                continue  # done already: nothing left to keep alive
+            ts.wanted_by.add(FIRE_AND_FORGET)
+            if ts.state == "released":
+                self._compute(ts, out)
+
+    def _broadcast(self, e: ev.Broadcast, out: list[ev.Command]) -> None:
+        asks: dict[str, list[str]] = {}
+        for key in e.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            for ws in self.workers.values():
+                if ws.state == "running" and ws.id not in ts.who_has:
+                    asks.setdefault(ws.id, []).append(key)
+        for wid, keys in asks.items():
+            out.append(ev.Replicate(wid, keys))
+
+    def _restart(self, e: ev.Restart, out: list[ev.Command]) -> None:
+        error = {"type": "TaskCancelledError", "message": e.reason}
+        for ts in self.tasks.values():
+            for c in ts.wanted_by:
+                if c != FIRE_AND_FORGET:
+                    out.append(ev.Report(c, ts.key, "erred", error={**error, "origin": ts.key}))
+        self.tasks.clear()
+        self.counts = {"released": 0}
+        self.pending.clear()
+        self._ready.clear()
+        self._restricted.clear()
+        self.no_worker.clear()
+        for keys in self.clients.values():
+            keys.clear()
+        for ws in self.workers.values():
+            ws.processing.clear()
+            ws.has_what.clear()
+            ws.nbytes, ws.occupancy, ws.seceded = 0, 0.0, 0
+            ws.idle_since = e.now
+            if self._has_room(ws):
+                self._room.add(ws.id)
 
     def _task_seceded(self, e: ev.TaskSeceded, out: list[ev.Command]) -> None:
         ts = self.tasks.get(e.key)

@@ -28,10 +28,12 @@ import asyncio
 import atexit
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -80,6 +82,7 @@ class Worker:
         heartbeat_interval: float = 1.0,
         memory_limit: int | str = 0,
         preload: list[str] | None = None,
+        restartable: bool = False,
     ) -> None:
         self.scheduler_address = scheduler
         self.token = token
@@ -99,6 +102,10 @@ class Worker:
         from tidepool.resources import parse_bytes
 
         self.memory_limit = parse_bytes(memory_limit)
+        if self.memory_limit:
+            raise ConfigError("memory limits are not enforced yet (see docs/errors.md); leave memory_limit out")
+        #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
+        self.restartable = restartable
         self.preload = list(preload or [])
         self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
         atexit.register(shutil.rmtree, self.setup_dir, True)  # also on exits that skip close()
@@ -202,6 +209,11 @@ class Worker:
                     self._free(msg["keys"])
                 elif op == "steal":
                     self._give_back(msg["keys"])
+                elif op == "run":
+                    asyncio.get_running_loop().create_task(self._run_function(msg))
+                elif op == "restart":
+                    await self._restart()
+                    return
                 elif op == "replicate":
                     for key, holders in msg["keys"].items():
                         asyncio.get_running_loop().create_task(self._replicate(key, holders))
@@ -281,6 +293,40 @@ class Worker:
         self._stolen.extend(stolen)
         self._kept.extend(k for k in keys if k not in got)
         self._flush()
+
+    async def _run_function(self, msg: dict[str, Any]) -> None:
+        """``client.run``: call a function here (in a thread; coroutine functions in the loop)."""
+        assert self.conn is not None
+        reply: dict[str, Any] = {"op": "run-result", "rid": msg["rid"]}
+        try:
+            fn = msg["function"].load()
+            args, kwargs = msg["args"].load() if msg.get("args") is not None else ((), {})
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*args, **kwargs)
+            else:
+                value = await asyncio.to_thread(fn, *args, **kwargs)
+            reply.update(ok=True, value=serialize(value))
+        except Exception as exc:  # noqa: BLE001 - the caller gets the exception and traceback
+            import traceback
+
+            try:
+                blob: Serialized | None = serialize(exc)
+            except Exception:  # noqa: BLE001
+                blob = None
+            reply.update(ok=False, error=f"{type(exc).__name__}: {exc}", exception=blob,
+                         traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # fmt: skip
+        with contextlib.suppress(CommError):
+            await self.conn.send(reply)
+
+    async def _restart(self) -> None:
+        """``client.restart``: a fresh process with the same command line, or just stop."""
+        restartable = self.restartable
+        await self.close("restart requested by a client")
+        if restartable:
+            log.info("worker %s restarting: %s", self.id, sys.orig_argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def secede(self, key: str) -> None:
         """Called from a task's thread: that task leaves its slot (it will wait on other tasks)."""
