@@ -13,6 +13,7 @@ Quick start::
 """
 
 from tidepool.client import Client, ClientExecutor, default_client
+from tidepool.client_dask import fire_and_forget
 from tidepool.cluster import LocalCluster
 from tidepool.errors import (
     AuthenticationError,
@@ -43,7 +44,6 @@ from tidepool.graph import Delayed, task
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler.server import Scheduler
 from tidepool.setup import setup_file
-from tidepool.client_dask import fire_and_forget
 from tidepool.waiting import as_completed, wait
 from tidepool.worker import Worker
 from tidepool.worker.context import get_client, get_worker, secede, worker_client
