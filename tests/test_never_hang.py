@@ -217,3 +217,15 @@ def test_result_timeout_holds_when_the_holding_worker_stops_answering() -> None:
         finally:
             os.kill(pid, signal.SIGCONT)
         assert fut.result(timeout=30) == 3
+
+
+def test_a_task_that_kills_its_worker_errs_on_a_fixed_pool_too() -> None:
+    # nobody adds workers by hand here: the pool replaces crashed workers itself, so the task runs
+    # out of allowed failures instead of leaving an empty pool and a silent wait
+    with tidepool.LocalCluster(n_workers=1, allowed_failures=2) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(crash_worker, key="segfaulter")
+        with pytest.raises(tidepool.KilledWorkerError, match="segfaulter") as info:
+            fut.result(timeout=90)
+        assert "3 workers" in str(info.value)
+        assert client.submit(inc, 1).result(timeout=30) == 2  # the pool is back to one worker
+        wait_until(lambda: len(cluster.workers) == 1, what="one worker")

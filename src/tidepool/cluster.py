@@ -4,13 +4,22 @@ State: the :class:`Scheduler` (running on ``self._loop``), the :class:`LocalProv
 worker processes, and a condition the scheduler observer signals whenever workers join or leave, so
 ``wait_for_workers`` blocks on events instead of polling.  ``close()`` stops the scheduler (which
 tells workers to exit) and then makes sure no process is left behind.
+
+A fixed pool stays the size it was asked to be: a worker process of the cluster's own that dies by
+itself (a crash, ``os._exit``, the OOM killer, a missed heartbeat) is replaced, as Dask's nanny
+does, unless an autoscaler manages the pool, the death was asked for (``kill_worker``), or
+replacements keep dying (at most ``MAX_RESTARTS`` in ``RESTART_WINDOW`` seconds).  So a task that
+crashes every worker it touches ends in ``KilledWorkerError`` after its allowed failures instead
+of leaving an empty pool behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
+import logging
 import math
 import numbers
 import os
@@ -30,19 +39,25 @@ from tidepool.scheduler import events as ev
 from tidepool.scheduler.server import Scheduler
 from tidepool.telemetry.journal import Journal
 
+log = logging.getLogger("tidepool.cluster")
+
 
 class LocalCluster(ClosesOnExit):
     """``LocalCluster(n_workers=2)``: real worker processes on this machine.
 
     Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
+    ``restart_crashed=False`` leaves dead workers dead (see the module docstring).
     """
+
+    MAX_RESTARTS = 20
+    RESTART_WINDOW = 60.0
 
     def __init__(self, n_workers: int | None = None, *, slots: int = 1,
                  resources: dict[str, Any] | None = None, node_type: str = "default",
                  host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,
                  timeout: float = 30.0, env: dict[str, str] | None = None,
                  preload: list[str] | None = None, workdir: str | None = None,
-                 **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 restart_crashed: bool = True, **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
@@ -52,6 +67,10 @@ class LocalCluster(ClosesOnExit):
         self.timeout = timeout
         self._req = itertools.count(1)
         self._joined: set[str] = set()  # every worker that ever registered
+        self._own: dict[str, NodeType] = {}  # workers this cluster started, with their node type
+        self._killed: set[str] = set()  # deaths that were asked for: not replaced
+        self._restarts: collections.deque[float] = collections.deque()
+        self.restart_crashed = restart_crashed
         self.scheduler = Scheduler(f"tcp://{host}:{port}", heartbeat_interval=heartbeat_interval,
                                    **scheduler_kwargs)  # fmt: skip
         self.scheduler.subscribe(self._observe)
@@ -71,9 +90,32 @@ class LocalCluster(ClosesOnExit):
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         self._joined.update(e.worker for e in events if isinstance(e, ev.WorkerJoin))
+        for e in events:
+            if (isinstance(e, ev.WorkerRemove) and not e.graceful and e.worker in self._own
+                    and e.worker not in self._killed and self.restart_crashed and self.autoscaler is None
+                    and not self.closed):  # fmt: skip
+                asyncio.get_running_loop().call_soon(self._replace, e.worker, e.reason)
         if any(isinstance(e, (ev.WorkerJoin, ev.WorkerRemove, ev.Tick)) for e in events):
             with self._cond:
                 self._cond.notify_all()
+
+    def _replace(self, wid: str, reason: str) -> None:
+        if self.closed:
+            return
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.RESTART_WINDOW:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.MAX_RESTARTS:
+            log.warning("not replacing worker %s (%s): %d workers already replaced in the last %gs; "
+                        "something kills every worker (see the tasks' errors)", wid, reason,
+                        len(self._restarts), self.RESTART_WINDOW)  # fmt: skip
+            return
+        self._restarts.append(now)
+        nt = self._own.pop(wid)
+        self.provider.terminate([wid])  # a hung one (missed heartbeats) must not linger
+        for new in self.provider.launch(nt, 1, f"r{next(self._req)}"):
+            self._own[new] = nt
+        log.info("worker %s died (%s); started a replacement", wid, reason)
 
     @property
     def workers(self) -> list[str]:
@@ -84,6 +126,10 @@ class LocalCluster(ClosesOnExit):
         """Start ``n`` worker processes (of ``node_type``); wait for them to register."""
         nt = node_type or self.default_type
         ids = self.provider.launch(nt, n, f"r{next(self._req)}")
+        for wid in ids:
+            self._own[wid] = nt
+            if self.autoscaler is not None:
+                self.autoscaler.controller.adopt(wid)
         if wait:
             self.wait_for_workers(ids)
         return ids
@@ -118,7 +164,8 @@ class LocalCluster(ClosesOnExit):
                 self._cond.wait(min(left, 0.5))
 
     def kill_worker(self, wid: str) -> None:
-        """SIGKILL a worker process (failure testing)."""
+        """SIGKILL a worker process (failure testing); it is not replaced."""
+        self._killed.add(wid)
         self.provider.kill(wid)
 
     def stop_worker(self, wid: str) -> None:
@@ -172,6 +219,8 @@ class LocalCluster(ClosesOnExit):
         _check_can_launch(node_types, controller_kwargs.get("max_workers"))
         j = journal if isinstance(journal, Journal) else Journal(journal)
         controller = ScalingController(node_types, policy, journal=j, **controller_kwargs)
+        for wid in self._own:  # the cluster's own workers are the autoscaler's to retire too
+            controller.adopt(wid)
         prov = provider if provider is not None else self.provider
         if hasattr(prov, "bind"):
             prov.bind(self.address, self.token)
