@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidepool.scaling.node_types import NodeType
+from tidepool.scheduler.records import ORDINARY
 from tidepool.scaling.snapshot import TypeForecast
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def executing(state: SchedulerState) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for ws in state.workers.values():
-        procs = ws.processing
+        procs = [t for t in ws.processing if not t.seceded] if ws.seceded else ws.processing
         heads = procs if len(procs) <= ws.slots else sorted(procs, key=lambda t: (t.started, t.priority))[: ws.slots]
         for ts in heads:
             queued = len(procs) > ws.slots or ws.slots == 1
@@ -83,8 +84,9 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
     est = state.estimates
     running_now = executing(state)
     raised = group_estimates(state, now, running_now)
+    # a seceded task (worker_client) holds no slot: its time is the time of the tasks it waits for
     tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
-             and (shapes is None or ts.shape in shapes)]  # fmt: skip
+             and not ts.seceded and (shapes is None or ts.shape in shapes)]  # fmt: skip
     tasks.sort(key=lambda t: t.priority)
     index = {ts.key: i for i, ts in enumerate(tasks)}
     durations: list[float] = []
@@ -251,6 +253,14 @@ def type_forecasts(
         if usable:
             classes.setdefault(usable[0].name, {})[shape] = n
     by_name = {nt.name: nt for nt in node_types}
+    # placement keeps a worker's scarce resources (gpu, ...) for the tasks that need them: while
+    # such tasks exist, that worker is no capacity for work that does not need them
+    demanded = {name for shape in shapes for name, _ in shape if name not in ORDINARY}
+
+    def counts_for(ws: Any, dom: Shape) -> bool:
+        extra = ws.special.difference(name for name, _ in dom)
+        return not (extra & demanded)
+
     out: list[TypeForecast] = []
     eta: float | None = None
     nxt: float | None = None
@@ -260,7 +270,7 @@ def type_forecasts(
         dom = max(cls, key=lambda s: (cls[s], s))
         spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
         slots = sum(capacity(ws.resources, dom) for ws in state.workers.values()
-                    if ws.state in ("running", "starting"))  # fmt: skip
+                    if ws.state in ("running", "starting") and counts_for(ws, dom))  # fmt: skip
         slots = min(slots, 100_000)
         arrivals: list[float] = []
         for ptype, nodes, since in pending:

@@ -1,0 +1,46 @@
+"""The completion forecast assumes the placement the scheduler really makes: a GPU worker is no
+capacity for CPU work while GPU work exists, and a seceded task holds no slot."""
+
+from __future__ import annotations
+
+from tidepool.scaling.forecast import remaining_work, type_forecasts
+from tidepool.scaling.node_types import NodeType
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.state import SchedulerState
+from tidepool.testing import StateDriver
+
+CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=1.0)
+GPU = NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=1, startup_estimate=1.0)
+
+
+def _cpu_eta_now(d: StateDriver) -> float:
+    fcs, _, _ = type_forecasts(d.state, (CPU, GPU), {"gpu": 1}, (), 0.0, set())
+    (cpu,) = [f for f in fcs if f.node_type == "cpu"]
+    return cpu.etas[0]  # with the pool as it is (no extra node)
+
+
+def test_a_gpu_worker_is_not_cpu_capacity_while_gpu_work_waits() -> None:
+    d = StateDriver()
+    d.state.estimates.observe("c", 1.0)
+    d.state.estimates.observe("g", 1.0)
+    d.add_worker("g1", {"cpu": 1.0, "gpu": 1.0}, node_type="gpu")
+    d.submit([(f"c-{i}", []) for i in range(4)] + [(f"g-{i}", [], {"gpu": 1}) for i in range(4)],
+             [f"c-{i}" for i in range(4)] + [f"g-{i}" for i in range(4)])  # fmt: skip
+    assert _cpu_eta_now(d) == float("inf")  # CPU work needs a CPU node: the GPU is spoken for
+    for _ in range(10):  # run the GPU work to the end; CPU tasks stay out of g1 meanwhile
+        gpu_running = [k for k in d.running.get("g1", []) if k.startswith("g-")]
+        if not gpu_running:
+            break
+        for k in gpu_running:
+            d.finish("g1", k)
+    assert all(d.state.tasks[f"g-{i}"].state == "memory" for i in range(4))
+    assert _cpu_eta_now(d) < float("inf")  # no GPU work left: g1 counts as CPU capacity again
+
+
+def test_a_seceded_task_is_not_forecast_as_holding_a_slot() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=0.0))
+    d.add_worker("w1")
+    d.submit([("outer", [])], ["outer"])
+    assert "outer" in remaining_work(d.state, 0.0).keys
+    d.send(ev.TaskSeceded("w1", "outer", d.clock()))
+    assert "outer" not in remaining_work(d.state, 0.0).keys
