@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidepool.scaling.node_types import NodeType
-from tidepool.scheduler.records import ORDINARY
 from tidepool.scaling.snapshot import TypeForecast
+from tidepool.scheduler.records import ORDINARY
 
 if TYPE_CHECKING:
     from tidepool.scheduler.state import SchedulerState
