@@ -68,3 +68,22 @@ def test_a_policy_that_raises_is_logged_once_journaled_and_replaced_by_the_defau
     assert len(errors) == 1 and "KeyError" in errors[0]["reason"] and "default policy" in errors[0]["reason"]
     assert sum("scaling policy raised" in r.getMessage() for r in caplog.records) == 1
     assert isinstance(c._fallback, Adaptive)
+
+
+def test_a_chain_sent_as_separate_submits_launches_one_worker_like_one_graph() -> None:
+    from tidepool.scheduler import events as ev
+
+    nt = NodeType("default", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
+    for separate in (True, False):
+        d = StateDriver()
+        c = ScalingController((nt,), Adaptive())
+        specs = [ev.TaskSpec(f"c-{i}", "f", None, (f"c-{i - 1}",) if i else (), {}, 0, "c") for i in range(31)]
+        batches = [[s] for s in specs] if separate else [specs]
+        launched = 0
+        for i, batch in enumerate(batches):  # 0.5 ms apart, as fast submits arrive
+            t = i * 0.0005
+            d.send(ev.UpdateGraph("c", batch, [s.key for s in batch], t))
+            for rid, _, n in c.step(d.state, t).launch:
+                launched += n
+                c.launched(rid, [f"w-{rid}"], t)
+        assert launched == 1, (separate, [r for r in c.journal.records if r["kind"] == "launch"])

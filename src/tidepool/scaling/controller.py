@@ -324,11 +324,15 @@ class ScalingController:
 
     def _refresh_forecast(self, state: SchedulerState, types: tuple[NodeType, ...], now: float) -> None:
         """Recompute forecasts when due; big graphs are re-forecast less often (cost-adaptive)."""
-        changed = (len(state.workers), len(self.launches), state.counters["finished"] != self._fc_finished)
-        if now - self._fc_time < self._fc_every and changed == self._fc_key:
-            return
-        if now - self._fc_time < 0.05:
-            return
+        # a worker or a launch more or less changes every answer: forecast again at once (a stale
+        # forecast that misses the launch just made would launch again); otherwise throttle
+        structural = (len(state.workers), len(self.launches))
+        changed = (*structural, len(state.tasks), state.counters["finished"] != self._fc_finished)
+        if structural == self._fc_key[:2]:
+            if now - self._fc_time < self._fc_every and changed == self._fc_key:
+                return
+            if now - self._fc_time < 0.05:
+                return
         t0 = 0.0 if self._fc_fixed else time.perf_counter()
         blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
         nodes = {}
