@@ -28,11 +28,11 @@ def test_growing_from_a_non_empty_pool_never_kills_the_first_worker() -> None:
         (first,) = cluster.workers
         scaler = cluster.adapt(maximum=3)
         assert client.gather(client.map(nap, range(30)), timeout=120) == list(range(30))
-        kinds = [r["kind"] for r in scaler.controller.journal.records]
-        assert "launch" in kinds and "cancel-launch" not in kinds, scaler.controller.journal.records
-        joined = {r["worker"] for r in scaler.controller.journal.records if r["kind"] == "worker-join"}
+        kinds = [r["kind"] for r in scaler.journal.records]
+        assert "launch" in kinds and "cancel-launch" not in kinds, scaler.journal.records
+        joined = {r["worker"] for r in scaler.journal.records if r["kind"] == "worker-join"}
         assert len(joined - {first}) >= 1  # it grew beyond the first worker
-        left = [r for r in scaler.controller.journal.records if r["kind"] in ("worker-leave", "worker-close")
+        left = [r for r in scaler.journal.records if r["kind"] in ("worker-leave", "worker-close")
                 and r["worker"] == first and not r.get("graceful", True)]  # fmt: skip
         assert not left  # the first worker was never killed as a "launch that did not register"
 
@@ -47,7 +47,7 @@ def test_a_worker_started_by_hand_is_left_alone_and_the_journal_says_so() -> Non
         try:
             wait_until(lambda: "by-hand" in cluster.workers, timeout=30, what="hand-started worker")
             assert client.gather(client.map(nap, range(6)), timeout=60) == list(range(6))
-            journal = scaler.controller.journal
+            journal = scaler.journal
             wait_until(lambda: any(r["kind"] == "not-managed" and r["worker"] == "by-hand" for r in journal.records),
                        timeout=30, what="the journal noting the hand-started worker")  # fmt: skip
             assert "by-hand" in cluster.workers and hand.poll() is None  # still there, still running

@@ -39,3 +39,33 @@ def test_launch_labels_close_in_time_share_one_label() -> None:
     assert labels == [(0.0, " +6"), (20.0, " +1")]
     xs = [x for x, _ in labels]
     assert all(b - a >= 0.04 * 40.0 for a, b in zip(xs, xs[1:], strict=False))
+
+
+def test_scheduler_journal_is_written_while_it_runs_and_survives_sigkill(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tidepool.testing import wait_until
+
+    path = tmp_path / "run.jsonl"
+    token = tmp_path / "token"
+    sched = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "scheduler", "--port", "0", "--token-file",
+                              str(token), "--journal", str(path)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    worker = None
+    try:
+        line = sched.stdout.readline() if sched.stdout else ""
+        address = line.split(" at ", 1)[1].strip()
+        env = {**os.environ, "TIDEPOOL_TOKEN_FILE": str(token)}
+        worker = subprocess.Popen([sys.executable, "-m", "tidepool.worker", address], env=env)
+        wait_until(lambda: path.exists() and "worker-join" in path.read_text(), timeout=30,
+                   what="the worker's join in the journal file while the scheduler runs")  # fmt: skip
+        sched.send_signal(signal.SIGKILL)
+        sched.wait(timeout=30)
+        assert any(r["kind"] == "worker-join" for r in lines(path))
+    finally:
+        for p in (worker, sched):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)

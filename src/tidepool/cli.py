@@ -105,13 +105,21 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         else:
             print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
         scaler = None
+        plain_journal = None
+        if cfg is None and args.journal:  # no autoscaling: still journal workers and tasks
+            from tidepool.telemetry.journal import Journal
+
+            plain_journal = Journal(args.journal)
+            plain_journal.record("journal-start", s.clock(), address=s.address)
+            s.subscribe(plain_journal.observe)
         if cfg is not None:
             from tidepool.scaling.autoscaler import AutoScaler
             from tidepool.scaling.controller import ScalingController
             from tidepool.telemetry.journal import Journal
 
-            controller = ScalingController(cfg.node_types, cfg.make_policy(), journal=Journal(args.journal))
-            scaler = await AutoScaler(s, cfg.make_provider(s.address, token), controller).start()
+            controller = ScalingController(cfg.node_types, cfg.make_policy())
+            scaler = await AutoScaler(s, cfg.make_provider(s.address, token), controller,
+                                      journal=Journal(args.journal)).start()  # fmt: skip
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
         try:
@@ -123,6 +131,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
                 if close is not None:
                     close()
             await s.close()
+            if plain_journal is not None:
+                plain_journal.close()
 
     _run_until_signal(main())
     return 0

@@ -195,7 +195,7 @@ class LocalCluster(ClosesOnExit):
         Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
         ``maximum`` nodes.  ``policy`` is any callable ``snapshot -> ScaleDecision`` (default:
         :class:`~tidepool.scaling.policies.Adaptive`).  Returns the running :class:`AutoScaler`;
-        its ``controller.journal`` records every decision with its reason.  ``provider`` replaces the
+        its ``journal`` records every decision with its reason.  ``provider`` replaces the
         local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
 
         Arguments are checked before anything starts (a ConfigError leaves the cluster as it was):
@@ -218,7 +218,7 @@ class LocalCluster(ClosesOnExit):
                                               startup_estimate=0.5)]  # fmt: skip
         _check_can_launch(node_types, controller_kwargs.get("max_workers"))
         j = journal if isinstance(journal, Journal) else Journal(journal)
-        controller = ScalingController(node_types, policy, journal=j, **controller_kwargs)
+        controller = ScalingController(node_types, policy, **controller_kwargs)
         for wid in self._own:  # the cluster's own workers are the autoscaler's to retire too
             controller.adopt(wid)
         prov = provider if provider is not None else self.provider
@@ -227,14 +227,14 @@ class LocalCluster(ClosesOnExit):
         self._extra_provider = prov if provider is not None else None
 
         async def start() -> AutoScaler:
-            return await AutoScaler(self.scheduler, prov, controller, interval).start()
+            return await AutoScaler(self.scheduler, prov, controller, interval, journal=j).start()
 
         self.autoscaler = self._loop.run(start())
         return self.autoscaler
 
     @property
     def journal(self) -> Journal | None:
-        return self.autoscaler.controller.journal if self.autoscaler is not None else None
+        return self.autoscaler.journal if self.autoscaler is not None else None
 
     def close(self) -> None:
         if self.closed:

@@ -44,7 +44,7 @@ def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill
 
     with LocalCluster(n_workers=0) as cluster, Client(cluster) as client:
         scaler = cluster.adapt(maximum=workers)
-        journal = scaler.controller.journal
+        journal = scaler.journal
         clock = cluster.scheduler.clock
         start = clock()
         say(f"cluster up at {cluster.address} with [bold]0[/bold] workers; autoscaling to at most {workers}")

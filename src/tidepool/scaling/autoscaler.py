@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tidepool.errors import ProviderError
 from tidepool.scaling.controller import ScalingController
 from tidepool.scheduler import events as ev
+from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
     from tidepool.providers.base import Provider
@@ -62,7 +63,7 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | No
 
 class AutoScaler:
     def __init__(self, scheduler: Scheduler, provider: Provider, controller: ScalingController,
-                 interval: float = 0.2) -> None:  # fmt: skip
+                 interval: float = 0.2, journal: Journal | None = None) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.provider = provider
         self.controller = controller
@@ -74,10 +75,12 @@ class AutoScaler:
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retire was asked
         self._disabled_seen = 0  # how many disabled node types the scheduler was told about
         self._closing = False
+        #: the run's journal (a file, if given a path): scheduler events plus the controller's records
+        self.journal = journal if journal is not None else Journal()
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
-        journal = self.controller.journal
+        journal = self.journal
         now = self.scheduler.clock()
         journal.record("journal-start", now, wall=time.time(), address=self.scheduler.address)
         for ws in self.scheduler.state.workers.values():  # present before autoscaling started
@@ -105,8 +108,14 @@ class AutoScaler:
                 wake = True
             elif isinstance(e, ev.UpdateGraph):
                 wake = True
+        self._sync()
         if wake or (self.scheduler.state.pending and self.controller.backlog_since is None):
             self._wake.set()
+
+    def _sync(self) -> None:
+        """Write the controller's new records into the run's journal."""
+        for rec in self.controller.drain_records():
+            self.journal.add(rec)
 
     def _arrivals(self, now: float) -> tuple[float, ...]:
         out: list[float] = []
@@ -149,8 +158,11 @@ class AutoScaler:
                 self.controller.retiring.update(ids)
                 for w in ids:
                     self.controller.journal.record("retire", now, worker=w, reason="provider: walltime ends soon")
+                self._sync()
                 self._spawn(self._retire(ids))
         actions = self.controller.step(self.scheduler.state, self.scheduler.clock())
+        for rec in actions.records:
+            self.journal.add(rec)
         self.steps += 1
         if len(self.controller.unusable) != self._disabled_seen:
             self._disabled_seen = len(self.controller.unusable)
@@ -177,13 +189,16 @@ class AutoScaler:
                    "a provider's launch must not block (submit the request and return)")  # fmt: skip
             log.warning("%s", msg)
             self.controller.launch_failed(rid, msg, self.scheduler.clock())
+            self._sync()
             return
         except Exception as exc:  # noqa: BLE001 - any provider failure backs the type off
             msg = str(exc) if isinstance(exc, ProviderError) else f"{type(exc).__name__}: {exc}"
             log.warning("launch %s of %s failed: %s", rid, nt.name, msg)
             self.controller.launch_failed(rid, msg, self.scheduler.clock())
+            self._sync()
             return
         self.controller.launched(rid, ids, self.scheduler.clock())
+        self._sync()
 
     async def _retire(self, ids: list[str]) -> None:
         result = await self.scheduler.retire_workers(ids, "autoscaler")
@@ -193,6 +208,7 @@ class AutoScaler:
             self.controller.retire_done(wid, outcome, now)
             if outcome == "retired":
                 done.append(wid)
+        self._sync()
         if done:
             await in_daemon_thread(self.provider.terminate, done, timeout=PROVIDER_CALL_TIMEOUT)
 
@@ -209,7 +225,8 @@ class AutoScaler:
         if ids:
             with contextlib.suppress(Exception):
                 await in_daemon_thread(self.provider.terminate, ids, timeout=PROVIDER_CALL_TIMEOUT)
-        journal = self.controller.journal
+        self._sync()
+        journal = self.journal
         now = self.scheduler.clock()
         for wid in list(self.scheduler.state.workers):
             journal.record("worker-leave", now, worker=wid, reason="cluster closed", graceful=True)

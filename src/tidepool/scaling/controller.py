@@ -3,7 +3,9 @@
 State: ``launches`` (request id -> what was asked, when, which worker ids, which arrived),
 ``failures`` and ``backoff_until`` per node type, ``unusable`` types (too many failures in a row),
 ``backlog_since`` (since when runnable demand has existed without a break), learned startup times
-per type, and the ``journal`` it writes every decision to, with reasons.
+per type, and ``journal``: an in-memory list of every decision with its reason (no file: the
+shell takes new records with :meth:`ScalingController.drain_records`, or from ``Actions.records``,
+and writes them where it likes).
 
 Each :meth:`ScalingController.step` observes first (arrivals, timeouts), then acts: it builds a
 :class:`ClusterSnapshot`, asks the policy, and clamps the answer to ``min_nodes``/``max_nodes`` per
@@ -24,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
     from tidepool.scheduler.state import SchedulerState
 
 
+#: the forecast's cost grows with the graph: one more second between forecasts per this many tasks
+FORECAST_TASKS_PER_SECOND = 40_000.0
+
+
 @dataclass
 class LaunchRecord:
     request_id: str
@@ -64,6 +69,8 @@ class Actions:
     retire: list[str] = field(default_factory=list)
     terminate: list[str] = field(default_factory=list)
     snapshot: ClusterSnapshot | None = None
+    #: journal records made since the last drain (this step's decisions and earlier reports)
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ScalingController:
@@ -71,7 +78,7 @@ class ScalingController:
                  policy: Callable[[ClusterSnapshot], Any] | None = None, *,
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
                  backoff_max: float = 120.0, max_type_failures: int = 3,
-                 max_workers: int | None = None, journal: Journal | None = None,
+                 max_workers: int | None = None,
                  forecast_interval: float | None = None, manage_foreign: bool = False) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
@@ -85,7 +92,8 @@ class ScalingController:
         self.backoff_max = backoff_max
         self.max_type_failures = max_type_failures
         self.max_workers = max_workers
-        self.journal = journal if journal is not None else Journal()
+        self.journal = Journal()  # in memory only: the controller writes no file
+        self._drained = 0
         self.launches: dict[str, LaunchRecord] = {}
         self.failures: dict[str, int] = {}
         self.backoff_until: dict[str, float] = {}
@@ -320,6 +328,7 @@ class ScalingController:
             if shape != self._last_reason or now - self._last_reason_t > 10.0:
                 self.journal.record("decision", now, reason=text)
                 self._last_reason, self._last_reason_t = shape, now
+        actions.records = self.drain_records()
         return actions
 
     def _refresh_forecast(self, state: SchedulerState, types: tuple[NodeType, ...], now: float) -> None:
@@ -333,7 +342,6 @@ class ScalingController:
                 return
             if now - self._fc_time < 0.05:
                 return
-        t0 = 0.0 if self._fc_fixed else time.perf_counter()
         blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
         nodes = {}
         for nt in types:
@@ -342,10 +350,16 @@ class ScalingController:
                 r.nodes for r in self.launches.values() if r.node_type == nt.name)
         pending = tuple((r.node_type, r.nodes, r.since) for r in self.launches.values())
         self._forecasts, self._eta, self._next_demand = type_forecasts(state, types, nodes, pending, now, blocked)
-        if not self._fc_fixed:  # compute cost only sets how often; None keeps replays exact
-            self._fc_every = min(5.0, max(0.25, 10 * (time.perf_counter() - t0)))
+        if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
+            self._fc_every = min(5.0, max(0.25, len(state.tasks) / FORECAST_TASKS_PER_SECOND))
         self._fc_time, self._fc_key = now, changed
         self._fc_finished = state.counters["finished"]
+
+    def drain_records(self) -> list[dict[str, Any]]:
+        """Records made since the last call, for the shell to write to its journal."""
+        recs = self.journal.records[self._drained:]
+        self._drained = len(self.journal.records)
+        return recs
 
     def adopt(self, wid: str) -> None:
         """Treat ``wid`` as ours to retire although this controller did not launch it."""

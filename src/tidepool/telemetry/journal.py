@@ -41,6 +41,13 @@ class Journal:
             self._file.write(json.dumps(rec, default=str) + "\n")
             self.flush_if_due()
 
+    def add(self, rec: dict[str, Any]) -> None:
+        """Append a record made elsewhere (e.g. by the scaling controller) as it is."""
+        self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec, default=str) + "\n")
+            self.flush_if_due()
+
     def flush_if_due(self) -> None:
         """Flush the file if the last flush was more than :attr:`FLUSH_EVERY` seconds ago."""
         if self._file is not None and self._clock() - self._flushed >= self.FLUSH_EVERY:
