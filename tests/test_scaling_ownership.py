@@ -87,3 +87,29 @@ def test_a_chain_sent_as_separate_submits_launches_one_worker_like_one_graph() -
                 launched += n
                 c.launched(rid, [f"w-{rid}"], t)
         assert launched == 1, (separate, [r for r in c.journal.records if r["kind"] == "launch"])
+
+
+def test_walltime_retirements_go_through_step_and_are_retried_while_refused() -> None:
+    d = StateDriver()
+    d.add_worker("job-1", node_type="cpu")
+    c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25)
+    acts = c.step(d.state, 0.0, expiring=["job-1", "unknown"])
+    assert acts.retire == ["job-1"]
+    assert [r["reason"] for r in acts.records if r["kind"] == "retire"] == ["provider: walltime ends soon"]
+    c.retire_done("job-1", "refused: it holds data nobody else can take", 0.5)
+    assert c.step(d.state, 3.0, expiring=["job-1"]).retire == []  # not every round
+    assert c.step(d.state, 6.0, expiring=["job-1"]).retire == ["job-1"]
+
+
+def test_each_retirement_carries_its_own_reason_as_data() -> None:
+    d = StateDriver()
+    d.add_worker("a", node_type="cpu")
+    d.add_worker("b", node_type="cpu")
+
+    def policy(snap: ClusterSnapshot) -> ScaleDecision:
+        return ScaleDecision(retire=("a", "b"), reasons=("b is a prefix of nothing", "general"),
+                             why=(("a", "a: idle 9s"), ("b", "b: cheaper elsewhere")))  # fmt: skip
+
+    c = ScalingController((CPU,), policy, forecast_interval=0.25, manage_foreign=True)
+    recs = [r for r in c.step(d.state, 100.0).records if r["kind"] == "retire"]
+    assert {r["worker"]: r["reason"] for r in recs} == {"a": "a: idle 9s", "b": "b: cheaper elsewhere"}

@@ -1,8 +1,10 @@
 """The client: submit work, hold futures, gather results.
 
 State (guarded by ``_lock``, shared by the user's threads and the client's loop thread):
-``_futures`` (key -> Future, weakly held: dropping a future releases its key), ``_sent_funcs``
-(function ids the scheduler already has), and connections to workers for direct gathers.
+``_futures`` (key -> Future, weakly held: dropping a future releases its key), ``_pinned`` (futures
+held until done: those with done-callbacks or from the executor), ``_sent_funcs`` (function ids the
+scheduler already has), ``_func_cache`` (id -> weak reference, id and pickle of a submitted callable:
+it never keeps a callable alive) and connections to workers for direct gathers.
 
 Data flow: ``submit``/``map``/``compute`` pickle tasks in the calling thread (each distinct function
 once, by content hash) and send one ``update-graph`` message; the scheduler answers with
@@ -13,6 +15,12 @@ Never hanging: once the scheduler connection is lost (``_lost``), every pending 
 :class:`ConnectionLostError`, a finished future whose value was not fetched yet raises it from
 ``result()``, and every later call raises it at once.  ``result(timeout=t)`` and
 ``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait.
+
+Cancelling (see :mod:`tidepool.futures` for the rules): ``Future.cancel()``, :meth:`Client.cancel`
+and ``shutdown(cancel_futures=True)`` send one ``cancel`` request for all their keys through the
+ordered outbox; the scheduler answers with ``cancelled``/``running`` reports for every future of
+this client it touched, then with the reply, so when the call returns every affected future is in
+its final state.  ``running()`` asks the scheduler the same way.  Nothing of this is sent per task.
 """
 
 from __future__ import annotations
@@ -52,10 +60,11 @@ from tidepool.errors import (
     SerializationError,
     TaskCancelledError,
     TaskError,
+    TidepoolError,
     TransferError,
     WorkerSetupError,
 )
-from tidepool.futures import _UNSET, IN_MEMORY, Future
+from tidepool.futures import _UNSET, IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
 from tidepool.graph.refs import RECURSE, Ref, collect, replace
 from tidepool.loop import ClosesOnExit, LoopThread
@@ -103,7 +112,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         self._futures: weakref.WeakValueDictionary[str, Future[Any]] = weakref.WeakValueDictionary()
         self._errors: dict[str, dict[str, Any]] = {}
         self._sent_funcs: set[str] = set()
-        self._func_cache: dict[int, tuple[Any, str, bytes]] = {}
+        self._func_cache: dict[int, tuple[weakref.ref[Any], str, bytes]] = {}
+        self._pinned: set[Future[Any]] = set()
+        #: keys a caller of Future.cancel() waits on -> the outcome reported meanwhile ("cancelled",
+        #: "running"); that caller applies it, so callbacks run in its thread as with the stdlib
+        self._cancelling: dict[str, str | None] = {}
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
         self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
@@ -169,7 +182,18 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
             conn.close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """``concurrent.futures.Executor.shutdown``: closes the client."""
+        """``concurrent.futures.Executor.shutdown``, then :meth:`close`.
+
+        ``cancel_futures``: cancel this client's futures whose tasks have not started executing;
+        ``wait``: first wait until every other future of this client is done.
+        """
+        if not self.closed and self._lost is None:
+            with self._lock:
+                pending = [f for f in self._futures.values() if not f.done()]
+            if cancel_futures:
+                self._cancel(pending, unless_started=True)
+            if wait:
+                concurrent.futures.wait(pending)
         self.close()
 
     def __repr__(self) -> str:
@@ -177,14 +201,26 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
 
     # ---- building tasks --------------------------------------------------------------------------
     def _function(self, fn: Callable[..., Any]) -> tuple[str, bytes | None]:
-        cached = self._func_cache.get(id(fn))
-        if cached is None or cached[0] is not fn:
+        """``fn``'s id (content hash) and its pickle unless the scheduler has it already.
+
+        Pickled once while ``fn`` lives (a ``map`` pickles once): the cache holds ``fn`` weakly, so
+        a submitted bound method does not keep its object alive.  A callable that cannot be weakly
+        referenced (a builtin) is pickled again per call, which for those is cheap (by name).
+        """
+        cache = self._func_cache
+        ident = id(fn)
+        cached = cache.get(ident)
+        if cached is None or cached[0]() is not fn:
             blob = cloudpickle.dumps(fn, protocol=5)
             fid = hashlib.sha1(blob).hexdigest()[:20]
-            cached = (fn, fid, blob)
-            if len(self._func_cache) > 10_000:
-                self._func_cache.clear()
-            self._func_cache[id(fn)] = cached
+            try:
+                ref = weakref.ref(fn, _forget_function(cache, ident))
+            except TypeError:  # not weakly referenceable
+                return (fid, None) if fid in self._sent_funcs else (fid, blob)
+            cached = (ref, fid, blob)
+            if len(cache) > 10_000:
+                cache.clear()
+            cache[ident] = cached
         fid = cached[1]
         if fid in self._sent_funcs:
             return fid, None
@@ -449,7 +485,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
 
     # ---- results -----------------------------------------------------------------------------------
     def gather(self, futures: Any, errors: str = "raise", timeout: float | None = None) -> Any:
-        """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers."""
+        """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers.
+
+        ``errors="raise"``: the first failure (or ``CancelledError`` for a cancelled future) is
+        raised; ``"skip"``: failed and cancelled futures are left out.
+        """
         if errors not in ("raise", "skip"):
             raise ConfigError("errors must be 'raise' or 'skip'")
         flat: list[Future[Any]] = collect(futures, Future)
@@ -458,6 +498,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
             raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s")
         need = []
         for f in flat:
+            if f.cancelled():
+                if errors == "raise":
+                    raise concurrent.futures.CancelledError(_cancelled_message(f.key))
+                continue
             if f.exception() is not None:
                 if errors == "raise":
                     raise f.exception()  # type: ignore[misc]
@@ -532,6 +576,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
                     err = self._errors.get(k)
                     if err is not None:
                         raise self._make_exception(k, err)
+                    with self._lock:
+                        f = self._futures.get(k)
+                    if f is not None and f.cancelled():  # its value is gone for good
+                        raise concurrent.futures.CancelledError(_cancelled_message(k))
                 waits = []
                 for k in remaining:
                     w = loop.create_future()
@@ -625,20 +673,35 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
             if status == "memory":
                 self._errors.pop(key, None)
                 if fut is not None and not fut.done():
-                    fut.set_result(IN_MEMORY)
+                    try:
+                        fut.set_result(IN_MEMORY)
+                    except concurrent.futures.InvalidStateError:  # cancelled meanwhile, by a user thread
+                        pass
             elif status == "erred":
                 if item[2].get("type") == "KeyCollisionError":  # the key stays the other task's
                     with self._lock:
                         self._idents.pop(key, None)
                 self._errors[key] = item[2]
                 if fut is not None and not fut.done():
-                    fut.set_exception(self._make_exception(key, item[2]))
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        fut.set_exception(self._make_exception(key, item[2]))
+            elif status in ("cancelled", "running"):  # answers to a cancel request of ours
+                with self._lock:
+                    waited = key in self._cancelling
+                    if waited:
+                        self._cancelling[key] = status
+                if fut is not None and not waited:
+                    if status == "cancelled":  # this future, or one downstream of it
+                        fut._mark_cancelled()
+                    else:
+                        fut._mark_running()
             elif status == "lost":
                 info = {"type": "TaskCancelledError", "message": f"the scheduler does not know {key!r} "
                         "(released earlier?); submit it again", "origin": key}  # fmt: skip
                 self._errors[key] = info
                 if fut is not None and not fut.done():
-                    fut.set_exception(self._make_exception(key, info))
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        fut.set_exception(self._make_exception(key, info))
             for w in self._waiting.pop(key, []):
                 if not w.done():
                     w.set_result(None)
@@ -683,9 +746,88 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
     def _release(self, keys: list[str]) -> None:
         self._post({"op": "release", "keys": list(keys)})
 
-    def cancel(self, futures: list[Future[Any]]) -> None:
-        """Release these futures' keys; tasks nobody else needs stop."""
-        self._release([f.key for f in futures])
+    # ---- cancelling, running, callbacks --------------------------------------------------------------
+    def cancel(self, futures: Future[Any] | Iterable[Future[Any]]) -> None:
+        """Cancel these futures whatever their state, as Dask does.
+
+        When this returns, each of them is cancelled (``result()`` raises
+        ``concurrent.futures.CancelledError``; a finished one drops its value), and so is every
+        future of this client whose task depends on one of them and had not finished.  Tasks that
+        nobody else needs stop: a queued one never runs, an executing one's result is dropped, and
+        no worker keeps their values.  Other clients' futures are not affected.
+        ``Future.cancel()`` is the gentler, standard-library form (only tasks not started yet).
+        """
+        futs = [futures] if isinstance(futures, Future) else list(futures)
+        for f in futs:
+            if not isinstance(f, Future) or f.client is not self:
+                raise ConfigError(f"cancel() takes futures of this client, got {f!r}")
+        self._cancel(futs, unless_started=False)
+
+    def _cancel(self, futures: Iterable[Future[Any]], *, unless_started: bool) -> None:
+        """One ``cancel`` request for ``futures``; blocks until the scheduler's reports are applied.
+
+        ``unless_started``: ``Future.cancel`` semantics (futures running or done are left alone);
+        otherwise the futures are marked cancelled here at once.  Never raises: with no answer
+        (client closed, scheduler lost or too slow) the futures keep whatever state they reached.
+        """
+        if unless_started:
+            futs = [f for f in futures if f._state == PENDING]
+        else:
+            futs = [f for f in futures if not f.cancelled()]
+            for f in futs:
+                f._mark_cancelled()
+        if not futs or self.closed or self._lost is not None:
+            return
+        keys = list(dict.fromkeys(f.key for f in futs))
+        msg = {"op": "cancel", "keys": keys, "unless_started": unless_started}
+        if threading.current_thread() is self._loop.thread:
+            self._post(msg)  # cannot wait on our own loop: the reports settle the futures later
+            return
+        if unless_started:
+            with self._lock:
+                for k in keys:
+                    self._cancelling.setdefault(k, None)
+        try:
+            self._loop.run(self._request(msg), timeout=self.timeout)
+        except (TidepoolError, TimeoutError) as exc:
+            log.warning("cancelling %d futures: the scheduler did not answer (%s); those it has not "
+                        "reported on keep their state", len(keys), exc)  # fmt: skip
+        finally:
+            if unless_started:
+                with self._lock:
+                    outcome = {k: self._cancelling.pop(k, None) for k in keys}
+                for f in futs:  # in this thread: their done-callbacks run before cancel() returns
+                    if outcome.get(f.key) == "cancelled":
+                        f._mark_cancelled()
+                    elif outcome.get(f.key) == "running":
+                        f._mark_running()
+
+    def _ask_running(self, fut: Future[Any]) -> bool:
+        """Ask the scheduler whether ``fut``'s task executes now (``Future.running``)."""
+        if self.closed or self._lost is not None or threading.current_thread() is self._loop.thread:
+            return fut._state == RUNNING
+        try:
+            running = self._loop.run(self._request({"op": "running", "keys": [fut.key]}), timeout=self.timeout)
+        except (TidepoolError, TimeoutError):
+            return fut._state == RUNNING
+        if fut.key in running:
+            fut._mark_running()
+        return fut._state == RUNNING
+
+    def _pin(self, fut: Future[Any]) -> None:
+        """Keep ``fut`` alive until it is done (it has done-callbacks, or came from the executor)."""
+        if fut._pinned:
+            return
+        fut._pinned = True
+        self._pinned.add(fut)
+        fut._add_raw_callback(self._pinned.discard)  # at once if it is done already
+
+    def _run_callback(self, fn: Callable[[Any], object], fut: concurrent.futures.Future[Any]) -> None:
+        """Run a user's done-callback off the event-loop thread (it may block, e.g. on result())."""
+        try:
+            self._callbacks.submit(call_logged, fn, fut)
+        except RuntimeError:  # the callback pool is shut down (client closed): still run it
+            threading.Thread(target=call_logged, args=(fn, fut), name="tidepool-callback", daemon=True).start()
 
     # ---- cluster control and introspection ------------------------------------------------------
     def scheduler_info(self) -> dict[str, Any]:
@@ -776,6 +918,21 @@ def _pure_key(spec: list[Any]) -> str:
     return f"{spec[6]}-{h.hexdigest()}"
 
 
+def _cancelled_message(key: str) -> str:
+    return f"future {key!r} was cancelled (Future.cancel or Client.cancel); submit the task again to compute it"
+
+
+def _forget_function(cache: dict[int, Any], ident: int) -> Callable[[weakref.ref[Any]], None]:
+    """Weak-reference callback: drop a dead callable's cache entry (if it is still that one's)."""
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = cache.get(ident)
+        if entry is not None and entry[0] is ref:
+            cache.pop(ident, None)
+
+    return forget
+
+
 def _identity(spec: list[Any]) -> tuple[Any, ...]:
     payload = spec[2]
     digest = None
@@ -822,12 +979,13 @@ def _check_acyclic(tasks: list[list[Any]]) -> None:
 
 
 def _without_errors(obj: Any) -> Any:
-    """Values of the futures in ``obj``, leaving out failed ones (list items, dict entries)."""
+    """Values of the futures in ``obj``, leaving out failed and cancelled ones (list items, dict
+    entries)."""
     _skip = object()
 
     def walk(x: Any) -> Any:
         if isinstance(x, Future):
-            return _skip if x.exception() is not None else x.result()
+            return _skip if x.cancelled() or x.exception() is not None else x.result()
         t = type(x)
         if t is list or t is tuple:
             return t(v for v in (walk(i) for i in x) if v is not _skip)
@@ -845,7 +1003,13 @@ def serialize_bytes(blob: bytes) -> Any:
 
 
 class ClientExecutor(concurrent.futures.Executor):
-    """A strict ``concurrent.futures.Executor`` on top of a :class:`Client`."""
+    """A strict ``concurrent.futures.Executor`` on top of a :class:`Client`.
+
+    Every keyword of ``submit`` goes to the function; the executor's ``resources`` and ``retries``
+    apply to every task.  Its futures are kept alive until done (as a ``ThreadPoolExecutor`` runs
+    work nobody holds), ``map`` yields results in input order without keeping those already
+    yielded, and ``shutdown(cancel_futures=True)`` cancels the futures not started yet.
+    """
 
     def __init__(self, client: Client, resources: dict[str, Any] | None, retries: int) -> None:
         self.client = client
@@ -861,28 +1025,54 @@ class ClientExecutor(concurrent.futures.Executor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:  # type: ignore[override]
         self._check()
         fut = self.client._submit(fn, args, kwargs, resources=self.resources, retries=self.retries)
+        self.client._pin(fut)
         self._futures.add(fut)
         return fut
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1) -> Iterator[T]:  # fmt: skip
+        """``concurrent.futures.Executor.map``: results in input order, lazily.
+
+        Every item is one task (``chunksize`` must be a positive integer, as for a
+        ``ProcessPoolExecutor``, and is otherwise ignored).  ``timeout`` counts from this call.
+        Leaving the iterator early (an error, a timeout, ``close()``) cancels the tasks not
+        started yet.
+        """
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
+            raise ConfigError(f"chunksize must be a positive integer, got {chunksize!r} (tidepool runs each "
+                              "item as its own task, so any value from 1 up works the same)")  # fmt: skip
         self._check()
-        futs = self.client.map(fn, *iterables, resources=self.resources, retries=self.retries)
-        self._futures.update(futs)
         end = None if timeout is None else time.monotonic() + timeout
-
-        def results() -> Iterator[T]:
-            for f in futs:
-                yield f.result(None if end is None else max(0.0, end - time.monotonic()))
-
-        return results()
+        futs = self.client.map(fn, *iterables, resources=self.resources, retries=self.retries)
+        for f in futs:
+            self.client._pin(f)
+        self._futures.update(futs)
+        futs.reverse()
+        return _results_in_order(self.client, futs, end)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop accepting work; optionally cancel pending futures; wait for the rest."""
+        """Stop accepting work; ``cancel_futures``: cancel the futures whose tasks have not started
+        (running and finished ones are left alone); ``wait``: wait until every future is done."""
         self._shutdown = True
-        futs = list(self._futures)
+        futs = [f for f in list(self._futures) if not f.done()]
         if cancel_futures:
-            for f in futs:
-                f.cancel()
+            self.client._cancel(futs, unless_started=True)
         if wait:
             concurrent.futures.wait(futs)
+
+
+def _results_in_order(client: Client, futs: list[Future[T]], end: float | None) -> Iterator[T]:
+    """Yield the results of ``futs`` (reversed: the next one last), dropping each future as its
+    result is yielded; cancel those left when the caller stops early (as the standard library)."""
+    try:
+        while futs:
+            yield _next_result(futs, end)
+    finally:
+        if futs:
+            client._cancel(futs, unless_started=True)
+
+
+def _next_result(futs: list[Future[T]], end: float | None) -> T:
+    value = futs[-1].result(None if end is None else max(0.0, end - time.monotonic()))
+    futs.pop()  # only now: a future that raised is still in ``futs``, so it is cancelled too
+    return value

@@ -1,23 +1,58 @@
 """Client-side futures: ``concurrent.futures.Future`` subclasses whose value stays on a worker.
 
-A future becomes *done* when the scheduler reports its key in memory (or erred); the value is
-fetched from the worker that holds it on the first ``result()`` call and then cached.  Callbacks run
-on the client's callback thread (never on its event-loop thread), so a callback may call
-``result()``.  ``await future`` works from any asyncio loop.  Dropping the last reference to a future
-releases the key on the scheduler.
+They keep the standard library's contract (``Future``, ``wait``, ``as_completed``, an
+``Executor``'s ``map`` and ``shutdown``) and, for :meth:`Client.cancel`, Dask's.
+
+States
+------
+The standard library's: PENDING -> RUNNING -> FINISHED, or -> CANCELLED_AND_NOTIFIED (a cancelled
+future is always notified at once, so ``wait`` and ``as_completed`` see it as done).  A future
+becomes FINISHED when the scheduler reports its key in memory (or erred); the value is fetched from
+the worker that holds it on the first ``result()`` call and then cached.
+
+RUNNING is learned on demand, so the common path sends nothing extra per task: :meth:`running` and
+:meth:`cancel` ask the scheduler (one round trip, only while the future is pending and not yet
+known to run), and the scheduler answers from ``TaskRecord.executing`` (set when the worker reports
+that the task left its queue for a slot).  Once RUNNING, a future stays so until it is done, even if
+the scheduler runs the task again after its worker died.
+
+Cancelling
+----------
+``Future.cancel()`` is the standard library's: it cancels only a task that has not started
+executing and returns whether the future is cancelled.  ``Client.cancel(futures)`` is Dask's: the
+futures are cancelled whatever their state (a finished one drops its value).  Either way the
+scheduler also cancels this client's futures of every unfinished task computed from a cancelled one
+(it can never get its input), and any task nobody else needs stops: a queued one never runs, an
+executing one's result is dropped, and no worker keeps the values.  Cancelling is per client.
+
+Callbacks and lifetime
+----------------------
+``add_done_callback`` on a done future calls the callback at once, in the calling thread.  Otherwise
+the callback runs in the thread that completes the future, except that completions by scheduler
+reports hop to the client's callback thread (never its event-loop thread), so a callback may call
+``result()``.  An exception from a callback is logged and ignored.  Dropping the last reference to a
+future releases its key on the scheduler (the task stops if nothing else needs it), except that a
+future with callbacks, or one from ``get_executor()``, is kept alive by its client until it is done,
+as a ``ThreadPoolExecutor`` runs work nobody holds.  ``await future`` works from any asyncio loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import threading
 from collections.abc import Callable
+
+# the standard library's state names (stable since Python 3.2, in its private module)
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING, RUNNING
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from tidepool.client import Client
 
 T = TypeVar("T")
+log = logging.getLogger("tidepool.futures")
 
 
 class _InMemory:
@@ -43,6 +78,15 @@ def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> No
         pass
 
 
+def call_logged(fn: Callable[[Any], object], fut: concurrent.futures.Future[Any]) -> None:
+    """Run a done-callback; an exception is logged (with its traceback) and ignored."""
+    try:
+        fn(fut)
+    except Exception:
+        log.exception("done-callback %r of %r raised; the error was ignored (catch errors inside "
+                      "the callback to handle them)", fn, fut)  # fmt: skip
+
+
 class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable."""
 
@@ -51,10 +95,12 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         self.key = key
         self.client = client
         self._value: Any = _UNSET
+        self._pinned = False
         self.__weakref__: Any
 
     @property
     def status(self) -> str:
+        """Dask's status names: "pending", "cancelled", "error" or "finished"."""
         if self.cancelled():
             return "cancelled"
         if not self.done():
@@ -69,26 +115,94 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             self._value = self.client._fetch_one(self, timeout)
         return self._value  # type: ignore[no-any-return]
 
-    def cancel(self) -> bool:
-        """Release the key on the scheduler (stopping the task if nothing else needs it)."""
-        if self.cancelled():
-            return True
-        if self.done():
-            return False
-        self.client.cancel([self])
-        return super().cancel()
+    def running(self) -> bool:
+        """True while the task executes on a worker (it can no longer be cancelled).
 
+        While the future is pending and not yet known to run, this asks the scheduler (one round
+        trip); once it runs, the answer is local.
+        """
+        state = self._state
+        if state == RUNNING:
+            return True
+        if state != PENDING:
+            return False
+        return self.client._ask_running(self)
+
+    def cancel(self) -> bool:
+        """``concurrent.futures.Future.cancel``: cancel the task unless it is executing or done.
+
+        Returns True if the future is cancelled (now or before): its task will not run for this
+        client, and this client's futures of tasks that depend on it are cancelled too.  Returns
+        False if it is executing (the future is RUNNING from then on) or done.  Asks the scheduler,
+        which knows what executes (one round trip).  :meth:`Client.cancel` cancels whatever the
+        state, as Dask does.
+        """
+        state = self._state
+        if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+            return True
+        if state != PENDING:
+            return False
+        self.client._cancel([self], unless_started=True)
+        return self.cancelled()
+
+    # ---- state changes made by the client ------------------------------------------------------
+    def _mark_running(self) -> None:
+        """The scheduler says the task executes (from a ``running()`` or ``cancel()`` answer)."""
+        with self._condition:
+            if self._state == PENDING:
+                self._state = RUNNING
+
+    def _mark_cancelled(self) -> bool:
+        """Cancelled by the scheduler's word or by :meth:`Client.cancel`, whatever the state.
+
+        Waiters (``wait``, ``as_completed``) are notified and callbacks run, as for a standard
+        cancel followed by ``set_running_or_notify_cancel``; a finished future drops its outcome
+        (its callbacks ran when it finished).  Returns False if it was cancelled already.
+        """
+        with self._condition:
+            state = self._state
+            if state == CANCELLED_AND_NOTIFIED:
+                return False
+            if state != FINISHED:  # waiters of a finished future already counted it as done
+                for waiter in self._waiters:
+                    waiter.add_cancelled(self)
+            self._state = CANCELLED_AND_NOTIFIED
+            self._result = None
+            self._exception = None
+            self._condition.notify_all()
+        self._value = _UNSET
+        if state in (PENDING, RUNNING):
+            self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True
+
+    # ---- callbacks --------------------------------------------------------------------------------
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:  # type: ignore[override]
-        pool = self.client._callbacks
+        """Call ``fn(future)`` once it is done; at once, in this thread, if it is done already.
+
+        Completed by a scheduler report, ``fn`` runs on the client's callback thread (so it may call
+        ``result()``); completed by a call in some thread (``cancel()``), in that thread.  An
+        exception from ``fn`` is logged and ignored.  The client keeps this future alive until it
+        is done, so the callback fires even if nobody else holds the future.
+        """
+        client = self.client
+        if self._state in (PENDING, RUNNING):
+            client._pin(self)
+        loop_thread = client._loop.thread
 
         def run(f: concurrent.futures.Future[Any]) -> None:
-            pool.submit(fn, f)  # type: ignore[arg-type]
+            if threading.current_thread() is loop_thread:  # never block or run user code there
+                client._run_callback(fn, f)
+            else:
+                call_logged(fn, f)
 
         super().add_done_callback(run)
 
     def _add_raw_callback(self, fn: Callable[[concurrent.futures.Future[Any]], object]) -> None:
+        """A callback run in whatever thread completes the future (the client's loop thread for
+        reports): it must be quick and must not block."""
         super().add_done_callback(fn)
 
+    # ---- asyncio ----------------------------------------------------------------------------------
     def __await__(self) -> Any:
         return self._aresult().__await__()
 
@@ -111,8 +225,14 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         return self._value  # type: ignore[no-any-return]
 
     def release(self) -> None:
-        """Tell the scheduler this client no longer needs the value."""
+        """Tell the scheduler this client no longer needs the value.
+
+        A future not done yet is cancelled by this (no result would ever reach it); unlike
+        :meth:`cancel`, tasks that depend on it still run.
+        """
         self.client._release([self.key])
+        if not self.done():
+            self._mark_cancelled()
 
     def __repr__(self) -> str:
         return f"<tidepool.Future {self.key} {self.status}>"
@@ -124,3 +244,4 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             "a tidepool Future cannot be pickled; pass it directly as a task argument (it becomes a "
             "dependency) instead of inside an object that gets pickled"
         )
+

@@ -48,6 +48,14 @@ class Provider(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ReportsExpiring(Protocol):
+    """An optional capability: workers whose allocation ends soon (a batch job's walltime), so the
+    autoscaler retires them gracefully first (their data moves to survivors)."""
+
+    def expiring(self, now_wall: float) -> builtins.list[str]: ...
+
+
 def worker_command(scheduler: str, worker_id: str, node_type: NodeType, python: str = "python3",
                    heartbeat_interval: float = 1.0, extra: builtins.list[str] | None = None) -> builtins.list[str]:  # fmt: skip
     """The argv that starts one worker of ``node_type`` registering as ``worker_id``."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
+from tidepool.providers.base import ReportsExpiring
 from tidepool.scaling.controller import ScalingController
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
@@ -72,7 +73,6 @@ class AutoScaler:
         self._task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self.steps = 0
-        self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retire was asked
         self._disabled_seen = 0  # how many disabled node types the scheduler was told about
         self._closing = False
         #: the run's journal (a file, if given a path): scheduler events plus the controller's records
@@ -103,8 +103,8 @@ class AutoScaler:
             elif isinstance(e, ev.WorkerReady):
                 self.controller.worker_ready(e.worker)
             elif isinstance(e, ev.WorkerRemove):
-                if e.reason.startswith("setup failed"):
-                    self.controller.worker_failed(e.worker, e.reason, e.now)
+                if e.cause is ev.RemoveCause.SETUP_FAILED:
+                    self.controller.worker_failed(e.worker, e.reason, e.now, setup=True)
                 wake = True
             elif isinstance(e, ev.UpdateGraph):
                 wake = True
@@ -147,20 +147,10 @@ class AutoScaler:
                 self.controller.worker_failed(failure.worker_id, failure.message, now)
             else:
                 self.controller.launch_failed(failure.request_id, failure.message, now)
-        expiring = getattr(self.provider, "expiring", None)  # e.g. Slurm jobs near their walltime
-        if expiring is not None:
-            st = self.scheduler.state
-            ids = [w for w in await in_daemon_thread(expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
-                   if w in st.workers and st.workers[w].state == "running" and w not in self.controller.retiring
-                   and now - self._expiry_tried.get(w, -1e9) > 5.0]  # a refused retire is retried in 5 s  # fmt: skip
-            if ids:
-                self._expiry_tried.update(dict.fromkeys(ids, now))
-                self.controller.retiring.update(ids)
-                for w in ids:
-                    self.controller.journal.record("retire", now, worker=w, reason="provider: walltime ends soon")
-                self._sync()
-                self._spawn(self._retire(ids))
-        actions = self.controller.step(self.scheduler.state, self.scheduler.clock())
+        expiring: list[str] = []
+        if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
+            expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
+        actions = self.controller.step(self.scheduler.state, self.scheduler.clock(), expiring=expiring)
         for rec in actions.records:
             self.journal.add(rec)
         self.steps += 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,7 @@ class ScalingController:
         self.manage_foreign = manage_foreign
         self.adopted: set[str] = set()  # not launched here, but ours to retire (the cluster's own)
         self._foreign_noted: set[str] = set()
+        self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
         self._fallback = Adaptive()
         self._policy_error_t = -1e9
         self._policy_error = ""
@@ -190,14 +191,14 @@ class ScalingController:
         if nt:
             self._type_failed(nt, message, now)
 
-    def worker_failed(self, wid: str, message: str, now: float) -> None:
+    def worker_failed(self, wid: str, message: str, now: float, *, setup: bool = False) -> None:
         """A worker this controller launched died before joining (or its setup failed)."""
         rid = self.worker_request.get(wid)
         if rid is not None and wid not in self.joined:
             self.launch_failed(rid, f"worker {wid}: {message}", now)
         elif wid in self.joined and rid is not None:
             nt = self._type_of_request(rid)
-            if nt and "setup" in message:
+            if nt and setup:
                 self._type_failed(nt, message, now, "WorkerSetupError")
 
     def retire_done(self, wid: str, outcome: str, now: float) -> None:
@@ -231,8 +232,24 @@ class ScalingController:
             out.append(nt)
         return tuple(out)
 
-    def step(self, state: SchedulerState, now: float) -> Actions:
+    def step(self, state: SchedulerState, now: float, expiring: Sequence[str] = ()) -> Actions:
+        """One round: observe (arrivals, timeouts, workers whose allocation ends soon), then decide.
+
+        ``expiring``: workers the provider says end soon (a walltime): retired gracefully now,
+        asked again every 5 s while refused.
+        """
         actions = Actions()
+        for wid in expiring:
+            ws = state.workers.get(wid)
+            if ws is None or ws.state != "running" or wid in self.retiring:
+                continue
+            if now - self._expiry_tried.get(wid, -1e9) <= 5.0:
+                continue
+            self._expiry_tried[wid] = now
+            self.retiring.add(wid)
+            actions.retire.append(wid)
+            self.journal.record("retire", now, worker=wid, node_type=ws.node_type,
+                                reason="provider: walltime ends soon")  # fmt: skip
         # observe: launches that never arrived
         for rid, rec in list(self.launches.items()):
             if now >= rec.deadline:
@@ -320,7 +337,7 @@ class ScalingController:
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self.retiring.add(wid)
             actions.retire.append(wid)
-            why = next((r for r in decision.reasons if r.startswith(wid)), "policy")
+            why = dict(decision.why).get(wid, "the policy asked (no reason given)")
             self.journal.record("retire", now, worker=wid, node_type=ws.node_type, reason=why)
         if not actions.launch and not actions.retire and decision.reasons:
             text = "; ".join(decision.reasons)[:2000]

@@ -40,11 +40,12 @@ def as_decision(value: Any) -> ScaleDecision:
     if isinstance(value, ScaleDecision):
         return value
     if isinstance(value, dict):
-        unknown = set(value) - {"launch", "retire", "infeasible", "reasons"}
+        unknown = set(value) - {"launch", "retire", "infeasible", "reasons", "why"}
         if unknown:
             raise ConfigError(f"policy returned unknown fields {sorted(unknown)}; use launch/retire")
         return ScaleDecision(dict(value.get("launch", {})), tuple(value.get("retire", ())),
-                             tuple(value.get("infeasible", ())), tuple(value.get("reasons", ())))  # fmt: skip
+                             tuple(value.get("infeasible", ())), tuple(value.get("reasons", ())),
+                             tuple(dict(value.get("why", {})).items()))  # fmt: skip
     raise ConfigError(f"a policy must return a ScaleDecision or a dict, got {type(value).__name__}")
 
 
@@ -176,6 +177,7 @@ class IdleRetire:
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         retire: list[str] = []
+        whys: list[tuple[str, str]] = []
         reasons: list[str] = []
         left = {nt.name: snap.nodes_of(nt.name) for nt in snap.node_types}
         for w in snap.workers:
@@ -202,10 +204,11 @@ class IdleRetire:
                                f"({w.unique_bytes} bytes): retire, moving them to survivors")  # fmt: skip
             else:
                 continue
+            whys.append((w.id, reasons[-1]))
             retire.append(w.id)
             if nt is not None:
                 left[nt.name] -= 1
-        return ScaleDecision(retire=tuple(retire), reasons=tuple(reasons))
+        return ScaleDecision(retire=tuple(retire), reasons=tuple(reasons), why=tuple(whys))
 
 
 def merge(decisions: Sequence[ScaleDecision]) -> ScaleDecision:
@@ -213,13 +216,17 @@ def merge(decisions: Sequence[ScaleDecision]) -> ScaleDecision:
     retire: list[str] = []
     infeasible: list[str] = []
     reasons: list[str] = []
+    why: dict[str, str] = {}
     for d in decisions:
+        for w, text in d.why:
+            why.setdefault(w, text)
         for k, v in d.launch.items():
             launch[k] = max(launch.get(k, 0), v)
         retire.extend(r for r in d.retire if r not in retire)
         infeasible.extend(i for i in d.infeasible if i not in infeasible)
         reasons.extend(d.reasons)
-    return ScaleDecision({k: v for k, v in launch.items() if v > 0}, tuple(retire), tuple(infeasible), tuple(reasons))
+    return ScaleDecision({k: v for k, v in launch.items() if v > 0}, tuple(retire), tuple(infeasible), tuple(reasons),
+                         tuple(why.items()))  # fmt: skip
 
 
 def anti_flap(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> ScaleDecision:
@@ -237,7 +244,7 @@ def anti_flap(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> S
             reasons.append(f"anti-flap: keep {wid}, its type {w.node_type} is being launched")
         else:
             keep.append(wid)
-    return ScaleDecision(d.launch, tuple(keep), d.infeasible, tuple(reasons))
+    return ScaleDecision(d.launch, tuple(keep), d.infeasible, tuple(reasons), d.why)
 
 
 @dataclass

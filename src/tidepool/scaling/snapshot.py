@@ -128,6 +128,8 @@ class ScaleDecision:
     retire: tuple[str, ...] = ()
     infeasible: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
+    #: (worker id, why) for retirements: the journal gives each retirement its own reason
+    why: tuple[tuple[str, str], ...] = ()
 
     @property
     def empty(self) -> bool:

@@ -8,11 +8,22 @@ Commands are plain records the asyncio shell turns into messages; the shell may 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
 
 Shape = tuple[tuple[str, float], ...]
+
+
+class RemoveCause(StrEnum):
+    """Why a worker left, as data (the ``reason`` text is for people)."""
+
+    CLOSED = "closed"  # its connection closed: it exited, crashed or was killed
+    SETUP_FAILED = "setup-failed"  # a setup hook failed there
+    SILENT = "silent"  # alive but silent past the heartbeat time-to-live
+    RETIRED = "retired"  # graceful retirement finished
+    RESTARTED = "restarted"  # asked to restart (client.restart): the same process comes back
 
 
 @dataclass(slots=True)
@@ -43,9 +54,19 @@ class UpdateGraph:
 
 @dataclass(slots=True)
 class ReleaseKeys:
+    """``client`` no longer wants ``keys``.
+
+    ``cancel``: the client cancels them instead: its futures of ``keys`` and of every
+    unfinished task downstream of them are reported "cancelled" and no longer wanted by it; tasks
+    nobody else needs stop.  ``unless_started`` (with ``cancel``; ``concurrent.futures.Future.cancel``
+    semantics): a key whose task is executing is kept and reported "running", a finished one is kept.
+    """
+
     client: str
     keys: list[str]
     now: float
+    cancel: bool = False
+    unless_started: bool = False
 
 
 @dataclass(slots=True)
@@ -78,6 +99,7 @@ class WorkerRemove:
     now: float
     reason: str = "connection closed"
     graceful: bool = False
+    cause: RemoveCause = field(default_factory=lambda: RemoveCause.CLOSED)
 
 
 @dataclass(slots=True)
@@ -258,7 +280,8 @@ class Free:
 
 @dataclass(slots=True)
 class Report:
-    """Tell ``client`` that ``key`` reached ``status`` ("memory", "erred", "cancelled")."""
+    """Tell ``client`` that ``key`` reached ``status`` ("memory", "erred", "lost"; "cancelled" and
+    "running" answer a cancel request)."""
 
     client: str
     key: str

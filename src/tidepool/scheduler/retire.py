@@ -72,7 +72,8 @@ def progress_retirements(state: SchedulerState, out: list[ev.Command]) -> None:
             reason = state.retire_reason.pop(wid, "retired")
             state.retiring.pop(wid, None)
             out.append(ev.CloseWorker(wid, f"retired ({reason})"))
-            state._worker_remove(ev.WorkerRemove(wid, state.now, f"retired ({reason})", graceful=True), out)
+            state._worker_remove(ev.WorkerRemove(wid, state.now, f"retired ({reason})", graceful=True,
+                                                 cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
             continue
         todo = [ts for ts in unique if ts.key not in asked]
         if not todo:

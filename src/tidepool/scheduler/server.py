@@ -67,6 +67,7 @@ class Scheduler:
         self.setup_waiters: dict[tuple[str, str], asyncio.Future[str]] = {}
         self.run_waiters: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         self._run_ids = 0
+        self._restarting: set[str] = set()
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._client_ids = 0
@@ -261,6 +262,7 @@ class Scheduler:
                              memory_limit=int(msg.get("memory_limit", 0)), ready=not setups)  # fmt: skip
         await self.apply([join])
         reason = "connection closed"
+        cause = ev.RemoveCause.CLOSED
         try:
             while True:
                 msg = await conn.recv()
@@ -282,6 +284,7 @@ class Scheduler:
                 elif op == "setup-failed":
                     await self._setup_failed(wid, msg)
                     reason = f"setup failed: {msg.get('error', '')}"
+                    cause = ev.RemoveCause.SETUP_FAILED
                     break
                 else:
                     raise ProtocolError(f"unknown worker op {op!r}")
@@ -297,7 +300,11 @@ class Scheduler:
             if self.worker_conns.get(wid) is conn:
                 del self.worker_conns[wid]
             if wid in self.state.workers and not self._closed:
-                await self.apply([ev.WorkerRemove(wid, self.clock(), reason)])
+                if wid in self._restarting:  # it re-executes itself: not a failure, nothing to replace
+                    self._restarting.discard(wid)
+                    reason, cause = "restarting (client.restart)", ev.RemoveCause.RESTARTED
+                await self.apply([ev.WorkerRemove(wid, self.clock(), reason, graceful=cause is ev.RemoveCause.RESTARTED,
+                                                  cause=cause)])  # fmt: skip
 
     async def _handle_client(self, conn: Connection) -> None:
         self._client_ids += 1
@@ -327,6 +334,15 @@ class Scheduler:
             await self.apply([ev.UpdateGraph(cid, specs, list(msg["wanted"]), now, msg.get("functions") or {})])
         elif op == "release":
             await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now)])
+        elif op == "cancel":  # the outcome goes out as reports ("cancelled"/"running") before the reply
+            await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now, cancel=True,
+                                             unless_started=bool(msg.get("unless_started")))])  # fmt: skip
+            if msg.get("id") is not None:
+                await conn.send({"op": "reply", "id": msg["id"], "result": None})
+        elif op == "running":  # which of these keys are executing on a worker now
+            tasks = self.state.tasks
+            running = [k for k in msg["keys"] if (t := tasks.get(k)) is not None and t.state == "running" and t.executing]
+            await conn.send({"op": "reply", "id": msg["id"], "result": running})
         elif op == "who-has":
             await conn.send({"op": "reply", "id": msg["id"],
                              "result": {k: self.state.who_has(k) for k in msg["keys"]}})  # fmt: skip
@@ -406,6 +422,7 @@ class Scheduler:
         await self.apply([ev.Restart("the cluster was restarted (client.restart()); submit the work again",
                                      since)])  # fmt: skip
         for wid in list(self.worker_conns):
+            self._restarting.add(wid)
             await self._send_worker(wid, {"op": "restart"})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -300,6 +300,9 @@ class SchedulerState:
                 self._check(ts, out)
 
     def _release_keys(self, e: ev.ReleaseKeys, out: list[ev.Command]) -> None:
+        if e.cancel:
+            self._cancel_keys(e, out)
+            return
         keys = self.clients.get(e.client, set())
         for k in e.keys:
             keys.discard(k)
@@ -307,6 +310,51 @@ class SchedulerState:
             if ts is not None and e.client in ts.wanted_by:
                 ts.wanted_by.discard(e.client)
                 self._check(ts, out)
+
+    # ---- cancelling (client.cancel, Future.cancel, Executor.shutdown(cancel_futures=True)) -------
+    def _cancel_keys(self, e: ev.ReleaseKeys, out: list[ev.Command]) -> None:
+        """``e.client`` cancels ``e.keys``; cancelling is per client.
+
+        Its futures of those keys and of every task downstream of them that has not finished (a
+        finished one no longer needs its inputs) are reported "cancelled" and it stops wanting them.
+        Tasks nobody else needs then stop as on any release (``_check``): a queued one is taken off
+        its worker's queue and never runs, an executing one's result is dropped by its worker, and
+        values are freed on every holder.  Other clients' futures are not touched: their tasks (and
+        the inputs those need) go on.  ``unless_started``: keys whose task is executing are kept and
+        reported "running", finished ones are kept (their outcome was reported already).
+        """
+        client = e.client
+        wanted = self.clients.get(client, set())
+        roots: list[TaskRecord] = []
+        for k in e.keys:
+            ts = self.tasks.get(k)
+            if ts is None or client not in ts.wanted_by:
+                out.append(ev.Report(client, k, "cancelled"))  # nothing of ours to stop
+                wanted.discard(k)
+                continue
+            if e.unless_started:
+                if ts.state in ("memory", "erred"):
+                    continue
+                if ts.state == "running" and ts.executing:
+                    out.append(ev.Report(client, k, "running"))
+                    continue
+            roots.append(ts)
+        seen = set(roots)
+        stack = list(roots)
+        while stack:  # downstream: every unfinished task computed from a cancelled one
+            ts = stack.pop()
+            for dt in ts.dependents:
+                if dt not in seen and dt.state in ACTIVE:
+                    seen.add(dt)
+                    stack.append(dt)
+        cancelled = sorted(seen, key=lambda t: t.priority)
+        for ts in cancelled:
+            if client in ts.wanted_by:
+                ts.wanted_by.discard(client)
+                wanted.discard(ts.key)
+                out.append(ev.Report(client, ts.key, "cancelled"))
+        for ts in reversed(cancelled):  # any order works: _check follows each task to its inputs
+            self._check(ts, out)
 
     def _client_gone(self, e: ev.ClientGone, out: list[ev.Command]) -> None:
         keys = self.clients.pop(e.client, set())
@@ -827,7 +875,7 @@ class SchedulerState:
                 reason = (f"no heartbeat for {e.now - ws.last_seen:.1f}s (time-to-live "
                           f"{self.heartbeat_timeout:g}s; raise heartbeat_timeout if tasks block workers longer)")  # fmt: skip
                 out.append(ev.CloseWorker(ws.id, reason))
-                self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason), out)
+                self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason, cause=ev.RemoveCause.SILENT), out)
         timeout = self.no_worker_timeout
         if timeout is not None and self.infeasible is None and self.no_worker:
             for shape in list(self.no_worker):
