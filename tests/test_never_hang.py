@@ -229,3 +229,13 @@ def test_a_task_that_kills_its_worker_errs_on_a_fixed_pool_too() -> None:
         assert "3 workers" in str(info.value)
         assert client.submit(inc, 1).result(timeout=30) == 2  # the pool is back to one worker
         wait_until(lambda: len(cluster.workers) == 1, what="one worker")
+
+
+def test_a_released_value_that_was_never_fetched_fails_instead_of_waiting_forever() -> None:
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(inc, 1)
+        wait_until(fut.done, what="task done")
+        fut.release()
+        wait_until(lambda: fut.key not in cluster.scheduler.state.tasks, what="the key forgotten")
+        with pytest.raises(tidepool.TaskCancelledError, match="released"):
+            fut.result()  # no timeout: it must still answer

@@ -551,6 +551,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
             by_addr: dict[str, list[str]] = {}
             absent: list[str] = []
             for k in remaining:
+                if k in who and who[k] is None and k not in self._errors:
+                    raise TaskCancelledError(
+                        f"the scheduler no longer knows {k!r}: it was released (future.release(), "
+                        "client.cancel, or every future of it dropped) before its value was fetched; "
+                        "submit it again", k)  # fmt: skip
                 addrs = who.get(k) or []
                 if addrs:
                     by_addr.setdefault(addrs[0], []).append(k)

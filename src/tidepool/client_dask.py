@@ -87,7 +87,7 @@ class DaskAPI:
             keys = list(self._futures.keys())
         else:
             keys = [f.key for f in collect(futures, _future_type())]  # type: ignore[var-annotated]
-        return self._call({"op": "who-has", "keys": keys})  # type: ignore[no-any-return]
+        return {k: v or [] for k, v in self._call({"op": "who-has", "keys": keys}).items()}
 
     def has_what(self) -> dict[str, list[str]]:
         """Worker address -> keys of the values it holds."""

@@ -343,9 +343,10 @@ class Scheduler:
             tasks = self.state.tasks
             running = [k for k in msg["keys"] if (t := tasks.get(k)) is not None and t.state == "running" and t.executing]
             await conn.send({"op": "reply", "id": msg["id"], "result": running})
-        elif op == "who-has":
+        elif op == "who-has":  # None: the scheduler does not know the key (released): never wait for it
+            tasks = self.state.tasks
             await conn.send({"op": "reply", "id": msg["id"],
-                             "result": {k: self.state.who_has(k) for k in msg["keys"]}})  # fmt: skip
+                             "result": {k: self.state.who_has(k) if k in tasks else None for k in msg["keys"]}})  # fmt: skip
         elif op == "info":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
         elif op == "eta":
