@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
 from tidepool.telemetry.report import launch_labels
@@ -69,3 +71,23 @@ def test_scheduler_journal_is_written_while_it_runs_and_survives_sigkill(tmp_pat
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
+
+
+def test_compute_progress_counts_every_task_of_the_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    import tidepool
+    from tidepool.testing import wait_until
+
+    @tidepool.task
+    def inc(x: int) -> int:
+        return x + 1
+
+    @tidepool.task
+    def total(xs: list[int]) -> int:
+        return sum(xs)
+
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        root = total([inc(i) for i in range(48)])  # 49 tasks, one root
+        fut = client.compute(root, progress=True)
+        assert fut.result() == sum(range(1, 49))
+        assert "49/49 done" in capsys.readouterr().out
+        wait_until(lambda: not cluster.scheduler.watches, what="the progress watch dropped")

@@ -475,7 +475,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         if progress:
             from tidepool.telemetry.progress import show_progress
 
-            show_progress(self, list(futs.values()))
+            show_progress(self, list(futs.values()), graph_keys=[t[0] for t in tasks])
         return result
 
     # ---- executor ----------------------------------------------------------------------------------
@@ -870,6 +870,14 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
             raise WorkerSetupError(f"setup {nm!r} failed on {len(failed)} of {len(result)} workers "
                                    f"(they were closed):\n{details}")  # fmt: skip
         return result  # type: ignore[no-any-return]
+
+    def _graph_progress(self, keys: list[str] | None, watch: int | None) -> dict[str, int]:
+        """How many of a graph's tasks are done (for the progress bar): keys once, then the watch id."""
+        msg: dict[str, Any] = {"op": "progress", "keys": keys} if keys is not None else {"op": "progress", "watch": watch}
+        return self._loop.run(self._request(msg))  # type: ignore[no-any-return]
+
+    def _graph_progress_end(self, watch: int) -> None:
+        self._post({"op": "progress-end", "watch": watch})
 
     def eta(self) -> float | None:
         """Forecast seconds until everything submitted so far is done (None: no worker, no launch).

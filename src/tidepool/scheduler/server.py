@@ -68,6 +68,8 @@ class Scheduler:
         self.run_waiters: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         self._run_ids = 0
         self._restarting: set[str] = set()
+        self.watches: dict[int, list[str]] = {}  # progress watch id -> the graph's keys
+        self._watch_ids = 0
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._client_ids = 0
@@ -355,6 +357,16 @@ class Scheduler:
             asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
         elif op in ("run", "restart"):
             asyncio.get_running_loop().create_task(self._long_request(conn, msg))
+        elif op == "progress":  # how much of a graph is done: keys sent once, then a watch id
+            if msg.get("keys") is not None:
+                self._watch_ids += 1
+                self.watches[self._watch_ids] = list(msg["keys"])
+                wid = self._watch_ids
+            else:
+                wid = int(msg["watch"])
+            await conn.send({"op": "reply", "id": msg["id"], "result": {"watch": wid, **self.progress(wid)}})
+        elif op == "progress-end":
+            self.watches.pop(int(msg["watch"]), None)
         elif op == "has-what":
             st = self.state
             result = {w.address: [ts.key for ts in w.has_what] for w in st.workers.values()}
@@ -454,6 +466,19 @@ class Scheduler:
         eta = forecast(work, slots, arrivals)
         return {"eta": None if eta == float("inf") else eta, "tasks": len(work), "slots": slots,
                 "work_seconds": work.total}  # fmt: skip
+
+    def progress(self, watch: int) -> dict[str, int]:
+        """Done (in memory, or finished and already released), failed and total keys of a graph."""
+        tasks = self.state.tasks
+        keys = self.watches.get(watch, [])
+        done = failed = 0
+        for k in keys:
+            ts = tasks.get(k)
+            if ts is None or ts.state == "memory":
+                done += 1
+            elif ts.state == "erred":
+                failed += 1
+        return {"done": done + failed, "failed": failed, "total": len(keys)}
 
     def info(self) -> dict[str, Any]:
         st = self.state

@@ -15,8 +15,10 @@ The text is built by the pure :func:`progress_line`, so it is tested without a t
 display is transient and replaced, when done, by one final line, which is also all that is written
 to a console that is not a terminal (a log file, a CI job).
 
-Limitation: the bar counts the futures it is given.  ``compute()`` passes only the graph's roots, so
-a graph with one root moves from 0/1 to 1/1 at the end; the worker count and the ETA still move.
+What is counted: given ``graph_keys`` (``compute()`` passes every task of the graph), the bar
+counts those tasks, asking the scheduler at most twice a second (the keys are sent once; later asks
+name a watch id); otherwise it counts the futures it waits on.  Either way it ends when the futures
+are done.
 """
 
 from __future__ import annotations
@@ -85,6 +87,40 @@ def _failed(f: concurrent.futures.Future[Any]) -> bool:
     return f.cancelled() or f.exception() is not None
 
 
+#: How often the graph's task counts are asked for, at most.
+COUNT_INTERVAL = 0.5
+
+
+class _GraphCount:
+    """Done/failed/total over all tasks of a graph, from the scheduler (None if it cannot say)."""
+
+    def __init__(self, client: Any, keys: list[str]) -> None:
+        self.client = client
+        self.keys = keys
+        self.watch: int | None = None
+        self.counts: tuple[int, int, int] | None = None
+        self._at = float("-inf")
+
+    def refresh(self, now: float, force: bool = False) -> None:
+        if not force and now - self._at < COUNT_INTERVAL:
+            return
+        self._at = now
+        try:
+            res = self.client._graph_progress(self.keys if self.watch is None else None, self.watch)
+        except Exception as exc:  # noqa: BLE001 - a display must not fail the computation
+            log.debug("graph progress failed: %s", exc)
+            return
+        self.watch = res["watch"]
+        self.counts = (int(res["done"]), int(res["failed"]), int(res["total"]))
+
+    def close(self) -> None:
+        if self.watch is not None:
+            try:
+                self.client._graph_progress_end(self.watch)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("graph progress end failed: %s", exc)
+
+
 class _SchedulerView:
     """The last answers from the scheduler; failures to ask keep the previous ones."""
 
@@ -116,7 +152,8 @@ class _SchedulerView:
 
 
 def show_progress(client: Any, futures: Iterable[concurrent.futures.Future[Any]], *,
-                  console: Console | None = None, refresh: float = 0.2) -> None:  # fmt: skip
+                  console: Console | None = None, refresh: float = 0.2,
+                  graph_keys: list[str] | None = None) -> None:  # fmt: skip
     """Show a progress bar until every future is done (finished, failed or cancelled).
 
     ``client`` needs ``scheduler_info()``; its ``eta()`` is used when it has one.  Ends with one
@@ -126,19 +163,30 @@ def show_progress(client: Any, futures: Iterable[concurrent.futures.Future[Any]]
     futs = list(dict.fromkeys(futures))  # a future passed twice counts once
     console = console if console is not None else Console()
     view = _SchedulerView(client)
+    graph = _GraphCount(client, list(dict.fromkeys(graph_keys))) if graph_keys and hasattr(client, "_graph_progress") else None
     start = time.monotonic()
-    if console.is_terminal or console.is_jupyter:
-        _live(futs, view, console, refresh)
-    else:
-        concurrent.futures.wait(futs)
-        view.refresh(time.monotonic(), with_eta=False)
-    failed = sum(1 for f in futs if _failed(f))
-    final = progress_line(len(futs), len(futs), failed, view.workers, None, show_eta=False)
+    try:
+        if console.is_terminal or console.is_jupyter:
+            _live(futs, view, console, refresh, graph)
+        else:
+            concurrent.futures.wait(futs)
+            view.refresh(time.monotonic(), with_eta=False)
+        failed = sum(1 for f in futs if _failed(f))
+        total = len(futs)
+        if graph is not None:
+            graph.refresh(time.monotonic(), force=True)
+            if graph.counts is not None:
+                total = graph.counts[2]
+                failed = max(failed, graph.counts[1])
+    finally:
+        if graph is not None:
+            graph.close()
+    final = progress_line(total, total, failed, view.workers, None, show_eta=False)
     console.print(Text(f"{final} in {format_seconds(time.monotonic() - start)}"))
 
 
 def _live(futs: list[concurrent.futures.Future[Any]], view: _SchedulerView, console: Console,
-          refresh: float) -> None:  # fmt: skip
+          refresh: float, graph: _GraphCount | None = None) -> None:  # fmt: skip
     """The rich bar, redrawn when all futures are done or every ``refresh`` seconds until then."""
     total = len(futs)
     columns: list[ProgressColumn] = [
@@ -155,9 +203,13 @@ def _live(futs: list[concurrent.futures.Future[Any]], view: _SchedulerView, cons
         while True:
             now = time.monotonic()
             view.refresh(now)
-            done = total - len(pending)
-            line = progress_line(done, total, failed, view.workers, view.eta(now), show_eta=view.has_eta)
-            bar.update(task, completed=done if total else 1, line=line)
+            done, shown_failed, shown_total = total - len(pending), failed, total
+            if graph is not None:
+                graph.refresh(now, force=not pending)
+                if graph.counts is not None:
+                    done, shown_failed, shown_total = graph.counts
+            line = progress_line(done, shown_total, shown_failed, view.workers, view.eta(now), show_eta=view.has_eta)
+            bar.update(task, total=max(shown_total, 1), completed=done if shown_total else 1, line=line)
             bar.refresh()
             if not pending:
                 break
