@@ -246,16 +246,7 @@ class MemoryConnection(Connection):
         self.other: MemoryConnection | None = None
 
     async def send(self, msg: dict[str, Any]) -> None:
-        parts = self._encode(msg)
-        other = self.other
-        if other is None or other._closed:
-            raise ConnectionLostError(f"connection to {self.peer} closed")
-        try:
-            for part in parts:
-                other._decoder.feed(part)
-        except ProtocolError as exc:
-            other._fail(exc)
-            other.close()
+        self.send_nowait(msg)
         await asyncio.sleep(0)
 
     def send_nowait(self, msg: dict[str, Any]) -> bool:
