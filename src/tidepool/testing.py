@@ -8,6 +8,7 @@ moves it.  Commands are recorded in ``log`` so tests can assert on them.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -140,3 +141,81 @@ class StateDriver:
     def status(self, client: str = "c") -> dict[str, str]:
         """Last reported status per key for ``client``."""
         return {r.key: r.status for r in self.reports if r.client == client}
+
+
+class FakeProvider:
+    """A provider for tests and simulations: no processes, time from an injected clock.
+
+    ``launch`` is idempotent by request id and returns worker ids at once; a worker is listed as
+    ``pending`` for ``queue_wait + startup`` seconds (per node type if a dict), then ``running``
+    (the test joins it to the scheduler state when :meth:`ready` hands it out).  ``fail`` (a set of
+    node type names, or a predicate on the request) makes launches fail: reported once through
+    :meth:`poll_errors`, never raised.  :meth:`crash` ends a worker as if its process died.
+    """
+
+    def __init__(self, clock: Callable[[], float], *, startup: float | dict[str, float] = 0.5,
+                 queue_wait: float = 0.0, fail: Any = None) -> None:  # fmt: skip
+        from tidepool.providers.base import ProviderFailure
+
+        self._failure_cls = ProviderFailure
+        self.clock = clock
+        self.startup = startup
+        self.queue_wait = queue_wait
+        self.fail = fail
+        self.requests: dict[str, list[str]] = {}
+        self.workers: dict[str, dict[str, Any]] = {}
+        self._errors: list[Any] = []
+        self._handed: set[str] = set()
+        self.launch_calls = 0
+
+    def _startup(self, node_type: str) -> float:
+        if isinstance(self.startup, dict):
+            return float(self.startup.get(node_type, 0.5))
+        return float(self.startup)
+
+    def launch(self, node_type: Any, count: int, request_id: str) -> builtins.list[str]:
+        self.launch_calls += 1
+        if request_id in self.requests:
+            return list(self.requests[request_id])
+        failing = (node_type.name in self.fail) if isinstance(self.fail, (set, frozenset, list, tuple)) else \
+            bool(self.fail(node_type, count, request_id)) if callable(self.fail) else False  # fmt: skip
+        ids = [f"{node_type.name}-{request_id}-{i}" for i in range(count * node_type.workers_per_node)]
+        self.requests[request_id] = ids
+        now = self.clock()
+        if failing:
+            self._errors.append(self._failure_cls(request_id, None, f"fake launch of {node_type.name!r} failed"))
+            return ids
+        for w in ids:
+            self.workers[w] = {"node_type": node_type.name, "request_id": request_id, "alive": True,
+                               "up_at": now + self.queue_wait + self._startup(node_type.name),
+                               "resources": dict(node_type.worker_resources)}  # fmt: skip
+        return ids
+
+    def ready(self) -> builtins.list[tuple[str, dict[str, Any]]]:
+        """Workers whose start-up is over and that were not handed out before: (id, info)."""
+        now = self.clock()
+        out = [(w, info) for w, info in self.workers.items()
+               if info["alive"] and info["up_at"] <= now and w not in self._handed]  # fmt: skip
+        self._handed.update(w for w, _ in out)
+        return out
+
+    def crash(self, wid: str, returncode: int = -9) -> None:
+        info = self.workers[wid]
+        info["alive"], info["returncode"] = False, returncode
+
+    def terminate(self, worker_ids: builtins.list[str]) -> None:
+        for w in worker_ids:
+            if w in self.workers:
+                self.workers[w]["alive"] = False
+
+    def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
+        now = self.clock()
+        return {w: {**info, "state": ("running" if info["up_at"] <= now else "pending") if info["alive"] else "gone"}
+                for w, info in self.workers.items()}  # fmt: skip
+
+    def poll_errors(self) -> builtins.list[Any]:
+        errs, self._errors = self._errors, []
+        return errs
+
+    def close(self) -> None:
+        self.terminate(list(self.workers))

@@ -33,6 +33,8 @@ log = logging.getLogger("tidepool.scaling")
 T = TypeVar("T")
 #: seconds a provider's poll/list/terminate call may take before the autoscaler stops waiting
 PROVIDER_CALL_TIMEOUT = 30.0
+#: seconds between provider listings while launches are in flight (listing may cost a squeue)
+LIST_EVERY = 2.0
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
@@ -75,6 +77,7 @@ class AutoScaler:
         self.steps = 0
         self._disabled_seen = 0  # how many disabled node types the scheduler was told about
         self._closing = False
+        self._listed_at = float("-inf")
         #: the run's journal (a file, if given a path): scheduler events plus the controller's records
         self.journal = journal if journal is not None else Journal()
 
@@ -150,7 +153,15 @@ class AutoScaler:
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
-        actions = self.controller.step(self.scheduler.state, self.scheduler.clock(), expiring=expiring)
+        listing = None
+        if self.controller.launches and now - self._listed_at >= LIST_EVERY:  # reconcile launches
+            self._listed_at = now
+            try:
+                listing = await in_daemon_thread(self.provider.list, timeout=PROVIDER_CALL_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
+                log.info("provider.list failed: %s", exc)
+        actions = self.controller.step(self.scheduler.state, self.scheduler.clock(), expiring=expiring,
+                                       listing=listing)  # fmt: skip
         for rec in actions.records:
             self.journal.add(rec)
         self.steps += 1

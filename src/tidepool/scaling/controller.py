@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -232,13 +232,20 @@ class ScalingController:
             out.append(nt)
         return tuple(out)
 
-    def step(self, state: SchedulerState, now: float, expiring: Sequence[str] = ()) -> Actions:
-        """One round: observe (arrivals, timeouts, workers whose allocation ends soon), then decide.
+    def step(self, state: SchedulerState, now: float, expiring: Sequence[str] = (),
+             listing: Mapping[str, Mapping[str, Any]] | None = None) -> Actions:  # fmt: skip
+        """One round: observe (arrivals, timeouts, workers whose allocation ends soon, the
+        provider's listing), then decide.
 
         ``expiring``: workers the provider says end soon (a walltime): retired gracefully now,
-        asked again every 5 s while refused.
+        asked again every 5 s while refused.  ``listing``: the provider's ``list()`` (worker id ->
+        at least ``alive``), when the shell fetched one this round: a launched worker that is not
+        listed, or listed as ended, before it registered fails its launch now instead of at the
+        launch timeout.
         """
         actions = Actions()
+        if listing is not None:
+            self._reconcile(listing, now)
         for wid in expiring:
             ws = state.workers.get(wid)
             if ws is None or ws.state != "running" or wid in self.retiring:
@@ -371,6 +378,23 @@ class ScalingController:
             self._fc_every = min(5.0, max(0.25, len(state.tasks) / FORECAST_TASKS_PER_SECOND))
         self._fc_time, self._fc_key = now, changed
         self._fc_finished = state.counters["finished"]
+
+    def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
+        for rid, rec in list(self.launches.items()):
+            for wid in rec.worker_ids:
+                if wid in rec.arrived or wid in self.joined:
+                    continue
+                info = listing.get(wid)
+                if info is None:
+                    why = f"worker {wid} is not listed by the provider any more"
+                elif not info.get("alive", True):
+                    rc = info.get("returncode")
+                    why = f"worker {wid} ended before it registered" + (f" (exit code {rc})" if rc is not None else "")
+                else:
+                    continue
+                self.journal.record("reconcile", now, request=rid, worker=wid, reason=why)
+                self.launch_failed(rid, why, now)
+                break
 
     def drain_records(self) -> list[dict[str, Any]]:
         """Records made since the last call, for the shell to write to its journal."""

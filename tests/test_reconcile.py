@@ -1,0 +1,88 @@
+"""The controller reconciles its launches with the provider's listing; tested with the public
+FakeProvider and a fake clock only."""
+
+from __future__ import annotations
+
+from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
+from tidepool.testing import FakeClock, FakeProvider, StateDriver
+
+CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=1.0)
+
+
+def want_one(snap: ClusterSnapshot) -> ScaleDecision:
+    return ScaleDecision(launch={"cpu": 1}) if not snap.nodes_of("cpu") else ScaleDecision()
+
+
+def run_round(c: ScalingController, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
+    """One shell round: failures, listing, step, launches, arrivals (what autoscaler.py does)."""
+    for f in p.poll_errors():
+        c.launch_failed(f.request_id, f.message, clock())
+    acts = c.step(d.state, clock(), listing=p.list())
+    launched = []
+    for rid, nt, n in acts.launch:
+        ids = p.launch(nt, n, rid)
+        c.launched(rid, ids, clock())
+        launched += ids
+    for wid, info in p.ready():
+        d.add_worker(wid, info["resources"], node_type=info["node_type"])
+        c.worker_joined(wid, clock())
+    return launched
+
+
+def test_a_worker_that_dies_before_registering_fails_its_launch_at_once() -> None:
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    p = FakeProvider(clock, startup=30.0)
+    c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
+    (wid,) = run_round(c, d, p, clock)
+    clock.advance(1.0)
+    p.crash(wid, returncode=3)
+    run_round(c, d, p, clock)  # long before the 600 s launch timeout
+    recs = c.journal.records
+    assert [r["reason"] for r in recs if r["kind"] == "reconcile"] == [f"worker {wid} ended before it registered (exit code 3)"]
+    assert c.failures["cpu"] == 1
+    assert [r["kind"] for r in recs].count("launch-failed") == 1
+
+
+def test_a_worker_the_provider_forgot_fails_its_launch_and_counts_once() -> None:
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    p = FakeProvider(clock, startup=30.0)
+    c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
+    (wid,) = run_round(c, d, p, clock)
+    del p.workers[wid]  # e.g. a job cancelled behind our back
+    clock.advance(1.0)
+    run_round(c, d, p, clock)
+    clock.advance(1.0)
+    run_round(c, d, p, clock)
+    assert c.failures["cpu"] == 1
+    assert any("not listed" in r["reason"] for r in c.journal.records if r["kind"] == "launch-failed")
+
+
+def test_fake_provider_is_idempotent_and_reports_failures_only_through_poll_errors() -> None:
+    clock = FakeClock()
+    p = FakeProvider(clock, startup={"cpu": 2.0}, queue_wait=1.0, fail={"gpu"})
+    a = p.launch(CPU, 2, "a1")
+    assert p.launch(CPU, 2, "a1") == a and len(a) == 2
+    gpu = NodeType("gpu", {"cpu": 1, "gpu": 1})
+    p.launch(gpu, 1, "a2")  # does not raise
+    (failure,) = p.poll_errors()
+    assert failure.request_id == "a2" and not p.poll_errors()
+    clock.advance(2.9)
+    assert p.ready() == [] and {i["state"] for i in p.list().values()} == {"pending"}
+    clock.advance(0.2)
+    assert sorted(w for w, _ in p.ready()) == sorted(a) and p.ready() == []
+
+
+def test_healthy_launches_arrive_and_are_not_reconciled_away() -> None:
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    p = FakeProvider(clock, startup=2.0)
+    c = ScalingController((CPU,), want_one, forecast_interval=0.25)
+    (wid,) = run_round(c, d, p, clock)
+    for _ in range(5):
+        clock.advance(1.0)
+        run_round(c, d, p, clock)
+    assert wid in d.state.workers and not c.launches and not c.failures.get("cpu")
