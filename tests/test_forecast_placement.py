@@ -3,8 +3,9 @@ capacity for CPU work while GPU work exists, and a seceded task holds no slot.""
 
 from __future__ import annotations
 
-from tidepool.scaling.forecast import remaining_work, type_forecasts
+from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import graph_view, remaining_work, worker_views
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
 from tidepool.testing import StateDriver
@@ -14,7 +15,8 @@ GPU = NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=1, startup_estimate=1.0)
 
 
 def _cpu_eta_now(d: StateDriver) -> float:
-    fcs, _, _ = type_forecasts(d.state, (CPU, GPU), {"gpu": 1}, (), 0.0, set())
+    fcs, _, _ = type_forecasts(graph_view(d.state, 0.0), worker_views(d.state), (CPU, GPU), {"gpu": 1}, (), 0.0,
+                               set())  # fmt: skip
     (cpu,) = [f for f in fcs if f.node_type == "cpu"]
     return cpu.etas[0]  # with the pool as it is (no extra node)
 

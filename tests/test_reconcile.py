@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import step_with_state
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
 from tidepool.testing import FakeClock, FakeProvider, StateDriver
 
@@ -19,7 +20,7 @@ def run_round(c: ScalingController, d: StateDriver, p: FakeProvider, clock: Fake
     """One shell round: failures, listing, step, launches, arrivals (what autoscaler.py does)."""
     for f in p.poll_errors():
         c.launch_failed(f.request_id, f.message, clock())
-    acts = c.step(d.state, clock(), listing=p.list())
+    acts = step_with_state(c, d.state, clock(), listing=p.list())
     launched = []
     for rid, nt, n in acts.launch:
         ids = p.launch(nt, n, rid)

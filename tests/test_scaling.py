@@ -6,8 +6,9 @@ import pytest
 
 from tidepool.errors import ConfigError
 from tidepool.scaling.controller import ScalingController
-from tidepool.scaling.forecast import critical_path, list_schedule, remaining_work
+from tidepool.scaling.forecast import critical_path, list_schedule
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import remaining_work, step_with_state
 from tidepool.scaling.planner import plan, rank_types
 from tidepool.scaling.policies import (
     Adaptive,
@@ -180,32 +181,32 @@ ONE = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
 def test_completion_target_chain_adds_nothing_beyond_one_worker() -> None:
     d = driver_with([(f"c-{i}", [f"c-{i - 1}"] if i else []) for i in range(20)], {"c": 0.5})
     c = controller((ONE,))
-    acts = c.step(d.state, 0.0)
+    acts = step_with_state(c, d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 1)]
     d.add_worker("cpu-1")
     c.worker_joined("cpu-1", 0.5)
     for t in range(1, 40):
         d.step(duration=0.5)
         d.clock.advance(0.5)
-        acts = c.step(d.state, 0.5 * t)
+        acts = step_with_state(c, d.state, 0.5 * t)
         assert not acts.launch, acts.snapshot
 
 
 def test_completion_target_wide_phase_adds_enough_at_once() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(40)], {"w": 0.5})
-    acts = controller((ONE,)).step(d.state, 0.0)
+    acts = step_with_state(controller((ONE,)), d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 4)]
 
 
 def test_completion_target_narrow_phase_and_diamond() -> None:
     d = driver_with([("a", []), ("b", ["a"]), ("c", ["a"]), ("z", ["b", "c"])], {"a": 0.2, "b": 0.2, "c": 0.2, "z": 0.2})
     d.add_worker("w0")
-    acts = controller((ONE,)).step(d.state, 0.0)
+    acts = step_with_state(controller((ONE,)), d.state, 0.0)
     assert not acts.launch  # a 0.2 s fan-out of two cannot win back a 0.5 s startup
     d2 = driver_with([("a", []), ("b", ["a"]), ("c", ["a"]), ("z", ["b", "c"])], {"a": 5, "b": 5, "c": 5, "z": 5})
     d2.add_worker("w0")
     d2.finish("w0", "a", duration=5)
-    acts = controller((ONE,)).step(d2.state, 0.0)
+    acts = step_with_state(controller((ONE,)), d2.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 1)]  # b and c in parallel
 
 
@@ -213,9 +214,9 @@ def test_completion_target_max_eta_and_deadline() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(40)], {"w": 0.5})
     d.add_worker("w0")
     relaxed = ScalingController((ONE,), CompletionTarget(max_eta=60), forecast_interval=0.25)
-    assert not relaxed.step(d.state, 0.0).launch  # 20 s on one worker is within 60 s
+    assert not step_with_state(relaxed, d.state, 0.0).launch  # 20 s on one worker is within 60 s
     tight = ScalingController((ONE,), CompletionTarget(max_eta=8), forecast_interval=0.25)
-    assert [(nt.name, n) for _, nt, n in tight.step(d.state, 0.0).launch] == [("cpu", 2)]  # ~7 s
+    assert [(nt.name, n) for _, nt, n in step_with_state(tight, d.state, 0.0).launch] == [("cpu", 2)]  # ~7 s
 
 
 def test_remaining_work_uses_elapsed_time_of_running_tasks() -> None:
@@ -231,9 +232,9 @@ def test_remaining_work_uses_elapsed_time_of_running_tasks() -> None:
 def test_controller_tracks_arrivals_and_learns_startup() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(8)], {"w": 10.0})
     c = controller((ONE,))
-    (rid, nt, n), *_ = c.step(d.state, 0.0).launch
+    (rid, nt, n), *_ = step_with_state(c, d.state, 0.0).launch
     c.launched(rid, [f"cpu-{rid}-{i}" for i in range(n)], 0.0)
-    assert not c.step(d.state, 0.1).launch  # in flight: counted, not launched again
+    assert not step_with_state(c, d.state, 0.1).launch  # in flight: counted, not launched again
     for i in range(n):
         d.add_worker(f"cpu-{rid}-{i}")
         c.worker_joined(f"cpu-{rid}-{i}", 2.0)
@@ -246,11 +247,11 @@ def test_controller_cancels_launch_that_never_arrives_backs_off_and_tries_anothe
     big = NodeType("big", {"cpu": 4}, max_nodes=1, cost=5.0, startup_estimate=1.0)
     d = driver_with([(f"w-{i}", []) for i in range(2)], {"w": 30.0})
     c = ScalingController((cpu, big), Adaptive(), launch_timeout=10.0, forecast_interval=0.25)
-    acts = c.step(d.state, 0.0)
+    acts = step_with_state(c, d.state, 0.0)
     assert [nt.name for _, nt, _ in acts.launch] == ["cpu"]
     rid = acts.launch[0][0]
     c.launched(rid, ["cpu-x-1", "cpu-x-2"], 0.0)
-    acts = c.step(d.state, 11.0)
+    acts = step_with_state(c, d.state, 11.0)
     assert sorted(acts.terminate) == ["cpu-x-1", "cpu-x-2"]  # no leak: cancelled ones are stopped
     assert [nt.name for _, nt, _ in acts.launch] == ["big"]  # cpu is in backoff: use what else fits
     kinds = [r["kind"] for r in c.journal.records]
@@ -262,25 +263,25 @@ def test_controller_disables_type_after_repeated_failures_and_says_why() -> None
     c = ScalingController((ONE,), Adaptive(), max_type_failures=2, backoff_base=1.0, forecast_interval=0.25)
     t = 0.0
     for _ in range(2):
-        acts = c.step(d.state, t)
+        acts = step_with_state(c, d.state, t)
         assert acts.launch
         c.launch_failed(acts.launch[0][0], "sbatch: invalid partition", t)
         t += 10
     assert "cpu" in c.unusable and "invalid partition" in c.unusable["cpu"]
-    assert not c.step(d.state, t + 100).launch
+    assert not step_with_state(c, d.state, t + 100).launch
 
 
 def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
     d = StateDriver()
     floor = NodeType("cpu", {"cpu": 1}, min_nodes=2, max_nodes=3)
     c = ScalingController((floor,), lambda s: ScaleDecision(launch={"cpu": 10}), forecast_interval=0.25)
-    acts = c.step(d.state, 0.0)
+    acts = step_with_state(c, d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 3)]
     c2 = ScalingController((floor,), lambda s: None, forecast_interval=0.25)
-    assert [(nt.name, n) for _, nt, n in c2.step(d.state, 0.0).launch] == [("cpu", 2)]  # min_nodes
+    assert [(nt.name, n) for _, nt, n in step_with_state(c2, d.state, 0.0).launch] == [("cpu", 2)]  # min_nodes
     c3 = ScalingController((floor,), lambda s: ScaleDecision(launch={"cpu": 10}), max_workers=1,
                            forecast_interval=0.25)  # fmt: skip
-    assert [(nt.name, n) for _, nt, n in c3.step(d.state, 0.0).launch] == [("cpu", 1)]
+    assert [(nt.name, n) for _, nt, n in step_with_state(c3, d.state, 0.0).launch] == [("cpu", 1)]
 
 
 def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
@@ -308,7 +309,7 @@ def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
     tasks += [(f"b-{i}", ["r-1"]) for i in range(40)] + [("z-1", [f"b-{i}" for i in range(40)])]
     d = driver_with(tasks, {"w": 0.5, "b": 0.5})
     c = controller((ONE,))
-    acts = c.step(d.state, 0.0)
+    acts = step_with_state(c, d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 4)]  # wide phase: all at once
     c.launched(acts.launch[0][0], [f"cpu-{i}" for i in range(4)], 0.0)
     for i in range(4):
@@ -323,7 +324,7 @@ def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
     for i in range(40):  # the reduce's worker fetched its inputs (as a real worker reports)
         d.send(ev.AddReplica(runner, f"w-{i}", 8, d.clock()))  # type: ignore[arg-type]
     d.state.now = d.clock.advance(7.0)
-    acts = c.step(d.state, d.clock())
+    acts = step_with_state(c, d.state, d.clock())
     assert not acts.launch
     assert len(acts.retire) == 3  # nothing can use them before the reduce ends: let them go
     for w in acts.retire:
@@ -331,7 +332,7 @@ def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
     assert list(d.state.workers) == [runner]
     d.finish(runner, "r-1", duration=3.0)  # type: ignore[arg-type]
     d.state.now = d.clock.advance(3.0)
-    acts = c.step(d.state, d.clock())
+    acts = step_with_state(c, d.state, d.clock())
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 3)], acts.snapshot  # second wide phase
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import step_with_state
 from tidepool.scaling.policies import Adaptive
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
 from tidepool.testing import StateDriver
@@ -25,7 +26,7 @@ def test_a_worker_started_by_hand_is_left_alone_and_the_journal_says_why() -> No
     d.add_worker("by-hand", node_type="cpu")
     c = ScalingController((CPU,), retire_everyone, forecast_interval=0.25)
     for t in (100.0, 200.0, 300.0):
-        assert c.step(d.state, t).retire == []
+        assert step_with_state(c, d.state, t).retire == []
     notes = [r for r in c.journal.records if r["kind"] == "not-managed"]
     assert len(notes) == 1 and notes[0]["worker"] == "by-hand" and "manage_foreign" in notes[0]["reason"]
 
@@ -35,10 +36,10 @@ def test_foreign_workers_retire_when_the_user_opts_in_or_adopts_them() -> None:
     d.add_worker("by-hand", node_type="cpu")
     d.add_worker("cluster-own", node_type="cpu")
     c = ScalingController((CPU,), retire_everyone, forecast_interval=0.25, manage_foreign=True)
-    assert sorted(c.step(d.state, 100.0).retire) == ["by-hand", "cluster-own"]
+    assert sorted(step_with_state(c, d.state, 100.0).retire) == ["by-hand", "cluster-own"]
     c2 = ScalingController((CPU,), retire_everyone, forecast_interval=0.25)
     c2.adopt("cluster-own")
-    assert c2.step(d.state, 100.0).retire == ["cluster-own"]
+    assert step_with_state(c2, d.state, 100.0).retire == ["cluster-own"]
 
 
 def test_launch_request_ids_never_look_like_a_clusters_own() -> None:
@@ -46,7 +47,7 @@ def test_launch_request_ids_never_look_like_a_clusters_own() -> None:
     d.add_worker("default-r1-1", node_type="cpu")  # a LocalCluster's first worker: request r1
     d.submit([(f"t-{i}", []) for i in range(20)], [f"t-{i}" for i in range(20)])
     c = ScalingController((CPU,), lambda s: ScaleDecision(launch={"cpu": 2}), forecast_interval=0.25)
-    (rid, _, _), = c.step(d.state, 0.0).launch
+    (rid, _, _), = step_with_state(c, d.state, 0.0).launch
     assert not rid.startswith("r") and rid == "a1"
 
 
@@ -62,7 +63,7 @@ def test_a_policy_that_raises_is_logged_once_journaled_and_replaced_by_the_defau
     launched = []
     with caplog.at_level(logging.ERROR, logger="tidepool.scaling"):
         for i in range(50):
-            launched += c.step(d.state, i * 0.2).launch
+            launched += step_with_state(c, d.state, i * 0.2).launch
     assert launched  # the default policy served the waiting tasks
     errors = [r for r in c.journal.records if r["kind"] == "policy-error"]
     assert len(errors) == 1 and "KeyError" in errors[0]["reason"] and "default policy" in errors[0]["reason"]
@@ -83,7 +84,7 @@ def test_a_chain_sent_as_separate_submits_launches_one_worker_like_one_graph() -
         for i, batch in enumerate(batches):  # 0.5 ms apart, as fast submits arrive
             t = i * 0.0005
             d.send(ev.UpdateGraph("c", batch, [s.key for s in batch], t))
-            for rid, _, n in c.step(d.state, t).launch:
+            for rid, _, n in step_with_state(c, d.state, t).launch:
                 launched += n
                 c.launched(rid, [f"w-{rid}"], t)
         assert launched == 1, (separate, [r for r in c.journal.records if r["kind"] == "launch"])
@@ -93,12 +94,12 @@ def test_walltime_retirements_go_through_step_and_are_retried_while_refused() ->
     d = StateDriver()
     d.add_worker("job-1", node_type="cpu")
     c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25)
-    acts = c.step(d.state, 0.0, expiring=["job-1", "unknown"])
+    acts = step_with_state(c, d.state, 0.0, expiring=["job-1", "unknown"])
     assert acts.retire == ["job-1"]
     assert [r["reason"] for r in acts.records if r["kind"] == "retire"] == ["provider: walltime ends soon"]
     c.retire_done("job-1", "refused: it holds data nobody else can take", 0.5)
-    assert c.step(d.state, 3.0, expiring=["job-1"]).retire == []  # not every round
-    assert c.step(d.state, 6.0, expiring=["job-1"]).retire == ["job-1"]
+    assert step_with_state(c, d.state, 3.0, expiring=["job-1"]).retire == []  # not every round
+    assert step_with_state(c, d.state, 6.0, expiring=["job-1"]).retire == ["job-1"]
 
 
 def test_each_retirement_carries_its_own_reason_as_data() -> None:
@@ -111,5 +112,5 @@ def test_each_retirement_carries_its_own_reason_as_data() -> None:
                              why=(("a", "a: idle 9s"), ("b", "b: cheaper elsewhere")))  # fmt: skip
 
     c = ScalingController((CPU,), policy, forecast_interval=0.25, manage_foreign=True)
-    recs = [r for r in c.step(d.state, 100.0).records if r["kind"] == "retire"]
+    recs = [r for r in step_with_state(c, d.state, 100.0).records if r["kind"] == "retire"]
     assert {r["worker"]: r["reason"] for r in recs} == {"a": "a: idle 9s", "b": "b: cheaper elsewhere"}

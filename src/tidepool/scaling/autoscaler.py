@@ -1,7 +1,8 @@
 """The asyncio shell around :class:`ScalingController`: runs it and carries out its actions.
 
 It wakes every ``interval`` seconds and whenever the scheduler reports demand or a worker change,
-polls the provider for failures, calls ``controller.step`` with the scheduler's state and clock,
+polls the provider for failures, builds one observation of the scheduler's state (``observation.py``)
+and calls ``controller.step`` with it,
 then launches (in a daemon thread, bounded by the launch timeout: a provider call that hangs
 fails that launch and never blocks ``close`` or interpreter exit), retires gracefully through the
 scheduler, and terminates.  When a node type gets disabled it asks the scheduler to re-check
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tidepool.errors import ProviderError
 from tidepool.providers.base import ReportsExpiring
 from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.observation import step_with_state
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
 
@@ -160,8 +162,8 @@ class AutoScaler:
                 listing = await in_daemon_thread(self.provider.list, timeout=PROVIDER_CALL_TIMEOUT)
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
-        actions = self.controller.step(self.scheduler.state, self.scheduler.clock(), expiring=expiring,
-                                       listing=listing)  # fmt: skip
+        actions = step_with_state(self.controller, self.scheduler.state, self.scheduler.clock(),
+                                  expiring=expiring, listing=listing)  # fmt: skip
         for rec in actions.records:
             self.journal.add(rec)
         self.steps += 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +40,11 @@ from tidepool.scaling.snapshot import (
     PendingLaunch,
     Shape,
     TypeForecast,
-    build_snapshot,
 )
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
-    from tidepool.scheduler.state import SchedulerState
+    from tidepool.scaling.observation import GraphView, Observation
 
 
 #: the forecast's cost grows with the graph: one more second between forecasts per this many tasks
@@ -232,22 +231,23 @@ class ScalingController:
             out.append(nt)
         return tuple(out)
 
-    def step(self, state: SchedulerState, now: float, expiring: Sequence[str] = (),
-             listing: Mapping[str, Mapping[str, Any]] | None = None) -> Actions:  # fmt: skip
-        """One round: observe (arrivals, timeouts, workers whose allocation ends soon, the
-        provider's listing), then decide.
+    def step(self, obs: Observation) -> Actions:
+        """One round on one observation: first what happened (arrivals, timeouts, workers whose
+        allocation ends soon, the provider's listing), then the decision.
 
-        ``expiring``: workers the provider says end soon (a walltime): retired gracefully now,
-        asked again every 5 s while refused.  ``listing``: the provider's ``list()`` (worker id ->
-        at least ``alive``), when the shell fetched one this round: a launched worker that is not
-        listed, or listed as ended, before it registered fails its launch now instead of at the
-        launch timeout.
+        ``obs.expiring``: workers the provider says end soon (a walltime): retired gracefully now,
+        asked again every 5 s while refused.  ``obs.listing``: the provider's ``list()`` (worker id
+        -> at least ``alive``), when the shell fetched one: a launched worker that is not listed, or
+        listed as ended, before it registered fails its launch now instead of at the launch timeout.
+        ``obs.graph``: the unfinished graph, when :meth:`wants_graph` asked for it.
         """
+        now = obs.now
         actions = Actions()
-        if listing is not None:
-            self._reconcile(listing, now)
-        for wid in expiring:
-            ws = state.workers.get(wid)
+        by_id = {w.id: w for w in obs.workers}
+        if obs.listing is not None:
+            self._reconcile(obs.listing, now)
+        for wid in obs.expiring:
+            ws = by_id.get(wid)
             if ws is None or ws.state != "running" or wid in self.retiring:
                 continue
             if now - self._expiry_tried.get(wid, -1e9) <= 5.0:
@@ -267,18 +267,21 @@ class ScalingController:
                 msg = f"{len(missing)} workers of launch {rid} did not register within {rec.deadline - rec.since:.0f}s"
                 self.journal.record("cancel-launch", now, request=rid, node_type=rec.node_type, reason=msg)
                 self._type_failed(rec.node_type, msg, now)
-        self.retiring &= set(state.workers)
-        if state.pending:
+        self.retiring &= set(by_id)
+        if obs.demand:
             if self.backlog_since is None:
                 self.backlog_since = now
         else:
             self.backlog_since = None
         types = self._types_now()
-        self._refresh_forecast(state, types, now)
+        if obs.graph is not None:
+            self._refresh_forecast(obs, obs.graph, types)
         pending = tuple(PendingLaunch(r.request_id, r.node_type, r.nodes, tuple(r.worker_ids), r.since)
                         for r in self.launches.values())  # fmt: skip
-        snap = build_snapshot(
-            state, types, now=now, pending=pending, backlog_since=self.backlog_since,
+        snap = ClusterSnapshot(
+            now=now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
+            last_progress=obs.last_progress, finished=obs.finished, waiting=obs.waiting,
+            running=obs.running, backlog_since=self.backlog_since,
             backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
@@ -291,7 +294,7 @@ class ScalingController:
             self.journal.record("infeasible", now, demand=shape_desc)
         # clamp launches to limits
         planned: dict[str, int] = {}
-        total_workers = len(state.workers) + sum(len(r.worker_ids) or r.nodes for r in self.launches.values())
+        total_workers = len(obs.workers) + sum(len(r.worker_ids) or r.nodes for r in self.launches.values())
         reasons = list(decision.reasons)
         wanted = dict(decision.launch)
         for nt in types:  # min_nodes always holds
@@ -324,7 +327,7 @@ class ScalingController:
         # retirements: only known, not already retiring, and not below min_nodes
         left = {nt.name: snap.nodes_of(nt.name) for nt in types}
         for wid in decision.retire:
-            ws = state.workers.get(wid)
+            ws = by_id.get(wid)
             if ws is None or wid in self.retiring or ws.state != "running":
                 continue
             if not self.manages(wid):
@@ -355,29 +358,38 @@ class ScalingController:
         actions.records = self.drain_records()
         return actions
 
-    def _refresh_forecast(self, state: SchedulerState, types: tuple[NodeType, ...], now: float) -> None:
-        """Recompute forecasts when due; big graphs are re-forecast less often (cost-adaptive)."""
-        # a worker or a launch more or less changes every answer: forecast again at once (a stale
-        # forecast that misses the launch just made would launch again); otherwise throttle
-        structural = (len(state.workers), len(self.launches))
-        changed = (*structural, len(state.tasks), state.counters["finished"] != self._fc_finished)
+    def wants_graph(self, workers: int, tasks: int, finished: int, now: float) -> bool:
+        """Should the next observation carry the unfinished graph (a fresh forecast is due)?
+
+        A worker or a launch more or less changes every answer: at once (a stale forecast that
+        misses the launch just made would launch again).  Otherwise at most every ``_fc_every``
+        seconds while things change, which grows with the graph (the forecast costs more).
+        """
+        structural = (workers, len(self.launches))
+        changed = (*structural, tasks, finished != self._fc_finished)
         if structural == self._fc_key[:2]:
             if now - self._fc_time < self._fc_every and changed == self._fc_key:
-                return
+                return False
             if now - self._fc_time < 0.05:
-                return
+                return False
+        return True
+
+    def _refresh_forecast(self, obs: Observation, graph: GraphView, types: tuple[NodeType, ...]) -> None:
+        now = obs.now
         blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
         nodes = {}
         for nt in types:
-            live = sum(1 for w in state.workers.values() if w.node_type == nt.name)
+            live = sum(1 for w in obs.workers if w.node_type == nt.name)
             nodes[nt.name] = -(-live // nt.workers_per_node) + sum(
                 r.nodes for r in self.launches.values() if r.node_type == nt.name)
         pending = tuple((r.node_type, r.nodes, r.since) for r in self.launches.values())
-        self._forecasts, self._eta, self._next_demand = type_forecasts(state, types, nodes, pending, now, blocked)
+        self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
+                                                                       now, blocked)  # fmt: skip
         if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
-            self._fc_every = min(5.0, max(0.25, len(state.tasks) / FORECAST_TASKS_PER_SECOND))
-        self._fc_time, self._fc_key = now, changed
-        self._fc_finished = state.counters["finished"]
+            self._fc_every = min(5.0, max(0.25, obs.tasks / FORECAST_TASKS_PER_SECOND))
+        self._fc_time = now
+        self._fc_key = (len(obs.workers), len(self.launches), obs.tasks, obs.finished != self._fc_finished)
+        self._fc_finished = obs.finished
 
     def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
         for rid, rec in list(self.launches.items()):

@@ -1,6 +1,7 @@
 """Remaining-time forecasts: how long the loaded graph still needs with a given pool.
 
-Pure functions.  :func:`remaining_work` copies what is left of the graph out of the scheduler state
+Pure functions over frozen data: :func:`~tidepool.scaling.observation.remaining_work` (the shell's
+side) copies what is left of the graph out of the scheduler state into a :class:`RemainingWork`
 (estimated duration of every unfinished task, its unfinished inputs, and for running tasks the time
 still expected); :func:`list_schedule` plays it forward on ``slots`` task slots plus slots that
 arrive later (new nodes after their startup time), greedily by priority, like the scheduler does;
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.snapshot import TypeForecast
+from tidepool.scaling.snapshot import TypeForecast, WorkerView
 from tidepool.scheduler.records import ORDINARY
 
 if TYPE_CHECKING:
-    from tidepool.scheduler.state import SchedulerState
+    from tidepool.scaling.observation import GraphView
 
 Shape = tuple[tuple[str, float], ...]
 
@@ -44,71 +45,6 @@ class RemainingWork:
 
     def __len__(self) -> int:
         return len(self.durations)
-
-
-def executing(state: SchedulerState) -> dict[str, float]:
-    """Keys most likely executing now, with when they most likely started.
-
-    Per worker, its ``slots`` earliest-assigned tasks; the rest wait in its queue, and their time
-    since assignment says nothing about their duration.  A queue head started no earlier than the
-    moment the task before it left the worker.
-    """
-    out: dict[str, float] = {}
-    for ws in state.workers.values():
-        procs = [t for t in ws.processing if not t.seceded] if ws.seceded else ws.processing
-        heads = procs if len(procs) <= ws.slots else sorted(procs, key=lambda t: (t.started, t.priority))[: ws.slots]
-        for ts in heads:
-            queued = len(procs) > ws.slots or ws.slots == 1
-            out[ts.key] = max(ts.started, ws.last_done) if queued else ts.started
-    return out
-
-
-def group_estimates(state: SchedulerState, now: float, running: dict[str, float]) -> dict[str, float]:
-    """Per-group estimates raised to the longest elapsed time of that group's executing tasks."""
-    est = state.estimates
-    out: dict[str, float] = {}
-    for key, started in running.items():
-        ts = state.tasks.get(key)
-        if ts is None:
-            continue
-        g = ts.group
-        base = out.get(g)
-        if base is None:
-            base = est.estimate(g)
-        out[g] = max(base, now - started)
-    return out
-
-
-def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None = None) -> RemainingWork:
-    """The unfinished part of the graph (optionally only tasks of the given resource ``shapes``)."""
-    est = state.estimates
-    running_now = executing(state)
-    raised = group_estimates(state, now, running_now)
-    # a seceded task (worker_client) holds no slot: its time is the time of the tasks it waits for
-    tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
-             and not ts.seceded and (shapes is None or ts.shape in shapes)]  # fmt: skip
-    tasks.sort(key=lambda t: t.priority)
-    index = {ts.key: i for i, ts in enumerate(tasks)}
-    durations: list[float] = []
-    deps: list[tuple[int, ...]] = []
-    running: list[int] = []
-    unknown: list[int] = []
-    for i, ts in enumerate(tasks):
-        e = raised.get(ts.group)
-        if e is None:
-            e = est.estimate(ts.group)
-        if ts.key in running_now:
-            elapsed = max(0.0, now - running_now[ts.key])
-            durations.append(max(e - elapsed, elapsed / 4))
-            running.append(i)
-            st = est.groups.get(ts.group)
-            if st is None or st.count == 0:
-                unknown.append(i)
-        else:
-            durations.append(e)
-        deps.append(tuple(index[d.key] for d in ts.deps if d.key in index))
-    return RemainingWork(tuple(durations), tuple(deps), tuple(running), tuple(t.key for t in tasks),
-                         frozenset(unknown))  # fmt: skip
 
 
 def critical_path(work: RemainingWork) -> float:
@@ -225,8 +161,21 @@ def candidates(room: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def restrict(work: RemainingWork, keep: list[int]) -> RemainingWork:
+    """The part of ``work`` made of the tasks at indices ``keep`` (ascending), re-indexed."""
+    pos = {old: new for new, old in enumerate(keep)}
+    return RemainingWork(
+        tuple(work.durations[i] for i in keep),
+        tuple(tuple(pos[j] for j in work.deps[i] if j in pos) for i in keep),
+        tuple(pos[i] for i in work.running if i in pos),
+        tuple(work.keys[i] for i in keep),
+        frozenset(pos[i] for i in work.unknown if i in pos),
+    )
+
+
 def type_forecasts(
-    state: SchedulerState,
+    graph: GraphView,
+    workers: tuple[WorkerView, ...],
     node_types: tuple[NodeType, ...],
     nodes_of: dict[str, int],
     pending: tuple[tuple[str, int, float], ...],
@@ -235,15 +184,15 @@ def type_forecasts(
 ) -> tuple[tuple[TypeForecast, ...], float | None, float | None]:
     """Per node type: forecast remaining time of the work that prefers it, with 0..room extra nodes.
 
-    ``pending`` holds launches in flight as (type, nodes, launched at).  Returns the forecasts, the
-    overall ETA with the pool as it is, and when waiting work next becomes runnable.
+    Pure: ``graph`` and ``workers`` are frozen views.  ``pending`` holds launches in flight as
+    (type, nodes, launched at).  Returns the forecasts, the overall ETA with the pool as it is, and
+    when waiting work next becomes runnable.
     """
     from tidepool.scaling.planner import capacity, rank_types
 
     shapes: dict[Shape, int] = {}
-    for ts in state.tasks.values():
-        if ts.state in ("waiting", "ready", "no-worker", "running"):
-            shapes[ts.shape] = shapes.get(ts.shape, 0) + 1
+    for shape in graph.shapes:
+        shapes[shape] = shapes.get(shape, 0) + 1
     if not shapes:
         return (), 0.0, None
     classes: dict[str, dict[Shape, int]] = {}
@@ -257,8 +206,8 @@ def type_forecasts(
     # such tasks exist, that worker is no capacity for work that does not need them
     demanded = {name for shape in shapes for name, _ in shape if name not in ORDINARY}
 
-    def counts_for(ws: Any, dom: Shape) -> bool:
-        extra = ws.special.difference(name for name, _ in dom)
+    def counts_for(w: WorkerView, dom: Shape) -> bool:
+        extra = {k for k, v in w.resources.items() if v > 0 and k not in ORDINARY}.difference(n for n, _ in dom)
         return not (extra & demanded)
 
     out: list[TypeForecast] = []
@@ -266,11 +215,11 @@ def type_forecasts(
     nxt: float | None = None
     for name, cls in sorted(classes.items()):
         nt = by_name[name]
-        work = remaining_work(state, now, set(cls))
+        work = restrict(graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])
         dom = max(cls, key=lambda s: (cls[s], s))
         spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
-        slots = sum(capacity(ws.resources, dom) for ws in state.workers.values()
-                    if ws.state in ("running", "starting") and counts_for(ws, dom))  # fmt: skip
+        slots = sum(capacity(w.resources, dom) for w in workers
+                    if w.state in ("running", "starting") and counts_for(w, dom))  # fmt: skip
         slots = min(slots, 100_000)
         arrivals: list[float] = []
         for ptype, nodes, since in pending:

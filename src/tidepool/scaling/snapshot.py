@@ -2,19 +2,15 @@
 
 Both are frozen: a policy is a function from one snapshot to one decision, with ``now`` and every
 id inside the snapshot, so policies are tested with hand-made snapshots and replayed exactly in the
-simulator.  :func:`build_snapshot` reads a :class:`SchedulerState` plus the controller's launch
-bookkeeping; it never reads a clock.
+simulator.  The controller builds the snapshot from one :class:`~tidepool.scaling.observation.Observation`
+plus its own launch bookkeeping; nothing here reads a clock or the scheduler state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tidepool.scaling.node_types import NodeType
-
-if TYPE_CHECKING:
-    from tidepool.scheduler.state import SchedulerState
 
 Shape = tuple[tuple[str, float], ...]
 
@@ -134,40 +130,3 @@ class ScaleDecision:
     @property
     def empty(self) -> bool:
         return not any(self.launch.values()) and not self.retire
-
-
-def build_snapshot(
-    state: SchedulerState,
-    node_types: tuple[NodeType, ...],
-    *,
-    now: float | None = None,
-    pending: tuple[PendingLaunch, ...] = (),
-    backlog_since: float | None = None,
-    backoff: tuple[tuple[str, float], ...] = (),
-    unusable: tuple[str, ...] = (),
-    forecasts: tuple[TypeForecast, ...] = (),
-    eta: float | None = None,
-    next_demand_in: float | None = None,
-) -> ClusterSnapshot:
-    est = state.estimates
-    demand = tuple(
-        Demand(shape, group, n, est.estimate(group)) for (shape, group), n in sorted(state.pending.items())
-    )
-    workers = []
-    running = 0
-    for ws in state.workers.values():
-        unique = state.unique_data(ws)
-        workers.append(WorkerView(
-            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, len(ws.processing),
-            ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since,
-            ws.joined,
-        ))  # fmt: skip
-        running += len(ws.processing)
-    waiting = state.counts.get("waiting", 0)
-    return ClusterSnapshot(
-        now=state.now if now is None else now, node_types=node_types, demand=demand,
-        workers=tuple(sorted(workers, key=lambda w: w.id)), pending=pending,
-        last_progress=state.last_progress, finished=state.counters["finished"], waiting=waiting,
-        running=running, backlog_since=backlog_since, backoff=backoff, unusable=unusable,
-        forecasts=forecasts, eta=eta, next_demand_in=next_demand_in,
-    )  # fmt: skip

@@ -454,7 +454,8 @@ class Scheduler:
 
     def eta(self) -> dict[str, Any]:
         """Forecast remaining seconds with the workers present now (and in-flight launches)."""
-        from tidepool.scaling.forecast import forecast, remaining_work
+        from tidepool.scaling.forecast import forecast
+        from tidepool.scaling.observation import remaining_work
 
         now = self.clock()
         st = self.state

@@ -1,0 +1,160 @@
+"""One observation of the cluster: the only input of :meth:`ScalingController.step`.
+
+State: none.  :class:`Observation` and :class:`GraphView` are frozen data; :func:`observe` is the
+shell's half (it reads the mutable :class:`SchedulerState` once, in the scheduler's thread) and
+:func:`step_with_state` is the convenience the asyncio shell, the simulator and tests use:
+``observe`` then ``controller.step``.  The controller itself never sees the state: everything it
+decides on is in the observation, ``now`` included.
+
+The unfinished graph (``GraphView``) is the expensive part; the shell builds it only when the
+controller says it wants a fresh forecast (:meth:`ScalingController.wants_graph`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tidepool.scaling.forecast import RemainingWork
+from tidepool.scaling.snapshot import Demand, Shape, WorkerView
+
+if TYPE_CHECKING:
+    from tidepool.scaling.controller import Actions, ScalingController
+    from tidepool.scheduler.state import SchedulerState
+
+
+@dataclass(frozen=True)
+class GraphView:
+    """The unfinished tasks (not seceded ones) as forecast input, with each task's shape."""
+
+    work: RemainingWork
+    shapes: tuple[Shape, ...]
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    workers: tuple[WorkerView, ...]
+    demand: tuple[Demand, ...]
+    last_progress: float = 0.0
+    finished: int = 0
+    waiting: int = 0
+    running: int = 0
+    tasks: int = 0  # tasks the scheduler knows (sets how often forecasts are worth their cost)
+    graph: GraphView | None = None  # None: not sampled this round (the last forecast stands)
+    expiring: tuple[str, ...] = ()  # workers whose allocation ends soon (provider: walltime)
+    listing: Mapping[str, Mapping[str, Any]] | None = None  # the provider's list(), when fetched
+
+    def worker(self, wid: str) -> WorkerView | None:
+        for w in self.workers:
+            if w.id == wid:
+                return w
+        return None
+
+
+def executing(state: SchedulerState) -> dict[str, float]:
+    """Keys most likely executing now, with when they most likely started.
+
+    Per worker, its ``slots`` earliest-assigned tasks; the rest wait in its queue, and their time
+    since assignment says nothing about their duration.  A queue head started no earlier than the
+    moment the task before it left the worker.
+    """
+    out: dict[str, float] = {}
+    for ws in state.workers.values():
+        procs = [t for t in ws.processing if not t.seceded] if ws.seceded else ws.processing
+        heads = procs if len(procs) <= ws.slots else sorted(procs, key=lambda t: (t.started, t.priority))[: ws.slots]
+        for ts in heads:
+            queued = len(procs) > ws.slots or ws.slots == 1
+            out[ts.key] = max(ts.started, ws.last_done) if queued else ts.started
+    return out
+
+
+def group_estimates(state: SchedulerState, now: float, running: dict[str, float]) -> dict[str, float]:
+    """Per-group estimates raised to the longest elapsed time of that group's executing tasks."""
+    est = state.estimates
+    out: dict[str, float] = {}
+    for key, started in running.items():
+        ts = state.tasks.get(key)
+        if ts is None:
+            continue
+        g = ts.group
+        base = out.get(g)
+        if base is None:
+            base = est.estimate(g)
+        out[g] = max(base, now - started)
+    return out
+
+
+def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None = None) -> RemainingWork:
+    """The unfinished part of the graph (optionally only tasks of the given resource ``shapes``)."""
+    est = state.estimates
+    running_now = executing(state)
+    raised = group_estimates(state, now, running_now)
+    # a seceded task (worker_client) holds no slot: its time is the time of the tasks it waits for
+    tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
+             and not ts.seceded and (shapes is None or ts.shape in shapes)]  # fmt: skip
+    tasks.sort(key=lambda t: t.priority)
+    index = {ts.key: i for i, ts in enumerate(tasks)}
+    durations: list[float] = []
+    deps: list[tuple[int, ...]] = []
+    running: list[int] = []
+    unknown: list[int] = []
+    for i, ts in enumerate(tasks):
+        e = raised.get(ts.group)
+        if e is None:
+            e = est.estimate(ts.group)
+        if ts.key in running_now:
+            elapsed = max(0.0, now - running_now[ts.key])
+            durations.append(max(e - elapsed, elapsed / 4))
+            running.append(i)
+            st = est.groups.get(ts.group)
+            if st is None or st.count == 0:
+                unknown.append(i)
+        else:
+            durations.append(e)
+        deps.append(tuple(index[d.key] for d in ts.deps if d.key in index))
+    return RemainingWork(tuple(durations), tuple(deps), tuple(running), tuple(t.key for t in tasks),
+                         frozenset(unknown))  # fmt: skip
+
+
+def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
+    out = []
+    for ws in state.workers.values():
+        unique = state.unique_data(ws)
+        out.append(WorkerView(
+            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, len(ws.processing) - ws.seceded,
+            ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since, ws.joined,
+        ))  # fmt: skip
+    return tuple(sorted(out, key=lambda w: w.id))
+
+
+def demand_of(state: SchedulerState) -> tuple[Demand, ...]:
+    est = state.estimates
+    return tuple(Demand(shape, group, n, est.estimate(group)) for (shape, group), n in sorted(state.pending.items()))
+
+
+def graph_view(state: SchedulerState, now: float) -> GraphView:
+    work = remaining_work(state, now)
+    tasks = state.tasks
+    return GraphView(work, tuple(tasks[k].shape for k in work.keys))
+
+
+def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: Sequence[str] = (),
+            listing: Mapping[str, Mapping[str, Any]] | None = None) -> Observation:  # fmt: skip
+    """Read the scheduler state once into frozen data (the shell's side of the boundary)."""
+    workers = worker_views(state)
+    return Observation(
+        now=now, workers=workers, demand=demand_of(state), last_progress=state.last_progress,
+        finished=state.counters["finished"], waiting=state.counts.get("waiting", 0),
+        running=sum(w.running for w in workers), tasks=len(state.tasks),
+        graph=graph_view(state, now) if graph else None, expiring=tuple(expiring), listing=listing,
+    )  # fmt: skip
+
+
+def step_with_state(controller: ScalingController, state: SchedulerState, now: float, *,
+                    expiring: Sequence[str] = (),
+                    listing: Mapping[str, Mapping[str, Any]] | None = None) -> Actions:  # fmt: skip
+    """Observe ``state`` (with the graph if the controller wants a forecast), then step."""
+    want = controller.wants_graph(len(state.workers), len(state.tasks), state.counters["finished"], now)
+    return controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing))
