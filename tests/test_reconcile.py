@@ -87,3 +87,19 @@ def test_healthy_launches_arrive_and_are_not_reconciled_away() -> None:
         clock.advance(1.0)
         run_round(c, d, p, clock)
     assert wid in d.state.workers and not c.launches and not c.failures.get("cpu")
+
+
+def test_a_raising_launch_callback_is_reported_once_through_poll_errors_only() -> None:
+    from tidepool.providers.base import NeedsAddress, Provider
+    from tidepool.providers.callback import CallbackProvider
+
+    def launch(req: object) -> None:
+        raise RuntimeError("quota")
+
+    p = CallbackProvider(launch, lambda ids: None, scheduler="tcp://127.0.0.1:1", token="t" * 32)
+    assert isinstance(p, Provider) and isinstance(p, NeedsAddress)
+    ids = p.launch(CPU, 1, "a1")  # does not raise
+    assert len(ids) == 1
+    (failure,) = p.poll_errors()
+    assert failure.request_id == "a1" and "quota" in failure.message
+    assert p.poll_errors() == []

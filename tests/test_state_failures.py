@@ -165,3 +165,16 @@ def test_disabled_node_types_fail_waiting_tasks_with_the_providers_error() -> No
     d.send(ev.CheckFeasible(d.clock()))
     ts = d.state.tasks["train"]
     assert d.status()["train"] == "erred" and ts.exc_type == "ProviderError" and "invalid account" in ts.message
+
+
+def test_the_state_says_when_a_function_must_be_shipped_to_a_worker() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    d.add_worker("w1")
+    d.add_worker("w2")
+    cmds = d.submit([(f"t-{i}", []) for i in range(4)], [f"t-{i}" for i in range(4)])
+    ships = {}
+    for c in cmds:
+        if isinstance(c, ev.Execute):
+            ships.setdefault(c.worker, []).append(c.ship)
+    for wid, flags in ships.items():  # once per worker: the first Execute carries the function id
+        assert flags[0] == "f" and all(f == "" for f in flags[1:]), (wid, flags)

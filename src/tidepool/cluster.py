@@ -31,6 +31,7 @@ from tidepool.config import ClusterConfig
 from tidepool.config import load as config_load
 from tidepool.errors import ConfigError
 from tidepool.loop import ClosesOnExit, LoopThread
+from tidepool.providers.base import NeedsAddress
 from tidepool.providers.local import LocalProvider
 from tidepool.scaling.autoscaler import AutoScaler
 from tidepool.scaling.controller import ScalingController
@@ -222,7 +223,7 @@ class LocalCluster(ClosesOnExit):
         for wid in self._own:  # the cluster's own workers are the autoscaler's to retire too
             controller.adopt(wid)
         prov = provider if provider is not None else self.provider
-        if hasattr(prov, "bind"):
+        if isinstance(prov, NeedsAddress):
             prov.bind(self.address, self.token)
         self._extra_provider = prov if provider is not None else None
 

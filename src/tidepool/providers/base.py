@@ -49,6 +49,14 @@ class Provider(Protocol):
 
 
 @runtime_checkable
+class NeedsAddress(Protocol):
+    """An optional capability: a provider built before the scheduler's address and token were
+    known gets them from the cluster (``LocalCluster.adapt``) before its first launch."""
+
+    def bind(self, scheduler: str, token: str) -> None: ...
+
+
+@runtime_checkable
 class ReportsExpiring(Protocol):
     """An optional capability: workers whose allocation ends soon (a batch job's walltime), so the
     autoscaler retires them gracefully first (their data moves to survivors)."""

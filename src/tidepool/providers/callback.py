@@ -3,8 +3,9 @@
 ``launch(request)`` receives a :class:`LaunchRequest` (node type, node count, the worker ids the new
 workers must register with, the exact command line for each, and the environment holding the
 token) and starts them however it likes (a cloud API, a job queue, a container).  ``terminate(ids)``
-stops workers.  Exceptions from either are wrapped in :class:`ProviderError` and reported through
-``poll_errors`` so the controller backs off that node type instead of crashing.
+stops workers.  Exceptions from ``launch`` are reported once, through ``poll_errors`` only (the call
+itself returns the ids as if submitted, like every provider), so the controller backs off that node
+type, counting the failure once; a failing ``terminate`` raises :class:`ProviderError`.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class CallbackProvider:
         self.requests[request_id] = ids
         try:
             self._launch(req)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported once, through poll_errors (never raised)
             err = ProviderError(f"launch callback failed for {request_id} ({node_type.name}): {exc}", request_id)
             self._errors.append(ProviderFailure(request_id, None, str(err)))
-            raise err from exc
+            return ids
         for w in ids:
             self.workers[w] = {"node_type": node_type.name, "request_id": request_id, "alive": True}
         return ids

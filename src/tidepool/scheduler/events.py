@@ -270,6 +270,8 @@ Event = (
 class Execute:
     worker: str
     key: str
+    ship: str = ""  # a function id the worker has not been sent yet: send it along (even if the
+    #                 task is gone by the time the command is carried out)
 
 
 @dataclass(slots=True)

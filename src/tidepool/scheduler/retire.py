@@ -6,8 +6,9 @@ bytes that has memory room; once nothing unique is left and nothing runs, the wo
 removed gracefully (no recomputation, no failure counted).  If no survivor can take the data, the
 retirement is refused with the reason and the worker goes back to ``running``.
 
-State lives on :class:`SchedulerState` (``retiring``: worker id -> keys already asked for), these
-functions are its helpers.
+State lives on :class:`SchedulerState` (``retiring``: worker id -> keys already asked for); these
+functions decide, and change the state only through its public ``begin_retirement`` and
+``finish_retirement``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,7 @@ def start_retire(state: SchedulerState, e: ev.RetireWorkers, out: list[ev.Comman
                                               f"{room} bytes the survivors have free"))  # fmt: skip
             continue
         names.add(wid)
-        state._move_worker(ws, "retiring")
-        state._room.discard(wid)
-        state.retiring[wid] = set()
-        state.retire_reason[wid] = e.reason
+        state.begin_retirement(ws, e.reason)
     progress_retirements(state, out)
 
 
@@ -69,11 +67,7 @@ def progress_retirements(state: SchedulerState, out: list[ev.Command]) -> None:
         asked = state.retiring[wid]
         unique = [ts for ts in state.unique_data(ws)]
         if not unique and not ws.processing:
-            reason = state.retire_reason.pop(wid, "retired")
-            state.retiring.pop(wid, None)
-            out.append(ev.CloseWorker(wid, f"retired ({reason})"))
-            state._worker_remove(ev.WorkerRemove(wid, state.now, f"retired ({reason})", graceful=True,
-                                                 cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
+            state.finish_retirement(wid, out)
             continue
         todo = [ts for ts in unique if ts.key not in asked]
         if not todo:

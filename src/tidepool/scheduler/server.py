@@ -125,6 +125,8 @@ class Scheduler:
             if isinstance(c, ev.Execute):
                 ts = state.tasks.get(c.key)
                 ws = workers.get(c.worker)
+                if c.ship and ws is not None:  # the state counts it as sent: send it, task or not
+                    funcs_by_worker.setdefault(ws.id, {})[c.ship] = state.functions.get(c.ship)
                 if ts is None or ws is None:
                     continue
                 item: dict[str, Any] = {"key": ts.key, "func": ts.func_id, "payload": ts.payload}
@@ -137,9 +139,6 @@ class Scheduler:
                 else:
                     item["resources"] = [["cpu", 1.0]]
                 tasks_by_worker.setdefault(ws.id, []).append(item)
-                if ts.func_id not in ws.funcs:
-                    ws.funcs.add(ts.func_id)
-                    funcs_by_worker.setdefault(ws.id, {})[ts.func_id] = state.functions.get(ts.func_id)
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):
@@ -161,8 +160,8 @@ class Scheduler:
                 self._resolve_retire(c.worker, f"refused: {c.reason}")
         for wid, keys in frees.items():
             await self._send_worker(wid, {"op": "free", "keys": keys})
-        for wid, items in tasks_by_worker.items():
-            msg: dict[str, Any] = {"op": "compute", "tasks": items}
+        for wid in tasks_by_worker.keys() | funcs_by_worker.keys():
+            msg: dict[str, Any] = {"op": "compute", "tasks": tasks_by_worker.get(wid, [])}
             if wid in funcs_by_worker:
                 msg["functions"] = funcs_by_worker[wid]
             await self._send_worker(wid, msg)
@@ -273,7 +272,9 @@ class Scheduler:
                 if op == "task-batch":
                     await self.apply(_batch_events(wid, msg, now))
                 elif op == "heartbeat":
-                    self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
+                    cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
+                    if cmds:  # none today; never dropped if a heartbeat ever causes some
+                        await self._dispatch(cmds)
                 elif op == "setup-done":
                     for name in msg.get("names", ()):
                         self._resolve_setup(wid, name, "ok")

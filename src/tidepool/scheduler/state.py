@@ -568,7 +568,11 @@ class SchedulerState:
         ws.idle_since = None
         if not self._has_room(ws):
             self._room.discard(ws.id)
-        out.append(ev.Execute(ws.id, ts.key))
+        ship = ""
+        if ts.func_id not in ws.funcs:
+            ws.funcs.add(ts.func_id)
+            ship = ts.func_id
+        out.append(ev.Execute(ws.id, ts.key, ship))
 
     def _unassign(self, ts: TaskRecord) -> None:
         ws: WorkerRecord | None = self.workers.get(ts.worker) if ts.worker else None
@@ -945,6 +949,22 @@ class SchedulerState:
         ts.message, ts.error_origin = message, ts.key
         self._move(ts, "erred")
         self._erred_cascade(ts, out)
+
+    # ---- retirement (decided in retire.py) ------------------------------------------------------
+    def begin_retirement(self, ws: WorkerRecord, reason: str) -> None:
+        """``ws`` takes no new tasks; its unique data will be copied to survivors."""
+        self._move_worker(ws, "retiring")
+        self._room.discard(ws.id)
+        self.retiring[ws.id] = set()
+        self.retire_reason[ws.id] = reason
+
+    def finish_retirement(self, wid: str, out: list[ev.Command]) -> None:
+        """Nothing unique left and nothing running: close the worker and remove it gracefully."""
+        reason = self.retire_reason.pop(wid, "retired")
+        self.retiring.pop(wid, None)
+        out.append(ev.CloseWorker(wid, f"retired ({reason})"))
+        self._worker_remove(ev.WorkerRemove(wid, self.now, f"retired ({reason})", graceful=True,
+                                            cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
 
     # ---- work stealing and seceded tasks -------------------------------------------------------
     def _steal(self, out: list[ev.Command]) -> None:
