@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
+from tidepool.scheduler.kinds import ReportKind
 
 Shape = tuple[tuple[str, float], ...]
 
@@ -287,7 +288,7 @@ class Report:
 
     client: str
     key: str
-    status: str
+    status: ReportKind
     error: dict[str, Any] | None = None  # an error for this client only (e.g. a key collision)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from tidepool.comm.serialize import Serialized
 from tidepool.scheduler.events import Shape
+from tidepool.scheduler.kinds import TaskState, WorkerState
 
 #: resources every worker has; any other (gpu, fpga, licence, ...) is scarce and kept for tasks
 #: that ask for it
@@ -30,7 +31,7 @@ class TaskRecord:
         self.dependents: set[TaskRecord] = set()
         self.waiters: set[TaskRecord] = set()  # dependents not done yet that need our value
         self.waiting_on: set[TaskRecord] = set()  # our deps whose values are not available
-        self.state = "released"
+        self.state: str = TaskState.RELEASED
         self.who_has: set[str] = set()
         self.nbytes = 0
         self.worker: str | None = None
@@ -86,7 +87,7 @@ class WorkerRecord:
         self.resources = resources
         self.node_type = node_type
         self.name = name or wid
-        self.state = "running"
+        self.state: str = WorkerState.RUNNING
         self.processing: dict[TaskRecord, float] = {}
         self.has_what: set[TaskRecord] = set()
         self.nbytes = 0

@@ -38,56 +38,59 @@ from typing import Any
 from tidepool.comm.serialize import Serialized
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.estimates import DurationEstimates
+from tidepool.scheduler.kinds import ReportKind as RK
+from tidepool.scheduler.kinds import TaskState as TS
+from tidepool.scheduler.kinds import WorkerState as WS
 from tidepool.scheduler.placement import choose_worker, fits
 from tidepool.scheduler.records import TaskRecord, WorkerRecord
 
 #: Every legal task-state change, with the reason it happens.  Anything else raises.
-TASK_TRANSITIONS: dict[tuple[str, str], str] = {
-    ("released", "waiting"): "needed, and some inputs are not in memory yet",
-    ("released", "ready"): "needed, and every input is in memory",
-    ("released", "erred"): "needed, but an input already failed",
-    ("waiting", "ready"): "the last missing input arrived",
-    ("waiting", "erred"): "an input failed",
-    ("waiting", "released"): "nobody needs it any more (cancelled)",
-    ("waiting", "memory"): "a result from an earlier attempt arrived; keep it",
-    ("ready", "running"): "placed on a worker",
-    ("ready", "no-worker"): "no running worker has the resources it asks for",
-    ("ready", "waiting"): "an input was lost with its worker",
-    ("ready", "released"): "cancelled before it was placed",
-    ("ready", "erred"): "it can never run (infeasible)",
-    ("ready", "memory"): "a result from an earlier attempt arrived; keep it",
-    ("no-worker", "ready"): "a worker with the resources joined",
-    ("no-worker", "waiting"): "an input was lost with its worker",
-    ("no-worker", "released"): "cancelled while no worker could run it",
-    ("no-worker", "erred"): "it can never run (infeasible)",
-    ("no-worker", "memory"): "a result from an earlier attempt arrived; keep it",
-    ("running", "memory"): "finished; the value stays on the worker",
-    ("running", "ready"): "its worker left, or it failed and has retries left",
-    ("running", "waiting"): "rescheduled, and an input must be recomputed first",
-    ("running", "erred"): "raised with no retries left, or killed too many workers",
-    ("running", "released"): "cancelled while running",
-    ("memory", "released"): "nobody needs the value (freed), or it was lost with its worker",
-    ("memory", "erred"): "its holder cannot send the value (unpicklable, or over the frame limit)",
-    ("erred", "released"): "nobody holds the error any more",
+TASK_TRANSITIONS: dict[tuple[TS, TS], str] = {
+    (TS.RELEASED, TS.WAITING): "needed, and some inputs are not in memory yet",
+    (TS.RELEASED, TS.READY): "needed, and every input is in memory",
+    (TS.RELEASED, TS.ERRED): "needed, but an input already failed",
+    (TS.WAITING, TS.READY): "the last missing input arrived",
+    (TS.WAITING, TS.ERRED): "an input failed",
+    (TS.WAITING, TS.RELEASED): "nobody needs it any more (cancelled)",
+    (TS.WAITING, TS.MEMORY): "a result from an earlier attempt arrived; keep it",
+    (TS.READY, TS.RUNNING): "placed on a worker",
+    (TS.READY, TS.NO_WORKER): "no running worker has the resources it asks for",
+    (TS.READY, TS.WAITING): "an input was lost with its worker",
+    (TS.READY, TS.RELEASED): "cancelled before it was placed",
+    (TS.READY, TS.ERRED): "it can never run (infeasible)",
+    (TS.READY, TS.MEMORY): "a result from an earlier attempt arrived; keep it",
+    (TS.NO_WORKER, TS.READY): "a worker with the resources joined",
+    (TS.NO_WORKER, TS.WAITING): "an input was lost with its worker",
+    (TS.NO_WORKER, TS.RELEASED): "cancelled while no worker could run it",
+    (TS.NO_WORKER, TS.ERRED): "it can never run (infeasible)",
+    (TS.NO_WORKER, TS.MEMORY): "a result from an earlier attempt arrived; keep it",
+    (TS.RUNNING, TS.MEMORY): "finished; the value stays on the worker",
+    (TS.RUNNING, TS.READY): "its worker left, or it failed and has retries left",
+    (TS.RUNNING, TS.WAITING): "rescheduled, and an input must be recomputed first",
+    (TS.RUNNING, TS.ERRED): "raised with no retries left, or killed too many workers",
+    (TS.RUNNING, TS.RELEASED): "cancelled while running",
+    (TS.MEMORY, TS.RELEASED): "nobody needs the value (freed), or it was lost with its worker",
+    (TS.MEMORY, TS.ERRED): "its holder cannot send the value (unpicklable, or over the frame limit)",
+    (TS.ERRED, TS.RELEASED): "nobody holds the error any more",
 }
 
 #: Every legal worker-state change.
-WORKER_TRANSITIONS: dict[tuple[str, str], str] = {
-    ("starting", "running"): "setup hooks finished; takes tasks from now on",
-    ("starting", "gone"): "left or failed during setup",
-    ("running", "retiring"): "graceful retirement started: its data moves to survivors",
-    ("retiring", "running"): "retirement refused or cancelled",
-    ("retiring", "gone"): "retired, or lost while retiring",
-    ("running", "gone"): "disconnected, killed or missed heartbeats",
-    ("starting", "retiring"): "retired before it finished setup",
+WORKER_TRANSITIONS: dict[tuple[WS, WS], str] = {
+    (WS.STARTING, WS.RUNNING): "setup hooks finished; takes tasks from now on",
+    (WS.STARTING, WS.GONE): "left or failed during setup",
+    (WS.RUNNING, WS.RETIRING): "graceful retirement started: its data moves to survivors",
+    (WS.RETIRING, WS.RUNNING): "retirement refused or cancelled",
+    (WS.RETIRING, WS.GONE): "retired, or lost while retiring",
+    (WS.RUNNING, WS.GONE): "disconnected, killed or missed heartbeats",
+    (WS.STARTING, WS.RETIRING): "retired before it finished setup",
 }
 
-ACTIVE = frozenset({"waiting", "ready", "no-worker", "running"})
+ACTIVE = frozenset({TS.WAITING, TS.READY, TS.NO_WORKER, TS.RUNNING})
 #: the pseudo-client that holds fire-and-forget tasks until they finish
 FIRE_AND_FORGET = "<fire-and-forget>"
 #: one step of user priority outweighs any difference in submission order
 PRIORITY_STEP = 1 << 40
-PENDING = frozenset({"ready", "no-worker"})  # runnable now, but on no worker yet: demand
+PENDING = frozenset({TS.READY, TS.NO_WORKER})  # runnable now, but on no worker yet: demand
 DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
 
 
@@ -212,7 +215,7 @@ class SchedulerState:
         return self._after(out)
 
     # ---- transitions ---------------------------------------------------------------------------
-    def _move(self, ts: TaskRecord, new: str) -> None:
+    def _move(self, ts: TaskRecord, new: TS) -> None:
         if (ts.state, new) not in TASK_TRANSITIONS:
             raise InvalidTransition(f"task {ts.key}: {ts.state} -> {new}")
         old = ts.state
@@ -237,7 +240,7 @@ class SchedulerState:
         counts[new] = counts.get(new, 0) + 1
         ts.state = new
 
-    def _move_worker(self, ws: WorkerRecord, new: str) -> None:
+    def _move_worker(self, ws: WorkerRecord, new: WS) -> None:
         if (ws.state, new) not in WORKER_TRANSITIONS:
             raise InvalidTransition(f"worker {ws.id}: {ws.state} -> {new}")
         ws.state = new
@@ -279,7 +282,7 @@ class SchedulerState:
         for k in e.wanted:
             wts = self.tasks.get(k)
             if k in collided:
-                out.append(ev.Report(e.client, k, "erred", error={
+                out.append(ev.Report(e.client, k, RK.ERRED, error={
                     "type": "KeyCollisionError", "origin": k, "message": (
                         f"key {k!r} is already used by another task that is still alive ({collided[k]}); "
                         "give this task another key, or release every future of the first one before "
@@ -287,14 +290,14 @@ class SchedulerState:
                 }))  # fmt: skip
                 continue
             if wts is None:
-                out.append(ev.Report(e.client, k, "lost"))
+                out.append(ev.Report(e.client, k, RK.LOST))
                 continue
             keys.add(k)
             wts.wanted_by.add(e.client)
             if wts.state == "released":
                 self._compute(wts, out)
-            elif wts.state in ("memory", "erred"):
-                out.append(ev.Report(e.client, k, wts.state))
+            elif wts.state in (TS.MEMORY, TS.ERRED):
+                out.append(ev.Report(e.client, k, RK.MEMORY if wts.state == TS.MEMORY else RK.ERRED))
         for ts in new:  # tasks submitted but not needed by anything: drop
             if ts.state == "released":
                 self._check(ts, out)
@@ -329,14 +332,14 @@ class SchedulerState:
         for k in e.keys:
             ts = self.tasks.get(k)
             if ts is None or client not in ts.wanted_by:
-                out.append(ev.Report(client, k, "cancelled"))  # nothing of ours to stop
+                out.append(ev.Report(client, k, RK.CANCELLED))  # nothing of ours to stop
                 wanted.discard(k)
                 continue
             if e.unless_started:
                 if ts.state in ("memory", "erred"):
                     continue
                 if ts.state == "running" and ts.executing:
-                    out.append(ev.Report(client, k, "running"))
+                    out.append(ev.Report(client, k, RK.RUNNING))
                     continue
             roots.append(ts)
         seen = set(roots)
@@ -352,7 +355,7 @@ class SchedulerState:
             if client in ts.wanted_by:
                 ts.wanted_by.discard(client)
                 wanted.discard(ts.key)
-                out.append(ev.Report(client, ts.key, "cancelled"))
+                out.append(ev.Report(client, ts.key, RK.CANCELLED))
         for ts in reversed(cancelled):  # any order works: _check follows each task to its inputs
             self._check(ts, out)
 
@@ -369,7 +372,7 @@ class SchedulerState:
             if ts.state != "released":
                 continue
             if ts.exc_type in ("DependencyError", "CycleError") and ts.message and not ts.exception:
-                self._move(ts, "erred")
+                self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
                 continue
             waiting: set[TaskRecord] = set()
@@ -386,17 +389,17 @@ class SchedulerState:
                     stack.append(dep)
             if failed is not None:
                 self._copy_error(ts, failed)
-                self._move(ts, "erred")
+                self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
                 continue
             ts.waiting_on = waiting
             if waiting:
-                self._move(ts, "waiting")
+                self._move(ts, TS.WAITING)
             else:
                 self._make_ready(ts, out)
 
     def _make_ready(self, ts: TaskRecord, out: list[ev.Command]) -> None:
-        self._move(ts, "ready")
+        self._move(ts, TS.READY)
         shape = ts.shape
         ok = self._fit_any.get(shape)
         if ok is None:
@@ -408,7 +411,7 @@ class SchedulerState:
             if why is not None:
                 self._fail(ts, why[0], why[1], out)
                 return
-            self._move(ts, "no-worker")
+            self._move(ts, TS.NO_WORKER)
             ts.no_worker_since = self.now
             self.no_worker.setdefault(shape, set()).add(ts)
             return
@@ -440,7 +443,7 @@ class SchedulerState:
             return True
         if ts.loose:
             return False
-        self._move(ts, "no-worker")  # waits for one of its workers (no_worker_timeout applies)
+        self._move(ts, TS.NO_WORKER)  # waits for one of its workers (no_worker_timeout applies)
         ts.no_worker_since = self.now
         self.no_worker.setdefault(ts.shape, set()).add(ts)
         return True
@@ -461,7 +464,7 @@ class SchedulerState:
                 if ts.loose:  # its workers left: any worker will do
                     self._push_ready(ts)
                 else:  # wait for one of them to come back
-                    self._move(ts, "no-worker")
+                    self._move(ts, TS.NO_WORKER)
                     ts.no_worker_since = self.now
                     self.no_worker.setdefault(ts.shape, set()).add(ts)
             else:
@@ -477,14 +480,14 @@ class SchedulerState:
             if ts.state != "ready":
                 self._make_ready(ts, out)
             return
-        self._move(ts, "waiting")
+        self._move(ts, TS.WAITING)
         for dep in waiting:
             dep.waiters.add(ts)
             if dep.state == "released":
                 self._compute(dep, out)
             elif dep.state == "erred":
                 self._copy_error(ts, dep)
-                self._move(ts, "erred")
+                self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
                 return
 
@@ -546,7 +549,7 @@ class SchedulerState:
         heap = self._ready.pop(shape, [])
         for _, seq, ts in heap:
             if ts.state == "ready" and ts.ready_seq == seq:
-                self._move(ts, "no-worker")
+                self._move(ts, TS.NO_WORKER)
                 ts.no_worker_since = self.now
                 self.no_worker.setdefault(shape, set()).add(ts)
 
@@ -557,7 +560,7 @@ class SchedulerState:
         return n < ws.slots or ws.occupancy < self.queue_seconds * ws.slots
 
     def _assign(self, ts: TaskRecord, ws: WorkerRecord, out: list[ev.Command]) -> None:
-        self._move(ts, "running")
+        self._move(ts, TS.RUNNING)
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
         ts.executing = False
@@ -626,11 +629,11 @@ class SchedulerState:
         ts.duration = e.duration
         ts.nbytes = e.nbytes
         ts.suspicious = 0
-        self._move(ts, "memory")
+        self._move(ts, TS.MEMORY)
         ts.waiting_on.clear()
         self._add_holder(ts, ws, e.nbytes)
         for c in ts.wanted_by:
-            out.append(ev.Report(c, ts.key, "memory"))
+            out.append(ev.Report(c, ts.key, RK.MEMORY))
         ts.wanted_by.discard(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
         for dt in ts.waiters:
             if ts in dt.waiting_on:
@@ -677,7 +680,7 @@ class SchedulerState:
             return
         ts.exception, ts.traceback, ts.exc_type = e.exception, e.traceback, e.exc_type
         ts.message, ts.error_origin = e.message, ts.key
-        self._move(ts, "erred")
+        self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
     def _copy_error(self, ts: TaskRecord, src: TaskRecord) -> None:
@@ -699,9 +702,9 @@ class SchedulerState:
                     if w is not None:
                         out.append(ev.Free(w, [ts.key]))
                 self._copy_error(ts, root)
-                self._move(ts, "erred")
+                self._move(ts, TS.ERRED)
             for c in ts.wanted_by:
-                out.append(ev.Report(c, ts.key, "erred"))
+                out.append(ev.Report(c, ts.key, RK.ERRED))
             ts.wanted_by.discard(FIRE_AND_FORGET)
             for dep in ts.deps:
                 dep.waiters.discard(ts)
@@ -723,14 +726,14 @@ class SchedulerState:
             state = ts.state
             if state == "memory":
                 self._drop_value(ts, out)
-                self._move(ts, "released")
+                self._move(ts, TS.RELEASED)
             elif state in ACTIVE:
                 if state == "running":
                     w = ts.worker
                     self._unassign(ts)
                     if w is not None:
                         out.append(ev.Free(w, [ts.key]))
-                self._move(ts, "released")
+                self._move(ts, TS.RELEASED)
                 ts.waiting_on.clear()
                 for dep in ts.deps:
                     dep.waiters.discard(ts)
@@ -769,7 +772,7 @@ class SchedulerState:
     def _worker_ready(self, e: ev.WorkerReady, out: list[ev.Command]) -> None:
         ws = self.workers.get(e.worker)
         if ws is not None and ws.state == "starting":
-            self._move_worker(ws, "running")
+            self._move_worker(ws, WS.RUNNING)
             self._worker_running(ws, out)
 
     def _worker_running(self, ws: WorkerRecord, out: list[ev.Command]) -> None:
@@ -783,7 +786,7 @@ class SchedulerState:
         ws = self.workers.pop(e.worker, None)
         if ws is None:
             return
-        self._move_worker(ws, "gone")
+        self._move_worker(ws, WS.GONE)
         self._room.discard(ws.id)
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if not ok}
         if not e.graceful:
@@ -815,7 +818,7 @@ class SchedulerState:
                     "or memory blow-ups, or raise allowed_failures"
                 )
                 ts.traceback, ts.error_origin = "", ts.key
-                self._move(ts, "erred")
+                self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
             else:
                 self._reschedule(ts, out)
@@ -827,7 +830,7 @@ class SchedulerState:
 
     def _lose_value(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """``ts``'s only copy is gone: recompute it if needed, else just release it."""
-        self._move(ts, "released")
+        self._move(ts, TS.RELEASED)
         if not ts.needed:
             self._check(ts, out)
             return
@@ -837,7 +840,7 @@ class SchedulerState:
             if dt.state in ("waiting", "ready", "no-worker"):
                 dt.waiting_on.add(ts)
                 if dt.state != "waiting":
-                    self._move(dt, "waiting")
+                    self._move(dt, TS.WAITING)
         self._compute(ts, out)
 
     def _missing_data(self, e: ev.MissingData, out: list[ev.Command]) -> None:
@@ -919,7 +922,7 @@ class SchedulerState:
         self._drop_value(ts, out)
         ts.exception, ts.traceback, ts.exc_type = None, "", e.exc_type
         ts.message, ts.error_origin = e.message, ts.key
-        self._move(ts, "erred")
+        self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
     def _check_feasible(self, e: ev.CheckFeasible, out: list[ev.Command]) -> None:
@@ -947,13 +950,13 @@ class SchedulerState:
         """A task not on any worker fails with a scheduler-made error; dependents fail with it."""
         ts.exception, ts.traceback, ts.exc_type = None, "", exc_type
         ts.message, ts.error_origin = message, ts.key
-        self._move(ts, "erred")
+        self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
     # ---- retirement (decided in retire.py) ------------------------------------------------------
     def begin_retirement(self, ws: WorkerRecord, reason: str) -> None:
         """``ws`` takes no new tasks; its unique data will be copied to survivors."""
-        self._move_worker(ws, "retiring")
+        self._move_worker(ws, WS.RETIRING)
         self._room.discard(ws.id)
         self.retiring[ws.id] = set()
         self.retire_reason[ws.id] = reason
@@ -1042,7 +1045,7 @@ class SchedulerState:
         for ts in self.tasks.values():
             for c in ts.wanted_by:
                 if c != FIRE_AND_FORGET:
-                    out.append(ev.Report(c, ts.key, "erred", error={**error, "origin": ts.key}))
+                    out.append(ev.Report(c, ts.key, RK.ERRED, error={**error, "origin": ts.key}))
         self.tasks.clear()
         self.counts = {"released": 0}
         self.pending.clear()
