@@ -112,13 +112,19 @@ def test_idle_retire_only_empty_workers_unless_cached_timeout_passed() -> None:
     assert set(pol(snap([], ws, now=61.0)).retire) == {"empty", "holder", "fresh"}
 
 
-def test_idle_retire_keeps_workers_that_fit_demand_and_respects_min_nodes() -> None:
+def test_idle_retire_keeps_workers_that_fit_demand_and_the_controller_keeps_min_nodes() -> None:
     pol = IdleRetire(idle_timeout=1, lookahead=False)
     gpu_demand = [Demand(GPU_SHAPE, "g", 1, 1.0)]
     ws = [worker("c1"), worker("g1", nt="gpu")]
     assert pol(snap(gpu_demand, ws, now=10.0)).retire == ("c1",)  # g1 fits the waiting gpu task
-    keep_one = NodeType("cpu", {"cpu": 8}, min_nodes=1, max_nodes=4)
-    assert pol(snap([], [worker("c1"), worker("c2")], now=10.0, types=(keep_one, GPU))).retire == ("c1",)
+    # limits live in one place, the controller: the policy proposes, min_nodes=1 keeps one
+    keep_one = NodeType("cpu", {"cpu": 1}, min_nodes=1, max_nodes=4)
+    d = StateDriver()
+    d.add_worker("c1", node_type="cpu")
+    d.add_worker("c2", node_type="cpu")
+    c = ScalingController((keep_one,), IdleRetire(idle_timeout=1, lookahead=False), forecast_interval=0.25,
+                          manage_foreign=True)  # fmt: skip
+    assert len(step_with_state(c, d.state, 10.0).retire) == 1
 
 
 def test_idle_retire_lookahead_retires_at_once_when_no_work_can_arrive() -> None:
@@ -128,17 +134,22 @@ def test_idle_retire_lookahead_retires_at_once_when_no_work_can_arrive() -> None
     assert pol(snap([], ws, now=10.0, next_demand_in=0.5)).retire == ()
 
 
-def test_adaptive_anti_flap_young_workers_and_same_type_launch() -> None:
+def test_adaptive_keeps_young_workers_and_the_controller_never_launches_and_retires_one_type() -> None:
     ws = [worker("young", joined=9.5, idle_since=9.5), worker("old", idle_since=0.0)]
 
     def wants_both(s: ClusterSnapshot) -> ScaleDecision:
         return ScaleDecision(launch={"gpu": 1}, retire=("young", "old"))
 
     a = Adaptive(launcher=wants_both, no_progress=None, idle=None, min_lifetime=1.0)
-    d = a(snap([], ws, now=10.0))
-    assert d.retire == ("old",) and d.launch == {"gpu": 1}
-    a2 = Adaptive(launcher=lambda s: ScaleDecision(launch={"cpu": 1}, retire=("old",)), no_progress=None, idle=None)
-    assert a2(snap([], ws, now=10.0)).retire == ()
+    dec = a(snap([], ws, now=10.0))
+    assert dec.retire == ("old",) and dec.launch == {"gpu": 1}
+    d = StateDriver()
+    d.add_worker("old", node_type="cpu")
+    one = NodeType("cpu", {"cpu": 1}, max_nodes=4)
+    c = ScalingController((one,), lambda s: ScaleDecision(launch={"cpu": 1}, retire=("old",)),
+                          forecast_interval=0.25, manage_foreign=True)  # fmt: skip
+    acts = step_with_state(c, d.state, 10.0)
+    assert acts.launch and acts.retire == []  # the same type is launched this round: keep it
 
 
 def test_user_policies_may_return_dicts_and_bad_returns_are_rejected() -> None:

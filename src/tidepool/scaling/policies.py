@@ -13,8 +13,12 @@ ramp step of :class:`Backlog`); given the same sequence of snapshots they decide
   cheap to replace when its replacement starts fast, and Slurm-sized startups keep workers longer),
   at once when the forecast says no work can reach them sooner, and idle workers that do hold
   needed data after ``cached_idle_timeout`` (their data moves to survivors first).
-- :class:`Adaptive`: the default; combines the above, then applies anti-flap rules (a worker younger
-  than ``min_lifetime`` is not retired; no launch and retire of the same node type in one decision).
+- :class:`Adaptive`: the default; combines the above and keeps workers younger than
+  ``min_lifetime`` (a preference of this policy).
+
+Limits are not a policy's business: ``min_nodes``/``max_nodes``, ``max_workers``, never launching
+and retiring one node type in the same round, and leaving workers the autoscaler does not manage
+alone are applied in one place, the controller, to whatever a policy answers.
 """
 
 from __future__ import annotations
@@ -179,7 +183,6 @@ class IdleRetire:
         retire: list[str] = []
         whys: list[tuple[str, str]] = []
         reasons: list[str] = []
-        left = {nt.name: snap.nodes_of(nt.name) for nt in snap.node_types}
         for w in snap.workers:
             if not w.idle or w.idle_since is None:
                 continue
@@ -191,8 +194,6 @@ class IdleRetire:
                 timeout = min(30.0, (nt.startup_estimate if nt is not None else 5.0) * self.startup_fraction)
             timeout = max(timeout, self.min_idle_timeout)
             idle = snap.now - w.idle_since
-            if nt is not None and left.get(nt.name, 0) - 1 < nt.min_nodes:
-                continue
             gap = snap.next_demand_in
             lookahead = (self.lookahead and not snap.demand and idle >= self.min_idle_timeout
                          and (gap is None or gap > timeout))  # fmt: skip
@@ -206,8 +207,6 @@ class IdleRetire:
                 continue
             whys.append((w.id, reasons[-1]))
             retire.append(w.id)
-            if nt is not None:
-                left[nt.name] -= 1
         return ScaleDecision(retire=tuple(retire), reasons=tuple(reasons), why=tuple(whys))
 
 
@@ -229,8 +228,8 @@ def merge(decisions: Sequence[ScaleDecision]) -> ScaleDecision:
                          tuple(why.items()))  # fmt: skip
 
 
-def anti_flap(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> ScaleDecision:
-    """Drop retirements of young workers and of node types this decision launches."""
+def keep_young(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> ScaleDecision:
+    """Drop retirements of workers younger than ``min_lifetime`` (they just cost a start-up)."""
     by_id = {w.id: w for w in snap.workers}
     keep: list[str] = []
     reasons = list(d.reasons)
@@ -239,9 +238,7 @@ def anti_flap(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> S
         if w is None:
             continue
         if snap.now - w.joined < min_lifetime:
-            reasons.append(f"anti-flap: keep {wid}, younger than {min_lifetime:.1f}s")
-        elif d.launch.get(w.node_type):
-            reasons.append(f"anti-flap: keep {wid}, its type {w.node_type} is being launched")
+            reasons.append(f"keep {wid}: younger than {min_lifetime:.1f}s")
         else:
             keep.append(wid)
     return ScaleDecision(d.launch, tuple(keep), d.infeasible, tuple(reasons), d.why)
@@ -265,4 +262,4 @@ class Adaptive:
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         parts = [p for p in (self.launcher, self.backlog, self.no_progress, self.idle, *self.extra)
                  if p is not None]  # fmt: skip
-        return anti_flap(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)
+        return keep_young(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)
