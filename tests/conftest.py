@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -15,3 +19,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Path]:
+    """A file that gated tasks wait for; always created at teardown, so no worker slot stays busy."""
+    path = tmp_path / "gate"
+    yield path
+    path.touch()

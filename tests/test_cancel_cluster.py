@@ -30,7 +30,6 @@ from tidepool.worker.core import request_data
 
 pytestmark = pytest.mark.integration
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ALPHA = {"alpha": 1}
 BETA = {"beta": 1}
 
@@ -58,8 +57,7 @@ def touch(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tidepool.LocalCluster]:
-    env = {"PYTHONPATH": os.pathsep.join([TESTS_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    with tidepool.LocalCluster(n_workers=0, env=env, queue_seconds=60.0) as c:
+    with tidepool.LocalCluster(n_workers=0, queue_seconds=60.0) as c:
         c.add_workers(1, node_type=NodeType("alpha", {"cpu": 1, "alpha": 1}))
         c.add_workers(1, node_type=NodeType("beta", {"cpu": 1, "beta": 1}))
         yield c
@@ -72,11 +70,6 @@ def client(cluster: tidepool.LocalCluster) -> Iterator[tidepool.Client]:
         yield c
 
 
-@pytest.fixture
-def gate(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "gate"
-    yield path
-    path.touch()
 
 
 def addresses(client: tidepool.Client) -> dict[str, str]:

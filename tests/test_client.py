@@ -26,15 +26,10 @@ from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ALPHA = {"alpha": 1}
 BETA = {"beta": 1}
 
 
-def _worker_env() -> dict[str, str]:
-    # Workers import module-level task functions of this file by reference.
-    parts = [TESTS_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
 
@@ -42,7 +37,7 @@ def _worker_env() -> dict[str, str]:
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tidepool.LocalCluster]:
-    with tidepool.LocalCluster(n_workers=0, env=_worker_env()) as c:
+    with tidepool.LocalCluster(n_workers=0) as c:
         c.add_workers(1, node_type=NodeType("alpha", {"cpu": 2, "alpha": 1}))
         c.add_workers(1, node_type=NodeType("beta", {"cpu": 2, "beta": 1}))
         yield c

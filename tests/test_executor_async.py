@@ -25,20 +25,15 @@ from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _worker_env() -> dict[str, str]:
-    # Workers import module-level task functions of this file by reference.
-    parts = [TESTS_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tidepool.LocalCluster]:
-    with tidepool.LocalCluster(n_workers=2, slots=2, env=_worker_env()) as c:
+    with tidepool.LocalCluster(n_workers=2, slots=2) as c:
         yield c
 
 
@@ -48,12 +43,6 @@ def client(cluster: tidepool.LocalCluster) -> Iterator[tidepool.Client]:
         yield c
 
 
-@pytest.fixture
-def gate(tmp_path: Any) -> Iterator[Any]:
-    """A file that gated tasks wait for; always opened at teardown so no worker slot stays busy."""
-    path = tmp_path / "gate"
-    yield path
-    path.touch()
 
 
 def task_state(cluster: tidepool.LocalCluster, key: str) -> str | None:

@@ -33,7 +33,6 @@ from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---- task functions (module level: workers import them by reference) ------------------------------
@@ -91,8 +90,7 @@ class Counter:
 # ---- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tidepool.LocalCluster]:
-    env = {"PYTHONPATH": os.pathsep.join([TESTS_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    with tidepool.LocalCluster(n_workers=1, slots=1, env=env) as c:
+    with tidepool.LocalCluster(n_workers=1, slots=1) as c:
         yield c
 
 
@@ -102,12 +100,6 @@ def client(cluster: tidepool.LocalCluster) -> Iterator[tidepool.Client]:
         yield c
 
 
-@pytest.fixture
-def gate(tmp_path: Path) -> Iterator[Path]:
-    """A file gated tasks wait for; opened at teardown at the latest, so no slot stays busy."""
-    path = tmp_path / "gate"
-    yield path
-    path.touch()
 
 
 @pytest.fixture(params=["ThreadPoolExecutor", "tidepool"])
