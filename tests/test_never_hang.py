@@ -239,3 +239,34 @@ def test_a_released_value_that_was_never_fetched_fails_instead_of_waiting_foreve
         wait_until(lambda: fut.key not in cluster.scheduler.state.tasks, what="the key forgotten")
         with pytest.raises(tidepool.TaskCancelledError, match="released"):
             fut.result()  # no timeout: it must still answer
+
+
+def test_a_scheduler_paused_longer_than_the_heartbeat_ttl_keeps_its_workers(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    token = tmp_path / "token"
+    sched = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "scheduler", "--port", "0", "--token-file",
+                              str(token), "--heartbeat-timeout", "2"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        address = (sched.stdout.readline() if sched.stdout else "").split(" at ", 1)[1].strip()
+        env = {**os.environ, "TIDEPOOL_TOKEN_FILE": str(token)}
+        workers = [subprocess.Popen([sys.executable, "-m", "tidepool.worker", address, "--slots", "1",
+                                     "--heartbeat-interval", "0.2"], env=env) for _ in range(2)]  # fmt: skip
+        with tidepool.Client(address, token=token.read_text()) as client:
+            client.wait_for_workers(2, timeout=30)
+            futs = client.map(slow_inc, range(6), [0.5] * 6)
+            os.kill(sched.pid, signal.SIGSTOP)  # the scheduler hears nothing for 4 s (> its 2 s TTL)
+            try:
+                time.sleep(4.0)  # the pause itself is the point of the test
+            finally:
+                os.kill(sched.pid, signal.SIGCONT)
+            assert client.gather(futs, timeout=60) == list(range(1, 7))
+            info = client.scheduler_info()
+            assert info["counters"]["workers_lost"] == 0 and len(info["workers"]) == 2
+    finally:
+        for p in (*workers, sched):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)

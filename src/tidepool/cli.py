@@ -79,6 +79,16 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from tidepool.comm.auth import new_token
     from tidepool.scheduler.server import Scheduler
@@ -94,7 +104,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         args.port = cfg.scheduler.get("port", args.port)
 
     async def main() -> None:
-        s = await Scheduler(f"tcp://{args.host}:{args.port}", token).start()
+        extra: dict[str, Any] = {}
+        if args.no_worker_timeout is not None:  # 0 (or less): wait for a worker forever
+            extra["no_worker_timeout"] = args.no_worker_timeout if args.no_worker_timeout > 0 else None
+        s = await Scheduler(f"tcp://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
+                            **extra).start()  # fmt: skip
         if args.token_file:
             fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -213,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
+    s.add_argument("--heartbeat-timeout", type=_positive, default=None,
+                   help="seconds a connected worker may stay silent before it is removed (default 300)")
+    s.add_argument("--no-worker-timeout", type=float, default=None,
+                   help="without autoscaling: seconds a task may wait for a worker with its resources "
+                        "before it fails (default 60; 0 waits forever)")
     s.set_defaults(fn=cmd_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that joins a scheduler")
