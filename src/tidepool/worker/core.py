@@ -130,6 +130,7 @@ class Worker:
         self.seceded: set[str] = set()  # running tasks that gave their slot back (worker_client)
         self._unservable: list[list[str]] = []
         self._flush_scheduled = False
+        self._sends_in_flight = 0  # batches handed to an async send, not written yet
         self.conn: Connection | None = None
         self.address = ""
         self.closed: asyncio.Event | None = None  # created in start(), inside the loop
@@ -444,13 +445,19 @@ class Worker:
         if self._seceded:
             msg["seceded"], self._seceded = self._seceded, []
         if len(msg) > 1 and self.conn is not None and not self.conn.closed:
-            try:
-                if self.conn.send_nowait(msg):
+            if not self._sends_in_flight:  # never overtake a batch still being sent
+                try:
+                    if self.conn.send_nowait(msg):
+                        return
+                except CommError:
                     return
-            except CommError:
-                return
+            self._sends_in_flight += 1
             t = asyncio.get_running_loop().create_task(self.conn.send(msg))
-            t.add_done_callback(_log_send_error)
+            t.add_done_callback(self._sent)
+
+    def _sent(self, t: asyncio.Task[Any]) -> None:
+        self._sends_in_flight -= 1
+        _log_send_error(t)
 
     # ---- fetching inputs from peers ------------------------------------------------------------
     async def _need(self, t: _Task, dep: str, holders: list[list[str]]) -> None:
