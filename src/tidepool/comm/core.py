@@ -205,8 +205,16 @@ class TCPConnection(Connection):
         if self._closed:
             raise ConnectionLostError(f"connection to {self.peer} closed while sending")
 
+    def _check_transport(self) -> None:
+        # a transport that failed a write is closing before connection_lost runs: writing more
+        # would only make asyncio log "socket.send() raised exception." for every message
+        if self.transport is None or self.transport.is_closing():
+            self._closed = True
+            raise ConnectionLostError(f"connection to {self.peer} is closing")
+
     async def send(self, msg: dict[str, Any]) -> None:
         parts = self._encode(msg)
+        self._check_transport()
         assert self.transport is not None
         if len(parts) == 1 and len(parts[0]) <= SMALL_FRAME and not self._paused and not self._send_lock.locked():
             self.transport.write(parts[0])
@@ -216,6 +224,7 @@ class TCPConnection(Connection):
                 view = memoryview(part).cast("B")
                 for off in range(0, view.nbytes, WRITE_CHUNK):
                     await self._wait_drain()
+                    self._check_transport()
                     self.transport.write(view[off : off + WRITE_CHUNK])
             await self._wait_drain()
             if self.transport.is_closing():
@@ -225,6 +234,7 @@ class TCPConnection(Connection):
         if self._paused or self._send_lock.locked() or self.transport is None:
             return False
         parts = self._encode(msg)
+        self._check_transport()
         if len(parts) != 1 or len(parts[0]) > SMALL_FRAME:
             return False
         self.transport.write(parts[0])
