@@ -178,3 +178,34 @@ def test_the_state_says_when_a_function_must_be_shipped_to_a_worker() -> None:
             ships.setdefault(c.worker, []).append(c.ship)
     for wid, flags in ships.items():  # once per worker: the first Execute carries the function id
         assert flags[0] == "f" and all(f == "" for f in flags[1:]), (wid, flags)
+
+
+def test_a_copy_that_outlived_its_holder_is_kept_instead_of_recomputed() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    d.finish("w1", "a")  # b is now queued on w1 behind nothing; w2 will fetch a for it
+    d.add_worker("w2")
+    d.remove_worker("w1")  # a's only registered holder dies: a must be recomputed...
+    assert d.state.tasks["a"].state in ("ready", "running", "waiting")
+    # ...but w2 had just copied a (the report crossed the death on the wire)
+    d.send(ev.AddReplica("w2", "a", 8, d.clock()))
+    ts = d.state.tasks["a"]
+    assert ts.state == "memory" and ts.who_has == {"w2"}
+    assert d.state.counters["rescued"] == 1
+    d.run_until_idle()
+    assert d.status()["b"] == "memory"
+    d.state.validate()
+
+
+def test_an_input_dropped_locally_reschedules_without_blame_or_dropping_copies() -> None:
+    d = StateDriver(SchedulerState(allowed_failures=0))
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    d.finish("w1", "a")
+    assert d.running["w1"] == ["b"]
+    d.running["w1"].remove("b")
+    d.send(ev.MissingData("w1", "b", "a", "", d.clock(), "the input was dropped on this worker"))
+    assert d.state.tasks["a"].state == "memory" and d.state.tasks["a"].who_has == {"w1"}
+    d.run_until_idle()
+    assert d.status()["b"] == "memory" and d.state.tasks["b"].suspicious == 0

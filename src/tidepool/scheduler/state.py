@@ -162,7 +162,7 @@ class SchedulerState:
         self.last_progress = 0.0
         self.counters: dict[str, int] = {
             "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
-            "workers_joined": 0, "forgotten": 0,
+            "workers_joined": 0, "forgotten": 0, "rescued": 0,
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph,
@@ -615,23 +615,30 @@ class SchedulerState:
         if ts.state == "memory":
             self._add_holder(ts, ws, e.nbytes)
             return
-        if ts.state == "running" and ts.worker != e.worker:
+        self._value_arrived(ts, ws, e.nbytes, e.duration, out)
+
+    def _value_arrived(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int, duration: float | None,
+                       out: list[ev.Command]) -> None:  # fmt: skip
+        """``ws`` holds a value of ``ts``, which was not in memory: it is now.  ``duration`` is
+        None when the value is a copy that outlived its original holder (no new execution)."""
+        if ts.state == "running" and ts.worker != ws.id:
             other = ts.worker
             self._unassign(ts)
             if other is not None:
                 out.append(ev.Free(other, [ts.key]))
-        elif ts.worker == e.worker:
+        elif ts.worker == ws.id:
             self._unassign(ts)
-        self.estimates.observe(ts.group, e.duration)
-        self.last_progress = e.now
-        self.counters["finished"] += 1
-        ws.executed += 1
-        ts.duration = e.duration
-        ts.nbytes = e.nbytes
+        self.last_progress = self.now
+        if duration is not None:
+            self.estimates.observe(ts.group, duration)
+            self.counters["finished"] += 1
+            ws.executed += 1
+            ts.duration = duration
+        ts.nbytes = nbytes
         ts.suspicious = 0
         self._move(ts, TS.MEMORY)
         ts.waiting_on.clear()
-        self._add_holder(ts, ws, e.nbytes)
+        self._add_holder(ts, ws, nbytes)
         for c in ts.wanted_by:
             out.append(ev.Report(c, ts.key, RK.MEMORY))
         ts.wanted_by.discard(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
@@ -657,6 +664,12 @@ class SchedulerState:
         ws = self.workers.get(e.worker)
         ts = self.tasks.get(e.key)
         if ws is None:
+            return
+        if ts is not None and ts.state in (TS.WAITING, TS.READY, TS.NO_WORKER, TS.RUNNING):
+            # the original holder died after this worker copied the value: keep the copy rather
+            # than recompute it (its dependent may already be queued here, needing it)
+            self.counters["rescued"] += 1
+            self._value_arrived(ts, ws, e.nbytes, None, out)
             return
         if ts is None or ts.state != "memory":
             out.append(ev.Free(e.worker, [e.key]))

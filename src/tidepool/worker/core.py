@@ -371,6 +371,11 @@ class Worker:
 
                     self._fail(t, exc, traceback.format_exc())
                     continue
+            gone = [d for d in t.deps if d not in self.data]
+            if gone:  # an input was freed here while the task queued: the scheduler reschedules it
+                self._missing.append([t.key, gone[0], "", "the input was dropped on this worker before the task started"])
+                self._schedule_flush()
+                continue
             for name, amount in t.resources:
                 self.free[name] = self.free.get(name, 0.0) - amount
             self.running[t.key] = t
