@@ -148,7 +148,7 @@ class SchedulerState:
         self._restricted: list[tuple[int, int, TaskRecord]] = []
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
         #: tasks per state
-        self.counts: dict[str, int] = {"released": 0}
+        self.counts: dict[str, int] = {TS.RELEASED: 0}
         #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
         self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
@@ -1060,7 +1060,7 @@ class SchedulerState:
                 if c != FIRE_AND_FORGET:
                     out.append(ev.Report(c, ts.key, RK.ERRED, error={**error, "origin": ts.key}))
         self.tasks.clear()
-        self.counts = {"released": 0}
+        self.counts = {TS.RELEASED: 0}
         self.pending.clear()
         self._ready.clear()
         self._restricted.clear()
@@ -1122,7 +1122,7 @@ class SchedulerState:
         ]  # fmt: skip
 
     def task_counts(self) -> dict[str, int]:
-        return {k: v for k, v in self.counts.items() if v}
+        return {str(k): v for k, v in self.counts.items() if v}
 
     def validate(self) -> None:
         """Check cross-references (for tests); raises AssertionError on an inconsistency."""
