@@ -857,27 +857,34 @@ class SchedulerState:
         self._compute(ts, out)
 
     def _missing_data(self, e: ev.MissingData, out: list[ev.Command]) -> None:
+        """A worker could not fetch ``e.dep`` from ``e.holder``: drop that copy (recompute if it was
+        the last) and reschedule the task that needed it.
+
+        Bound: each time this drops the *last* copy counts once against the value (many fetchers
+        failing on one dying holder count once); a successful copy anywhere resets the count.  A
+        value lost this way ``max_fetch_failures`` times in a row fails the task that needs it
+        with ``TransferError`` instead of recomputing forever.
+        """
         dts = self.tasks.get(e.dep)
         holder = self.workers.get(e.holder)
         ts = self.tasks.get(e.key)
-        if dts is not None and holder is not None:
-            dts.fetch_failures += 1  # the holder is alive as far as we know: count it
-            if dts.fetch_failures >= self.max_fetch_failures and ts is not None and ts.state == "running":
-                self._unassign(ts)
-                self._fail(ts, "TransferError", (
-                    f"task {ts.key!r} could not get its input {e.dep!r}: fetching it from a live holder "
-                    f"failed {dts.fetch_failures} times (last from {holder.name}: {e.error or 'unknown error'}); "
-                    "check that the value can be pickled and sent, and that workers can reach each other"
-                ), out)  # fmt: skip
-                return
         if dts is not None and holder is not None and e.holder in dts.who_has:
             dts.who_has.discard(e.holder)
             holder.has_what.discard(dts)
             holder.nbytes -= dts.nbytes
             out.append(ev.Free(e.holder, [dts.key]))
-            if dts.state == "memory" and not dts.who_has:
-                self._lose_value(dts, out)
-        if ts is not None and ts.state == "running" and ts.worker == e.worker:
+            if dts.state == TS.MEMORY and not dts.who_has:
+                dts.fetch_failures += 1
+                if dts.fetch_failures >= self.max_fetch_failures and ts is not None and ts.state == TS.RUNNING:
+                    self._unassign(ts)
+                    self._fail(ts, "TransferError", (
+                        f"task {ts.key!r} could not get its input {e.dep!r}: its only copy could not be "
+                        f"fetched {dts.fetch_failures} times in a row (last from {holder.name}: "
+                        f"{e.error or 'unknown error'}); check that workers can reach each other's data ports"
+                    ), out)  # fmt: skip
+                if dts.state == TS.MEMORY:  # failing the dependent may have released it already
+                    self._lose_value(dts, out)
+        if ts is not None and ts.state == TS.RUNNING and ts.worker == e.worker:
             self._unassign(ts)
             self._reschedule(ts, out)
 
