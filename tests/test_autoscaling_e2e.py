@@ -161,10 +161,16 @@ def test_launch_that_never_arrives_is_cancelled_and_another_type_is_tried() -> N
             super().bind(scheduler, token)
             self.local = real(scheduler, token)
 
-        def launch(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
+        def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
             if node_type.name == "good":
-                return self.local.launch(node_type, count, request_id)  # type: ignore[union-attr]
-            return super().launch(node_type, count, request_id)
+                return self.local.worker_ids(node_type, count, request_id)  # type: ignore[union-attr,no-any-return]
+            return super().worker_ids(node_type, count, request_id)
+
+        def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+            if node_type.name == "good":
+                self.local.launch(node_type, count, request_id)  # type: ignore[union-attr]
+            else:
+                super().launch(node_type, count, request_id)
 
         def close(self) -> None:
             super().close()

@@ -23,8 +23,9 @@ def run_round(c: ScalingController, d: StateDriver, p: FakeProvider, clock: Fake
     acts = step_with_state(c, d.state, clock(), listing=p.list())
     launched = []
     for rid, nt, n in acts.launch:
-        ids = p.launch(nt, n, rid)
+        ids = p.worker_ids(nt, n, rid)
         c.launched(rid, ids, clock())
+        p.launch(nt, n, rid)
         launched += ids
     for wid, info in p.ready():
         d.add_worker(wid, info["resources"], node_type=info["node_type"])
@@ -65,8 +66,10 @@ def test_a_worker_the_provider_forgot_fails_its_launch_and_counts_once() -> None
 def test_fake_provider_is_idempotent_and_reports_failures_only_through_poll_errors() -> None:
     clock = FakeClock()
     p = FakeProvider(clock, startup={"cpu": 2.0}, queue_wait=1.0, fail={"gpu"})
-    a = p.launch(CPU, 2, "a1")
-    assert p.launch(CPU, 2, "a1") == a and len(a) == 2
+    a = p.worker_ids(CPU, 2, "a1")
+    assert p.launch(CPU, 2, "a1") is None and p.worker_ids(CPU, 2, "a1") == a and len(a) == 2
+    p.launch(CPU, 2, "a1")  # idempotent: still two workers
+    assert len(p.list()) == 2
     gpu = NodeType("gpu", {"cpu": 1, "gpu": 1})
     p.launch(gpu, 1, "a2")  # does not raise
     (failure,) = p.poll_errors()
@@ -98,7 +101,8 @@ def test_a_raising_launch_callback_is_reported_once_through_poll_errors_only() -
 
     p = CallbackProvider(launch, lambda ids: None, scheduler="tcp://127.0.0.1:1", token="t" * 32)
     assert isinstance(p, Provider) and isinstance(p, NeedsAddress)
-    ids = p.launch(CPU, 1, "a1")  # does not raise
+    ids = p.worker_ids(CPU, 1, "a1")
+    p.launch(CPU, 1, "a1")  # does not raise
     assert len(ids) == 1
     (failure,) = p.poll_errors()
     assert failure.request_id == "a1" and "quota" in failure.message

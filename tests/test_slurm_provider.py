@@ -107,8 +107,12 @@ def test_missing_sbatch_is_a_provider_error_that_says_what_to_do() -> None:
     p = SlurmProvider(submit_command="/nonexistent/sbatch")
     p.bind("tcp://127.0.0.1:1", "t")
     with pytest.raises(ProviderError, match="not found") as info:
-        p.launch(NodeType("x"), 1, "r9")
+        p.submit_now(NodeType("x"), 1, "r9")
     assert info.value.request_id == "r9"
+    p.launch(NodeType("x"), 1, "r10")  # never raises, never blocks: the failure comes back once
+    errors: list[Any] = []
+    wait_until(lambda: errors.extend(p.poll_errors()) or errors, 10, "the failed submission")
+    assert errors[0].request_id == "r10" and "not found" in errors[0].message and not p.poll_errors()
 
 
 def test_expiring_lists_workers_of_jobs_that_end_within_the_margin() -> None:
@@ -146,10 +150,9 @@ class ExpiringLocal(LocalProvider):
     def bind(self, scheduler: str, token: str) -> None:
         self.scheduler, self.token = scheduler, token
 
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> list[str]:
-        ids = super().launch(node_type, count, request_id)
-        self.first = self.first or ids[0]
-        return ids
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        super().launch(node_type, count, request_id)
+        self.first = self.first or self.worker_ids(node_type, count, request_id)[0]
 
     def expiring(self, now_wall: float) -> list[str]:
         self.asked.append(now_wall)
@@ -360,13 +363,14 @@ def test_pending_job_cancelled_outside_is_a_failed_launch_and_backs_off(slurm: S
 def test_unsatisfiable_jobs_are_refused_or_reported_and_cancelled(slurm: Slurm) -> None:
     provider = make_provider(slurm, memory="100TB")  # sbatch itself refuses this one
     provider.bind("tcp://127.0.0.1:9", "t" * 32)
-    with pytest.raises(ProviderError, match="memory=") as info:
-        provider.launch(NodeType("huge", {"cpu": 1}), 1, "r3")
-    assert info.value.request_id == "r3" and provider.jobs() == {}
+    provider.launch(NodeType("huge", {"cpu": 1}), 1, "r3")  # returns at once; sbatch refuses it
+    refused: list[Any] = []
+    wait_until(lambda: refused.extend(provider.poll_errors()) or refused, 15, "sbatch's refusal")
+    assert refused[0].request_id == "r3" and "memory=" in refused[0].message and provider.jobs() == {}
     provider.close()
     provider = make_provider(slurm, cores=512)  # accepted, but pends forever (PartitionConfig)
     provider.bind("tcp://127.0.0.1:9", "t" * 32)
-    provider.launch(NodeType("huge", {"cpu": 1}), 1, "r4")
+    provider.submit_now(NodeType("huge", {"cpu": 1}), 1, "r4")
     [job] = list(provider.jobs())
     errors: list[Any] = []
     wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 15, "the doomed job to be reported")

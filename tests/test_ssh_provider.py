@@ -282,9 +282,10 @@ def test_launch_is_idempotent_and_close_stops_everything(sshd: Sshd) -> None:
     with tidepool.LocalCluster(n_workers=0) as cluster:
         provider = sshd.provider()
         provider.bind(cluster.address, cluster.token)
-        ids = provider.launch(nt, 2, "r77")
-        assert ids == [f"idem-r77-{i}" for i in range(1, 5)]
-        assert provider.launch(nt, 2, "r77") == ids  # same request id: started once
+        ids = provider.worker_ids(nt, 2, "r77")
+        assert ids == [f"idem-r77-{i}" for i in range(1, 5)] and provider.worker_ids(nt, 2, "r77") == ids
+        provider.launch(nt, 2, "r77")
+        provider.launch(nt, 2, "r77")  # same request id: started once
         cluster.wait_for_workers(ids, timeout=20)
         pids = [info["pid"] for info in provider.list().values()]
         assert len(pids) == 4 and not any(pid_gone(p) for p in pids)
@@ -297,7 +298,8 @@ def test_worker_that_cannot_start_is_reported_by_poll_errors(sshd: Sshd) -> None
     provider = sshd.provider(python="/nonexistent/python3")
     provider.bind("tcp://127.0.0.1:9", "x" * 32)
     try:
-        [wid] = provider.launch(NodeType("bad", {"cpu": 1}), 1, "r1")
+        [wid] = provider.worker_ids(NodeType("bad", {"cpu": 1}), 1, "r1")
+        provider.launch(NodeType("bad", {"cpu": 1}), 1, "r1")
         errors: list = []  # type: ignore[type-arg]
         wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 10, "the failure report")
         assert errors[0].request_id == "r1" and errors[0].worker_id == wid
@@ -312,8 +314,13 @@ def test_unreachable_host_raises_provider_error_quickly(sshd: Sshd) -> None:
     provider = sshd.provider(port=closed)
     provider.bind("tcp://127.0.0.1:9", "x" * 32)
     with pytest.raises(ProviderError, match="cannot connect") as info:  # the refusal, not a timeout
-        provider.launch(NodeType("x", {"cpu": 1}), 1, "r5")
+        provider.launch_now(NodeType("x", {"cpu": 1}), 1, "r5")
     assert info.value.request_id == "r5"
+    provider.launch(NodeType("x", {"cpu": 1}), 1, "r7")  # returns at once; reported once
+    errors: list = []  # type: ignore[type-arg]
+    wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 10, "the refusal")
+    assert errors[0].request_id == "r7" and "cannot connect" in errors[0].message
+    assert provider.poll_errors() == []
     provider.close()
     # a port that accepts TCP but never speaks SSH: the connect timeout bounds the launch
     with socket.socket() as silent:
@@ -322,7 +329,7 @@ def test_unreachable_host_raises_provider_error_quickly(sshd: Sshd) -> None:
         provider = sshd.provider(port=silent.getsockname()[1], connect_timeout=1.0)
         provider.bind("tcp://127.0.0.1:9", "x" * 32)
         with pytest.raises(ProviderError, match="timed out") as info:  # its connect_timeout ended it
-            provider.launch(NodeType("x", {"cpu": 1}), 1, "r6")
+            provider.launch_now(NodeType("x", {"cpu": 1}), 1, "r6")
         assert info.value.request_id == "r6"
         provider.close()
 
@@ -347,7 +354,8 @@ def test_watchdog_stops_workers_when_the_ssh_connection_dies(sshd: Sshd) -> None
     with tidepool.LocalCluster(n_workers=0) as cluster:
         provider = sshd.provider()
         provider.bind(cluster.address, cluster.token)
-        ids = provider.launch(NodeType("wd", {"cpu": 1}), 1, "r1")
+        ids = provider.worker_ids(NodeType("wd", {"cpu": 1}), 1, "r1")
+        provider.launch(NodeType("wd", {"cpu": 1}), 1, "r1")
         cluster.wait_for_workers(ids, timeout=20)
         pid = provider.list()[ids[0]]["pid"]
 
@@ -448,7 +456,8 @@ def test_workers_spread_over_hosts_and_a_dead_host_is_skipped(sshd: Sshd, netns_
                            env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, connect_timeout=5.0)  # fmt: skip
     with tidepool.LocalCluster(n_workers=0, host=netns_host.root_ip) as cluster:  # both hosts reach it
         provider.bind(cluster.address, cluster.token)
-        ids = provider.launch(NodeType("pair", {"cpu": 1}), 2, "r1")
+        ids = provider.worker_ids(NodeType("pair", {"cpu": 1}), 2, "r1")
+        provider.launch(NodeType("pair", {"cpu": 1}), 2, "r1")
         cluster.wait_for_workers(ids, timeout=30)
         placed = sorted(info["host"] for info in provider.list().values())
         assert placed == sorted(hosts[1:])  # least loaded first: one node on each live host

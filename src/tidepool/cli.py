@@ -1,4 +1,4 @@
-"""Command line: ``tidepool scheduler``, ``tidepool worker ADDRESS``, ``tidepool demo``."""
+"""Command line: ``tidepool scheduler``, ``tidepool worker ADDRESS``, ``tidepool demo``, ``tidepool simulate``."""
 
 from __future__ import annotations
 
@@ -216,6 +216,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- tidepool simulate (the simulator lives in tidepool.sim; this is only its entry point) -----
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tidepool.sim.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidepool", description="Elastic task-graph scheduler")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -262,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace (JSON) here")
     r.add_argument("--title", default=None)
     r.set_defaults(fn=cmd_report)
+
+    from tidepool.sim.command import add_arguments as add_simulate_arguments
+
+    sim = sub.add_parser("simulate", help="simulate a graph or a recorded run under scaling policies")
+    add_simulate_arguments(sim)
+    sim.set_defaults(fn=cmd_simulate)
     return p
 
 

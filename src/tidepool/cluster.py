@@ -114,8 +114,10 @@ class LocalCluster(ClosesOnExit):
         self._restarts.append(now)
         nt = self._own.pop(wid)
         self.provider.terminate([wid])  # a hung one (missed heartbeats) must not linger
-        for new in self.provider.launch(nt, 1, f"r{next(self._req)}"):
+        rid = f"r{next(self._req)}"
+        for new in self.provider.worker_ids(nt, 1, rid):
             self._own[new] = nt
+        self.provider.launch(nt, 1, rid)
         log.info("worker %s died (%s); started a replacement", wid, reason)
 
     @property
@@ -126,11 +128,13 @@ class LocalCluster(ClosesOnExit):
     def add_workers(self, n: int = 1, *, node_type: NodeType | None = None, wait: bool = True) -> list[str]:
         """Start ``n`` worker processes (of ``node_type``); wait for them to register."""
         nt = node_type or self.default_type
-        ids = self.provider.launch(nt, n, f"r{next(self._req)}")
+        rid = f"r{next(self._req)}"
+        ids = self.provider.worker_ids(nt, n, rid)
         for wid in ids:
             self._own[wid] = nt
             if self.autoscaler is not None:
                 self.autoscaler.controller.adopt(wid)
+        self.provider.launch(nt, n, rid)
         if wait:
             self.wait_for_workers(ids)
         return ids

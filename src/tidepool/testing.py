@@ -146,7 +146,8 @@ class StateDriver:
 class FakeProvider:
     """A provider for tests and simulations: no processes, time from an injected clock.
 
-    ``launch`` is idempotent by request id and returns worker ids at once; a worker is listed as
+    ``launch`` is idempotent by request id and returns nothing (``worker_ids`` names the workers
+    ``<type>-<request>-<i>``); a worker is listed as
     ``pending`` for ``queue_wait + startup`` seconds (per node type if a dict), then ``running``
     (the test joins it to the scheduler state when :meth:`ready` hands it out).  ``fail`` (a set of
     node type names, or a predicate on the request) makes launches fail: reported once through
@@ -173,23 +174,25 @@ class FakeProvider:
             return float(self.startup.get(node_type, 0.5))
         return float(self.startup)
 
-    def launch(self, node_type: Any, count: int, request_id: str) -> builtins.list[str]:
+    def worker_ids(self, node_type: Any, count: int, request_id: str) -> builtins.list[str]:
+        return [f"{node_type.name}-{request_id}-{i}" for i in range(count * node_type.workers_per_node)]
+
+    def launch(self, node_type: Any, count: int, request_id: str) -> None:
         self.launch_calls += 1
         if request_id in self.requests:
-            return list(self.requests[request_id])
+            return
         failing = (node_type.name in self.fail) if isinstance(self.fail, (set, frozenset, list, tuple)) else \
             bool(self.fail(node_type, count, request_id)) if callable(self.fail) else False  # fmt: skip
-        ids = [f"{node_type.name}-{request_id}-{i}" for i in range(count * node_type.workers_per_node)]
+        ids = self.worker_ids(node_type, count, request_id)
         self.requests[request_id] = ids
         now = self.clock()
         if failing:
             self._errors.append(self._failure_cls(request_id, None, f"fake launch of {node_type.name!r} failed"))
-            return ids
+            return
         for w in ids:
             self.workers[w] = {"node_type": node_type.name, "request_id": request_id, "alive": True,
                                "up_at": now + self.queue_wait + self._startup(node_type.name),
                                "resources": dict(node_type.worker_resources)}  # fmt: skip
-        return ids
 
     def ready(self) -> builtins.list[tuple[str, dict[str, Any]]]:
         """Workers whose start-up is over and that were not handed out before: (id, info)."""

@@ -1,15 +1,26 @@
-"""The Provider protocol: how the scaling controller gets and gives back workers.
+"""The Provider protocol: how the scaling controller gets and gives back workers (a reconciler).
 
-A provider starts workers for a node type (``launch``) and stops them (``terminate``).  It gives
-every worker the id it will register with, so the controller can match arrivals to requests.  Calls
-are idempotent (launching a request id twice starts it once; terminating a gone worker is a no-op)
-and may block (the controller calls them from a thread).  ``poll_errors`` reports launches or
-workers that failed since the last call; ``close`` stops everything the provider started.
+A provider names the workers of a launch up front (``worker_ids``: pure, no I/O, the same answer
+for the same request id), starts them (``launch``) and stops them (``terminate``).  ``launch``
+never blocks and returns nothing: it submits the request (a process spawn, an ``sbatch`` in a
+background thread, an SSH session on the provider's loop) and returns at once; whatever goes wrong
+later, or right away, comes back once through ``poll_errors``.  The autoscaler reconciles: it
+matches registrations to the names it was given, lists the provider (``list``) every round while
+launches are in flight, and fails a launch whose workers are gone from the listing or ended
+before they registered.  Calls are idempotent (launching a request id twice starts it once;
+terminating a gone worker is a no-op); ``close`` stops everything the provider started.
+
+Optional capabilities are declared protocols, checked with ``isinstance``: :class:`NeedsAddress`
+(gets the scheduler's address and token late), :class:`ReportsExpiring` (batch walltimes) and
+:class:`AsyncProvider` (coroutine versions of the calls, awaited in the scheduler's own event
+loop instead of a thread: the SSH provider).
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,7 +48,13 @@ class LaunchRequest:
 
 @runtime_checkable
 class Provider(Protocol):
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]: ...
+    def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        """The ids the workers of this request will register with (pure; same answer every call)."""
+        ...
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """Submit the request and return at once; failures only through ``poll_errors``."""
+        ...
 
     def terminate(self, worker_ids: builtins.list[str]) -> None: ...
 
@@ -62,6 +79,43 @@ class ReportsExpiring(Protocol):
     autoscaler retires them gracefully first (their data moves to survivors)."""
 
     def expiring(self, now_wall: float) -> builtins.list[str]: ...
+
+
+@runtime_checkable
+class AsyncProvider(Protocol):
+    """An optional capability: the calls as coroutines, run in the scheduler's event loop (no
+    thread).  The autoscaler prefers these when a provider offers them."""
+
+    async def launch_async(self, node_type: NodeType, count: int, request_id: str) -> None: ...
+
+    async def terminate_async(self, worker_ids: builtins.list[str]) -> None: ...
+
+    async def list_async(self) -> dict[str, dict[str, Any]]: ...
+
+    async def poll_errors_async(self) -> builtins.list[ProviderFailure]: ...
+
+
+class IdNames:
+    """Names workers ``<type>-<request>-<n>`` once per request id (``worker_ids``' memory).
+
+    ``suffix`` makes names unique beyond one process (the local provider adds ``-p<pid>``); ``n``
+    comes from ``counter`` (one per namer by default; the local provider shares one per process,
+    so two clusters in a process never name a worker alike), so two requests never share a name.
+    """
+
+    def __init__(self, suffix: str = "", counter: Iterator[int] | None = None) -> None:
+        self.suffix = suffix
+        self.by_request: dict[str, builtins.list[str]] = {}
+        self._counter = counter if counter is not None else itertools.count(1)
+
+    def __call__(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        ids = self.by_request.get(request_id)
+        if ids is None:
+            ids = []
+            for _ in range(count * node_type.workers_per_node):
+                ids.append(f"{node_type.name}-{request_id}-{next(self._counter)}{self.suffix}")
+            self.by_request[request_id] = ids
+        return list(ids)
 
 
 def worker_command(scheduler: str, worker_id: str, node_type: NodeType, python: str = "python3",

@@ -4,20 +4,20 @@
 workers must register with, the exact command line for each, and the environment holding the
 token) and starts them however it likes (a cloud API, a job queue, a container).  ``terminate(ids)``
 stops workers.  Exceptions from ``launch`` are reported once, through ``poll_errors`` only (the call
-itself returns the ids as if submitted, like every provider), so the controller backs off that node
-type, counting the failure once; a failing ``terminate`` raises :class:`ProviderError`.
+itself returns nothing, like every provider's), so the controller backs off that node type,
+counting the failure once; a failing ``terminate`` raises :class:`ProviderError`.  The worker ids
+come from ``worker_ids`` (``<type>-<request>-<n>``), decided before the callback runs.
 """
 
 from __future__ import annotations
 
 import builtins
-import itertools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import LaunchRequest, ProviderFailure, worker_command
+from tidepool.providers.base import IdNames, LaunchRequest, ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
 
@@ -34,29 +34,33 @@ class CallbackProvider:
         self.requests: dict[str, builtins.list[str]] = {}
         self.workers: dict[str, dict[str, Any]] = {}
         self._errors: builtins.list[ProviderFailure] = []
-        self._seq = itertools.count(1)
+        self._names = IdNames()
 
     def bind(self, scheduler: str, token: str) -> None:
         """Called by the cluster once the scheduler's address and token are known."""
         self.scheduler, self.token = scheduler, token
 
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+    def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        return self._names(node_type, count, request_id)
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """Call the user's launch function (it must not block: submit and return)."""
         if request_id in self.requests:
-            return list(self.requests[request_id])
-        ids = [f"{node_type.name}-{request_id}-{next(self._seq)}" for _ in range(count * node_type.workers_per_node)]
+            return
+        ids = self.worker_ids(node_type, count, request_id)
         cmds = tuple(tuple(worker_command(self.scheduler, w, node_type, self.python, self.heartbeat_interval))
                      for w in ids)  # fmt: skip
         req = LaunchRequest(node_type, count, request_id, tuple(ids), cmds, {"TIDEPOOL_TOKEN": self.token})
         self.requests[request_id] = ids
+        for w in ids:  # listed from now on: a launch in flight is not reconciled away
+            self.workers[w] = {"node_type": node_type.name, "request_id": request_id, "alive": True}
         try:
             self._launch(req)
         except Exception as exc:  # noqa: BLE001 - reported once, through poll_errors (never raised)
+            for w in ids:
+                self.workers[w]["alive"] = False
             err = ProviderError(f"launch callback failed for {request_id} ({node_type.name}): {exc}", request_id)
             self._errors.append(ProviderFailure(request_id, None, str(err)))
-            return ids
-        for w in ids:
-            self.workers[w] = {"node_type": node_type.name, "request_id": request_id, "alive": True}
-        return ids
 
     def terminate(self, worker_ids: builtins.list[str]) -> None:
         ids = [w for w in worker_ids if self.workers.get(w, {}).get("alive")]

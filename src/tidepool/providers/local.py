@@ -10,7 +10,7 @@ Nothing on disk leaks either: a worker keeps a ``tidepool-<worker id>-XXXXXXXX``
 temp folder and removes it only when it closes cleanly, so whenever this provider sees one of its
 processes has exited (``poll_errors``, ``list``, ``terminate``, ``close``) it removes that worker's
 directory.  Matching by the id is safe because ids are unique on the machine: they carry this
-process's pid and a per-process sequence number (``cpu-r3-7-p4242``), so two clusters here never
+process's pid and a per-process sequence number (``cpu-a3-7-p4242``), so two clusters here never
 name a worker alike, and a directory is only removed once the one process that could use it is gone.
 """
 
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidepool.providers.base import ProviderFailure, worker_command
+from tidepool.providers.base import IdNames, ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
 WorkerListing = dict[str, dict[str, Any]]
@@ -64,24 +64,31 @@ class LocalProvider:
         self.heartbeat_interval = heartbeat_interval
         self.procs: dict[str, LocalWorkerProcess] = {}
         self._requests: dict[str, list[str]] = {}
+        self._names = IdNames(f"-p{os.getpid()}", _SEQ)
         self._errors: list[ProviderFailure] = []
         self._stopped: set[str] = set()
         self._cleaned: set[str] = set()  # workers whose temp directory is gone
 
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+    def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        return self._names(node_type, count, request_id)
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """Spawn the processes (a fork each: no waiting); a spawn that fails is reported through
+        ``poll_errors``."""
         if request_id in self._requests:
-            return list(self._requests[request_id])
-        ids = []
-        for _ in range(count * node_type.workers_per_node):
-            wid = f"{node_type.name}-{request_id}-{next(_SEQ)}-p{os.getpid()}"
+            return
+        ids = self.worker_ids(node_type, count, request_id)
+        self._requests[request_id] = ids
+        for wid in ids:
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
             env = {**os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
-            proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
+            try:
+                proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                self._errors.append(ProviderFailure(request_id, wid, f"could not start worker {wid}: {exc}"))
+                continue
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
-            ids.append(wid)
-        self._requests[request_id] = ids
-        return ids
 
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
         for wid in worker_ids:

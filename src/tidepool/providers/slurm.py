@@ -244,6 +244,9 @@ class SlurmProvider:
         self._worker_job: dict[str, str] = {}
         self._stopping: set[str] = set()
         self._seq = itertools.count(1)
+        self._names: dict[str, list[str]] = {}
+        self._submitting: set[str] = set()
+        self._launch_errors: list[ProviderFailure] = []
         self._lock = threading.RLock()
         self._last_refresh = -math.inf
         self._closed = False
@@ -355,12 +358,48 @@ class SlurmProvider:
                                 "cancel them by hand (scancel JOBID)")  # fmt: skip
 
     # ---- launch / terminate -----------------------------------------------------------------------
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
-        """Submit ``count`` jobs (one per node); return the ids their workers will register with.
+    def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        """The ids the workers of ``count`` jobs will register with (``workers_per_job`` each)."""
+        with self._lock:
+            ids = self._names.get(request_id)
+            if ids is None:
+                per_job = self.workers_per_job or node_type.workers_per_node
+                ids = [f"{node_type.name}-{request_id}-{next(self._seq)}" for _ in range(count * per_job)]
+                self._names[request_id] = ids
+            return list(ids)
+
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """Submit ``count`` jobs (one per node) from a background thread and return at once.
 
         All or nothing: if one submission fails, the jobs already submitted for this request are
-        cancelled and :class:`ProviderError` (with the request id and sbatch's message) is raised.
+        cancelled and the failure (with sbatch's message) comes back through ``poll_errors``.
         """
+        ids = self.worker_ids(node_type, count, request_id)
+        with self._lock:
+            if request_id in self._requests or request_id in self._submitting:
+                return
+            self._submitting.add(request_id)
+        threading.Thread(target=self._submit_request, args=(node_type, count, request_id, ids),
+                         name=f"tidepool-sbatch-{request_id}", daemon=True).start()  # fmt: skip
+
+    def _submit_request(self, node_type: NodeType, count: int, request_id: str, ids: builtins.list[str]) -> None:
+        try:
+            self.submit_now(node_type, count, request_id, ids)
+        except ProviderError as exc:
+            with self._lock:
+                self._launch_errors.append(ProviderFailure(request_id, None, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - reported, never lost in a thread
+            with self._lock:
+                self._launch_errors.append(ProviderFailure(request_id, None, f"{type(exc).__name__}: {exc}"))
+        finally:
+            with self._lock:
+                self._submitting.discard(request_id)
+
+    def submit_now(self, node_type: NodeType, count: int, request_id: str,
+                   ids: builtins.list[str] | None = None) -> builtins.list[str]:  # fmt: skip
+        """``launch``'s work, blocking: submit the jobs now and return the worker ids, or raise
+        :class:`ProviderError` (with the request id and sbatch's message)."""
+        ids = ids if ids is not None else self.worker_ids(node_type, count, request_id)
         with self._lock:
             if request_id in self._requests:
                 return list(self._requests[request_id])
@@ -369,28 +408,26 @@ class SlurmProvider:
             if not self.scheduler or (not self.token and not self.token_file):
                 raise ProviderError(f"SlurmProvider cannot launch {request_id}: no scheduler address/token; "
                                     "call bind(address, token) or use cluster.adapt(provider=...)", request_id)  # fmt: skip
-            per_job = self.workers_per_job or node_type.workers_per_node
+            per_job = len(ids) // max(1, count)
             submitted: builtins.list[_Job] = []
             try:
-                for _ in range(count):
-                    ids = [f"{node_type.name}-{request_id}-{next(self._seq)}" for _ in range(per_job)]
-                    job_id = self._submit(self.job_script(node_type, request_id, ids), request_id)
-                    submitted.append(_Job(job_id, request_id, node_type.name, ids))
+                for n in range(count):
+                    job_ids = ids[n * per_job:(n + 1) * per_job]
+                    job_id = self._submit(self.job_script(node_type, request_id, job_ids), request_id)
+                    submitted.append(_Job(job_id, request_id, node_type.name, job_ids))
             except ProviderError:
                 try:
                     self._cancel([j.job_id for j in submitted])
                 except ProviderError as exc:
                     log.warning("could not cancel partial launch %s: %s", request_id, exc)
                 raise
-            ids = []
             for j in submitted:
                 self._jobs[j.job_id] = j
                 for w in j.worker_ids:
                     self._worker_job[w] = j.job_id
-                ids += j.worker_ids
-            self._requests[request_id] = ids
+            self._requests[request_id] = list(ids)
             log.info("launch %s: submitted Slurm jobs %s for %s", request_id, [j.job_id for j in submitted], ids)
-            return ids
+            return list(ids)
 
     def terminate(self, worker_ids: builtins.list[str]) -> None:
         """Mark these workers stopped; ``scancel`` each job once none of its workers is wanted."""
@@ -473,6 +510,9 @@ class SlurmProvider:
                     out[w] = {"node_type": job.node_type, "request_id": job.request_id, "job_id": job.job_id,
                               "state": job.state, "alive": not job.ended, "nodelist": job.nodelist,
                               "end_time": job.end, "stopping": w in self._stopping}  # fmt: skip
+            for rid in self._submitting:  # sbatch still running: listed, so not reconciled away
+                for w in self._names.get(rid, ()):
+                    out.setdefault(w, {"request_id": rid, "state": "SUBMITTING", "alive": True})
             return out
 
     def jobs(self) -> dict[str, str]:
@@ -483,12 +523,13 @@ class SlurmProvider:
     def poll_errors(self) -> builtins.list[ProviderFailure]:
         """Jobs that ended without us cancelling them, each reported once (see module docstring)."""
         with self._lock:
+            out: builtins.list[ProviderFailure] = self._launch_errors
+            self._launch_errors = []
             try:
                 self.refresh()
             except ProviderError as exc:
                 log.warning("poll_errors: %s", exc)
-                return []
-            out: builtins.list[ProviderFailure] = []
+                return out
             seen: set[str] = set()
             doomed = [j for j in self._jobs.values() if j.doomed and not j.ended and not j.cancelled]
             if doomed:

@@ -270,6 +270,9 @@ class SSHProvider:
         self._requests: dict[str, list[str]] = {}
         self._launching: dict[str, asyncio.Future[list[str]]] = {}
         self._seq = itertools.count(1)
+        self._names: dict[str, list[str]] = {}
+        self._launch_errors: list[ProviderFailure] = []
+        self._starting: set[str] = set()  # request ids launched, not yet started or failed
         self._loop_thread: LoopThread | None = None
         self._loop_lock = threading.Condition()
         self._inflight = 0  # calls waiting on the loop; close() lets them finish before stopping it
@@ -281,16 +284,20 @@ class SSHProvider:
         """Called by the cluster once the scheduler's address and token are known."""
         self.scheduler, self.token = scheduler, token
 
+    def _ensure_loop(self) -> LoopThread:
+        """The provider's loop thread, started on first use (call with ``_loop_lock`` held)."""
+        if self._loop_thread is None:
+            from tidepool.loop import LoopThread
+
+            self._loop_thread = LoopThread("tidepool-ssh")
+        return self._loop_thread
+
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         with self._loop_lock:
             if self._closed:
                 coro.close()
                 raise ProviderError("this SSHProvider is closed; create a new one")
-            if self._loop_thread is None:
-                from tidepool.loop import LoopThread
-
-                self._loop_thread = LoopThread("tidepool-ssh")
-            lt = self._loop_thread
+            lt = self._ensure_loop()
             self._inflight += 1
         try:
             return lt.run(coro, timeout)
@@ -370,12 +377,71 @@ class SSHProvider:
         return sum(1 for w in self._workers.values() if w.host is host and not w.done.is_set())
 
     # ---- launch -----------------------------------------------------------------------------------
-    def launch(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
-        """Start ``count`` nodes (``count * workers_per_node`` workers); return their worker ids.
+    def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        """The ids the workers of this request register with (``<type>-<request>-<n>``)."""
+        with self._loop_lock:
+            ids = self._names.get(request_id)
+            if ids is None:
+                ids = [f"{node_type.name}-{request_id}-{next(self._seq)}"
+                       for _ in range(count * node_type.workers_per_node)]  # fmt: skip
+                self._names[request_id] = ids
+            return list(ids)
 
-        Raises :class:`ProviderError` (with ``request_id``) when no host can be reached or a worker
-        could not be started; workers of this request already started are stopped again then.
-        """
+    def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """Start ``count`` nodes (``count * workers_per_node`` workers) on the provider's loop and
+        return at once.  When no host can be reached or a worker could not be started, the
+        workers of this request already started are stopped again and the failure comes back
+        through ``poll_errors``."""
+        self.worker_ids(node_type, count, request_id)
+        with self._loop_lock:
+            if self._closed:
+                self._launch_errors.append(ProviderFailure(request_id, None, "this SSHProvider is closed"))
+                return
+            lt = self._ensure_loop()
+            self._starting.add(request_id)
+        lt.submit(self._launch_reporting(node_type, count, request_id))
+
+    async def launch_async(self, node_type: NodeType, count: int, request_id: str) -> None:
+        """``launch`` for the scheduler's event loop (:class:`AsyncProvider`): the same, awaited
+        without a thread; the SSH sessions live on the provider's own loop."""
+        self.launch(node_type, count, request_id)
+
+    async def terminate_async(self, worker_ids: builtins.list[str]) -> None:
+        if not worker_ids or self._loop_thread is None or self._closed:
+            return
+        await self._on_loop(self._terminate(list(worker_ids)))
+
+    async def list_async(self) -> dict[str, dict[str, Any]]:
+        if self._loop_thread is None or self._closed:
+            return self._list_now()
+        return await self._on_loop(self._async(self._list_now))  # type: ignore[no-any-return]
+
+    async def poll_errors_async(self) -> builtins.list[ProviderFailure]:
+        if self._loop_thread is None or self._closed:
+            return self._poll_now()
+        return await self._on_loop(self._async(self._poll_now))  # type: ignore[no-any-return]
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` running on the provider's loop from another event loop (no thread)."""
+        lt = self._loop_thread
+        assert lt is not None
+        return await asyncio.wrap_future(lt.submit(coro))
+
+    async def _launch_reporting(self, nt: NodeType, count: int, rid: str) -> None:
+        try:
+            await self._launch(nt, count, rid)
+        except ProviderError as exc:
+            self._launch_errors.append(ProviderFailure(rid, None, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a failure is reported, never lost on the loop
+            self._launch_errors.append(ProviderFailure(rid, None, f"launch {rid} failed: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._loop_lock:
+                self._starting.discard(rid)
+
+    def launch_now(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
+        """``launch``, blocking until the workers are started; raises :class:`ProviderError` (with
+        ``request_id``) instead of reporting through ``poll_errors``.  For scripts and tests."""
+        self.worker_ids(node_type, count, request_id)
         budget = (self.connect_timeout + 5) * (len(self._hosts) + 2) * max(1, count) + self.term_timeout
         return self._run(self._launch(node_type, count, request_id), budget)
 
@@ -407,9 +473,11 @@ class SSHProvider:
     async def _launch_new(self, nt: NodeType, count: int, rid: str) -> builtins.list[str]:
         started: builtins.list[_SSHWorker] = []
         try:
-            for _ in range(count):
+            names = self.worker_ids(nt, count, rid)
+            per = nt.workers_per_node
+            for n in range(count):
                 host = await self._pick_host(nt, rid)
-                ids = [f"{nt.name}-{rid}-{next(self._seq)}" for _ in range(nt.workers_per_node)]
+                ids = names[n * per:(n + 1) * per]
                 results = await asyncio.gather(*(self._start(host, nt, rid, w) for w in ids),
                                                return_exceptions=True)  # fmt: skip
                 started += [r for r in results if isinstance(r, _SSHWorker)]
@@ -584,10 +652,15 @@ class SSHProvider:
         return fn()
 
     def _list_now(self) -> dict[str, dict[str, Any]]:
-        return {w.worker_id: {"node_type": w.node_type, "request_id": w.request_id, "host": w.host.name,
-                              "pid": w.pid, "alive": not w.done.is_set(), "returncode": w.returncode,
-                              "started": w.started, "stopping": w.stopping}
-                for w in self._workers.values()}  # fmt: skip
+        out = {w.worker_id: {"node_type": w.node_type, "request_id": w.request_id, "host": w.host.name,
+                             "pid": w.pid, "alive": not w.done.is_set(), "returncode": w.returncode,
+                             "started": w.started, "stopping": w.stopping}
+               for w in self._workers.values()}  # fmt: skip
+        with self._loop_lock:
+            for rid in self._starting:  # sessions still opening: listed, so not reconciled away
+                for wid in self._names.get(rid, ()):
+                    out.setdefault(wid, {"request_id": rid, "alive": True, "state": "starting"})
+        return out
 
     def host_status(self) -> dict[str, dict[str, Any]]:
         """Host -> {workers, connections, down_for, reason}: which hosts are skipped and why."""
@@ -603,7 +676,7 @@ class SSHProvider:
         return self._run(self._async(self._poll_now), 10)  # type: ignore[no-any-return]
 
     def _poll_now(self) -> builtins.list[ProviderFailure]:
-        out: builtins.list[ProviderFailure] = []
+        out, self._launch_errors = self._launch_errors, []
         seen_requests: set[str] = set()
         now = time.time()
         for wid, w in list(self._workers.items()):

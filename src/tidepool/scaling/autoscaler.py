@@ -3,9 +3,12 @@
 It wakes every ``interval`` seconds and whenever the scheduler reports demand or a worker change,
 polls the provider for failures, builds one observation of the scheduler's state (``observation.py``)
 and calls ``controller.step`` with it,
-then launches (in a daemon thread, bounded by the launch timeout: a provider call that hangs
-fails that launch and never blocks ``close`` or interpreter exit), retires gracefully through the
-scheduler, and terminates.  When a node type gets disabled it asks the scheduler to re-check
+then names the new workers (``provider.worker_ids``) and submits launches (``launch`` returns at
+once; an :class:`AsyncProvider`'s coroutines are awaited in this loop, a plain provider's calls run in
+a daemon thread bounded by a timeout, so one that breaks the contract and hangs fails that launch
+and never blocks ``close`` or interpreter exit), retires gracefully through the scheduler, and
+terminates.  While launches are in flight it lists the provider every ``LIST_EVERY`` seconds and
+hands the listing to the controller, which fails launches whose workers vanished.  When a node type gets disabled it asks the scheduler to re-check
 waiting tasks (``CheckFeasible``): those only that type could run fail with the provider's error.
 ``close`` terminates every worker it ever launched, so nothing leaks.
 """
@@ -21,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import ReportsExpiring
+from tidepool.providers.base import AsyncProvider, ReportsExpiring
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.observation import step_with_state
 from tidepool.scheduler import events as ev
@@ -147,7 +150,7 @@ class AutoScaler:
 
     async def step(self) -> None:
         now = self.scheduler.clock()
-        for failure in await in_daemon_thread(self.provider.poll_errors, timeout=PROVIDER_CALL_TIMEOUT):
+        for failure in await self._call("poll_errors"):
             if failure.worker_id:
                 self.controller.worker_failed(failure.worker_id, failure.message, now)
             else:
@@ -159,7 +162,7 @@ class AutoScaler:
         if self.controller.launches and now - self._listed_at >= LIST_EVERY:  # reconcile launches
             self._listed_at = now
             try:
-                listing = await in_daemon_thread(self.provider.list, timeout=PROVIDER_CALL_TIMEOUT)
+                listing = await self._call("list")
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
         actions = step_with_state(self.controller, self.scheduler.state, self.scheduler.clock(),
@@ -173,7 +176,7 @@ class AutoScaler:
         for rid, nt, n in actions.launch:
             self._spawn(self._launch(rid, nt, n))
         if actions.terminate:
-            await in_daemon_thread(self.provider.terminate, actions.terminate, timeout=PROVIDER_CALL_TIMEOUT)
+            await self._call("terminate", actions.terminate)
         if actions.retire:
             self._spawn(self._retire(actions.retire))
 
@@ -183,25 +186,39 @@ class AutoScaler:
         t.add_done_callback(self._bg.discard)
 
     async def _launch(self, rid: str, nt: Any, n: int) -> None:
+        """Name the workers (so arrivals match), then submit: ``launch`` returns at once; what
+        fails later comes through ``poll_errors``.  A sync provider's call still runs in a daemon
+        thread, bounded by the launch timeout, so one that breaks the contract and blocks cannot
+        stall the scheduler's loop."""
         rec = self.controller.launches.get(rid)
         timeout = max(1.0, rec.deadline - rec.since) if rec is not None else 60.0
         try:
-            ids = await in_daemon_thread(self.provider.launch, nt, n, rid, timeout=timeout)
+            ids = list(self.provider.worker_ids(nt, n, rid))
+            self.controller.launched(rid, ids, self.scheduler.clock())
+            self._sync()
+            if isinstance(self.provider, AsyncProvider):
+                async with asyncio.timeout(timeout):
+                    await self.provider.launch_async(nt, n, rid)
+            else:
+                await in_daemon_thread(self.provider.launch, nt, n, rid, timeout=timeout)
         except TimeoutError:
             msg = (f"provider.launch({nt.name!r}, {n}, {rid!r}) did not return within {timeout:g}s; "
                    "a provider's launch must not block (submit the request and return)")  # fmt: skip
             log.warning("%s", msg)
             self.controller.launch_failed(rid, msg, self.scheduler.clock())
             self._sync()
-            return
-        except Exception as exc:  # noqa: BLE001 - any provider failure backs the type off
+        except Exception as exc:  # noqa: BLE001 - a provider breaking the contract by raising
             msg = str(exc) if isinstance(exc, ProviderError) else f"{type(exc).__name__}: {exc}"
             log.warning("launch %s of %s failed: %s", rid, nt.name, msg)
             self.controller.launch_failed(rid, msg, self.scheduler.clock())
             self._sync()
-            return
-        self.controller.launched(rid, ids, self.scheduler.clock())
-        self._sync()
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        """A provider call: awaited in this loop for an :class:`AsyncProvider`, else in a thread."""
+        if isinstance(self.provider, AsyncProvider):
+            async with asyncio.timeout(PROVIDER_CALL_TIMEOUT):
+                return await getattr(self.provider, f"{name}_async")(*args)
+        return await in_daemon_thread(getattr(self.provider, name), *args, timeout=PROVIDER_CALL_TIMEOUT)
 
     async def _retire(self, ids: list[str]) -> None:
         result = await self.scheduler.retire_workers(ids, "autoscaler")
@@ -213,7 +230,7 @@ class AutoScaler:
                 done.append(wid)
         self._sync()
         if done:
-            await in_daemon_thread(self.provider.terminate, done, timeout=PROVIDER_CALL_TIMEOUT)
+            await self._call("terminate", done)
 
     async def close(self) -> None:
         self._closing = True
@@ -227,7 +244,7 @@ class AutoScaler:
         ids = self.controller.launched_worker_ids()
         if ids:
             with contextlib.suppress(Exception):
-                await in_daemon_thread(self.provider.terminate, ids, timeout=PROVIDER_CALL_TIMEOUT)
+                await self._call("terminate", ids)
         self._sync()
         journal = self.journal
         now = self.scheduler.clock()

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 #: the forecast's cost grows with the graph: one more second between forecasts per this many tasks
 FORECAST_TASKS_PER_SECOND = 40_000.0
+#: seconds between forecasts of a small graph (changes in the pool refresh it at once)
+FORECAST_MIN_INTERVAL = 0.25
+#: ... and at most this many for the largest graphs (1,000,000 tasks: every 25 s)
+FORECAST_MAX_INTERVAL = 30.0
 
 
 @dataclass
@@ -126,6 +130,8 @@ class ScalingController:
         self._fc_fixed = forecast_interval is not None
         self._fc_key: tuple[Any, ...] = ()
         self._fc_finished = -1
+        #: node types launched since the last forecast: no new launch of them until a fresh one
+        self._stale_types: set[str] = set()
 
     # ---- feasibility -------------------------------------------------------------------------------
     def infeasible_reason(self, shape: Shape) -> str | tuple[str, str] | None:
@@ -310,6 +316,9 @@ class ScalingController:
             if snap.blocked(name):
                 reasons.append(f"{name}: not launched ({self.unusable.get(name) or 'in backoff'})")
                 continue
+            if name in self._stale_types and n > max(0, known.min_nodes - snap.nodes_of(name)):
+                reasons.append(f"{name}: not launched again until a forecast sees the last launch")
+                continue
             n = min(n, known.max_nodes - snap.nodes_of(name))
             if self.max_workers is not None:
                 n = min(n, (self.max_workers - total_workers) // known.workers_per_node)
@@ -323,6 +332,7 @@ class ScalingController:
             self.launches[rid] = LaunchRecord(rid, name, n, now, now + timeout)
             self.request_type[rid] = name
             actions.launch.append((rid, nt, n))
+            self._stale_types.add(name)
             self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason="; ".join(reasons))
         # retirements: only known, not already retiring, and not below min_nodes
         left = {nt.name: snap.nodes_of(nt.name) for nt in types}
@@ -361,16 +371,21 @@ class ScalingController:
     def wants_graph(self, workers: int, tasks: int, finished: int, now: float) -> bool:
         """Should the next observation carry the unfinished graph (a fresh forecast is due)?
 
-        A worker or a launch more or less changes every answer: at once (a stale forecast that
-        misses the launch just made would launch again).  Otherwise at most every ``_fc_every``
-        seconds while things change, which grows with the graph (the forecast costs more).
+        On a small graph, a worker or a launch more or less changes every answer: at once.
+        Otherwise at most every ``_fc_every`` seconds while things change, which grows with the
+        graph (one second per ``FORECAST_TASKS_PER_SECOND`` tasks: the forecast costs a pass over
+        the graph).  A forecast older than a launch never launches that type again (``step``
+        waits for a fresh one), so a stale forecast cannot launch twice for the same work.
         """
+        since = now - self._fc_time
+        if self._fc_every > FORECAST_MIN_INTERVAL:  # a big graph: the forecast is a cost to bound
+            return since >= self._fc_every
         structural = (workers, len(self.launches))
         changed = (*structural, tasks, finished != self._fc_finished)
         if structural == self._fc_key[:2]:
-            if now - self._fc_time < self._fc_every and changed == self._fc_key:
+            if since < self._fc_every and changed == self._fc_key:
                 return False
-            if now - self._fc_time < 0.05:
+            if since < 0.05:
                 return False
         return True
 
@@ -386,7 +401,8 @@ class ScalingController:
         self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
                                                                        now, blocked)  # fmt: skip
         if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
-            self._fc_every = min(5.0, max(0.25, obs.tasks / FORECAST_TASKS_PER_SECOND))
+            self._fc_every = min(FORECAST_MAX_INTERVAL, max(FORECAST_MIN_INTERVAL, obs.tasks / FORECAST_TASKS_PER_SECOND))
+        self._stale_types.clear()
         self._fc_time = now
         self._fc_key = (len(obs.workers), len(self.launches), obs.tasks, obs.finished != self._fc_finished)
         self._fc_finished = obs.finished

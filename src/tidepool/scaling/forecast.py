@@ -116,17 +116,35 @@ def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] =
     return makespan
 
 
-def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()) -> float:
-    """Remaining seconds: the list-scheduling estimate, never below the two lower bounds."""
+def fill_time(total: float, slots: int, arrivals: tuple[float, ...] = ()) -> float:
+    """When ``total`` seconds of perfectly divisible work end on ``slots`` slots now plus one slot
+    arriving at each time in ``arrivals`` (the work bound, with start-up delays counted)."""
+    t = done = 0.0
+    rate = slots
+    for a in sorted(arrivals):
+        if rate and done + rate * (a - t) >= total:
+            break
+        done += rate * (a - t)
+        t, rate = a, rate + 1
+    return t + (total - done) / rate if rate else float("inf")
+
+
+def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
+             bounds: tuple[float, float] | None = None) -> float:  # fmt: skip
+    """Remaining seconds: the list-scheduling estimate, never below the two lower bounds.
+
+    ``bounds``: ``(critical path, total work)`` of ``work`` when the caller already has them (they
+    cost a pass over the graph; a forecast with many candidate pools computes them once).
+    """
     if len(work) == 0:
         return 0.0
     total_slots = slots + len(arrivals)
     if total_slots == 0:
         return float("inf")
-    cp = critical_path(work)
+    cp, total = bounds if bounds is not None else (critical_path(work), work.total)
     if slots == 0:
         cp += min(arrivals)
-    bound = max(cp, work.total / total_slots)
+    bound = max(cp, fill_time(total, slots, arrivals))
     if len(work) > SIMULATE_MAX_TASKS:
         return bound
     return max(bound, list_schedule(work, slots, arrivals))
@@ -153,11 +171,18 @@ def next_demand_in(work: RemainingWork) -> float | None:
     return best if best is not None else 0.0
 
 
-def candidates(room: int) -> tuple[int, ...]:
-    """Extra-node counts worth simulating: every count up to 6, then sparser, and ``room`` itself."""
-    out = [k for k in (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128) if k <= room]
-    if room > 0 and room not in out and room <= 1024:
-        out.append(room)
+def candidates(room: int, useful: int | None = None) -> tuple[int, ...]:
+    """Extra-node counts worth forecasting: every count up to 6, then about 1.5x apart, up to
+    ``room`` itself (no cap: a 10,000-node type is asked about 10,000).  ``useful``: more nodes
+    than this cannot help (each would get no task), so the counts stop there."""
+    top = room if useful is None else min(room, max(1, useful))
+    out = [k for k in range(7) if k <= top]
+    k = 8
+    while k < top:
+        out.append(k)
+        k = k * 3 // 2 if k >= 16 else k + (2 if k < 12 else 4)
+    if top > 0 and top not in out:
+        out.append(top)
     return tuple(out)
 
 
@@ -215,7 +240,9 @@ def type_forecasts(
     nxt: float | None = None
     for name, cls in sorted(classes.items()):
         nt = by_name[name]
-        work = restrict(graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])
+        work = graph.work if len(classes) == 1 else restrict(
+            graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])  # fmt: skip
+        bounds = (critical_path(work), work.total)
         dom = max(cls, key=lambda s: (cls[s], s))
         spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
         slots = sum(capacity(w.resources, dom) for w in workers
@@ -226,9 +253,9 @@ def type_forecasts(
             if ptype == name:
                 arrivals.extend([max(0.0, since + nt.startup_estimate - now)] * (nodes * spn))
         room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
-        ks = candidates(room)
+        ks = candidates(room, -(-len(work) // spn))
         base = tuple(arrivals)
-        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn)) for k in ks)
+        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn), bounds) for k in ks)
         out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work)))
         eta = etas[0] if eta is None else max(eta, etas[0])
         soon = next_demand_in(work)

@@ -110,12 +110,16 @@ class NoProgress:
 
 @dataclass
 class CompletionTarget:
-    """Add nodes only while the forecast says they shorten the run by more than their startup.
+    """Add nodes only while the forecast says they shorten the run by more than they cost.
 
     For every node type with work that prefers it, the controller forecasts the remaining time
     with 0, 1, 2, ... extra nodes (new nodes help only after their startup time).  A step from
-    ``a`` to ``b`` extra nodes is taken when it saves more than ``startup * (b - a)`` seconds, so a
-    chain or a narrow phase adds nothing and a wide phase adds enough.  Work that waits behind
+    ``a`` to ``b`` extra nodes is taken when the seconds it saves, times the nodes that would hold
+    them (the ``P`` nodes of that type already there or coming, plus ``a``), exceed the start-up the
+    new nodes cost: ``saved * P > startup * (b - a)``.  On divisible work that is "launch while the
+    new nodes would work at least as long as they take to start" (makespan with them at least twice
+    the start-up), at any pool size; a chain or a narrow phase adds nothing (nothing is saved) and a
+    wide phase adds enough.  Work that waits behind
     running tasks is launched for only once it could start within a node's startup time.  With ``max_eta`` it acts only
     while the forecast is above ``max_eta`` and takes the fewest nodes that bring it below, if any
     do; with ``deadline`` (absolute, scheduler clock) the target is ``deadline - now``.
@@ -140,9 +144,11 @@ class CompletionTarget:
             if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > f.startup):
                 continue  # nothing can run before a new node would arrive: launch when it can
             best = 0
+            pool = snap.nodes_of(f.node_type)
             for i in range(1, len(f.extra)):
                 saved = f.etas[best] - f.etas[i]
-                if saved > self.gain_factor * f.startup * (f.extra[i] - f.extra[best]):
+                # the seconds saved are worth the whole pool's time: P nodes held `saved` s less
+                if saved * max(1, pool + f.extra[best]) > self.gain_factor * f.startup * (f.extra[i] - f.extra[best]):
                     best = i
             if target is not None:
                 meets = [i for i in range(1, best + 1) if f.etas[i] <= target]

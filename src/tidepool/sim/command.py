@@ -1,0 +1,124 @@
+"""``tidepool simulate``: run a workload under one or more policies and compare them.
+
+The CLI's only edit is a subparser that calls :func:`add_arguments` and :func:`run`; everything
+else lives here.  Output: per policy the makespan, held worker-seconds, cost by node type,
+launches and retirements (and how fast the simulation ran), a makespan-versus-cost plot and the
+decision journal of every run (``OUT/<policy>.jsonl``, which ``tidepool report`` draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from tidepool.errors import ConfigError
+
+
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--param takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("graph", nargs="?", default=None,
+                   help="a built-in workload (bursty, chain, wide, gpu, scale-down, layers, bag), a JSON graph "
+                        "(.json), a journal of a real run (.jsonl), or module:function")  # fmt: skip
+    p.add_argument("--journal", dest="replay", default=None,
+                   help="replay the tasks of this recorded run (JSON lines) instead of GRAPH")
+    p.add_argument("--cluster", default="local:4",
+                   help="cluster file (TOML; optional [simulate] table) or KIND:NODES[:CPUS] with KIND "
+                        "local, ssh, cloud or slurm (default local:4)")  # fmt: skip
+    p.add_argument("--policy", action="append", default=None,
+                   help="policy to run (repeatable): default, backlog, completion, dask, hyperqueue, cluster, "
+                        "module:function; options in parentheses, e.g. 'dask(target_duration=10)' "
+                        "(default: the cluster file's policy, or default)")  # fmt: skip
+    p.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE",
+                   help="keyword argument of the workload function (repeatable), e.g. --param width=100000")
+    p.add_argument("--seed", type=int, default=None, help="random seed (start-up delays, sampled durations)")
+    p.add_argument("--arrival", choices=("start", "zero"), default="start",
+                   help="journal replay: submit each task at its recorded start (default) or all at once")
+    p.add_argument("--out", default="sim-out", help="directory for the journals and the plot (default sim-out)")
+    p.add_argument("--plot", default=None, help="makespan-vs-cost plot file (default OUT/makespan-cost.png)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--task-records", choices=("auto", "on", "off"), default="auto",
+                   help="one journal record per task (auto: on up to 100,000 tasks)")
+    p.add_argument("--interval", type=float, default=None, help="autoscaler period, s (overrides the cluster's)")
+    p.add_argument("--forecast-budget", type=float, default=None, metavar="FRACTION",
+                   help="give the controller the graph only while forecasts take at most this fraction of the "
+                        "simulated time (default: whenever it asks, as the real autoscaler does)")  # fmt: skip
+    p.add_argument("--tail", type=float, default=900.0,
+                   help="seconds a run may go on after the results while the policy retires workers (default 900)")
+    p.add_argument("--until", type=float, default=30 * 86400.0, help="stop every run at this simulated time")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tidepool.sim.cluster import load_cluster
+    from tidepool.sim.engine import Simulation, default_journal_name
+    from tidepool.sim.policies import make_policy
+    from tidepool.sim.report import perf_lines, plot_cost, render_text, result_json, table_rows
+    from tidepool.sim.workload import load_workload
+
+    source = args.replay or args.graph
+    if source is None:
+        raise ConfigError("tidepool simulate needs a GRAPH (or --journal run.jsonl); e.g. "
+                          "tidepool simulate bursty --cluster local:4 --policy default --policy dask")  # fmt: skip
+    if args.replay and args.graph:
+        raise ConfigError("give either GRAPH or --journal, not both")
+    cluster = load_cluster(args.cluster)
+    if args.interval is not None:
+        if not args.interval > 0:
+            raise ConfigError(f"--interval must be positive, got {args.interval}")
+        cluster.interval = args.interval
+    if args.forecast_budget is not None:
+        if not 0 < args.forecast_budget <= 1:
+            raise ConfigError(f"--forecast-budget must be a fraction 0 < f <= 1, got {args.forecast_budget}")
+        cluster.forecast_budget = args.forecast_budget
+    seed = args.seed if args.seed is not None else (cluster.seed if cluster.seed is not None else 0)
+    if args.replay and not args.replay.endswith(".jsonl"):
+        raise ConfigError(f"--journal expects a JSON-lines journal (.jsonl), got {args.replay!r}")
+    workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival)
+    names = args.policy or (["cluster"] if cluster.config is not None else ["default"])
+    os.makedirs(args.out, exist_ok=True)
+    records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)
+    say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    say(f"workload {workload.name}: {workload.n_tasks:,} tasks, {workload.total_seconds():,.1f} task-seconds; "
+        f"cluster {cluster.describe()}; seed {seed}")  # fmt: skip
+    for note in workload.notes:
+        say(f"note: {note}")
+    results = []
+    for name in names:
+        policy = make_policy(name, cluster.make_policy() if cluster.config is not None else None)
+        path = default_journal_name(args.out, name)
+        sim = Simulation(workload, cluster, policy, seed=seed, policy_name=name, journal=path,
+                         task_records=records, tail=args.tail, until=args.until, progress=say)  # fmt: skip
+        r = sim.run()
+        results.append(r)
+        say(f"{name}: done; journal {path}")
+        for line in perf_lines(r):
+            say(f"  {line}")
+    print(render_text(table_rows(results)))
+    for note in workload.notes:
+        print(f"note: {note}")
+    for r in results:
+        for note in r.notes:
+            if note not in workload.notes:
+                print(f"{r.policy}: {note}")
+    if not args.no_plot:
+        plot = args.plot or os.path.join(args.out, "makespan-cost.png")
+        plot_cost(results, plot)
+        print(f"plot written to {plot}")
+    print(f"journals in {args.out}/ (draw one with: tidepool report {results[0].journal} -o timeline.png)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump([result_json(r) for r in results], f, indent=1)
+    return 0 if all(r.completed for r in results) else 1
