@@ -53,6 +53,8 @@ FORECAST_TASKS_PER_SECOND = 40_000.0
 FORECAST_MIN_INTERVAL = 0.25
 #: ... and at most this many for the largest graphs (1,000,000 tasks: every 25 s)
 FORECAST_MAX_INTERVAL = 30.0
+#: forecasts per start-up time of the quickest node type (VMs that boot in 90 s: every 4.5 s)
+FORECAST_PER_STARTUP = 20.0
 
 
 @dataclass
@@ -374,7 +376,8 @@ class ScalingController:
         On a small graph, a worker or a launch more or less changes every answer: at once.
         Otherwise at most every ``_fc_every`` seconds while things change, which grows with the
         graph (one second per ``FORECAST_TASKS_PER_SECOND`` tasks: the forecast costs a pass over
-        the graph).  A forecast older than a launch never launches that type again (``step``
+        the graph) and with the node types' start-up (a decision about nodes that take 90 s to
+        start needs no forecast every 0.25 s).  A forecast older than a launch never launches that type again (``step``
         waits for a fresh one), so a stale forecast cannot launch twice for the same work.
         """
         since = now - self._fc_time
@@ -401,7 +404,9 @@ class ScalingController:
         self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
                                                                        now, blocked)  # fmt: skip
         if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
-            self._fc_every = min(FORECAST_MAX_INTERVAL, max(FORECAST_MIN_INTERVAL, obs.tasks / FORECAST_TASKS_PER_SECOND))
+            quickest = min(nt.startup_estimate for nt in types)  # decisions need no finer grain than this
+            self._fc_every = min(FORECAST_MAX_INTERVAL, max(FORECAST_MIN_INTERVAL, obs.tasks / FORECAST_TASKS_PER_SECOND,
+                                                            quickest / FORECAST_PER_STARTUP))  # fmt: skip
         self._stale_types.clear()
         self._fc_time = now
         self._fc_key = (len(obs.workers), len(self.launches), obs.tasks, obs.finished != self._fc_finished)

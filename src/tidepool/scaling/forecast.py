@@ -29,6 +29,9 @@ Shape = tuple[tuple[str, float], ...]
 
 #: Above this many unfinished tasks the simulation is replaced by the analytic bound.
 SIMULATE_MAX_TASKS = 20_000
+#: ... and above this many task placements per forecast (tasks x candidate pools): a forecast must
+#: stay a small cost of the scheduler's loop (about 0.1 s here)
+SIMULATE_BUDGET = 60_000
 
 
 @dataclass(frozen=True)
@@ -130,11 +133,12 @@ def fill_time(total: float, slots: int, arrivals: tuple[float, ...] = ()) -> flo
 
 
 def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
-             bounds: tuple[float, float] | None = None) -> float:  # fmt: skip
+             bounds: tuple[float, float] | None = None, simulate: bool = True) -> float:  # fmt: skip
     """Remaining seconds: the list-scheduling estimate, never below the two lower bounds.
 
     ``bounds``: ``(critical path, total work)`` of ``work`` when the caller already has them (they
     cost a pass over the graph; a forecast with many candidate pools computes them once).
+    ``simulate=False``: the bound only (no list schedule), for forecasts over many pools.
     """
     if len(work) == 0:
         return 0.0
@@ -145,7 +149,7 @@ def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
     if slots == 0:
         cp += min(arrivals)
     bound = max(cp, fill_time(total, slots, arrivals))
-    if len(work) > SIMULATE_MAX_TASKS:
+    if len(work) > SIMULATE_MAX_TASKS or not simulate:
         return bound
     return max(bound, list_schedule(work, slots, arrivals))
 
@@ -255,7 +259,8 @@ def type_forecasts(
         room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
         ks = candidates(room, -(-len(work) // spn))
         base = tuple(arrivals)
-        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn), bounds) for k in ks)
+        sim = len(work) * len(ks) <= SIMULATE_BUDGET  # one kind of estimate for every candidate
+        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn), bounds, sim) for k in ks)
         out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work)))
         eta = etas[0] if eta is None else max(eta, etas[0])
         soon = next_demand_in(work)
