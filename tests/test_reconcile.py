@@ -107,3 +107,73 @@ def test_a_raising_launch_callback_is_reported_once_through_poll_errors_only() -
     (failure,) = p.poll_errors()
     assert failure.request_id == "a1" and "quota" in failure.message
     assert p.poll_errors() == []
+
+
+def want_upto(n: int):  # type: ignore[no-untyped-def]
+    """Ask for ``n`` nodes in all (pending launches included), like any sane policy."""
+
+    def policy(snap: ClusterSnapshot) -> ScaleDecision:
+        have = snap.nodes_of("cpu")
+        return ScaleDecision(launch={"cpu": n - have}) if have < n else ScaleDecision()
+
+    return policy
+
+
+def run_round_errors(c: ScalingController, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
+    """As ``run_round``, but provider failures naming a worker go to ``worker_failed`` (the autoscaler's way)."""
+    for f in p.poll_errors():
+        if f.worker_id:
+            c.worker_failed(f.worker_id, f.message, clock())
+        else:
+            c.launch_failed(f.request_id, f.message, clock())
+    acts = step_with_state(c, d.state, clock(), listing=p.list())
+    p.terminate(acts.terminate)
+    launched = []
+    for rid, nt, n in acts.launch:
+        ids = p.worker_ids(nt, n, rid)
+        c.launched(rid, ids, clock())
+        p.launch(nt, n, rid)
+        launched += ids
+    for wid, info in p.ready():
+        d.add_worker(wid, info["resources"], node_type=info["node_type"])
+        c.worker_joined(wid, clock())
+    return launched
+
+
+def test_one_failed_node_of_a_big_request_leaves_the_rest_pending_and_never_exceeds_max_nodes() -> None:
+    """A Slurm-like queue where 1 of 8 nodes of a request fails: the request stays pending for the
+    other 7 (no backoff, no disabled type), the policy replaces one node, and the pool never holds
+    more than max_nodes (the old controller dropped the whole request and its 7 workers joined
+    uncounted on top of a relaunch)."""
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
+    p = FakeProvider(clock, startup=100.0)
+    c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
+    first = run_round_errors(c, d, p, clock)
+    assert len(first) == 8
+    clock.advance(10.0)
+    p.crash(first[3], returncode=1)  # its allocation failed while the others queue
+    p._errors.append(p._failure_cls("a1", first[3], "node failed"))  # also reported as an error: counted once
+    peak = 0
+    for _ in range(200):
+        run_round_errors(c, d, p, clock)
+        clock.advance(1.0)
+        alive = [w for w, i in p.list().items() if i["alive"]]
+        peak = max(peak, len(alive))
+    assert peak <= 8
+    assert len(d.state.workers) == 8  # 7 from the first request + 1 replacement
+    assert c.failures.get("cpu", 0) == 0 and not c.unusable
+    kinds = [r["kind"] for r in c.journal.records]
+    assert kinds.count("worker-failed") == 1 and "launch-failed" not in kinds and "backoff" not in kinds
+
+
+def test_a_request_given_up_as_a_whole_terminates_its_workers_that_have_not_registered() -> None:
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    p = FakeProvider(clock, startup=1000.0)
+    c = ScalingController((CPU,), want_upto(1), launch_timeout=600.0, forecast_interval=0.25)
+    (wid,) = run_round_errors(c, d, p, clock)
+    c.launch_failed("a1", "the provider gave up on it", clock())  # e.g. a doomed Slurm job
+    run_round_errors(c, d, p, clock)
+    assert p.workers[wid]["alive"] is False  # terminated: a job that starts late cannot join uncounted

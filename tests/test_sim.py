@@ -257,6 +257,28 @@ def test_provider_is_idempotent_lists_states_and_bills_only_allocated_time() -> 
     assert p.billed_node_seconds(100.0) == {"vm": 30.0}  # allocated 10 s -> ended 40 s
 
 
+def test_a_failing_node_is_queued_until_its_allocation_and_its_workers_are_named() -> None:
+    from tidepool.sim.provider import SimProvider
+
+    now = [0.0]
+    model = StartupModel(boot=Dist("const", (5.0,)), queue=Dist("const", (100.0,)), fail=1.0)
+    p = SimProvider({"vm": model}, 1, lambda: now[0], up=lambda t, w: None, kill=lambda w, r: None)
+    nt = NodeType("vm", {"cpu": 2}, workers_per_node=2)
+    p.launch(nt, 1, "a1")
+    assert p.list()["vm-a1-0"]["alive"] is True and p.poll_errors() == []  # still in the queue
+    now[0] = 100.0
+    assert p.list()["vm-a1-0"]["alive"] is False
+    assert sorted(f.worker_id or "" for f in p.poll_errors()) == ["vm-a1-0", "vm-a1-1"]
+
+
+def test_a_slurm_like_queue_with_failing_nodes_never_exceeds_max_nodes() -> None:
+    cluster = load_cluster("slurm:30")
+    cluster.interval = 1.0
+    wl = load_workload("bursty", seed=0, params={"n": 300, "work": 30.0, "reduce": 120.0})
+    r = simulate(wl, cluster, make_policy("default"), seed=0)
+    assert r.completed and r.peak_workers <= 30
+
+
 def test_cluster_file_with_simulate_table(tmp_path: Path) -> None:
     data = {
         "provider": {"kind": "slurm", "walltime": "00:30:00"},

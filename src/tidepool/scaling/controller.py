@@ -134,6 +134,8 @@ class ScalingController:
         self._fc_finished = -1
         #: node types launched since the last forecast: no new launch of them until a fresh one
         self._stale_types: set[str] = set()
+        #: workers to terminate at the next step (given up before they registered)
+        self._terminate: list[str] = []
 
     # ---- feasibility -------------------------------------------------------------------------------
     def infeasible_reason(self, shape: Shape) -> str | tuple[str, str] | None:
@@ -189,20 +191,43 @@ class ScalingController:
             self.worker_joined(worker_ids[-1], now)
 
     def launch_failed(self, request_id: str, message: str, now: float) -> None:
+        """The whole request failed: its workers that did not register are given up (and
+        terminated, so a queued job that starts later cannot join uncounted)."""
         if request_id in self._failed_requests:
             return  # already counted (a provider may both raise and report the same failure)
         self._failed_requests.add(request_id)
         rec = self.launches.pop(request_id, None)
         nt = rec.node_type if rec else self._type_of_request(request_id)
+        if rec is not None:
+            self._terminate.extend(w for w in rec.worker_ids if w not in rec.arrived and w not in self.joined)
         self.journal.record("launch-failed", now, request=request_id, node_type=nt, reason=message)
         if nt:
             self._type_failed(nt, message, now)
+
+    def _start_failed(self, rid: str, wid: str, message: str, now: float) -> None:
+        """One worker of request ``rid`` ended before it registered.  The request fails only when
+        none of its workers is left to come (2% of a 500-node job array failing is not a broken
+        node type); otherwise the worker leaves the request, which stays pending for the rest."""
+        rec = self.launches.get(rid)
+        if rec is not None and rec.worker_ids and wid not in rec.worker_ids:
+            return  # already given up (the listing and the provider's error both tell)
+        if rec is None or len(rec.worker_ids) <= 1 or not set(rec.worker_ids) - rec.arrived - {wid}:
+            self.launch_failed(rid, message, now)
+            return
+        rec.worker_ids.remove(wid)
+        wpn = self.node_types[rec.node_type].workers_per_node if rec.node_type in self.node_types else 1
+        rec.nodes = max(1, -(-len(rec.worker_ids) // max(1, wpn)))
+        self._terminate.append(wid)  # idempotent clean-up of whatever is left of it
+        self.journal.record("worker-failed", now, request=rid, node_type=rec.node_type, worker=wid,
+                            reason=f"{message}; the other {len(rec.worker_ids)} of the request stay pending")  # fmt: skip
+        if len(rec.arrived) >= len(rec.worker_ids):
+            self.worker_joined(next(iter(rec.arrived)), now)
 
     def worker_failed(self, wid: str, message: str, now: float, *, setup: bool = False) -> None:
         """A worker this controller launched died before joining (or its setup failed)."""
         rid = self.worker_request.get(wid)
         if rid is not None and wid not in self.joined:
-            self.launch_failed(rid, f"worker {wid}: {message}", now)
+            self._start_failed(rid, wid, f"worker {wid}: {message}", now)
         elif wid in self.joined and rid is not None:
             nt = self._type_of_request(rid)
             if nt and setup:
@@ -367,6 +392,9 @@ class ScalingController:
             if shape != self._last_reason or now - self._last_reason_t > 10.0:
                 self.journal.record("decision", now, reason=text)
                 self._last_reason, self._last_reason_t = shape, now
+        if self._terminate:
+            actions.terminate.extend(w for w in self._terminate if w not in actions.terminate)
+            self._terminate.clear()
         actions.records = self.drain_records()
         return actions
 
@@ -414,7 +442,9 @@ class ScalingController:
 
     def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
         for rid, rec in list(self.launches.items()):
-            for wid in rec.worker_ids:
+            for wid in list(rec.worker_ids):
+                if rid not in self.launches:
+                    break  # the request failed as a whole
                 if wid in rec.arrived or wid in self.joined:
                     continue
                 info = listing.get(wid)
@@ -426,8 +456,7 @@ class ScalingController:
                 else:
                     continue
                 self.journal.record("reconcile", now, request=rid, worker=wid, reason=why)
-                self.launch_failed(rid, why, now)
-                break
+                self._start_failed(rid, wid, why, now)
 
     def drain_records(self) -> list[dict[str, Any]]:
         """Records made since the last call, for the shell to write to its journal."""

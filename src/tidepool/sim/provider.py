@@ -187,9 +187,10 @@ class SimProvider:
                 self.worker_node[w] = node
             if failed:
                 node.ended = alloc
-                self._errors.append((alloc, ProviderFailure(request_id, None, (
-                    f"simulated: the allocation of {node_type.name!r} node {n} of request {request_id} failed "
-                    f"after {q:.1f}s in the queue"))))  # fmt: skip
+                for w in wids:  # its workers fail; the rest of the request is still coming
+                    self._errors.append((alloc, ProviderFailure(request_id, w, (
+                        f"simulated: the allocation of {node_type.name!r} node {n} of request {request_id} "
+                        f"failed after {q:.1f}s in the queue"))))  # fmt: skip
             else:
                 node.live.update(wids)
                 for w in wids:
@@ -211,7 +212,7 @@ class SimProvider:
         now = self.clock()
         out: dict[str, dict[str, Any]] = {}
         for w, node in self.worker_node.items():
-            alive = w in node.live
+            alive = w in node.live or (node.failed and now < node.allocated)  # fails only when allocated
             if node.failed and now >= node.allocated:
                 state, alive = "failed", False
             elif not alive:
