@@ -177,3 +177,22 @@ def test_a_request_given_up_as_a_whole_terminates_its_workers_that_have_not_regi
     c.launch_failed("a1", "the provider gave up on it", clock())  # e.g. a doomed Slurm job
     run_round_errors(c, d, p, clock)
     assert p.workers[wid]["alive"] is False  # terminated: a job that starts late cannot join uncounted
+
+
+def test_workers_of_a_request_that_arrived_are_not_counted_again_as_pending() -> None:
+    """7 of 8 nodes arrived, one waits in the queue: the pool is 8 nodes (7 live + 1 coming), not
+    15; the old count blocked every launch while a straggler of a big request queued."""
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
+    p = FakeProvider(clock, startup=10.0)
+    c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
+    ids = run_round_errors(c, d, p, clock)
+    p.workers[ids[-1]]["up_at"] = 500.0  # the straggler
+    clock.advance(11.0)
+    run_round_errors(c, d, p, clock)
+    assert len(d.state.workers) == 7
+    acts = step_with_state(c, d.state, clock(), listing=p.list())
+    assert acts.snapshot is not None and acts.snapshot.nodes_of("cpu") == 8
+    (pend,) = acts.snapshot.pending
+    assert pend.worker_ids == (ids[-1],) and pend.nodes == 1

@@ -309,8 +309,7 @@ class ScalingController:
         types = self._types_now()
         if obs.graph is not None:
             self._refresh_forecast(obs, obs.graph, types)
-        pending = tuple(PendingLaunch(r.request_id, r.node_type, r.nodes, tuple(r.worker_ids), r.since)
-                        for r in self.launches.values())  # fmt: skip
+        pending = tuple(self._pending(r) for r in self.launches.values())
         snap = ClusterSnapshot(
             now=now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
             last_progress=obs.last_progress, finished=obs.finished, waiting=obs.waiting,
@@ -327,7 +326,7 @@ class ScalingController:
             self.journal.record("infeasible", now, demand=shape_desc)
         # clamp launches to limits
         planned: dict[str, int] = {}
-        total_workers = len(obs.workers) + sum(len(r.worker_ids) or r.nodes for r in self.launches.values())
+        total_workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
         reasons = list(decision.reasons)
         wanted = dict(decision.launch)
         for nt in types:  # min_nodes always holds
@@ -427,8 +426,8 @@ class ScalingController:
         for nt in types:
             live = sum(1 for w in obs.workers if w.node_type == nt.name)
             nodes[nt.name] = -(-live // nt.workers_per_node) + sum(
-                r.nodes for r in self.launches.values() if r.node_type == nt.name)
-        pending = tuple((r.node_type, r.nodes, r.since) for r in self.launches.values())
+                self._pending(r).nodes for r in self.launches.values() if r.node_type == nt.name)
+        pending = tuple((r.node_type, self._pending(r).nodes, r.since) for r in self.launches.values())
         self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
                                                                        now, blocked)  # fmt: skip
         if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
@@ -439,6 +438,17 @@ class ScalingController:
         self._fc_time = now
         self._fc_key = (len(obs.workers), len(self.launches), obs.tasks, obs.finished != self._fc_finished)
         self._fc_finished = obs.finished
+
+    def _pending(self, rec: LaunchRecord) -> PendingLaunch:
+        """What is still to come of a launch: its workers that have not registered (those that did
+        are counted as live workers already; counting the whole request too would block launches
+        while a few nodes of a big request wait in a queue)."""
+        if not rec.worker_ids:
+            return PendingLaunch(rec.request_id, rec.node_type, rec.nodes, (), rec.since)
+        missing = tuple(w for w in rec.worker_ids if w not in rec.arrived)
+        nt = self.node_types.get(rec.node_type)
+        wpn = max(1, nt.workers_per_node if nt is not None else 1)
+        return PendingLaunch(rec.request_id, rec.node_type, -(-len(missing) // wpn), missing, rec.since)
 
     def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
         for rid, rec in list(self.launches.items()):
