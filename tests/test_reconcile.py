@@ -196,3 +196,21 @@ def test_workers_of_a_request_that_arrived_are_not_counted_again_as_pending() ->
     assert acts.snapshot is not None and acts.snapshot.nodes_of("cpu") == 8
     (pend,) = acts.snapshot.pending
     assert pend.worker_ids == (ids[-1],) and pend.nodes == 1
+
+
+def test_measured_start_up_is_the_typical_node_not_the_last_straggler() -> None:
+    """A Slurm-like request of 4 nodes: 3 start after 10 s, one after 500 s in the queue.  The
+    start-up the forecasts use next is ~10 s; the old measure (request launch to its last worker)
+    said 500 s and made every later launch look 50 times too expensive."""
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=10.0)
+    p = FakeProvider(clock, startup=10.0)
+    c = ScalingController((nt,), want_upto(4), launch_timeout=900.0, forecast_interval=0.25)
+    ids = run_round_errors(c, d, p, clock)
+    p.workers[ids[-1]]["up_at"] = 500.0
+    for _ in range(60):
+        clock.advance(10.0)
+        run_round_errors(c, d, p, clock)
+    assert len(d.state.workers) == 4 and not c.launches
+    assert c.startup["cpu"] == 10.0

@@ -112,6 +112,17 @@ def test_idle_retire_only_empty_workers_unless_cached_timeout_passed() -> None:
     assert set(pol(snap([], ws, now=61.0)).retire) == {"empty", "holder", "fresh"}
 
 
+def test_idle_holder_retires_after_the_plain_timeout_when_no_work_can_come_before_a_new_node() -> None:
+    """Bursty graphs whose client keeps every result: the workers of a finished wide phase all hold
+    data.  When the forecast says nothing can run before a new node could start, they go after the
+    plain idle timeout (their data moved), not after cached_idle_timeout (60 s of 1,000 idle VMs)."""
+    pol = IdleRetire(idle_timeout=5, cached_idle_timeout=60)
+    ws = [worker("holder", idle_since=0.0, unique=3)]
+    assert pol(snap([], ws, now=6.0, next_demand_in=300.0)).retire == ("holder",)
+    assert pol(snap([], ws, now=4.0, next_demand_in=300.0)).retire == ()  # not before the timeout
+    assert pol(snap([], ws, now=6.0, next_demand_in=2.0)).retire == ()  # work comes soon: keep it
+
+
 def test_idle_retire_keeps_workers_that_fit_demand_and_the_controller_keeps_min_nodes() -> None:
     pol = IdleRetire(idle_timeout=1, lookahead=False)
     gpu_demand = [Demand(GPU_SHAPE, "g", 1, 1.0)]

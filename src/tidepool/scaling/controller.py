@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ class LaunchRecord:
     deadline: float
     worker_ids: list[str] = field(default_factory=list)
     arrived: set[str] = field(default_factory=set)
+    delays: list[float] = field(default_factory=list)  # launch-to-join seconds of each arrival
 
 
 @dataclass
@@ -163,9 +165,13 @@ class ScalingController:
         rec = self.launches.get(rid) if rid else None
         if rec is None:
             return
+        if wid not in rec.arrived:
+            rec.delays.append(now - rec.since)
         rec.arrived.add(wid)
         if len(rec.arrived) >= len(rec.worker_ids):
-            took = now - rec.since
+            # the typical start-up of its nodes: the median, not the last straggler (the slowest
+            # of 500 queue waits says little about the next launch of a few nodes)
+            took = statistics.median(rec.delays) if rec.delays else now - rec.since
             old = self.startup.get(rec.node_type)
             self.startup[rec.node_type] = took if old is None else 0.7 * old + 0.3 * took
             del self.launches[rid]  # type: ignore[arg-type]

@@ -206,7 +206,9 @@ class IdleRetire:
             if w.unique_keys == 0 and (idle >= timeout or lookahead):
                 why = "no work expected soon" if idle < timeout else f"timeout {timeout:.1f}s"
                 reasons.append(f"{w.id} idle {idle:.1f}s and holds no needed data ({why})")
-            elif w.unique_keys and idle >= self.cached_idle_timeout:
+            elif w.unique_keys and (idle >= self.cached_idle_timeout or (lookahead and idle >= timeout)):
+                # no work can come before a new node could start: moving its data costs less than
+                # holding the node through the gap
                 reasons.append(f"{w.id} idle {idle:.1f}s holding {w.unique_keys} needed values "
                                f"({w.unique_bytes} bytes): retire, moving them to survivors")  # fmt: skip
             else:

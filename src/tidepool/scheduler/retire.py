@@ -80,7 +80,7 @@ def progress_retirements(state: SchedulerState, out: list[ev.Command]) -> None:
             continue  # wait: data stays put until a survivor appears or the worker is lost
         plan: dict[str, list[str]] = {}
         load = {w.id: float(w.nbytes) for w in survivors}
-        for ts in sorted(todo, key=lambda t: -t.nbytes):
+        for ts in sorted(todo, key=lambda t: (-t.nbytes, t.priority, str(t.key))):  # deterministic order
             target = min(survivors, key=lambda w: (load[w.id], w.seq))
             load[target.id] += ts.nbytes
             plan.setdefault(target.id, []).append(ts.key)
