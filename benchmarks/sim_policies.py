@@ -16,9 +16,10 @@ cost (billed node-hours), as ratios to tidepool's default:
   pool of this size would configure it (its defaults, one single-node allocation, take hours to
   fill a pool of thousands).
 
-The graph (``tidepool.sim.workloads.bursty``): ``10 x size`` tasks of ``work`` s, one serial
+The graph (``tidepool.sim.workloads.bursty``): ``per_worker x size`` tasks (10 by default) of ``work`` s, one serial
 reduce of ``reduce`` s over all of them, ``10 x size`` tasks that need the reduce's result, and a
-final reduce; the client holds every result.  Every policy is stepped on the same 1 s autoscaler
+final reduce; the client holds every result.  ``--section NAME`` writes the table to the docs
+section ``NAME`` (``policies`` by default; the 10,000-worker table goes to ``policies-10k``).  Every policy is stepped on the same 1 s autoscaler
 period (Dask's own), so no policy gains from deciding more often.
 
 Run from the repository root::
@@ -52,12 +53,12 @@ def policy_spec(name: str, size: int) -> str:
     return name
 
 
-def run_one(size: int, startup: str, policy: str, work: float, reduce: float, seed: int) -> Any:
+def run_one(size: int, startup: str, policy: str, work: float, reduce: float, seed: int, per: int = 10) -> Any:
     from tidepool.sim import load_workload, make_policy, preset_cluster, simulate
 
     cluster = preset_cluster(f"{startup}:{size}")
     cluster.interval = 1.0
-    wl = load_workload("bursty", seed=seed, params={"n": 10 * size, "work": work, "reduce": reduce})
+    wl = load_workload("bursty", seed=seed, params={"n": per * size, "work": work, "reduce": reduce})
     return simulate(wl, cluster, make_policy(policy_spec(policy, size)), seed=seed, policy_name=policy,
                     task_records=False, tail=600.0)  # fmt: skip
 
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=float, default=30.0, help="seconds per task of the two wide phases")
     ap.add_argument("--reduce", type=float, default=240.0, help="seconds of the serial reduce between them")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-worker", type=int, default=10, help="tasks per worker in each wide phase")
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--section", default="policies", help="docs/simulation.md section to write")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     t0 = time.perf_counter()
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, Any] = {}
             for policy in [p for p in args.policies.split(",") if p]:
                 t = time.perf_counter()
-                r = run_one(size, startup, policy, args.work, args.reduce, args.seed)
+                r = run_one(size, startup, policy, args.work, args.reduce, args.seed, args.per_worker)
                 results[policy] = (r, time.perf_counter() - t)
                 print(f"{size:>6} {startup:6} {policy:11} makespan {r.makespan or float('nan'):9.1f}s held "
                       f"{r.held_worker_seconds:12,.0f} w-s peak {r.peak_workers:6} ({results[policy][1]:.0f}s wall)",
@@ -113,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
 {chr(10).join(f"- {w}" for w in wins)}
 
-Measured {when} with `.venv/bin/python benchmarks/sim_policies.py --sizes {args.sizes} --write-docs`
-(graph: bursty with `10 x workers` tasks of {args.work:g} s per wide phase and a {args.reduce:g} s
+Measured {when} with `.venv/bin/python benchmarks/sim_policies.py --sizes {args.sizes} --per-worker {args.per_worker} --section {args.section} --write-docs`
+(graph: bursty with `{args.per_worker} x workers` tasks of {args.work:g} s per wide phase and a {args.reduce:g} s
 reduce between them; seed {args.seed}; {total:.0f} s of wall time for all runs; `wall s` is each run's)."""
-        write_section(DOCS, "policies", section, header="# Simulation\n")
+        write_section(DOCS, args.section, section, header="# Simulation\n")
         print(f"wrote the policies section of {DOCS.relative_to(ROOT)}")
     return 0
 
