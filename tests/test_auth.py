@@ -558,6 +558,7 @@ def test_token_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     assert auth.token_from_env() is None
     f = tmp_path / "token"
     f.write_text("  from-file\n")
+    f.chmod(0o600)
     monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(f))
     assert auth.token_from_env() == "from-file"
     monkeypatch.setenv(auth.TOKEN_ENV, " from-env\n")
@@ -577,6 +578,7 @@ def test_bad_token_files_are_config_errors(tmp_path: Path) -> None:
 def test_tokens_from_files_with_whitespace_work(address: str, tmp_path: Path) -> None:
     f = tmp_path / "tok"
     f.write_text(TOKEN + "\n")
+    f.chmod(0o600)
 
     async def main() -> None:
         lst = await listen(address, EchoServer().handler, TOKEN)

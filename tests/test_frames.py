@@ -507,3 +507,29 @@ def test_corrupted_frame_only_ever_raises_protocol_error(
 def test_http_request_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError):
         decode_stream(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n", allow_pickles=False)
+
+
+def test_an_announced_2gib_part_costs_what_arrived_not_what_was_announced() -> None:
+    """An authenticated peer announces a 2 GiB buffer and sends 1 MiB of it: the receiver holds a
+    few MiB, not 2 GiB (the old decoder allocated the announced size at once).  The buffer grows
+    as bytes arrive, and a part that does arrive in full is decoded as before."""
+    import tracemalloc
+
+    dec, out = make_decoder(max_frame=4 * 1024**3)
+    big = 2 * 1024**3
+    head = PREFIX.pack(1, 1) + LEN.pack(big) + b"\xc0"  # header: msgpack nil
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        feed_like_kernel(dec, head + bytes(1024 * 1024), [65536])
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert out == [] and peak < 16 * 1024 * 1024, f"peak {peak / 2**20:.0f} MiB"
+    # growing (doubling) as bytes arrive, from any chunking, still yields the exact bytes
+    dec2, out2 = make_decoder()
+    payload = bytes(range(256)) * (40 * 1024)  # 10 MiB: three doublings from 4 MiB
+    frame = wire({"op": "x", "v": serialize(payload)})
+    feed_like_kernel(dec2, frame, [1 << 20, 7, 3 << 20])
+    assert len(out2) == 1 and out2[0]["v"].load() == payload

@@ -37,6 +37,7 @@ from tidepool.providers.slurm import (
     parse_walltime,
 )
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.policies import Adaptive, IdleRetire
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 
@@ -386,8 +387,10 @@ def test_jobs_near_their_walltime_retire_gracefully_before_slurm_kills_them(slur
     # (still wanted by the client) must move to a survivor first: a burst of work starts a second job.
     provider = make_provider(slurm, walltime="1", retire_margin=50)
     nt = NodeType("short", {"cpu": 1}, max_nodes=2, startup_estimate=5.0)
+    # idle workers are not retired for idleness here (it would come first): only the walltime retires
+    keep_idle = Adaptive(idle=IdleRetire(idle_timeout=600.0, cached_idle_timeout=600.0, lookahead=False))
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
-        cluster.adapt(node_types=[nt], provider=provider)
+        cluster.adapt(node_types=[nt], provider=provider, policy=keep_idle)
         journal = cluster.journal
         assert journal is not None
         long = client.submit(whereami, -1, 3.0)

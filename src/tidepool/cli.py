@@ -14,7 +14,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from tidepool.comm.auth import read_token_file, token_from_env
+from tidepool.comm.auth import read_token_file, token_from_env, write_token_file
 from tidepool.errors import ConfigError, TidepoolError
 
 
@@ -110,9 +110,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         s = await Scheduler(f"tcp://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
                             **extra).start()  # fmt: skip
         if args.token_file:
-            fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token)
+            write_token_file(args.token_file, token)
         print(f"tidepool scheduler at {s.address}", flush=True)
         if args.token_file:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from typing import TYPE_CHECKING
 
 from tidepool.errors import AuthenticationError, ConfigError, ProtocolError
@@ -43,14 +44,49 @@ def token_from_env() -> str | None:
 
 
 def read_token_file(path: str) -> str:
+    """The token in ``path``; refused when others than its owner may read the file (the token is
+    all it takes to run code on the cluster)."""
     try:
         with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
             tok = f.read().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
     if not tok:
         raise ConfigError(f"token file {path!r} is empty; pass the scheduler's token file")
+    if os.name == "posix" and stat.S_IMODE(mode) & 0o077:
+        raise ConfigError(
+            f"token file {path!r} can be read by other users (mode {stat.S_IMODE(mode):04o}): anyone who "
+            f"read it can run code on the cluster. Run `chmod 600 {path}` (and start the scheduler with "
+            "a new token if others may have read it)")  # fmt: skip
     return tok
+
+
+def write_token_file(path: str, token: str) -> None:
+    """Write ``token`` to ``path``, readable by its owner only (mode 0600, also when the file existed
+    with a wider mode).  A symbolic link is refused, not followed (it could point anywhere the
+    process may write), and so is a file another user owns."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ConfigError(f"token file {path!r} is a symbolic link; tidepool does not follow it. Remove "
+                              "the link or pass the real path") from exc  # fmt: skip
+        raise ConfigError(f"cannot write token file {path!r}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"token file {path!r} is not a regular file; pass a file path")
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise ConfigError(f"token file {path!r} belongs to another user (uid {st.st_uid}); pass a path "
+                              "you own")  # fmt: skip
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o600)  # before the token is in it
+        os.ftruncate(fd, 0)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
 
 
 def _mac(token: str, label: bytes, a: bytes, b: bytes) -> bytes:

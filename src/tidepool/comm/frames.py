@@ -17,6 +17,7 @@ memory once on receipt and then wrapped, not copied, by pickle.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -33,6 +34,9 @@ _EXT = struct.Struct("!iII")  # (pickle-stream buffer index or -1 if inline, fir
 EXT_SERIALIZED = 1
 INLINE_PICKLE = 16 * 1024
 LARGE_PART = 64 * 1024
+#: a large part's buffer starts at this size and doubles as bytes arrive (up to its announced
+#: length): a peer that announces 2 GiB and sends nothing costs 4 MiB, not 2 GiB
+GROW_FIRST = 4 * 1024 * 1024
 
 #: Limits before authentication: a handshake frame is tiny and carries no buffers.
 PREAUTH_MAX_FRAME = 64 * 1024
@@ -93,6 +97,7 @@ class FrameDecoder:
         # the part being read directly by the kernel, if any
         self._target: bytearray | None = None
         self._target_filled = 0
+        self._target_need = 0  # the part's announced length (the buffer grows up to it)
         self._hold = False
         self._reset()
 
@@ -107,6 +112,8 @@ class FrameDecoder:
     # -- BufferedProtocol side -------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._target is not None:
+            if self._target_filled == len(self._target):
+                self._grow(self._target)
             return memoryview(self._target)[self._target_filled :]
         if self._start == self._end:
             self._start = self._end = 0
@@ -122,7 +129,7 @@ class FrameDecoder:
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
             self._target_filled += nbytes
-            if self._target_filled == len(self._target):
+            if self._target_filled == self._target_need:
                 part = self._target
                 self._target = None
                 self._part_done(part)
@@ -142,6 +149,7 @@ class FrameDecoder:
             n = min(buf.nbytes, view.nbytes)
             buf[:n] = view[:n]
             view = view[n:]
+            del buf  # released before the next get_buffer, which may grow the part
             self.buffer_updated(n)
 
     # -- parsing ---------------------------------------------------------------------------------
@@ -168,13 +176,14 @@ class FrameDecoder:
             need = self._need()
             avail = self._end - self._start
             if need >= LARGE_PART:
-                part = bytearray(need)
                 n = min(avail, need)
+                part = bytearray(max(n, min(need, GROW_FIRST)))
                 part[:n] = self._staging[self._start : self._start + n]
                 self._start += n
                 if n < need:
                     self._target = part
                     self._target_filled = n
+                    self._target_need = need
                     return
                 self._part_done(part)
                 continue
@@ -183,6 +192,15 @@ class FrameDecoder:
             part_b = bytes(self._staging[self._start : self._start + need])
             self._start += need
             self._part_done(part_b)
+
+    def _grow(self, part: bytearray) -> None:
+        """Double ``part`` (up to its announced length) once the bytes so far have filled it; in
+        place, so the kernel keeps reading straight into it (a large buffer grows by remapping)."""
+        add = min(self._target_need - len(part), max(len(part), GROW_FIRST))
+        # one resize to the exact size (a doubling is a "major upsize" for CPython: no spare room),
+        # filled from an anonymous mapping: zero pages, no temporary Python buffer of that size
+        with mmap.mmap(-1, add) as zeros:
+            part += zeros
 
     def _part_done(self, part: bytes | bytearray) -> None:
         if self._stage == 0:

@@ -53,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidepool.comm.auth import write_token_file
 from tidepool.errors import ConfigError, ProviderError
 from tidepool.providers._address import contact_address
 from tidepool.providers.base import ProviderFailure, worker_command
@@ -261,10 +262,7 @@ class SlurmProvider:
         """Called by the cluster once the scheduler's address and token are known."""
         self.scheduler, self.token = scheduler, token
         if self.token_file and token:
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token)
-            os.chmod(self.token_file, 0o600)
+            write_token_file(self.token_file, token)
 
     # ---- the job script -------------------------------------------------------------------------
     def job_script(self, node_type: NodeType, request_id: str, worker_ids: Sequence[str],
