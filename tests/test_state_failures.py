@@ -209,3 +209,23 @@ def test_an_input_dropped_locally_reschedules_without_blame_or_dropping_copies()
     assert d.state.tasks["a"].state == "memory" and d.state.tasks["a"].who_has == {"w1"}
     d.run_until_idle()
     assert d.status()["b"] == "memory" and d.state.tasks["b"].suspicious == 0
+
+
+def test_only_the_assigned_worker_may_report_a_tasks_outcome() -> None:
+    """An authenticated worker reports "finished" for a task given to another: refused, the client
+    is not told, and the real worker's outcome is the one that counts (issue 16)."""
+    d = StateDriver()
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("x-1", ())], ["x-1"])
+    (owner,) = [w for w, ts in d.state.workers.items() if ts.processing]
+    forger = "w2" if owner == "w1" else "w1"
+    cmds = d.send(ev.TaskFinished(forger, "x-1", 8, 0.01, d.clock()))
+    ts = d.state.tasks["x-1"]
+    assert ts.state == "running" and ts.worker == owner and forger not in ts.who_has
+    assert not [c for c in cmds if isinstance(c, ev.Report)]
+    assert [c for c in cmds if isinstance(c, ev.Free) and c.worker == forger]
+    assert d.state.counters["refused_outcomes"] == 1
+    d.finish(owner, "x-1")
+    assert d.state.tasks["x-1"].state == "memory" and d.state.tasks["x-1"].who_has == {owner}
+    d.state.validate()

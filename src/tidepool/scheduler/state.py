@@ -162,7 +162,7 @@ class SchedulerState:
         self.last_progress = 0.0
         self.counters: dict[str, int] = {
             "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
-            "workers_joined": 0, "forgotten": 0, "rescued": 0,
+            "workers_joined": 0, "forgotten": 0, "rescued": 0, "refused_outcomes": 0,
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph,
@@ -612,8 +612,14 @@ class SchedulerState:
                 self._unassign(ts)
             out.append(ev.Free(e.worker, [e.key]))
             return
-        if ts.state == "memory":
-            self._add_holder(ts, ws, e.nbytes)
+        if ts.worker != e.worker:
+            if e.worker in ts.who_has:
+                return  # said twice: it holds the value already
+            # only the worker a task was given to may report its outcome: any other worker's
+            # "finished" is refused (an authenticated peer could otherwise forge a result, or claim
+            # to hold a value it never computed); whatever it has under that key is dropped there
+            self.counters["refused_outcomes"] += 1
+            out.append(ev.Free(e.worker, [e.key]))
             return
         self._value_arrived(ts, ws, e.nbytes, e.duration, out)
 
