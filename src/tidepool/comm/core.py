@@ -284,6 +284,13 @@ class MemoryConnection(Connection):
 Handler = Callable[[Connection], Awaitable[None]]
 
 
+#: connections allowed to be authenticating at once; more are closed at once (a flood of idle
+#: connections costs a bounded amount: each holds a small buffer until its handshake times out)
+MAX_PENDING_HANDSHAKES = 1024
+#: refused connections logged one by one per minute; the rest are counted in one line
+REJECT_LOG_BURST = 10
+
+
 class Listener:
     """An accepting endpoint; each authenticated connection is handed to ``handler``."""
 
@@ -296,6 +303,11 @@ class Listener:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[Connection] = set()
+        self.handshaking = 0  # connections that have not authenticated yet
+        self.refused = 0  # connections closed at once: too many were handshaking
+        self._reject_window = -1e9
+        self._reject_logged = 0
+        self._reject_quiet = 0
 
     async def start(self) -> Listener:
         scheme, host, port = parse_address(self.requested)
@@ -319,6 +331,21 @@ class Listener:
         self._spawn(conn)
         return conn
 
+    def _note_rejected(self, peer: str, why: object) -> None:
+        """Log refused connections without letting a flood of them flood the log: the first
+        ``REJECT_LOG_BURST`` per minute one by one, then one count per minute."""
+        now = asyncio.get_running_loop().time()
+        if now - self._reject_window > 60.0:
+            if self._reject_quiet:
+                log.warning("%d more connections were refused in the last minute (not logged one by one)",
+                            self._reject_quiet)  # fmt: skip
+            self._reject_window, self._reject_logged, self._reject_quiet = now, 0, 0
+        if self._reject_logged < REJECT_LOG_BURST:
+            self._reject_logged += 1
+            log.warning("rejected connection from %s: %s", peer, why)
+        else:
+            self._reject_quiet += 1
+
     def _spawn(self, conn: Connection) -> None:
         task = asyncio.get_running_loop().create_task(self._serve(conn))
         self._tasks.add(task)
@@ -334,6 +361,13 @@ class Listener:
 
     async def _serve_one(self, conn: Connection) -> None:
         await asyncio.sleep(0)  # let connection_made run
+        if self.handshaking >= MAX_PENDING_HANDSHAKES:
+            self.refused += 1
+            self._note_rejected(conn.peer, f"{self.handshaking} connections are authenticating already "
+                                           f"(limit {MAX_PENDING_HANDSHAKES})")  # fmt: skip
+            conn.close()
+            return
+        self.handshaking += 1
         try:
             conn.info = await server_handshake(conn, self.token)
         except ConnectionLostError as exc:
@@ -341,9 +375,11 @@ class Listener:
             conn.close()
             return
         except (CommError, OSError) as exc:
-            log.warning("rejected connection from %s: %s", conn.peer, exc)
+            self._note_rejected(conn.peer, exc)
             conn.close()
             return
+        finally:
+            self.handshaking -= 1
         try:
             await self.handler(conn)
         except ConnectionLostError:
