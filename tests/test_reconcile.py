@@ -17,10 +17,15 @@ def want_one(snap: ClusterSnapshot) -> ScaleDecision:
 
 
 def run_round(c: ScalingController, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
-    """One shell round: failures, listing, step, launches, arrivals (what autoscaler.py does)."""
+    """One shell round, as autoscaler.py does it: failures (naming a worker, or a whole request),
+    listing, step, terminations, launches, arrivals."""
     for f in p.poll_errors():
-        c.launch_failed(f.request_id, f.message, clock())
+        if f.worker_id:
+            c.worker_failed(f.worker_id, f.message, clock())
+        else:
+            c.launch_failed(f.request_id, f.message, clock())
     acts = step_with_state(c, d.state, clock(), listing=p.list())
+    p.terminate(acts.terminate)
     launched = []
     for rid, nt, n in acts.launch:
         ids = p.worker_ids(nt, n, rid)
@@ -119,27 +124,6 @@ def want_upto(n: int):  # type: ignore[no-untyped-def]
     return policy
 
 
-def run_round_errors(c: ScalingController, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
-    """As ``run_round``, but provider failures naming a worker go to ``worker_failed`` (the autoscaler's way)."""
-    for f in p.poll_errors():
-        if f.worker_id:
-            c.worker_failed(f.worker_id, f.message, clock())
-        else:
-            c.launch_failed(f.request_id, f.message, clock())
-    acts = step_with_state(c, d.state, clock(), listing=p.list())
-    p.terminate(acts.terminate)
-    launched = []
-    for rid, nt, n in acts.launch:
-        ids = p.worker_ids(nt, n, rid)
-        c.launched(rid, ids, clock())
-        p.launch(nt, n, rid)
-        launched += ids
-    for wid, info in p.ready():
-        d.add_worker(wid, info["resources"], node_type=info["node_type"])
-        c.worker_joined(wid, clock())
-    return launched
-
-
 def test_one_failed_node_of_a_big_request_leaves_the_rest_pending_and_never_exceeds_max_nodes() -> None:
     """A Slurm-like queue where 1 of 8 nodes of a request fails: the request stays pending for the
     other 7 (no backoff, no disabled type), the policy replaces one node, and the pool never holds
@@ -150,14 +134,14 @@ def test_one_failed_node_of_a_big_request_leaves_the_rest_pending_and_never_exce
     big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
     p = FakeProvider(clock, startup=100.0)
     c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
-    first = run_round_errors(c, d, p, clock)
+    first = run_round(c, d, p, clock)
     assert len(first) == 8
     clock.advance(10.0)
     p.crash(first[3], returncode=1)  # its allocation failed while the others queue
     p._errors.append(p._failure_cls("a1", first[3], "node failed"))  # also reported as an error: counted once
     peak = 0
     for _ in range(200):
-        run_round_errors(c, d, p, clock)
+        run_round(c, d, p, clock)
         clock.advance(1.0)
         alive = [w for w, i in p.list().items() if i["alive"]]
         peak = max(peak, len(alive))
@@ -173,9 +157,9 @@ def test_a_request_given_up_as_a_whole_terminates_its_workers_that_have_not_regi
     d = StateDriver(clock=clock)
     p = FakeProvider(clock, startup=1000.0)
     c = ScalingController((CPU,), want_upto(1), launch_timeout=600.0, forecast_interval=0.25)
-    (wid,) = run_round_errors(c, d, p, clock)
+    (wid,) = run_round(c, d, p, clock)
     c.launch_failed("a1", "the provider gave up on it", clock())  # e.g. a doomed Slurm job
-    run_round_errors(c, d, p, clock)
+    run_round(c, d, p, clock)
     assert p.workers[wid]["alive"] is False  # terminated: a job that starts late cannot join uncounted
 
 
@@ -187,10 +171,10 @@ def test_workers_of_a_request_that_arrived_are_not_counted_again_as_pending() ->
     big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
     p = FakeProvider(clock, startup=10.0)
     c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
-    ids = run_round_errors(c, d, p, clock)
+    ids = run_round(c, d, p, clock)
     p.workers[ids[-1]]["up_at"] = 500.0  # the straggler
     clock.advance(11.0)
-    run_round_errors(c, d, p, clock)
+    run_round(c, d, p, clock)
     assert len(d.state.workers) == 7
     acts = step_with_state(c, d.state, clock(), listing=p.list())
     assert acts.snapshot is not None and acts.snapshot.nodes_of("cpu") == 8
@@ -207,10 +191,10 @@ def test_measured_start_up_is_the_typical_node_not_the_last_straggler() -> None:
     nt = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=10.0)
     p = FakeProvider(clock, startup=10.0)
     c = ScalingController((nt,), want_upto(4), launch_timeout=900.0, forecast_interval=0.25)
-    ids = run_round_errors(c, d, p, clock)
+    ids = run_round(c, d, p, clock)
     p.workers[ids[-1]]["up_at"] = 500.0
     for _ in range(60):
         clock.advance(10.0)
-        run_round_errors(c, d, p, clock)
+        run_round(c, d, p, clock)
     assert len(d.state.workers) == 4 and not c.launches
     assert c.startup["cpu"] == 10.0

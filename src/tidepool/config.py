@@ -361,13 +361,17 @@ def parse(data: dict[str, Any], source: str = "<dict>") -> ClusterConfig:
     return cfg
 
 
-def load(path: str) -> ClusterConfig:
-    """Read and validate a TOML cluster file."""
+def read_toml(path: str) -> dict[str, Any]:
+    """The TOML table in ``path``; unreadable files and bad TOML are :class:`ConfigError`."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read cluster file {path!r}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    return parse(data, path)
+
+
+def load(path: str) -> ClusterConfig:
+    """Read and validate a TOML cluster file."""
+    return parse(read_toml(path), path)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -144,14 +143,9 @@ def _budget(source: str, value: Any) -> float | None:
 
 def load(path: str) -> SimCluster:
     """Read a cluster file for simulation (see the module docstring)."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster file {path!r}: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    return from_dict(data, path)
+    from tidepool.config import read_toml
+
+    return from_dict(read_toml(path), path)
 
 
 def preset_cluster(text: str) -> SimCluster:
