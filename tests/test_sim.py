@@ -409,3 +409,19 @@ def test_random_graphs_keep_the_state_consistent() -> None:
         r = sim.run()
         assert r.completed and r.executions >= 60, r.notes
         sim.state.validate()
+
+
+def test_every_retired_worker_leaves_in_the_journal_and_the_pool_stays_within_max_nodes(tmp_path: Path) -> None:
+    """A worker closed by the scheduler before the shell terminated it used to stay "joined" in the
+    accounting (no leave record): peak workers above max_nodes and held time counted to the end."""
+    cluster = load_cluster("cloud:300")
+    cluster.interval = 1.0
+    path = str(tmp_path / "dask.jsonl")
+    r = simulate(load_workload("bursty", seed=0, params={"n": 600, "work": 30.0, "reduce": 240.0}), cluster,
+                 make_policy("dask"), seed=0, journal=path)  # fmt: skip
+    recs = load_records(path)
+    end = max(x["t"] for x in recs)  # (the run ends with the last retirement: its close is not delivered)
+    closed = {x["worker"] for x in recs if x["kind"] == "worker-close" and x["t"] < end}
+    left = {x["worker"] for x in recs if x["kind"] == "worker-leave"}
+    assert closed and closed <= left
+    assert r.peak_workers <= 300

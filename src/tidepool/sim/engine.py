@@ -393,6 +393,9 @@ class Simulation:
                 w.alive = False
                 del self.workers[wid]
                 self.provider.exited(wid, f"closed by the scheduler: {item[1]}")
+                # its connection closes as the process exits (as in a real run: the state has
+                # removed it already, the journal and the held-time accounting see it leave now)
+                self.out.append(ev.WorkerRemove(wid, self.now, item[1], graceful=True, cause=ev.RemoveCause.CLOSED))
                 return
         self._start(w)
 
