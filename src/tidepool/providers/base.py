@@ -6,8 +6,10 @@ never blocks and returns nothing: it submits the request (a process spawn, an ``
 background thread, an SSH session on the provider's loop) and returns at once; whatever goes wrong
 later, or right away, comes back once through ``poll_errors``.  The autoscaler reconciles: it
 matches registrations to the names it was given, lists the provider (``list``) every round while
-launches are in flight, and fails a launch whose workers are gone from the listing or ended
-before they registered.  Calls are idempotent (launching a request id twice starts it once;
+launches are in flight, and gives up a worker that is gone from the listing or ended before it
+registered.  A :class:`ProviderFailure` naming a worker fails that worker only: the rest of its
+request stays pending (one failed node of a 500-node job array is not a failed launch); one naming
+no worker fails the whole request, whose unregistered workers are then terminated.  Calls are idempotent (launching a request id twice starts it once;
 terminating a gone worker is a no-op); ``close`` stops everything the provider started.
 
 Optional capabilities are declared protocols, checked with ``isinstance``: :class:`NeedsAddress`
