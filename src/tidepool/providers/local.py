@@ -67,6 +67,7 @@ class LocalProvider:
         self._names = IdNames(f"-p{os.getpid()}", _SEQ)
         self._errors: list[ProviderFailure] = []
         self._stopped: set[str] = set()
+        self._spawning: dict[str, tuple[str, str]] = {}  # named by a launch, not spawned yet: (type, request)
         self._cleaned: set[str] = set()  # workers whose temp directory is gone
 
     def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
@@ -79,6 +80,8 @@ class LocalProvider:
             return
         ids = self.worker_ids(node_type, count, request_id)
         self._requests[request_id] = ids
+        self._spawning.update({w: (node_type.name, request_id) for w in ids})  # listed as starting until
+        # spawned: the autoscaler may call launch in a thread while it lists
         for wid in ids:
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
@@ -87,8 +90,10 @@ class LocalProvider:
                 proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
             except OSError as exc:
                 self._errors.append(ProviderFailure(request_id, wid, f"could not start worker {wid}: {exc}"))
+                self._spawning.pop(wid, None)
                 continue
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
+            self._spawning.pop(wid, None)
 
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
         for wid in worker_ids:
@@ -111,7 +116,9 @@ class LocalProvider:
     def list(self) -> WorkerListing:  # noqa: A003
         """Worker id -> {node_type, request_id, alive, returncode}."""
         out: WorkerListing = {}
-        for wid, p in self.procs.items():
+        for wid, (nt, rid) in list(self._spawning.items()):  # asked for, process not started yet
+            out[wid] = {"node_type": nt, "request_id": rid, "alive": True, "returncode": None, "state": "starting"}
+        for wid, p in list(self.procs.items()):
             rc = p.proc.poll()
             out[wid] = {"node_type": p.node_type, "request_id": p.request_id, "alive": rc is None,
                         "returncode": rc}  # fmt: skip
