@@ -43,6 +43,7 @@ import cloudpickle
 from tidepool.client_dask import DaskAPI
 from tidepool.comm import Connection, connect, serialize
 from tidepool.comm.auth import token_from_env
+from tidepool.dask.client import DaskCollections
 from tidepool.errors import (
     CommError,
     ConfigError,
@@ -66,6 +67,7 @@ from tidepool.errors import (
 )
 from tidepool.futures import _UNSET, IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name, make_key
+from tidepool.graph.keys import key_name
 from tidepool.graph.refs import RECURSE, Ref, collect, replace
 from tidepool.loop import ClosesOnExit, LoopThread
 from tidepool.resources import parse_resources
@@ -84,7 +86,7 @@ def default_client() -> Client:
     raise ConfigError("no tidepool Client is running; create one with tidepool.Client(...)")
 
 
-class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
+class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections):
     """Connects to a scheduler.  ``Client()`` alone starts a :class:`LocalCluster`.
 
     ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
@@ -355,7 +357,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         if fut is not None and not fut.done():
             fut.set_exception(exc)
 
-    def submit(self, fn: Callable[..., T], *args: Any, key: str | None = None,  # type: ignore[override]
+    def submit(self, fn: Callable[..., T], *args: Any, key: Any = None,  # type: ignore[override]
                resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
                workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
                pure: bool = False, **kwargs: Any) -> Future[T]:  # fmt: skip
@@ -373,13 +375,13 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         return self._submit(fn, args, kwargs, key=key, opts=opts, pure=pure)
 
     def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                key: str | None = None, resources: dict[str, Any] | None = None, retries: int = 0,
+                key: Any = None, resources: dict[str, Any] | None = None, retries: int = 0,
                 opts: TaskOptions | None = None, pure: bool = False) -> Future[T]:  # fmt: skip
         if not callable(fn):
             raise ConfigError(f"submit needs a callable, got {fn!r}")
         opts = opts or TaskOptions(resources, retries)
         explicit = key is not None
-        key = key or make_key(fn)
+        key = key_name(key) if explicit else make_key(fn)
         functions: dict[str, Any] = {}
         extra: list[Delayed[Any]] = []
         spec = self._spec(key, fn, args, kwargs, opts, functions, extra)
@@ -392,7 +394,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         self._send_graph(tasks, [key], functions)
         return fut
 
-    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: str | list[str] | None = None,  # type: ignore[override]
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: Any = None,  # type: ignore[override]
             resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
             workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
             pure: bool = False, **kwargs: Any) -> list[Future[T]]:  # fmt: skip
@@ -412,9 +414,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
         if isinstance(key, list):
             if len(key) != len(argsets):
                 raise ConfigError(f"map got {len(key)} keys for {len(argsets)} tasks")
-            names: Iterable[str] = key
+            names: Iterable[str] = [key_name(k) for k in key]
         else:
-            prefix = key or make_key(fn)
+            prefix = key_name(key) if key is not None else make_key(fn)
             names = (f"{prefix}-{i}" for i in range(len(argsets)))
         for k, args in zip(names, argsets, strict=False):
             spec = self._spec(k, fn, args, kwargs, opts, functions, extra)
@@ -432,22 +434,28 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
     def _delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[list[Any]]:
         """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
         specs: list[list[Any]] = []
-        seen: set[str] = set()
+        seen: dict[str, Delayed[Any]] = {}
         open_: dict[str, Delayed[Any]] = {}  # on the current DFS path: reaching one again is a cycle
+        explicit: list[list[Any]] = []
         for root in roots:
             if root.key in seen:
+                _same_task(seen[root.key], root)
                 continue
             stack: list[tuple[Delayed[Any], bool]] = [(root, False)]
             while stack:
                 d, expanded = stack.pop()
                 if d.key in seen:
+                    _same_task(seen[d.key], d)
                     continue
                 if expanded:
                     del open_[d.key]
-                    seen.add(d.key)
+                    seen[d.key] = d
                     specs.append(self._spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None))
+                    if d.explicit:
+                        explicit.append(specs[-1])
                     continue
                 if d.key in open_:
+                    _same_task(open_[d.key], d)
                     continue  # reached twice by different paths before finishing: handled below
                 open_[d.key] = d
                 stack.append((d, True))
@@ -459,10 +467,32 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI):
                                          "a task cannot depend on its own result")  # fmt: skip
                     if dep.key not in seen:
                         stack.append((dep, False))
+        if explicit:
+            self._check_collisions(explicit)
         return specs
 
-    def compute(self, collection: Any, *, progress: bool = False) -> Any:
-        """Submit the graphs behind delayed values; returns futures in the same structure."""
+    def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,
+                **options: Any) -> Any:  # fmt: skip
+        """Submit the graphs behind delayed values; returns futures in the same structure.
+
+        Dask collections (one, or a list/tuple of them) are computed too: a future per collection,
+        of what its ``.compute()`` returns; ``options`` (``resources``, ``retries``, ``priority``,
+        ``workers``, ``allow_other_workers``) apply to their tasks.
+        """
+        from tidepool.dask.client import _check_options, is_dask_collection
+
+        many = isinstance(collection, (list, tuple))
+        items = list(collection) if many else [collection]
+        if items and all(is_dask_collection(c) for c in items):
+            dfuts = self._dask_compute(items, optimize_graph, _check_options(options, "compute()"))
+            if progress:
+                from tidepool.telemetry.progress import show_progress
+
+                show_progress(self, dfuts)
+            return type(collection)(dfuts) if many else dfuts[0]
+        if options:
+            raise ConfigError(f"compute() options {sorted(options)} apply to Dask collections only; "
+                              "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip
         roots: list[Delayed[Any]] = collect(collection, Delayed)
         if not roots:
             raise ConfigError("compute() found no delayed values; build them with @tidepool.task")
@@ -919,6 +949,14 @@ def _refuse_dask_only(kwargs: dict[str, Any], batch: bool = False) -> None:
         if why:
             raise ConfigError(f"the Dask option {name}= is not supported by tidepool ({why}); "
                               "a function keyword of that name can be passed through get_executor().submit")  # fmt: skip
+
+
+def _same_task(a: Delayed[Any], b: Delayed[Any]) -> None:
+    """Two lazy values met under one key in one graph must be the same task."""
+    if a is not b:
+        raise KeyCollisionError(
+            f"two different tasks in this graph have the key {a.key!r}; give each call its own key "
+            "(.options(key=...) or dask_key_name=)", a.key)  # fmt: skip
 
 
 def _pure_key(spec: list[Any]) -> str:

@@ -45,6 +45,7 @@ class DaskAPI:
         def _register_spec(self, nm: str, spec: Any) -> dict[str, str]: ...
         def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]: ...
         def compute(self, collection: Any, *, progress: bool = False) -> Any: ...
+        def _dask_persist(self, collections: list[Any], optimize_graph: bool, options: dict[str, Any]) -> list[Any]: ...
 
     def _call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
         self._check_open()
@@ -93,12 +94,25 @@ class DaskAPI:
         """Worker address -> keys of the values it holds."""
         return self._call({"op": "has-what"})  # type: ignore[no-any-return]
 
-    def persist(self, collection: Any) -> Any:
+    def persist(self, collection: Any, optimize_graph: bool = True, **options: Any) -> Any:
         """Start computing the lazy values in ``collection`` and keep their results on the workers.
 
-        Returns the same structure with each lazy value replaced by its future (tidepool futures
-        are what Dask calls persisted values: pass them to later tasks and nothing is recomputed).
+        Tidepool delayed values: returns the same structure with each replaced by its future
+        (tidepool futures are what Dask calls persisted values: pass them to later tasks and
+        nothing is recomputed).  Dask collections (one, or a list/tuple of them): returns the same
+        collections with graphs that point at the computed chunks, so later computations reuse
+        them; ``options`` (``resources``, ``retries``, ``priority``, ...) apply to their tasks.
         """
+        from tidepool.dask.client import _check_options, is_dask_collection
+
+        many = isinstance(collection, (list, tuple))
+        items = list(collection) if many else [collection]
+        if items and all(is_dask_collection(c) for c in items):
+            out = self._dask_persist(items, optimize_graph, _check_options(options, "persist()"))
+            return type(collection)(out) if many else out[0]
+        if options:
+            raise ConfigError(f"persist() options {sorted(options)} apply to Dask collections only; "
+                              "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip
         return self.compute(collection)
 
     def fire_and_forget(self, futures: Any) -> None:

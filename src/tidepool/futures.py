@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -85,6 +86,12 @@ def call_logged(fn: Callable[[Any], object], fut: concurrent.futures.Future[Any]
     except Exception:
         log.exception("done-callback %r of %r raised; the error was ignored (catch errors inside "
                       "the callback to handle them)", fn, fut)  # fmt: skip
+
+
+#: Set by the Dask graph converter while it pickles a node: (client, keys of the futures met).
+_INLINE_FUTURES: contextvars.ContextVar[tuple[Any, list[str]] | None] = contextvars.ContextVar(
+    "tidepool_inline_futures", default=None
+)
 
 
 class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
@@ -237,9 +244,21 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         return f"<tidepool.Future {self.key} {self.status}>"
 
+    def __dask_tokenize__(self) -> tuple[str, str]:
+        """Dask names graphs by content: a future is named by its key (never pickled for it)."""
+        return ("tidepool.Future", self.key)
+
     def __reduce__(self) -> Any:
         from tidepool.errors import ConfigError
 
+        held = _INLINE_FUTURES.get()
+        if held is not None:  # pickled inside a Dask node: the worker gets its value (tidepool.dask)
+            if self.client is not held[0]:
+                raise ConfigError(f"future {self.key} belongs to another client")
+            held[1].append(self.key)
+            from tidepool.dask.run import inline_value
+
+            return (inline_value, (self.key,))
         raise ConfigError(
             "a tidepool Future cannot be pickled; pass it directly as a task argument (it becomes a "
             "dependency) instead of inside an object that gets pickled"

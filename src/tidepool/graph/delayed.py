@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
 from tidepool.errors import ConfigError
+from tidepool.graph.keys import key_name
 from tidepool.resources import parse_resources
 
 T = TypeVar("T")
@@ -58,11 +59,12 @@ class TaskOptions:
 class Delayed(Generic[T]):
     """A lazy task: a function call that has not run yet."""
 
-    __slots__ = ("key", "func", "args", "kwargs", "options", "__weakref__")
+    __slots__ = ("key", "func", "args", "kwargs", "options", "explicit", "__weakref__")
 
     def __init__(self, key: str, func: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 options: TaskOptions) -> None:  # fmt: skip
+                 options: TaskOptions, explicit: bool = False) -> None:  # fmt: skip
         self.key = key
+        self.explicit = explicit  # the user named it: checked against live tasks under that key
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -87,23 +89,35 @@ class Delayed(Generic[T]):
 class TaskFunction(Generic[T]):
     """A function wrapped by ``@task``; calling it builds a :class:`Delayed`."""
 
-    def __init__(self, fn: Callable[..., T], options: TaskOptions) -> None:
+    def __init__(self, fn: Callable[..., T], options: TaskOptions, key: str | None = None) -> None:
         self.fn = fn
         self.opts = options
+        self.key = key
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Delayed[T]:
-        key = f"{self.opts.name or func_name(self.fn)}-{uuid.uuid4().hex[:20]}"
-        return Delayed(key, self.fn, args, kwargs, self.opts)
+        """A lazy call.  Its key is ``<name>-<random hex>``, or the one given by
+        ``.options(key=...)`` or by Dask's ``dask_key_name=`` keyword (not passed to the function)."""
+        key = kwargs.pop("dask_key_name", None)
+        key = key_name(key) if key is not None else self.key
+        if key is not None:
+            return Delayed(key, self.fn, args, kwargs, self.opts, explicit=True)
+        return Delayed(f"{self.opts.name or func_name(self.fn)}-{uuid.uuid4().hex[:20]}", self.fn, args,
+                       kwargs, self.opts)  # fmt: skip
 
     def options(self, *, resources: dict[str, Any] | None = None, retries: int | None = None,
-                name: str | None = None) -> TaskFunction[T]:  # fmt: skip
-        """A copy with other options: ``f.options(resources={"gpu": 1})(x)``."""
+                name: str | None = None, priority: int | None = None, key: Any = None) -> TaskFunction[T]:  # fmt: skip
+        """A copy with other options: ``f.options(resources={"gpu": 1})(x)``.
+
+        ``key`` names the task explicitly (a string, or a tuple of strings and numbers); every
+        call of that copy builds a task under that key, so give each call its own.
+        """
         return TaskFunction(self.fn, TaskOptions(
             resources if resources is not None else self.opts.resources,
             retries if retries is not None else self.opts.retries,
             name if name is not None else self.opts.name,
-        ))  # fmt: skip
+            priority=priority if priority is not None else self.opts.priority,
+        ), key_name(key) if key is not None else None)  # fmt: skip
 
     def run(self, *args: Any, **kwargs: Any) -> T:
         """Call the plain function here, now (for tests and debugging)."""

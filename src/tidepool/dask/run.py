@@ -1,0 +1,46 @@
+"""What runs on a worker for a Dask graph node (imported there by reference; no Dask import here).
+
+State: one context variable, the values of the futures a node carries inline while that node is
+unpickled.  Data flow: the client's converter (``tidepool.dask.convert``) pickles each Dask node to
+bytes with the futures inside it turned into :func:`inline_value` calls; the worker substitutes the
+task's dependencies into ``values`` and calls :func:`run_node`, which unpickles the node with those
+values at hand and calls it the way Dask's own schedulers do, ``node(values)``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+_INLINE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "tidepool_dask_inline", default=None
+)
+
+
+def inline_value(key: str) -> Any:
+    """Unpickling hook: the value of the future (tidepool key ``key``) that a node held inline."""
+    values = _INLINE.get()
+    if values is None or key not in values:
+        raise RuntimeError(f"the value of future {key!r} was not delivered with this Dask task")
+    return values[key]
+
+
+def run_node(blob: bytes, values: Mapping[Any, Any], inline: Mapping[str, Any]) -> Any:
+    """Unpickle one Dask graph node and compute it from its dependencies' ``values`` (Dask key ->
+    value); ``inline`` holds the values of futures embedded in the node (tidepool key -> value)."""
+    token = _INLINE.set(inline)
+    try:
+        node = pickle.loads(blob)
+    finally:
+        _INLINE.reset(token)
+    return node(values)
+
+
+def data_value(value: Any) -> Any:
+    """A Dask ``DataNode``: the literal value, shipped with the task."""
+    return value
+
+
+__all__ = ["data_value", "inline_value", "run_node"]

@@ -1,0 +1,156 @@
+"""Dask graphs -> tidepool tasks, without a cluster: the converter's output is run here the way a
+worker runs it (refs substituted, then ``fn(*args)``), and compared with Dask's own scheduler."""
+
+from __future__ import annotations
+
+import sys
+from operator import add, mul
+from typing import Any
+
+import pytest
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+
+from dask._task_spec import Alias, DataNode, Task, TaskRef  # noqa: E402
+
+from tidepool.dask.convert import convert, flatten_keys, materialize, pack, require_dask  # noqa: E402
+from tidepool.errors import ConfigError  # noqa: E402
+from tidepool.futures import Future  # noqa: E402
+from tidepool.graph.keys import key_name  # noqa: E402
+from tidepool.graph.refs import Ref, collect, substitute  # noqa: E402
+
+
+class FakeClient:
+    """Stands in for a Client: futures only need an owner to compare with."""
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def run_locally(dsk: Any, keys: list[Any], client: Any = None, known: dict[str, Any] | None = None) -> dict[Any, Any]:
+    """Convert, then execute the tasks in order as a worker would; Dask key -> value."""
+    client = client or FakeClient()
+    graph, ann = materialize(dsk)
+    conv = convert(graph, keys, client, ann)
+    store: dict[str, Any] = dict(known or {})
+    for t in conv.tasks:
+        for ref in collect(t.args, Ref):
+            assert ref.key in store, f"{t.key} ran before its dependency {ref.key}"
+        store[t.key] = t.fn(*substitute(t.args, store))
+    return {k: store[conv.names[k]] for k in keys}
+
+
+def test_legacy_tuple_graph_is_culled_ordered_and_correct() -> None:
+    dsk = {"x": 1, "y": (inc, "x"), "z": (add, "y", "x"), "unused": (inc, "z"), ("t", 0): (mul, "z", 10)}
+    graph, _ = materialize(dsk)
+    conv = convert(graph, ["z"], FakeClient())
+    assert [t.key for t in conv.tasks] == ["x", "y", "z"]  # dependencies first, "unused" culled
+    assert run_locally(dsk, ["z", ("t", 0)]) == {"z": 3, ("t", 0): 30}
+    assert dask.get(dsk, ["z", ("t", 0)]) == (3, 30)
+
+
+def test_tuple_keys_keep_dask_names_and_task_names_are_key_prefixes() -> None:
+    x = da.arange(12, chunks=4)
+    y = (x + 1).sum()
+    graph, ann = materialize(dict(y.__dask_graph__()))
+    conv = convert(graph, [y.__dask_keys__()[0] if isinstance(y.__dask_keys__(), list) else y.__dask_keys__()],
+                   FakeClient(), ann)  # fmt: skip
+    by_key = {t.key: t for t in conv.tasks}
+    tuple_keys = [k for k in graph if isinstance(k, tuple)]
+    assert tuple_keys
+    for k in tuple_keys:
+        if k in conv.names:
+            assert conv.names[k] == str(k)
+            assert by_key[str(k)].options.name == k[0].rsplit("-", 1)[0]  # Dask's key_split
+
+
+def test_alias_runs_nothing_and_resolves_chains() -> None:
+    graph = {"a": DataNode("a", 5), "b": Alias("b", "a"), "c": Alias("c", "b"),
+             "d": Task("d", inc, TaskRef("c"))}  # fmt: skip
+    conv = convert(graph, ["c", "d"], FakeClient())
+    assert [t.key for t in conv.tasks] == ["a", "d"]
+    assert conv.names["b"] == conv.names["c"] == "a"
+    assert run_locally(graph, ["c", "d"]) == {"c": 5, "d": 6}
+
+
+def test_a_future_in_a_data_node_is_used_not_recomputed() -> None:
+    client = FakeClient()
+    fut: Future[Any] = Future("held-1", client)  # type: ignore[arg-type]
+    graph = {"p": DataNode("p", fut), "q": Task("q", inc, TaskRef("p"))}
+    conv = convert(graph, ["q"], client)
+    assert [t.key for t in conv.tasks] == ["q"] and conv.names["p"] == "held-1"
+    assert run_locally(graph, ["q"], client, known={"held-1": 41}) == {"q": 42}
+    with pytest.raises(ConfigError, match="another client"):
+        convert(graph, ["q"], FakeClient())
+
+
+def test_a_future_inside_a_task_becomes_a_dependency_delivered_with_it() -> None:
+    client = FakeClient()
+    fut: Future[Any] = Future("inline-7", client)  # type: ignore[arg-type]
+    graph = {"r": Task("r", add, fut, 1)}  # the future sits in the arguments, not as a TaskRef
+    conv = convert(graph, ["r"], client)
+    (task,) = conv.tasks
+    assert [r.key for r in collect(task.args, Ref)] == ["inline-7"]
+    assert run_locally(graph, ["r"], client, known={"inline-7": 9}) == {"r": 10}
+
+
+def test_bad_graphs_are_refused_with_the_key_named() -> None:
+    c = FakeClient()
+    with pytest.raises(ConfigError, match="'nope' is not in the Dask graph"):
+        convert({"a": DataNode("a", 1)}, ["nope"], c)
+    with pytest.raises(ConfigError, match="depends on 'ghost'"):
+        convert({"a": Task("a", inc, TaskRef("ghost"))}, ["a"], c)
+    with pytest.raises(ConfigError, match="cycle"):
+        convert({"a": Task("a", inc, TaskRef("b")), "b": Task("b", inc, TaskRef("a"))}, ["a"], c)
+    with pytest.raises(ConfigError, match="needs a Dask graph"):
+        materialize(42)
+
+
+def test_annotations_and_defaults_become_task_options() -> None:
+    graph = {"g": Task("g", inc, 1), "h": Task("h", inc, TaskRef("g"))}
+    ann = {"resources": {"g": {"gpu": 1}}, "retries": {"g": 3}, "priority": {"h": 5},
+           "workers": {"h": ["w-1"]}, "allow_other_workers": {"h": True}, "custom": {"g": "x"}}  # fmt: skip
+    conv = convert(graph, ["h"], FakeClient(), ann, {"retries": 1})
+    g, h = conv.tasks
+    assert g.options.resources == {"gpu": 1.0} and g.options.retries == 3 and g.options.priority == 0
+    assert h.options.resources == {} and h.options.retries == 1 and h.options.priority == 5
+    assert h.options.workers == ("w-1",) and h.options.loose
+    with pytest.raises(ConfigError, match="bad task options"):
+        convert(graph, ["g"], FakeClient(), {"priority": {"g": "high"}})
+
+
+def test_annotated_array_blocks_keep_their_resources_through_optimisation() -> None:
+    x = da.ones((40, 40), chunks=(10, 10))
+    with dask.annotate(resources={"gpu": 1}):
+        y = x.map_blocks(lambda b: b * 2)
+    total = y.sum()
+    expr = dask.base.collections_to_expr([total], True).optimize()
+    graph, ann = materialize(expr)
+    conv = convert(graph, flatten_keys(expr.__dask_keys__()), FakeClient(), ann)
+    on_gpu = [t for t in conv.tasks if t.options.resources.get("gpu")]
+    assert len(on_gpu) == 16  # one per block (Dask's own fusion would have dropped them all)
+    assert all(not t.options.resources for t in conv.tasks if t not in on_gpu)
+
+
+def test_results_take_the_shape_of_the_keys() -> None:
+    keys = [["a", "b"], "c"]
+    assert flatten_keys(keys) == ["a", "b", "c"]
+    assert pack(keys, {"a": 1, "b": 2, "c": 3}) == ((1, 2), 3)
+    assert pack("a", {"a": 1}) == 1
+
+
+def test_key_names() -> None:
+    assert key_name("x") == "x"
+    assert key_name(("x-1", 0, 2)) == "('x-1', 0, 2)"
+    assert key_name(3) == "3"
+    for bad in (None, ["x"], {"x": 1}, (), ("x", [1])):
+        with pytest.raises(ConfigError, match="task key"):
+            key_name(bad)
+
+
+def test_without_dask_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "dask", None)
+    with pytest.raises(ConfigError, match=r"pip install 'tidepool\[dask\]'"):
+        require_dask()
