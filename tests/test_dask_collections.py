@@ -110,6 +110,16 @@ def test_all_the_ways_to_name_tidepool_as_dasks_scheduler(client: tidepool.Clien
     assert float(f2.result()) == pytest.approx(float(x.min().compute(scheduler="sync")))
 
 
+def test_tidepool_futures_inside_dask_graphs(client: tidepool.Client) -> None:
+    fut = client.submit(abs, -5)
+    assert dask.delayed(add_two)(fut, 2).compute(scheduler=client.get) == 7  # inline argument
+    assert client.get({"f": fut, "g": (add_two, "f", 1)}, "g") == 6  # a graph value
+
+
+def add_two(a: int, b: int) -> int:
+    return a + b
+
+
 def test_get_takes_nested_keys_and_legacy_graphs(client: tidepool.Client) -> None:
     dsk = {"a": 1, "b": (pow, "a", 2), ("c", 0): (sum, ["a", "b"]), "d": (max, "b", 7)}
     assert client.get(dsk, "b") == 1
