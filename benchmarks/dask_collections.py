@@ -159,7 +159,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[tuple[str, str], list[float]
                         got = normalise(compute(coll))
                         times.setdefault((w, name), []).append(time.perf_counter() - t0)
                         all_same &= _check(w, name, got, want[w])
-            print(f"repetition {rep + 1}/{args.repeat} done", file=sys.stderr)
+        print(f"repetition {rep + 1}/{args.repeat} done", file=sys.stderr)
     return times, tasks, all_same
 
 

@@ -190,6 +190,22 @@ def test_tuple_and_explicit_keys_in_the_public_api(client: tidepool.Client) -> N
         client.compute([a, twin])
 
 
+def fail_once(block: Any, marker: str) -> Any:
+    if block.size and not os.path.exists(marker):  # (Dask calls it on an empty block for metadata)
+        open(marker, "w").close()
+        raise RuntimeError("first attempt fails")
+    return block
+
+
+def test_retries_annotation_reruns_a_failed_block(client: tidepool.Client, tmp_path: Path) -> None:
+    x = da.ones(4, chunks=4)
+    with pytest.raises(RuntimeError, match="first attempt"):
+        x.map_blocks(fail_once, str(tmp_path / "a"), dtype=float).sum().compute(scheduler=client.get)
+    with dask.annotate(retries=1):
+        y = x.map_blocks(fail_once, str(tmp_path / "b"), dtype=float)
+    assert float(y.sum().compute(scheduler=client.get)) == 4.0
+
+
 def on_gpu_node(block: Any) -> Any:
     return np.full(block.shape, 1.0 if tidepool.get_worker().node_type == "gpu" else 0.0)
 

@@ -154,3 +154,15 @@ def test_without_dask_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "dask", None)
     with pytest.raises(ConfigError, match=r"pip install 'tidepool\[dask\]'"):
         require_dask()
+
+
+def test_a_high_level_graph_passes_its_layer_annotations() -> None:
+    x = da.ones(8, chunks=4)
+    with dask.annotate(retries=4):
+        y = x + 1
+    hlg = y.__dask_graph__()
+    graph, ann = materialize(hlg)
+    conv = convert(graph, list(y.__dask_keys__()), FakeClient(), ann)
+    retried = {t.key for t in conv.tasks if t.options.retries == 4}
+    assert retried == {str(k) for k in y.__dask_keys__()}
+    assert run_locally(hlg, list(y.__dask_keys__()))[y.__dask_keys__()[0]].tolist() == [2.0] * 4
