@@ -153,14 +153,6 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidepool.worker.core import Worker
 
-    if args.memory_limit is not None:
-        raise ConfigError(
-            f"--memory-limit {args.memory_limit} is not supported yet: tidepool does not enforce memory "
-            "limits, so the worker would use any amount of memory while claiming a limit (see "
-            "docs/errors.md).  Leave the flag out; to keep memory-hungry tasks apart, advertise memory "
-            "as a resource (--resources '{\"memory\": \"8GB\"}') and submit them with "
-            "resources={\"memory\": ...}"
-        )
     if not (math.isfinite(args.heartbeat_interval) and args.heartbeat_interval > 0):
         raise ConfigError(f"--heartbeat-interval must be a positive number of seconds, got {args.heartbeat_interval}")
     token = _token(args)
@@ -183,12 +175,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def main() -> None:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
-                   preload=args.preload, restartable=True)  # fmt: skip
+                   preload=args.preload, restartable=True, memory_limit=args.memory_limit,
+                   memory_share=args.memory_share, spill_dir=args.spill_dir)  # fmt: skip
         await w.start()
         try:
             await w.finished()
         finally:
             await w.close("stopped")
+        if w.exit_reason == "memory":  # over its memory limit: come back as a fresh process
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     _run_until_signal(main())
     return 0
@@ -247,7 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", default=None)
     w.add_argument("--id", default=None, help="worker id (default: random)")
     w.add_argument("--memory-limit", default=None,
-                   help="not supported yet: memory limits are not enforced, so the flag is refused")  # fmt: skip
+                   help="bytes this worker may use, e.g. 4GB (default: its memory resource, else the "
+                        "machine's memory; 'none': no limit); results spill to disk above 60%%, no task "
+                        "starts above 80%%, the worker restarts above 95%% (docs/memory.md)")  # fmt: skip
+    w.add_argument("--spill-dir", default=None, help="directory for spilled results (default: the temp dir)")
+    w.add_argument("--memory-share", type=int, default=1,
+                   help="without a limit or memory resource, use the machine's memory divided by this "
+                        "(workers sharing the machine)")  # fmt: skip
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
     w.add_argument("--token-file", default=None, help="file with the scheduler's token")
     w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")

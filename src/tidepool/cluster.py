@@ -48,6 +48,9 @@ class LocalCluster(ClosesOnExit):
 
     Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
     ``restart_crashed=False`` leaves dead workers dead (see the module docstring).
+    ``memory_limit`` (e.g. ``"1GB"``, ``"none"``) caps each worker: results spill to disk, tasks pause
+    and the worker restarts at the levels in docs/memory.md (default: the node type's memory, else
+    this machine's memory divided by its cores).
     """
 
     MAX_RESTARTS = 20
@@ -58,7 +61,8 @@ class LocalCluster(ClosesOnExit):
                  host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,
                  timeout: float = 30.0, env: dict[str, str] | None = None,
                  preload: list[str] | None = None, workdir: str | None = None,
-                 restart_crashed: bool = True, **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 restart_crashed: bool = True, memory_limit: int | str | None = None,
+                 **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
@@ -78,8 +82,17 @@ class LocalCluster(ClosesOnExit):
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
         self.token = self.scheduler.token
+        # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
+        # memory shared by as many workers as it has cores (docs/memory.md)
+        mem_args = ["--memory-share", str(os.cpu_count() or 1)]
+        if memory_limit is not None:
+            from tidepool.worker.memory import resolve_limit
+
+            resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
+            mem_args += ["--memory-limit", str(memory_limit)]
         self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
-                                      heartbeat_interval=heartbeat_interval, preload=preload)  # fmt: skip
+                                      heartbeat_interval=heartbeat_interval, preload=preload,
+                                      extra_args=mem_args)  # fmt: skip
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)
@@ -93,6 +106,7 @@ class LocalCluster(ClosesOnExit):
         self._joined.update(e.worker for e in events if isinstance(e, ev.WorkerJoin))
         for e in events:
             if (isinstance(e, ev.WorkerRemove) and not e.graceful and e.worker in self._own
+                    and e.cause is not ev.RemoveCause.MEMORY  # it restarts itself
                     and e.worker not in self._killed and self.restart_crashed and self.autoscaler is None
                     and not self.closed):  # fmt: skip
                 asyncio.get_running_loop().call_soon(self._replace, e.worker, e.reason)

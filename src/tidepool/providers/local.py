@@ -48,6 +48,11 @@ class LocalWorkerProcess:
     started: float = field(default_factory=time.monotonic)
 
 
+#: glibc returns freed heap memory to the system at once instead of keeping it (large results
+#: freed after spilling would otherwise hold a worker's RSS up); the user's environment wins
+MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
 class LocalProvider:
     """Starts ``python -m tidepool.worker`` processes for a scheduler on this machine."""
 
@@ -85,7 +90,7 @@ class LocalProvider:
         for wid in ids:
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
-            env = {**os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
+            env = {**MALLOC_ENV, **os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
             try:
                 proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
             except OSError as exc:

@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import re
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,25 @@ class Actions:
     snapshot: ClusterSnapshot | None = None
     #: journal records made since the last drain (this step's decisions and earlier reports)
     records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
+    """``" (the most memory any node type offers is 14.9GiB per worker, on 'big')"`` for each
+    resource the shape needs more of than every node type has."""
+    from tidepool.resources import format_resources
+
+    parts = []
+    types = list(types)
+    for name, amount in shape:
+        offers = [(nt.worker_resources.get(name, 0.0), nt.name) for nt in types]
+        best, who = max(offers, default=(0.0, ""))
+        if amount > best:
+            if best <= 0:
+                parts.append(f"no node type has {name}")
+            else:
+                parts.append(f"the most {name} any node type offers is "
+                             f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 class ScalingController:
@@ -148,8 +167,8 @@ class ScalingController:
         """
         fitting = rank_types(shape, tuple(self.node_types.values()))
         if not fitting:
-            return (f"it needs {dict(shape)} and no node type offers that; node types: "
-                    f"{describe_types(tuple(self.node_types.values()))}")  # fmt: skip
+            return (f"it needs {dict(shape)} and no node type offers that{largest_offers(shape, self.node_types.values())}; "
+                    f"node types: {describe_types(tuple(self.node_types.values()))}")  # fmt: skip
         names = [nt.name for nt in fitting]
         if all(n in self.unusable for n in names):
             why = "; ".join(f"node type {n!r} is disabled: {self.unusable[n]}" for n in names)

@@ -125,6 +125,7 @@ def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
         out.append(WorkerView(
             ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, len(ws.processing) - ws.seceded,
             ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since, ws.joined,
+            ws.memory_limit,
         ))  # fmt: skip
     return tuple(sorted(out, key=lambda w: w.id))
 

@@ -218,6 +218,48 @@ class IdleRetire:
         return ScaleDecision(retire=tuple(retire), reasons=tuple(reasons), why=tuple(whys))
 
 
+@dataclass
+class MemoryPressure:
+    """Launch a node that adds memory when the data held nears the pool's memory while work remains.
+
+    Held bytes (in memory or spilled) over ``fraction`` of the running workers' memory limits ->
+    one node of the launchable type with the most memory per cost (a type's ``memory`` resource;
+    types that declare none count as the pool's smallest worker), one launch in flight at a time.
+    """
+
+    fraction: float = 0.7
+
+    def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
+        live = [w for w in snap.workers if w.state == "running"]
+        pool = sum(w.memory_limit for w in live)
+        if not pool or any(w.memory_limit <= 0 for w in live) or snap.pending:
+            return ScaleDecision()
+        if not (snap.demand or snap.waiting):
+            return ScaleDecision()  # no task left to start: a new node would only idle
+        held = sum(w.held_bytes for w in live)
+        if held <= self.fraction * pool:
+            return ScaleDecision()
+        smallest = min(w.memory_limit for w in live)
+        best: tuple[float, str] | None = None
+        for nt in snap.node_types:
+            if snap.blocked(nt.name) or snap.nodes_of(nt.name) >= nt.max_nodes:
+                continue
+            per_node = nt.resources.get("memory") or smallest * nt.workers_per_node
+            score = per_node / max(nt.cost, 1e-9)
+            if best is None or score > best[0]:
+                best = (score, nt.name)
+        if best is None:
+            return ScaleDecision(reasons=(f"memory: held {_gb(held)} of the pool's {_gb(pool)}, but every "
+                                          "node type is at its limit",))  # fmt: skip
+        return ScaleDecision(launch={best[1]: 1}, reasons=(
+            f"memory: held data {_gb(held)} is {held / pool:.0%} of the pool's {_gb(pool)} (over "
+            f"{self.fraction:.0%}) with work left -> launch 1 {best[1]!r} (most memory per cost)",))  # fmt: skip
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
 def merge(decisions: Sequence[ScaleDecision]) -> ScaleDecision:
     launch: dict[str, int] = {}
     retire: list[str] = []
@@ -254,7 +296,8 @@ def keep_young(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> 
 
 @dataclass
 class Adaptive:
-    """The default policy: CompletionTarget + NoProgress + IdleRetire, with anti-flap rules.
+    """The default policy: CompletionTarget + NoProgress + IdleRetire + MemoryPressure, with anti-flap
+    rules.
 
     ``launcher`` decides launches from the completion forecast; ``backlog`` (off by default) adds
     Spark-style ramping on queued work; ``no_progress`` is the safety net; ``idle`` retires.
@@ -264,10 +307,11 @@ class Adaptive:
     backlog: Callable[[ClusterSnapshot], ScaleDecision] | None = None
     no_progress: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=NoProgress)
     idle: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=IdleRetire)
+    memory: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=MemoryPressure)
     extra: list[Callable[[ClusterSnapshot], Any]] = field(default_factory=list)
     min_lifetime: float = 1.0
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
-        parts = [p for p in (self.launcher, self.backlog, self.no_progress, self.idle, *self.extra)
+        parts = [p for p in (self.launcher, self.backlog, self.no_progress, self.idle, self.memory, *self.extra)
                  if p is not None]  # fmt: skip
         return keep_young(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)

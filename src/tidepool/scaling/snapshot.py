@@ -43,6 +43,7 @@ class WorkerView:
     unique_bytes: int
     idle_since: float | None
     joined: float
+    memory_limit: int = 0  # bytes it may use (0: no limit known); held bytes include spilled ones
 
     @property
     def idle(self) -> bool:

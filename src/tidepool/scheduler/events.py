@@ -25,6 +25,7 @@ class RemoveCause(StrEnum):
     SILENT = "silent"  # alive but silent past the heartbeat time-to-live
     RETIRED = "retired"  # graceful retirement finished
     RESTARTED = "restarted"  # asked to restart (client.restart): the same process comes back
+    MEMORY = "memory"  # over its memory limit's terminate level: it restarts itself (not replaced)
 
 
 @dataclass(slots=True)

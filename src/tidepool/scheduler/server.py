@@ -284,6 +284,11 @@ class Scheduler:
                     entry = self.run_waiters.pop(int(msg["rid"]), None)
                     if entry is not None and not entry[1].done():
                         entry[1].set_result(msg)
+                elif op == "memory-exceeded":  # it closes and restarts; its running tasks are suspects
+                    reason = str(msg.get("message") or "over its memory limit")
+                    cause = ev.RemoveCause.MEMORY if msg.get("restarting") else ev.RemoveCause.CLOSED
+                    log.warning("%s", reason)
+                    break
                 elif op == "setup-failed":
                     await self._setup_failed(wid, msg)
                     reason = f"setup failed: {msg.get('error', '')}"

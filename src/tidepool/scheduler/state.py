@@ -1129,7 +1129,9 @@ class SchedulerState:
                 "node_type": w.node_type, "resources": dict(w.resources),
                 "running": len(w.processing), "held_keys": len(w.has_what), "held_bytes": w.nbytes,
                 "unique_keys": len(self.unique_data(w)), "idle_since": w.idle_since,
-                "joined": w.joined, "executed": w.executed,
+                "joined": w.joined, "executed": w.executed, "memory_limit": w.memory_limit,
+                "rss": w.metrics.get("rss", 0), "peak_rss": w.metrics.get("peak_rss", 0),
+                "spilled_bytes": w.metrics.get("spilled", 0), "paused": bool(w.metrics.get("paused")),
             }
             for w in self.workers.values()
         ]  # fmt: skip

@@ -2,7 +2,9 @@
 
 State
 -----
-``data`` (key -> value) and ``nbytes``; ``functions`` (function id -> callable, shipped once);
+``data`` (key -> value: a :class:`SpillStore` that keeps the least recently used values on disk
+once those in memory pass the memory limit's target) and ``nbytes``; ``paused`` (over the memory
+pause level: no new task starts; see ``worker/memory.py``); ``functions`` (function id -> callable, shipped once);
 ``queue`` (assigned tasks whose inputs are local, in arrival order), ``waiting`` (tasks fetching
 inputs), ``running`` (in a slot), ``free`` (resources not reserved by running tasks), ``cancelled``
 (running tasks whose results nobody wants any more).
@@ -38,6 +40,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +53,15 @@ from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
 from tidepool.setup import run_setup
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
+from tidepool.worker.memory import (
+    Action,
+    MemoryMonitor,
+    MemoryThresholds,
+    resolve_limit,
+    trim_memory,
+)
 from tidepool.worker.sizeof import sizeof
+from tidepool.worker.spill import SpillStore
 
 log = logging.getLogger("tidepool.worker")
 
@@ -80,7 +91,10 @@ class Worker:
         host: str | None = None,
         worker_id: str | None = None,
         heartbeat_interval: float = 1.0,
-        memory_limit: int | str = 0,
+        memory_limit: int | str | None = None,
+        memory_thresholds: MemoryThresholds | None = None,
+        memory_share: int = 1,
+        spill_dir: str | None = None,
         preload: list[str] | None = None,
         restartable: bool = False,
     ) -> None:
@@ -99,18 +113,24 @@ class Worker:
         self.name = name or self.id
         self.host = host or _default_host(scheduler)
         self.heartbeat_interval = heartbeat_interval
-        from tidepool.resources import parse_bytes
-
-        self.memory_limit = parse_bytes(memory_limit)
-        if self.memory_limit:
-            raise ConfigError("memory limits are not enforced yet (see docs/errors.md); leave memory_limit out")
+        self.memory_limit = resolve_limit(memory_limit, res, memory_share)
+        self.memory_thresholds = memory_thresholds or MemoryThresholds()
+        self._spill_parent = spill_dir
+        self.monitor: MemoryMonitor | None = None
+        self.paused = False
+        self._trimmed = 0.0
+        self.exit_reason = ""  # "memory" when the worker stopped itself over its memory limit
         #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
         self.restartable = restartable
         self.preload = list(preload or [])
         self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
         atexit.register(shutil.rmtree, self.setup_dir, True)  # also on exits that skip close()
         self._initial_setups: list[list[Any]] = []
-        self.data: dict[str, Any] = {}
+        self.data: MutableMapping[str, Any] = {}
+        if self.memory_limit:
+            spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-spill-", dir=spill_dir))
+            atexit.register(shutil.rmtree, spill, True)
+            self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target)
         self.nbytes: dict[str, int] = {}
         self.functions: dict[str, Any] = {}
         self.queue: deque[_Task] = deque()
@@ -167,6 +187,9 @@ class Worker:
         self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
         self._initial_setups = list(reply.get("setups") or [])
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
+        if self.memory_limit:
+            self.monitor = MemoryMonitor(self.memory_limit, self.memory_thresholds, loop, self._memory_action)
+            self.monitor.start()
         from tidepool.worker import context
 
         context.set_worker(self)
@@ -185,8 +208,12 @@ class Worker:
             if t is not asyncio.current_task():
                 t.cancel()
         self.pool.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
         await self.listener.close()
         shutil.rmtree(self.setup_dir, ignore_errors=True)
+        if isinstance(self.data, SpillStore):
+            self.data.close()
         for conn, _ in self._peers.values():
             conn.close()
         if self.conn is not None:
@@ -348,8 +375,11 @@ class Worker:
 
     def _start_ready(self) -> None:
         q = self.queue
-        if not q:
+        if not q or (self.paused and self.running):
             return
+        # paused with nothing running: the memory is not ours to spill (unmanaged, or the
+        # allocator's); run one task at a time rather than wait forever (the terminate level guards)
+        one = self.paused
         skipped: list[_Task] = []
         items: list[WorkItem] = []
         while q:
@@ -381,6 +411,8 @@ class Worker:
             self.running[t.key] = t
             deps = {d: self.data[d] for d in t.deps} if t.deps else {}
             items.append(WorkItem(t.key, func, t.payload, deps))
+            if one:
+                break
         if skipped:
             q.extendleft(reversed(skipped))
         if items:
@@ -593,21 +625,80 @@ class Worker:
             self._schedule_flush()
         return {"op": "data", "data": data, "missing": missing, "failed": failed, "deferred": deferred}
 
+    # ---- memory ----------------------------------------------------------------------------------
+    def _memory_action(self, action: Action, rss: int) -> None:
+        """The monitor's verdict, in the loop (see ``worker/memory.py``)."""
+        if self.closed is None or self.closed.is_set():
+            return
+        limit, t = self.memory_limit, self.memory_thresholds
+        if action is Action.TERMINATE:
+            self.loop.create_task(self._memory_terminate(rss))
+            return
+        if action in (Action.SPILL, Action.PAUSE):
+            if isinstance(self.data, SpillStore):
+                self.data.evict(int(rss - t.target * limit))
+            now = time.monotonic()
+            if now - self._trimmed > 1.0:  # at most once a second: a full collection is not free
+                self._trimmed = now
+                trim_memory()
+        if action is Action.PAUSE and not self.paused:
+            self.paused = True
+            log.warning("worker %s paused: memory %s of its %s limit (pause level %d%%); no new task starts "
+                        "until it falls", self.id, _mb(rss), _mb(limit), round(t.pause * 100))  # fmt: skip
+            self._send_metrics()
+        elif action is Action.RESUME and self.paused:
+            self.paused = False
+            log.info("worker %s resumed: memory %s of its %s limit", self.id, _mb(rss), _mb(limit))
+            self._send_metrics()
+            self._start_ready()
+
+    async def _memory_terminate(self, rss: int) -> None:
+        limit = self.memory_limit
+        why = (f"worker {self.name} used {_mb(rss)} of memory, over {round(self.memory_thresholds.terminate * 100)}% "
+               f"of its {_mb(limit)} limit; it restarts")  # fmt: skip
+        log.error("%s (running: %s)", why, ", ".join(self.running) or "nothing")
+        self.exit_reason = "memory"
+        if self.conn is not None and not self.conn.closed:
+            with contextlib.suppress(CommError):
+                await self.conn.send({"op": "memory-exceeded", "rss": rss, "limit": limit, "message": why,
+                                      "restarting": self.restartable})  # fmt: skip
+        await self.close(why)
+
+    def _metrics(self) -> dict[str, Any]:
+        store = self.data
+        monitor = self.monitor
+        rss = monitor.sample() if monitor is not None else _rss()
+        return {"rss": rss, "keys": len(store), "bytes": sum(self.nbytes.values()),
+                "spilled": store.spilled_bytes if isinstance(store, SpillStore) else 0,
+                "spilled_total": store.spilled_total if isinstance(store, SpillStore) else 0,
+                "peak_rss": monitor.peak_rss if monitor is not None else rss, "memory_limit": self.memory_limit,
+                "paused": self.paused, "running": len(self.running), "queued": len(self.queue),
+                "time": time.time()}  # fmt: skip
+
+    def _send_metrics(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            t = self.loop.create_task(self.conn.send({"op": "heartbeat", "metrics": self._metrics()}))
+            t.add_done_callback(_log_send_error)
+
     # ---- heartbeats ------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
-        proc = psutil.Process()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             if self.conn is None or self.conn.closed:
                 return
-            try:
-                rss = proc.memory_info().rss
-            except psutil.Error:
-                rss = 0
-            metrics = {"rss": rss, "keys": len(self.data), "bytes": sum(self.nbytes.values()),
-                       "running": len(self.running), "queued": len(self.queue), "time": time.time()}  # fmt: skip
             with contextlib.suppress(CommError):
-                await self.conn.send({"op": "heartbeat", "metrics": metrics})
+                await self.conn.send({"op": "heartbeat", "metrics": self._metrics()})
+
+
+def _rss() -> int:
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except psutil.Error:
+        return 0
+
+
+def _mb(n: int | float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
 
 
 #: what fetching a value gives: True, or ("missing" | "broken", reason)

@@ -1,0 +1,86 @@
+"""Memory limits without processes: the thresholds' verdicts, where a limit comes from, and the
+spill store (values on disk come back byte for byte; spilled bytes are still held)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from tidepool.errors import ConfigError
+from tidepool.worker.memory import Action, MemoryThresholds, memory_action, resolve_limit
+from tidepool.worker.spill import SpillStore
+
+MB = 2**20
+T = MemoryThresholds()
+
+
+@pytest.mark.parametrize(("rss_frac", "paused", "want"), [
+    (0.50, False, Action.NOTHING),
+    (0.65, False, Action.NOTHING),   # between target and spill: the store's own LRU handles it
+    (0.75, False, Action.SPILL),
+    (0.85, False, Action.PAUSE),
+    (0.85, True, Action.SPILL),      # still paused: keep spilling
+    (0.75, True, Action.RESUME),     # below pause again: resume
+    (0.96, False, Action.TERMINATE),
+    (0.96, True, Action.TERMINATE),
+])  # fmt: skip
+def test_memory_action_follows_the_documented_levels(rss_frac: float, paused: bool, want: Action) -> None:
+    assert memory_action(int(rss_frac * 1000 * MB), 1000 * MB, T, paused) is want
+
+
+def test_no_limit_never_acts() -> None:
+    assert memory_action(10**12, 0, T, False) is Action.NOTHING
+
+
+def test_thresholds_must_rise() -> None:
+    with pytest.raises(ConfigError, match="must rise"):
+        MemoryThresholds(target=0.9, spill=0.7)
+    with pytest.raises(ConfigError, match="must rise"):
+        MemoryThresholds(terminate=1.5)
+
+
+def test_limit_comes_from_the_flag_then_the_memory_resource_then_the_machine() -> None:
+    total = psutil.virtual_memory().total
+    assert resolve_limit("1GB", {"memory": 8e9}) == 10**9
+    assert resolve_limit(None, {"memory": 8e9}) == 8 * 10**9
+    assert resolve_limit(None, {"cpu": 2}) == total
+    assert resolve_limit(None, {}, share=4) == total // 4
+    assert resolve_limit("none", {"memory": 8e9}) == 0
+    with pytest.raises(ConfigError, match="byte amount"):
+        resolve_limit("lots", {})
+
+
+def test_values_past_the_target_spill_least_recently_used_first(tmp_path: Path) -> None:
+    store = SpillStore(tmp_path / "spill", target=50 * MB)
+    arrays = {f"k{i}": np.full(10 * MB, i, dtype=np.uint8) for i in range(8)}
+    for k, v in arrays.items():
+        store[k] = v
+    assert 0 < store.memory_bytes <= 50 * MB + 1000
+    assert set(store.on_disk) >= {"k0", "k1", "k2"}  # the oldest went first
+    assert store.spilled_bytes + store.memory_bytes == sum(store.sizes.values())
+    assert len(store) == 8 and "k0" in store and sorted(store) == sorted(arrays)
+    assert any((tmp_path / "spill").iterdir())
+    for k, v in arrays.items():  # every byte comes back
+        got = store[k]
+        assert got.dtype == v.dtype and np.array_equal(got, v)
+    del store["k7"]
+    assert "k7" not in store and "k7" not in store.sizes
+    store.close()
+    assert not (tmp_path / "spill").exists()
+
+
+def test_evict_spills_on_demand_and_a_value_over_the_target_goes_to_disk(tmp_path: Path) -> None:
+    store = SpillStore(tmp_path / "s", target=100 * MB)
+    store["a"] = b"x" * (10 * MB)
+    store["b"] = {"nested": [1, 2, 3], "blob": b"y" * MB}
+    assert store.spilled_bytes == 0
+    freed = store.evict(5 * MB)
+    assert freed >= 5 * MB and "a" in store.on_disk
+    assert store["a"] == b"x" * (10 * MB) and store["b"]["nested"] == [1, 2, 3]
+    store["big"] = np.zeros(150 * MB, dtype=np.uint8)
+    assert "big" in store.on_disk
+    assert store.evict(10**12) > 0 and store.memory_bytes == 0  # everything can go
+    store.close()

@@ -1,0 +1,71 @@
+"""Memory limits on real worker processes: data far larger than the workers' limits completes
+correct by spilling; a task that allocates past the terminate level restarts its worker and fails
+with a clear error after its allowed failures."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import tidepool
+from tidepool.errors import KilledWorkerError
+from tidepool.testing import wait_until
+
+pytestmark = pytest.mark.integration
+
+MB = 2**20
+LIMIT = 10**9  # "1GB"
+#: documented in docs/memory.md: a worker's peak RSS stays under its limit plus one task's result
+MARGIN = 20 * MB
+
+
+def make(i: int) -> np.ndarray:  # type: ignore[type-arg]
+    return np.full(20 * MB, i % 251, dtype=np.uint8)
+
+
+def test_500_results_of_20mb_on_two_1gb_workers_complete_correct_under_the_limit() -> None:
+    with tidepool.LocalCluster(n_workers=2, memory_limit="1GB") as cluster, tidepool.Client(cluster) as client:
+        futs: list[tidepool.Future | None] = list(client.map(make, range(500)))  # type: ignore[type-arg]
+        tidepool.wait(futs)
+        state = cluster.scheduler.state
+        assert sum(len(w.has_what) for w in state.workers.values()) == 500
+        assert all(len(w.has_what) > 100 for w in state.workers.values())  # spilled values are still held
+        wait_until(lambda: all(w.metrics.get("spilled", 0) > 0 for w in state.workers.values()), 10)
+        held = sum(ts.nbytes for w in state.workers.values() for ts in w.has_what)
+        assert held >= 500 * 20 * MB
+        for i in range(500):  # every byte of every result, fetched one at a time (spilled ones from disk)
+            f, futs[i] = futs[i], None
+            a = f.result()  # type: ignore[union-attr]
+            assert a.size == 20 * MB and a.dtype == np.uint8 and (a == i % 251).all(), i
+            del f, a
+        wait_until(lambda: all("peak_rss" in w.metrics for w in state.workers.values()), 10)
+        for w in state.workers.values():
+            m = w.metrics
+            assert w.memory_limit == LIMIT
+            assert m["spilled_total"] > 0
+            assert m["peak_rss"] <= LIMIT + MARGIN, f"{w.id} peaked at {m['peak_rss'] / MB:.0f} MiB"
+
+
+def hog(step_mb: int = 20, upto_mb: int = 2_000) -> int:
+    """Grows by ``step_mb`` at a time until ``upto_mb`` (never gets there under a 500 MB limit)."""
+    held = []
+    for _ in range(upto_mb // step_mb):
+        held.append(np.ones(step_mb * MB, dtype=np.uint8))
+        time.sleep(0.005)
+    return len(held)
+
+
+def test_a_task_past_the_terminate_level_restarts_its_worker_and_fails_clearly() -> None:
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", allowed_failures=1) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        fut = client.submit(hog)
+        with pytest.raises(KilledWorkerError, match="memory") as info:
+            fut.result(timeout=60)
+        assert "limit" in str(info.value) and "hog" in str(info.value)
+        # the worker came back as a fresh process under the same id, and works
+        wait_until(lambda: cluster.workers == [wid], 30)
+        assert client.submit(abs, -4).result(timeout=30) == 4
+        assert len(cluster.provider.procs) == 1  # restarted itself; the cluster did not add one
