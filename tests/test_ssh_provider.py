@@ -8,6 +8,7 @@ where closing a channel would leave them running.  Needs root and ``/usr/sbin/ss
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from tidepool.providers.ssh import (
     remote_script,
 )
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.policies import Adaptive
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +60,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def ssh_loop_threads() -> set[threading.Thread]:
+    """The private loop threads SSHProviders started (and have not stopped yet)."""
+    return {t for t in threading.enumerate() if t.name == "tidepool-ssh"}
 
 
 def pid_gone(pid: int) -> bool:
@@ -245,15 +253,45 @@ def test_kill_script_stops_only_the_worker_it_names() -> None:
         proc.wait()
 
 
+def test_the_loop_binding_without_a_server() -> None:
+    """No sshd needed: the first loop that launches owns the provider; others are refused."""
+    provider = SSHProvider(["127.0.0.1:9"], known_hosts=None)  # never bound: every launch fails
+    nt = NodeType("x", {"cpu": 1})
+
+    async def other_loop() -> None:
+        await provider.poll_errors_async()
+
+    async def scenario() -> None:
+        await provider.launch_async(nt, 1, "r1")
+        await asyncio.gather(*provider._tasks)  # the launch ran as a task of this loop
+        [failure] = await provider.poll_errors_async()
+        assert failure.request_id == "r1" and "bind(" in failure.message
+        assert provider._loop is asyncio.get_running_loop() and provider._loop_thread is None
+        with pytest.raises(ProviderError, match="bound to another event loop"):
+            await asyncio.to_thread(asyncio.run, other_loop())
+        provider.close()  # inside its loop: scheduled there, not waited for (that would deadlock)
+        await provider.close_async()  # waits for it
+
+    before = ssh_loop_threads()
+    asyncio.run(scenario())
+    assert provider._loop_thread is None and ssh_loop_threads() <= before
+    provider.launch(nt, 1, "r2")  # closed: reported, nothing started
+    assert [f.request_id for f in provider.poll_errors()] == ["r2"]
+
+
 # ---- loopback --------------------------------------------------------------------------------------
 def test_adaptive_cluster_starts_workers_over_ssh_and_terminate_stops_them(sshd: Sshd) -> None:
     provider = sshd.provider()
+    before = ssh_loop_threads()
     nt = NodeType("ssh", {"cpu": 1}, max_nodes=2, startup_estimate=1.0)
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
-        cluster.adapt(node_types=[nt], provider=provider)
+        # idle=None: no idle retirement, so the workers that ran the tasks are still there to check
+        cluster.adapt(node_types=[nt], provider=provider, policy=Adaptive(idle=None))
         results = client.gather(client.map(whereami, range(8)))
         assert [r[0] for r in results] == list(range(8))
         listing = provider.list()
+        # the autoscaler awaited the provider in the scheduler's loop: the SSH state lives there
+        assert provider._loop_thread is None and ssh_loop_threads() <= before
         assert listing and all(info["host"] == f"127.0.0.1:{sshd.port}" for info in listing.values())
         ran_on = {r[3]: r[2] for r in results}
         assert ran_on and set(ran_on) <= set(listing)
@@ -275,6 +313,117 @@ def test_adaptive_cluster_starts_workers_over_ssh_and_terminate_stops_them(sshd:
     wait_until(lambda: all(pid_gone(p) for p in pids), 10, "every SSH worker to exit")
     assert worker_pids("ssh-r") == []
     assert provider.poll_errors() == []  # stopped on purpose: not failures
+    assert provider._loop_thread is None and ssh_loop_threads() <= before
+
+
+def test_async_use_keeps_the_ssh_state_in_the_callers_loop_and_starts_no_thread(sshd: Sshd) -> None:
+    before = ssh_loop_threads()
+    nt = NodeType("inloop", {"cpu": 1})
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.worker_ids(nt, 2, "r1")
+
+        async def scenario() -> list[int]:
+            loop = asyncio.get_running_loop()
+            await provider.launch_async(nt, 2, "r1")
+            await asyncio.to_thread(cluster.wait_for_workers, ids, timeout=20)  # they registered
+            listing = await provider.list_async()
+            assert sorted(listing) == sorted(ids) and all(info["alive"] for info in listing.values())
+            assert all(info["host"] == f"127.0.0.1:{sshd.port}" for info in listing.values())
+            # no private loop: the sessions are watched by tasks of this very loop
+            assert provider._loop_thread is None and ssh_loop_threads() <= before
+            assert provider._loop is loop
+            assert all(w.task is not None and w.task.get_loop() is loop for w in provider._workers.values())
+            # the synchronous API from a plain thread is handed to this loop
+            assert sorted(await asyncio.to_thread(provider.list)) == sorted(ids)
+            # ... but a blocking call inside this loop would deadlock it: a clear error instead
+            with pytest.raises(ProviderError, match="inside the event loop that owns it"):
+                provider.terminate(ids[:1])
+            with pytest.raises(ProviderError, match="inside the event loop that owns it"):
+                provider.launch_now(nt, 1, "r2")
+            victim = listing[ids[0]]["pid"]
+            await provider.terminate_async(ids[:1])
+            assert pid_gone(victim) and (await provider.list_async())[ids[0]]["alive"] is False
+            assert await provider.poll_errors_async() == []  # stopped on purpose: not a failure
+            pids = [info["pid"] for info in listing.values()]
+            await provider.close_async()  # in this loop: awaited here
+            assert ssh_loop_threads() <= before
+            return pids
+
+        pids = asyncio.run(scenario())
+        assert all(pid_gone(p) for p in pids)
+        assert provider._loop_thread is None and ssh_loop_threads() <= before
+        provider.close()  # idempotent, also after its loop ended
+
+
+def test_a_provider_is_bound_to_the_first_loop_that_uses_it(sshd: Sshd) -> None:
+    nt = NodeType("bound", {"cpu": 1})
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.worker_ids(nt, 1, "r1")
+
+        async def from_another_loop() -> None:
+            await provider.list_async()
+
+        async def launch_from_another_loop() -> None:
+            await provider.launch_async(nt, 1, "r9")
+
+        async def scenario() -> None:
+            await provider.launch_async(nt, 1, "r1")
+            await asyncio.to_thread(cluster.wait_for_workers, ids, timeout=20)
+            # a second event loop (in a thread, while this one runs): refused, not hung
+            with pytest.raises(ProviderError, match="bound to another event loop"):
+                await asyncio.to_thread(asyncio.run, from_another_loop())
+            with pytest.raises(ProviderError, match="bound to another event loop"):
+                await asyncio.to_thread(asyncio.run, launch_from_another_loop())
+            listing = await provider.list_async()  # still fine in its own loop
+            assert list(listing) == ids and listing[ids[0]]["alive"]
+            # close() from a plain thread closes the connections on this loop, which owns them
+            await asyncio.to_thread(provider.close)
+            assert pid_gone(listing[ids[0]]["pid"])
+            assert all(not c.usable for h in provider._hosts for c in h.conns)
+
+        asyncio.run(scenario())
+
+        # bound to its private loop thread by a synchronous call: an event loop is refused too
+        private = sshd.provider()
+        private.bind(cluster.address, cluster.token)
+        [wid] = private.launch_now(nt, 1, "r2")
+        assert private._loop_thread is not None
+        with pytest.raises(ProviderError, match="own loop thread"):
+            asyncio.run(from_private(private))
+        pid = private.list()[wid]["pid"]
+        private.close()
+        assert pid_gone(pid)
+
+
+async def from_private(provider: SSHProvider) -> None:
+    await provider.terminate_async(list(provider.list()))
+
+
+def test_close_after_the_owning_loop_ended_still_stops_the_workers(sshd: Sshd) -> None:
+    """A loop that ends without ``await close_async()``: ``close`` cannot run anything on it, so it
+    shuts the connections down and the workers' watchdogs stop them; other calls raise."""
+    nt = NodeType("gone", {"cpu": 1})
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        ids = provider.worker_ids(nt, 1, "r1")
+
+        async def scenario() -> int:
+            await provider.launch_async(nt, 1, "r1")
+            await asyncio.to_thread(cluster.wait_for_workers, ids, timeout=20)
+            return int((await provider.list_async())[ids[0]]["pid"])
+
+        pid = asyncio.run(scenario())
+        assert not pid_gone(pid)
+        with pytest.raises(ProviderError, match="event loop that is closed"):
+            provider.terminate(ids)
+        assert list(provider.list()) == ids  # reading needs no loop
+        provider.close()  # does not raise
+        wait_until(lambda: pid_gone(pid), 15, f"worker pid {pid} to be stopped by its watchdog")
 
 
 def test_launch_is_idempotent_and_close_stops_everything(sshd: Sshd) -> None:

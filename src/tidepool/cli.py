@@ -139,8 +139,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         finally:
             if scaler is not None:
                 await scaler.close()
+                aclose = getattr(scaler.provider, "close_async", None)  # closes in this loop (SSH)
                 close = getattr(scaler.provider, "close", None)
-                if close is not None:
+                if aclose is not None:
+                    await aclose()
+                elif close is not None:
                     close()
             await s.close()
             if plain_journal is not None:

@@ -3,7 +3,7 @@
 A provider names the workers of a launch up front (``worker_ids``: pure, no I/O, the same answer
 for the same request id), starts them (``launch``) and stops them (``terminate``).  ``launch``
 never blocks and returns nothing: it submits the request (a process spawn, an ``sbatch`` in a
-background thread, an SSH session on the provider's loop) and returns at once; whatever goes wrong
+background thread, an SSH session in the scheduler's loop) and returns at once; whatever goes wrong
 later, or right away, comes back once through ``poll_errors``.  The autoscaler reconciles: it
 matches registrations to the names it was given, lists the provider (``list``) every round while
 launches are in flight, and gives up a worker that is gone from the listing or ended before it

@@ -6,8 +6,26 @@ per worker and runs ``python -m tidepool.worker`` there with the scheduler addre
 ``bind`` and the worker id it returns from ``launch``.  The worker then connects to the scheduler by
 itself; the SSH channel only carries the worker's output and its exit status back.
 
-State (all of it lives on a private asyncio loop on a daemon thread; the synchronous methods hand
-coroutines to that loop and wait, because the controller calls providers from worker threads):
+Where the state lives: on exactly one asyncio event loop, the first one that needs it, and the
+provider stays bound to it (asyncssh connections, channels, locks and events belong to one loop).
+
+- Used through the coroutine methods (``launch_async``, ``terminate_async``, ``list_async``,
+  ``poll_errors_async``, ``close_async``; the :class:`~tidepool.providers.base.AsyncProvider`
+  capability the autoscaler awaits in the scheduler's event loop), the connections and sessions live
+  in *that* loop: no thread is started.  The synchronous methods called from another thread then
+  hand their coroutine to that loop and wait; called inside that loop, the ones that would block
+  (``terminate``, ``launch_now``) raise :class:`~tidepool.errors.ProviderError` (await the
+  ``_async`` method instead), ``launch``/``list``/``poll_errors`` work there directly, and
+  ``close`` schedules the shutdown (``close_async`` awaits it).
+- Used first through the synchronous methods by a caller without a loop (a script), the provider
+  starts a private loop on a daemon thread (``tidepool-ssh``) and the state lives there.
+- Awaiting a coroutine method from any other loop raises :class:`~tidepool.errors.ProviderError`
+  saying so (it never hangs); so do ``terminate`` and ``launch_now`` once the owning loop is closed
+  or stopped (``launch`` reports it through ``poll_errors``; ``list``/``poll_errors`` just read).
+  ``close`` / ``close_async`` close the connections on the loop that owns them; if that loop has
+  already ended, ``close`` shuts the TCP connections down so the workers' watchdogs stop them.
+
+The state itself:
 
 - ``_hosts``: one record per host with its open SSH connections (several when one connection's
   session limit is reached; OpenSSH allows 10 sessions per connection) and, after a failed connect,
@@ -40,12 +58,14 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import os
 import re
 import shlex
+import socket
 import threading
 import time
 from collections import deque
@@ -85,6 +105,18 @@ def _asyncssh() -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ConfigError("SSHProvider needs asyncssh: pip install 'tidepool[ssh]'") from exc
     return asyncssh
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _log_close_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("SSHProvider.close: %s", task.exception())
 
 
 def parse_host(spec: str, default_user: str | None, default_port: int) -> tuple[str | None, str, int]:
@@ -273,8 +305,11 @@ class SSHProvider:
         self._names: dict[str, list[str]] = {}
         self._launch_errors: list[ProviderFailure] = []
         self._starting: set[str] = set()  # request ids launched, not yet started or failed
-        self._loop_thread: LoopThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the SSH state
+        self._loop_thread: LoopThread | None = None  # set only when that loop is our private one
         self._loop_lock = threading.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()  # launches running on the owning loop
+        self._closing: asyncio.Task[None] | None = None  # close() called inside the owning loop
         self._inflight = 0  # calls waiting on the loop; close() lets them finish before stopping it
         self._closed = False
         _asyncssh()  # fail at construction, not at the first launch, when asyncssh is missing
@@ -284,27 +319,93 @@ class SSHProvider:
         """Called by the cluster once the scheduler's address and token are known."""
         self.scheduler, self.token = scheduler, token
 
-    def _ensure_loop(self) -> LoopThread:
-        """The provider's loop thread, started on first use (call with ``_loop_lock`` held)."""
-        if self._loop_thread is None:
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that owns the state; binds the private loop thread, started here, when there is
+        none yet (call with ``_loop_lock`` held)."""
+        if self._loop is None:
             from tidepool.loop import LoopThread
 
             self._loop_thread = LoopThread("tidepool-ssh")
-        return self._loop_thread
+            self._loop = self._loop_thread.loop
+        return self._loop
+
+    def _bind_running(self, *, bind: bool = True) -> bool:
+        """For the coroutine methods: check that the running loop owns this provider (binding it
+        when no loop does yet and ``bind``).  True when it owns the state, False when nothing is
+        bound; raises :class:`ProviderError` for any other loop instead of hanging on it."""
+        loop = asyncio.get_running_loop()
+        with self._loop_lock:
+            if self._loop is None and bind:
+                self._loop = loop
+            if self._loop is None:
+                return False
+            if self._loop is not loop:
+                raise ProviderError(self._foreign_loop_message())
+            return True
+
+    def _foreign_loop_message(self) -> str:
+        owner = ("its own loop thread 'tidepool-ssh', started by a synchronous call such as launch() or "
+                 "launch_now()" if self._loop_thread is not None else "the event loop that first awaited it")
+        return (f"this SSHProvider is bound to another event loop ({owner}); its SSH connections live on "
+                "that loop and cannot be used from this one: use the provider only from that loop (or "
+                "its synchronous methods from plain threads), or create one SSHProvider per event loop")
+
+    @staticmethod
+    def _blocking_problem(loop: asyncio.AbstractEventLoop) -> str | None:
+        """Why a blocking call cannot wait on ``loop`` from this thread (None: it can)."""
+        if loop.is_closed():
+            return ("this SSHProvider's connections belong to an event loop that is closed; close the "
+                    "provider (await close_async()) inside that loop before it ends")
+        if _running_loop() is loop:
+            return ("a blocking SSHProvider call was made inside the event loop that owns it, which "
+                    "would deadlock; await the *_async method (e.g. terminate_async) instead")
+        if not loop.is_running():
+            return ("this SSHProvider is bound to an event loop that is not running; call it inside "
+                    "that loop with the *_async methods")
+        return None
+
+    def _wait_on(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
+                 timeout: float | None) -> T:  # fmt: skip
+        """Run ``coro`` on ``loop`` (running in another thread) and wait for its result."""
+        lt = self._loop_thread
+        if lt is not None and lt.loop is loop:
+            return lt.run(coro, timeout)
+        problem = self._blocking_problem(loop)
+        if problem is not None:
+            coro.close()
+            raise ProviderError(problem)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            raise ProviderError("this SSHProvider's event loop closed during the call") from None
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop that owns the state (the private loop thread when none does
+        yet) and wait for it: the synchronous methods' way in."""
         with self._loop_lock:
             if self._closed:
                 coro.close()
                 raise ProviderError("this SSHProvider is closed; create a new one")
-            lt = self._ensure_loop()
+            loop = self._ensure_loop()
             self._inflight += 1
         try:
-            return lt.run(coro, timeout)
+            return self._wait_on(loop, coro, timeout)
         finally:
             with self._loop_lock:
                 self._inflight -= 1
                 self._loop_lock.notify_all()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Start a launch as a task of the running (owning) loop, keeping a reference to it."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     @property
     def hosts(self) -> builtins.list[str]:
@@ -388,47 +489,69 @@ class SSHProvider:
             return list(ids)
 
     def launch(self, node_type: NodeType, count: int, request_id: str) -> None:
-        """Start ``count`` nodes (``count * workers_per_node`` workers) on the provider's loop and
-        return at once.  When no host can be reached or a worker could not be started, the
-        workers of this request already started are stopped again and the failure comes back
-        through ``poll_errors``."""
+        """Start ``count`` nodes (``count * workers_per_node`` workers) on the loop that owns the
+        provider (its private loop thread when none does yet) and return at once.  When no host can
+        be reached or a worker could not be started, the workers of this request already started
+        are stopped again and the failure comes back through ``poll_errors``."""
         self.worker_ids(node_type, count, request_id)
         with self._loop_lock:
             if self._closed:
                 self._launch_errors.append(ProviderFailure(request_id, None, "this SSHProvider is closed"))
                 return
-            lt = self._ensure_loop()
+            loop = self._ensure_loop()
             self._starting.add(request_id)
-        lt.submit(self._launch_reporting(node_type, count, request_id))
+        coro = self._launch_reporting(node_type, count, request_id)
+        if _running_loop() is loop:
+            self._spawn(coro)
+            return
+        problem = self._blocking_problem(loop)
+        if problem is None:
+            try:
+                loop.call_soon_threadsafe(self._spawn, coro)
+                return
+            except RuntimeError:  # closed meanwhile
+                problem = "this SSHProvider's event loop is closed"
+        coro.close()
+        with self._loop_lock:
+            self._starting.discard(request_id)
+        self._launch_errors.append(ProviderFailure(request_id, None, f"launch {request_id}: {problem}"))
 
     async def launch_async(self, node_type: NodeType, count: int, request_id: str) -> None:
-        """``launch`` for the scheduler's event loop (:class:`AsyncProvider`): the same, awaited
-        without a thread; the SSH sessions live on the provider's own loop."""
-        self.launch(node_type, count, request_id)
+        """``launch`` for an event loop (:class:`AsyncProvider`): submits the launch as a task of
+        the running loop and returns at once; the SSH connections and sessions live in this loop,
+        which the provider is bound to from now on (another loop gets a :class:`ProviderError`)."""
+        self.worker_ids(node_type, count, request_id)
+        with self._loop_lock:
+            if self._closed:
+                self._launch_errors.append(ProviderFailure(request_id, None, "this SSHProvider is closed"))
+                return
+        self._bind_running()
+        with self._loop_lock:
+            self._starting.add(request_id)
+        self._spawn(self._launch_reporting(node_type, count, request_id))
 
     async def terminate_async(self, worker_ids: builtins.list[str]) -> None:
-        if not worker_ids or self._loop_thread is None or self._closed:
-            return
-        await self._on_loop(self._terminate(list(worker_ids)))
+        """``terminate`` awaited in the loop that owns the provider."""
+        if not worker_ids or self._closed or not self._bind_running(bind=False):
+            return  # nothing was ever started, or close() already stopped everything
+        await self._terminate(list(worker_ids))
 
     async def list_async(self) -> dict[str, dict[str, Any]]:
-        if self._loop_thread is None or self._closed:
-            return self._list_now()
-        return await self._on_loop(self._async(self._list_now))  # type: ignore[no-any-return]
+        """``list`` awaited in the loop that owns the provider."""
+        if not self._closed:
+            self._bind_running(bind=False)
+        return self._list_now()
 
     async def poll_errors_async(self) -> builtins.list[ProviderFailure]:
-        if self._loop_thread is None or self._closed:
-            return self._poll_now()
-        return await self._on_loop(self._async(self._poll_now))  # type: ignore[no-any-return]
-
-    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` running on the provider's loop from another event loop (no thread)."""
-        lt = self._loop_thread
-        assert lt is not None
-        return await asyncio.wrap_future(lt.submit(coro))
+        """``poll_errors`` awaited in the loop that owns the provider."""
+        if not self._closed:
+            self._bind_running(bind=False)
+        return self._poll_now()
 
     async def _launch_reporting(self, nt: NodeType, count: int, rid: str) -> None:
         try:
+            if self._closed:
+                raise ProviderError("this SSHProvider is closed", rid)
             await self._launch(nt, count, rid)
         except ProviderError as exc:
             self._launch_errors.append(ProviderFailure(rid, None, str(exc)))
@@ -597,7 +720,7 @@ class SSHProvider:
 
         Raises :class:`ProviderError` naming the workers it could not confirm stopped (host down).
         """
-        if not worker_ids or self._loop_thread is None or self._closed:
+        if not worker_ids or self._loop is None or self._closed:
             return  # nothing was ever started, or close() already stopped everything
         self._run(self._terminate(list(worker_ids)), self.term_timeout + 2 * self.connect_timeout + 15)
 
@@ -644,8 +767,9 @@ class SSHProvider:
     # ---- observation ------------------------------------------------------------------------------
     def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
         """Worker id -> {node_type, request_id, host, pid, alive, returncode, started}."""
-        if self._loop_thread is None or self._closed:
-            return self._list_now()  # no loop running: nothing can change under us
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed() or _running_loop() is loop:
+            return self._list_now()  # nothing can change under us (no loop runs it), or on that loop
         return self._run(self._async(self._list_now), 10)
 
     async def _async(self, fn: Any) -> Any:
@@ -671,7 +795,8 @@ class SSHProvider:
 
     def poll_errors(self) -> builtins.list[ProviderFailure]:
         """Workers that exited with an error or lost their connection since the last call (each once)."""
-        if self._loop_thread is None or self._closed:
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed() or _running_loop() is loop:
             return self._poll_now()
         return self._run(self._async(self._poll_now), 10)  # type: ignore[no-any-return]
 
@@ -711,24 +836,85 @@ class SSHProvider:
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every worker this provider started, close the connections and the loop thread."""
+        """Stop every worker this provider started and close its connections, on the loop that owns
+        them (and stop the private loop thread if it has one).  Inside that loop it cannot wait, so
+        it schedules the shutdown there: ``await close_async()`` instead to wait for it."""
         with self._loop_lock:
-            lt = self._loop_thread
             if self._closed:
                 return
             self._closed = True
-        if lt is None:
+            loop, lt = self._loop, self._loop_thread
+        if loop is None:
+            return
+        if lt is None and _running_loop() is loop:
+            log.warning("SSHProvider.close() called inside the event loop that owns it: closing in the "
+                        "background; await provider.close_async() there to wait for it")  # fmt: skip
+            self._closing = loop.create_task(self._close())
+            self._closing.add_done_callback(_log_close_failure)
+            return
+        problem = None if lt is not None else self._blocking_problem(loop)
+        if problem is not None:  # the owning loop is gone: no coroutine can run on it any more
+            cut = self._cut_connections()
+            log.warning("SSHProvider.close: %s; shut its %d SSH connection(s) down instead, so the "
+                        "workers' watchdogs stop them", problem, cut)  # fmt: skip
             return
         try:
-            lt.run(self._close(), self.term_timeout + 2 * self.connect_timeout + 20)
+            self._wait_on(loop, self._close(), self._close_budget())
         except Exception as exc:  # noqa: BLE001 - close must not raise into cleanup paths
             log.warning("SSHProvider.close: %s", exc)
         finally:
-            with self._loop_lock:  # calls already on the loop (e.g. a terminate) finish first
-                self._loop_lock.wait_for(lambda: self._inflight == 0, timeout=self.term_timeout + 10)
-            lt.stop()
+            if lt is not None:
+                with self._loop_lock:  # calls already on the loop (e.g. a terminate) finish first
+                    self._loop_lock.wait_for(lambda: self._inflight == 0, timeout=self.term_timeout + 10)
+                lt.stop()
+
+    async def close_async(self) -> None:
+        """``close`` for an event loop: in the loop that owns the connections it is awaited right
+        there (no thread); from any other loop the owner closes them while this loop waits."""
+        loop = asyncio.get_running_loop()
+        with self._loop_lock:
+            owner, closing, already = self._loop, self._closing, self._closed
+            if owner is None or owner is loop:
+                self._closed = True
+        if already:
+            if closing is not None and owner is loop:
+                await asyncio.wait([closing])  # close() was called in this loop: wait for it
+            return
+        if owner is None:
+            return
+        if owner is not loop:
+            await asyncio.to_thread(self.close)
+            return
+        try:
+            await asyncio.wait_for(self._close(), self._close_budget())
+        except Exception as exc:  # noqa: BLE001 - close must not raise into cleanup paths
+            log.warning("SSHProvider.close_async: %s", exc)
+
+    def _cut_connections(self) -> int:
+        """The last resort when the owning loop ended before ``close``: shut the TCP connections
+        down (a socket call, no loop needed), so sshd closes the channels and every worker's
+        watchdog stops it.  Returns how many connections it shut down."""
+        n = 0
+        for h in self._hosts:
+            for c in h.conns:
+                with contextlib.suppress(Exception):
+                    sock = c.conn.get_extra_info("socket")
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                        n += 1
+        return n
+
+    def _close_budget(self) -> float:
+        return 2 * self.term_timeout + 3 * self.connect_timeout + 25
 
     async def _close(self) -> None:
+        launches = [t for t in self._tasks if not t.done()]
+        for t in launches:  # a launch still opening sessions: it stops what it started
+            t.cancel()
+        if launches:
+            await asyncio.wait(launches, timeout=self.term_timeout + self.connect_timeout + 5)
+        with self._loop_lock:
+            self._starting.clear()
         try:
             await self._stop(list(self._workers.values()))
         finally:
