@@ -84,3 +84,21 @@ def test_evict_spills_on_demand_and_a_value_over_the_target_goes_to_disk(tmp_pat
     assert "big" in store.on_disk
     assert store.evict(10**12) > 0 and store.memory_bytes == 0  # everything can go
     store.close()
+
+
+class ShortOfMemory:
+    """Pickling it raises MemoryError (as a worker under an address-space limit would)."""
+
+    def __reduce__(self) -> tuple:  # type: ignore[type-arg]
+        raise MemoryError
+
+
+def test_out_of_memory_while_serving_keeps_the_value_and_closes_only_that_connection() -> None:
+    from tidepool.worker.core import Worker
+
+    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="1GB")
+    w.data["k"] = ShortOfMemory()
+    w.nbytes["k"] = 64
+    with pytest.raises(MemoryError):  # the listener closes that connection: the asker fails over at once
+        w._data_reply(["k"], 2**30)
+    assert "k" in w.data and not w._unservable  # not reported as unservable, not dropped

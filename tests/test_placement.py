@@ -67,6 +67,23 @@ def test_an_idle_worker_steals_tasks_queued_elsewhere() -> None:
     d.state.validate()
 
 
+def test_an_idle_worker_does_not_steal_a_quick_task_whose_big_input_is_elsewhere() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
+    d.add_worker("w1")
+    d.submit([(f"make-{i}", []) for i in range(4)], [f"make-{i}" for i in range(4)])
+    for i in range(4):
+        d.finish("w1", f"make-{i}", nbytes=20 * 2**20, duration=0.05)
+    for _ in range(4):  # the check group is known to be quick: 10 ms
+        d.state.estimates.observe("check", 0.01)
+    tasks = [("free-0", []), ("free-1", [])] + [(f"check-{i}", [f"make-{i}"]) for i in range(4)]
+    d.submit(tasks, [t[0] for t in tasks])
+    assert all(w == "w1" for w in _where(d).values())  # locality put the checks on w1
+    d.start("w1", "free-0")
+    steals = [c for c in d.add_worker("w2", {"cpu": 4.0}) if isinstance(c, ev.Steal)]
+    asked = {k for c in steals for k in c.keys}
+    assert asked == {"free-1"}  # a check's 20 MB copy would cost 0.2 s for 10 ms of work
+
+
 def test_a_steal_refused_because_the_task_started_leaves_it_in_place() -> None:
     d = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
     d.add_worker("w1")
@@ -147,3 +164,46 @@ def test_gpu_tasks_run_on_the_gpu_worker_and_cpu_work_goes_elsewhere() -> None:
         # after that, no CPU task started there while GPU tasks were still waiting
         on_gpu_early = [t for w, t in cpu_ran if w == gpu_worker and t < last_gpu_start]
         assert len(on_gpu_early) <= 1, (cpu_ran, last_gpu_start)
+
+
+def test_a_quick_task_waits_for_its_big_inputs_holder_instead_of_copying_them() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=0.0))
+    d.add_worker("w1")
+    d.submit([(f"make-{i}", []) for i in range(4)], [f"make-{i}" for i in range(4)])
+    for i in range(4):
+        d.finish("w1", f"make-{i}", nbytes=20 * 2**20, duration=0.05)
+    for _ in range(4):
+        d.state.estimates.observe("check", 0.01)
+    d.add_worker("w2")
+    tasks = [(f"check-{i}", [f"make-{i}"]) for i in range(4)]
+    d.submit(tasks, [t[0] for t in tasks])
+    ran: dict[str, str] = {}
+    while len(ran) < 4:
+        where = _where(d)
+        ran.update(where)
+        for key, w in where.items():
+            d.finish(w, key, duration=0.01)
+    assert set(ran.values()) == {"w1"}  # never copied 20 MB to w2 for 10 ms of work
+    d.state.validate()
+
+
+def test_a_dependent_takes_its_unfinished_inputs_place_in_line() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=0.0))
+    d.add_worker("w1")
+    d.submit([(f"make-{i}", []) for i in range(3)], [f"make-{i}" for i in range(3)])
+    d.submit([(f"use-{i}", [f"make-{i}"]) for i in range(3)], [f"use-{i}" for i in range(3)])
+    order = []
+    while len(order) < 6:
+        (key,) = d.running["w1"]
+        order.append(key)
+        d.finish("w1", key)
+    assert order == ["make-0", "use-0", "make-1", "use-1", "make-2", "use-2"]  # depth first
+    # a later task on an input that is already done keeps its own place (submission order)
+    d.submit([("busy", []), ("first", []), ("second", [])], ["busy", "first", "second"])
+    d.submit([("late", ["make-0"])], ["late"])
+    order = []
+    while len(order) < 4:
+        (key,) = d.running["w1"]
+        order.append(key)
+        d.finish("w1", key)
+    assert order == ["busy", "first", "second", "late"]

@@ -17,7 +17,10 @@ needed while a client wants it or an unfinished dependent needs it; when nobody 
 the workers, and a task record is forgotten once nothing depends on it (so memory stays flat in long
 runs).  Values lost with a worker are recomputed from lineage if still needed.
 
-Ready tasks wait in one priority heap per resource shape; a worker takes tasks while it has a free
+Ready tasks wait in one priority heap per resource shape, ordered by user priority, then submission
+order, except that a task submitted while an input of the same user priority is unfinished takes
+that input's place in line (depth first: a result is consumed soon after it is made, instead of
+after every later-submitted task, which keeps data-heavy graphs in memory); a worker takes tasks while it has a free
 slot or less than ``queue_seconds`` of estimated work queued per slot (so no-op tasks are batched
 deeply and long tasks are not hoarded by one worker).
 
@@ -88,8 +91,15 @@ WORKER_TRANSITIONS: dict[tuple[WS, WS], str] = {
 ACTIVE = frozenset({TS.WAITING, TS.READY, TS.NO_WORKER, TS.RUNNING})
 #: the pseudo-client that holds fire-and-forget tasks until they finish
 FIRE_AND_FORGET = "<fire-and-forget>"
+#: bytes per second assumed for copying a stolen task's inputs (Dask's scheduler assumes the same
+#: 100 MB/s until it measures): a steal must save more time than the copy costs
+STEAL_BANDWIDTH = 100e6
 #: one step of user priority outweighs any difference in submission order
-PRIORITY_STEP = 1 << 40
+#: a task's priority: ``-user_priority * PRIORITY_STEP + line * LINE + seq`` (lower runs first), where
+#: ``seq`` is its submission number (unique: runs replay exactly) and ``line`` its place in line: its
+#: own ``seq``, or the line of an unfinished input of the same user priority (depth first)
+PRIORITY_STEP = 1 << 80
+LINE = 1 << 40
 PENDING = frozenset({TS.READY, TS.NO_WORKER})  # runnable now, but on no worker yet: demand
 DEFAULT_SHAPE: ev.Shape = (("cpu", 1.0),)
 
@@ -257,9 +267,10 @@ class SchedulerState:
                 if why:
                     collided[spec.key] = why
                 continue
+            seq = self._priority
+            level = -spec.priority * PRIORITY_STEP
             ts = TaskRecord(spec.key, spec.func_id, spec.payload, normalize_resources(spec.resources),
-                            spec.retries, self._priority - spec.priority * PRIORITY_STEP,
-                            spec.group or spec.key)  # fmt: skip
+                            spec.retries, level + seq * LINE + seq, spec.group or spec.key)  # fmt: skip
             if spec.workers:
                 ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
             self._priority += 1
@@ -278,6 +289,10 @@ class SchedulerState:
                     continue
                 ts.deps.append(dep)
                 dep.dependents.add(ts)
+                if dep.state not in (TS.MEMORY, TS.ERRED) and dep.priority < ts.priority and (
+                        dep.priority // PRIORITY_STEP == ts.priority // PRIORITY_STEP):  # fmt: skip
+                    # depth first: it takes its unfinished input's place in line (its own seq stays)
+                    ts.priority = dep.priority - dep.priority % LINE + seq
         keys = self.clients.setdefault(e.client, set())
         for k in e.wanted:
             wts = self.tasks.get(k)
@@ -494,6 +509,15 @@ class SchedulerState:
     def _schedule(self, out: list[ev.Command]) -> None:
         if self._restricted:
             self._schedule_restricted(out)
+        deferred: list[TaskRecord] = []
+        try:
+            self._schedule_heaps(out, deferred)
+        finally:
+            for ts in deferred:  # back in line, in their old places: they wait for their holders
+                heapq.heappush(self._ready[ts.shape] if ts.shape in self._ready else self._ready.setdefault(ts.shape, []),
+                               (ts.priority, ts.ready_seq, ts))  # fmt: skip
+
+    def _schedule_heaps(self, out: list[ev.Command], deferred: list[TaskRecord]) -> None:
         ready = self._ready
         workers = self.workers
         while self._room:
@@ -523,7 +547,11 @@ class SchedulerState:
             if best is None:
                 return
             _, _, ts = heapq.heappop(ready[best])
-            self._assign(ts, choose_worker(ts, cands), out)
+            target = choose_worker(ts, cands)
+            if ts.deps and self._transfer_outweighs(target, ts) and self._holder_busy(ts):
+                deferred.append(ts)  # its inputs' holder is only full for now: wait for it
+                continue
+            self._assign(ts, target, out)
 
     def _allowed(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
         """May ``ws`` take a task of ``shape`` now, given its scarce resources?"""
@@ -1024,12 +1052,30 @@ class SchedulerState:
                         continue
                     if not self._allowed(thief, ts.shape):
                         continue
+                    if self._transfer_outweighs(thief, ts):
+                        continue
                     ts.stealing = True
                     asks.setdefault(victim.id, []).append(ts.key)
                     take -= 1
                     want -= 1
         for wid, keys in asks.items():
             out.append(ev.Steal(wid, keys))
+
+    def _transfer_outweighs(self, thief: WorkerRecord, ts: TaskRecord) -> bool:
+        """Moving ``ts`` would copy more input than it is worth: its inputs missing on ``thief``
+        take longer to send (at ``STEAL_BANDWIDTH``) than twice the task's estimated run time.
+        (A quick task on big inputs stays where its data is; copying it only fills memory.)"""
+        missing = sum(d.nbytes for d in ts.deps if thief.id not in d.who_has)
+        return missing > 0 and missing / STEAL_BANDWIDTH > 2 * self.estimates.estimate(ts.group)
+
+    def _holder_busy(self, ts: TaskRecord) -> bool:
+        """A running worker holds an input of ``ts`` and could run it, but has no room now."""
+        for d in ts.deps:
+            for wid in d.who_has:
+                w = self.workers.get(wid)
+                if w is not None and w.state == "running" and wid not in self._room and fits(w.resources, ts.shape):
+                    return True
+        return False
 
     def _steal_reply(self, e: ev.StealReply, out: list[ev.Command]) -> None:
         for key in e.kept:  # kept: it had started (or finished) there; do not ask again
@@ -1131,7 +1177,8 @@ class SchedulerState:
                 "unique_keys": len(self.unique_data(w)), "idle_since": w.idle_since,
                 "joined": w.joined, "executed": w.executed, "memory_limit": w.memory_limit,
                 "rss": w.metrics.get("rss", 0), "peak_rss": w.metrics.get("peak_rss", 0),
-                "spilled_bytes": w.metrics.get("spilled", 0), "paused": bool(w.metrics.get("paused")),
+                "spilled_bytes": w.metrics.get("spilled", 0), "spilled_total": w.metrics.get("spilled_total", 0),
+                "paused": bool(w.metrics.get("paused")),
             }
             for w in self.workers.values()
         ]  # fmt: skip

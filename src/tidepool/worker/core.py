@@ -600,6 +600,11 @@ class Worker:
             else:
                 try:
                     ser = serialize(self.data[k])
+                except MemoryError:
+                    # this process is short of memory now, the value is fine: keep it, and let the
+                    # connection close so the asker tries again or elsewhere at once (no timeout)
+                    log.warning("out of memory serialising %r for a peer; closing that connection", k)
+                    raise
                 except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's
                     why = (f"its value of type {type(self.data[k]).__name__} cannot be pickled: "
                            f"{type(exc).__name__}: {exc}")  # fmt: skip
