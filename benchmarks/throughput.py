@@ -79,11 +79,19 @@ class Backend(Protocol):
 
 class TidepoolBackend:
     name = "tidepool"
+    tls = False
 
     def __init__(self) -> None:
         import tidepool
 
-        self.cluster = tidepool.LocalCluster(n_workers=2, slots=1)
+        cfg = None
+        if self.tls:  # every connection TLS (certificates made for the run, like `tidepool certs`)
+            import tempfile
+
+            from tidepool.comm.tls import make_certs
+
+            cfg = make_certs(tempfile.mkdtemp(prefix="tidepool-bench-certs-"))
+        self.cluster = tidepool.LocalCluster(n_workers=2, slots=1, tls=cfg)
         try:
             self.client = tidepool.Client(self.cluster)
         except BaseException:
@@ -217,13 +225,20 @@ class Measurements:
         return self.tasks[workload] / statistics.median(self.seconds[(workload, backend)])
 
 
-FACTORIES: dict[str, Callable[[], Backend]] = {"tidepool": TidepoolBackend, "dask": DaskBackend}
+class TidepoolTLSBackend(TidepoolBackend):
+    name = "tidepool-tls"
+    tls = True
 
 
-def measure(n: int, repeat: int, timeout: float) -> Measurements:
+FACTORIES: dict[str, Callable[[], Backend]] = {"tidepool": TidepoolBackend, "dask": DaskBackend,
+                                               "tidepool-tls": TidepoolTLSBackend}  # fmt: skip
+
+
+def measure(n: int, repeat: int, timeout: float, tls: bool = False) -> Measurements:
     m = Measurements()
+    names = ["tidepool", "dask"] + (["tidepool-tls"] if tls else [])
     for rep in range(repeat):
-        order = ["tidepool", "dask"] if rep % 2 == 0 else ["dask", "tidepool"]
+        order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             t0 = time.perf_counter()
             b = FACTORIES[name]()
@@ -251,12 +266,18 @@ def measure(n: int, repeat: int, timeout: float) -> Measurements:
 
 
 def table(m: Measurements) -> list[list[str]]:
+    tls = any(b == "tidepool-tls" for _, b in m.seconds)
     rows = [["workload", "tasks", "tidepool tasks/s", "dask tasks/s", "ratio (tidepool/dask)"]]
+    if tls:
+        rows[0] += ["tidepool TLS tasks/s", "TLS / TCP", "ratio (tidepool TLS/dask)"]
     for workload in WORKLOADS:
         tp, dk = m.rate(workload, "tidepool"), m.rate(workload, "dask")
         rows.append(
             [workload, f"{m.tasks[workload]:,}", f"{tp:,.0f}", f"{dk:,.0f}", f"{tp / dk:.1f}x"]
         )
+        if tls:
+            tt = m.rate(workload, "tidepool-tls")
+            rows[-1] += [f"{tt:,.0f}", f"{tt / tp:.2f}", f"{tt / dk:.1f}x"]
     return rows
 
 
@@ -333,6 +354,9 @@ def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], c
         f"- {w} / {b}: " + ", ".join(f"{s:.2f}" for s in secs) + " s"
         for (w, b), secs in sorted(m.seconds.items())
     )
+    tls_note = ("; with `--tls`, also `LocalCluster(..., tls=make_certs(dir))`: TLS 1.2+ on every connection "
+                "(client, workers, worker to worker), the token handshake inside it"
+                if any(b == "tidepool-tls" for _, b in m.seconds) else "")
     busy = (
         " (the machine was already busy: other processes shared its CPUs during the run)"
         if float(info["load"].split()[0]) > 0.5
@@ -351,7 +375,7 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
 - Machine: {info["nproc"]} CPUs (nproc), {info["cpu"]}; {info["os"]}; load average at start
   {info["load"]}{busy}.
 - Software: Python {info["python"]}; {info["dask"]}; {info["tidepool"]}.
-- tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`.
+- tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`{tls_note}.
   Dask: `distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
   dashboard_address=None)` + `distributed.Client(cluster)`, default configuration.
 - `map`: `client.map(noop, range(N))` then `client.gather(...)`, {n:,} tasks.  `tree`: the same
@@ -392,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=int, default=10_000, help="tasks per map / leaves per tree")
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions (median is reported)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per workload run")
+    ap.add_argument("--tls", action="store_true", help="also time tidepool with TLS on every connection")
     ap.add_argument(
         "--write-docs",
         action="store_true",
@@ -415,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = measure(args.tasks, args.repeat, args.timeout)
+        m = measure(args.tasks, args.repeat, args.timeout, tls=args.tls)
     except WrongResultError as exc:
         print(f"WRONG RESULT: {exc}", file=sys.stderr)
         return 1

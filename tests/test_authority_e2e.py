@@ -54,3 +54,30 @@ def test_a_forged_result_from_another_worker_is_refused(tmp_path: object) -> Non
             open(gate, "w").close()
             done.set()
             t.join(10)
+
+
+def test_a_launched_worker_cannot_claim_more_than_its_node_type() -> None:
+    from tidepool.scaling.node_types import NodeType
+
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        cluster.scheduler.expect_workers(["launched-1", "launched-2", "launched-3"], NodeType("small", {"cpu": 2}))
+
+        async def register(wid: str, resources: dict[str, float], node_type: str = "small") -> dict:  # type: ignore[type-arg]
+            conn = await connect(cluster.address, cluster.token, hello={"role": "worker", "name": wid})
+            await conn.send({"op": "register", "id": wid, "address": "tcp://127.0.0.1:9", "resources": resources,
+                             "node_type": node_type, "name": wid, "pid": 1, "memory_limit": 0, "host": "x"})  # fmt: skip
+            reply = await conn.recv()
+            conn.close()
+            return reply  # type: ignore[no-any-return]
+
+        greedy = asyncio.run(register("launched-1", {"cpu": 1e6}))
+        assert greedy["op"] == "refused" and "more than its node type 'small'" in greedy["reason"]
+        extra = asyncio.run(register("launched-2", {"cpu": 2.0, "gpu": 1.0}))
+        assert extra["op"] == "refused" and "gpu" in extra["reason"]
+        other = asyncio.run(register("launched-3", {"cpu": 2.0}, node_type="big"))
+        assert other["op"] == "refused" and "registers as 'big'" in other["reason"]
+        assert cluster.scheduler.refused_registrations == 3 and not cluster.scheduler.state.workers
+        fair = asyncio.run(register("launched-1", {"cpu": 2.0}))
+        assert fair["op"] == "registered"
+        by_hand = asyncio.run(register("manual-1", {"cpu": 64.0}, node_type="whatever"))
+        assert by_hand["op"] == "registered"  # not launched by us: the token holder may add workers

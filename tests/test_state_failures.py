@@ -229,3 +229,25 @@ def test_only_the_assigned_worker_may_report_a_tasks_outcome() -> None:
     d.finish(owner, "x-1")
     assert d.state.tasks["x-1"].state == "memory" and d.state.tasks["x-1"].who_has == {owner}
     d.state.validate()
+
+
+def test_only_the_worker_running_a_task_may_report_its_input_missing() -> None:
+    """An authenticated worker says another worker's value is missing: refused, the value stays
+    where it is and nothing is recomputed (issue 16)."""
+    d = StateDriver()
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("a", ())], ["a"])
+    (holder,) = [w for w, ws in d.state.workers.items() if ws.processing]
+    other = "w2" if holder == "w1" else "w1"
+    d.finish(holder, "a")
+    d.submit([("b", ("a",))], ["b"])  # runs on the holder (locality)
+    assert d.state.tasks["b"].worker == holder
+    cmds = d.send(ev.MissingData(other, "b", "a", holder, d.clock(), "forged"))  # not its task
+    cmds += d.send(ev.MissingData(other, "nope", "a", holder, d.clock(), "forged"))  # no such task
+    assert d.state.tasks["a"].who_has == {holder} and d.state.tasks["b"].worker == holder
+    assert not [c for c in cmds if isinstance(c, ev.Free)]
+    assert d.state.counters["refused_reports"] == 2
+    d.finish(holder, "b")
+    assert d.status() == {"a": "memory", "b": "memory"}
+    d.state.validate()

@@ -89,6 +89,31 @@ def _positive(text: str) -> float:
     return value
 
 
+def _tls(args: argparse.Namespace, fallback: dict[str, Any] | None = None) -> Any:
+    """A TLSConfig from --tls-ca-file/--tls-cert/--tls-key (else the cluster file's [scheduler]
+    tls_* keys, else the TIDEPOOL_TLS_* environment), or None for plain TCP."""
+    from tidepool.comm.tls import TLSConfig
+
+    fb = fallback or {}
+    ca = args.tls_ca_file or fb.get("tls_ca_file")
+    cert = args.tls_cert or fb.get("tls_cert")
+    key = args.tls_key or fb.get("tls_key")
+    if ca or cert or key:
+        if not (ca and cert and key):
+            raise ConfigError("TLS needs --tls-ca-file, --tls-cert and --tls-key together")
+        return TLSConfig(ca, cert, key)
+    return TLSConfig.from_env()
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from tidepool.comm.tls import make_certs
+
+    cfg = make_certs(args.directory, hosts=args.host)
+    print(f"CA {cfg.ca}\ncertificate {cfg.cert}\nkey {cfg.key} (mode 600)")
+    print(f"use: --tls-ca-file {cfg.ca} --tls-cert {cfg.cert} --tls-key {cfg.key}")
+    return 0
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from tidepool.comm.auth import new_token
     from tidepool.scheduler.server import Scheduler
@@ -107,8 +132,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {}
         if args.no_worker_timeout is not None:  # 0 (or less): wait for a worker forever
             extra["no_worker_timeout"] = args.no_worker_timeout if args.no_worker_timeout > 0 else None
-        s = await Scheduler(f"tcp://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
-                            **extra).start()  # fmt: skip
+        tls = _tls(args, cfg.scheduler if cfg is not None else None)
+        scheme = "tls" if tls is not None else "tcp"
+        s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
+                            tls=tls, **extra).start()  # fmt: skip
         if args.token_file:
             write_token_file(args.token_file, token)
         print(f"tidepool scheduler at {s.address}", flush=True)
@@ -130,7 +157,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.telemetry.journal import Journal
 
             controller = ScalingController(cfg.node_types, cfg.make_policy())
-            scaler = await AutoScaler(s, cfg.make_provider(s.address, token), controller,
+            scaler = await AutoScaler(s, cfg.make_provider(s.address, token, tls), controller,
                                       journal=Journal(args.journal)).start()  # fmt: skip
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
@@ -179,7 +206,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,
-                   memory_share=args.memory_share, spill_dir=args.spill_dir)  # fmt: skip
+                   memory_share=args.memory_share, spill_dir=args.spill_dir, tls=_tls(args))  # fmt: skip
         await w.start()
         try:
             await w.finished()
@@ -237,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-worker-timeout", type=float, default=None,
                    help="without autoscaling: seconds a task may wait for a worker with its resources "
                         "before it fails (default 60; 0 waits forever)")
+    _tls_flags(s)
     s.set_defaults(fn=cmd_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that joins a scheduler")
@@ -259,7 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")
     w.add_argument("--env", action="append", default=[], help="set KEY=VALUE in the environment (repeatable)")
     w.add_argument("--workdir", default=None, help="working directory of the worker process")
+    _tls_flags(w)
     w.set_defaults(fn=cmd_worker)
+
+    c = sub.add_parser("certs", help="make a self-signed CA and a certificate for a quick TLS start")
+    c.add_argument("directory", help="where to write ca.pem, cert.pem, key.pem")
+    c.add_argument("--host", action="append", default=[], help="extra host name or IP for the certificate (repeatable)")
+    c.set_defaults(fn=cmd_certs)
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
     d.add_argument("--workers", type=int, default=4, help="most workers the autoscaler may start")
@@ -280,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(sim)
     sim.set_defaults(fn=cmd_simulate)
     return p
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca-file", default=None, help="CA certificate (PEM): TLS for every connection (tls://)")
+    p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="this process's private key (PEM)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ import cloudpickle
 from tidepool.client_dask import DaskAPI
 from tidepool.comm import Connection, connect, serialize
 from tidepool.comm.auth import token_from_env
+from tidepool.comm.tls import TLSConfig
 from tidepool.dask.client import DaskCollections
 from tidepool.errors import (
     CommError,
@@ -94,7 +95,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     """
 
     def __init__(self, address: Any = None, token: str | None = None, *, timeout: float = 30.0,
-                 name: str = "client") -> None:  # fmt: skip
+                 name: str = "client", tls: TLSConfig | None = None) -> None:  # fmt: skip
         self._own_cluster = None
         if address is None:
             from tidepool.cluster import LocalCluster
@@ -102,7 +103,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
             address = self._own_cluster = LocalCluster()
         if not isinstance(address, str):
             token = token or getattr(address, "token", None)
+            tls = tls or getattr(address, "tls", None)
             address = address.address
+        #: certificates for tls:// addresses (the cluster's, else the TLS environment)
+        self.tls = tls
         token = token or token_from_env()
         if not token:
             raise ConfigError("no token: pass token=..., or set TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE")
@@ -145,13 +149,14 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     async def _start(self) -> None:
         try:
             async with asyncio.timeout(self.timeout):
-                self._conn = await connect(self.address, self.token, timeout=self.timeout,
+                self._conn = await connect(self.address, self.token, timeout=self.timeout, tls=self.tls,
                                            hello={"role": "client"})  # fmt: skip
                 welcome = await self._conn.recv()
         except TimeoutError:
             raise ConnectionLostError(
                 f"could not connect to the scheduler at {self.address} within {self.timeout:g}s; is it "
-                "running, and is the address reachable from here?"
+                "running, is the address reachable from here, and does its scheme match (a TLS scheduler "
+                "has a tls:// address)?"
             ) from None
         self.id = welcome.get("client", "?")
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
@@ -644,7 +649,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         entry = self._workers.get(address)
         if entry is None or entry[0].closed:
             # refused: the worker is gone; ask the scheduler again rather than retrying here
-            conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False)
+            conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False, tls=self.tls)
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys)

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from tidepool.comm.tls import TLSConfig
 from tidepool.config import ClusterConfig
 from tidepool.config import load as config_load
 from tidepool.errors import ConfigError
@@ -62,7 +63,7 @@ class LocalCluster(ClosesOnExit):
                  timeout: float = 30.0, env: dict[str, str] | None = None,
                  preload: list[str] | None = None, workdir: str | None = None,
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
-                 **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 tls: TLSConfig | None = None, **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
@@ -76,8 +77,10 @@ class LocalCluster(ClosesOnExit):
         self._killed: set[str] = set()  # deaths that were asked for: not replaced
         self._restarts: collections.deque[float] = collections.deque()
         self.restart_crashed = restart_crashed
-        self.scheduler = Scheduler(f"tcp://{host}:{port}", heartbeat_interval=heartbeat_interval,
-                                   **scheduler_kwargs)  # fmt: skip
+        #: with ``tls``, every connection (scheduler, workers, clients, worker to worker) is TLS
+        self.tls = tls
+        self.scheduler = Scheduler(f"{'tls' if tls else 'tcp'}://{host}:{port}", heartbeat_interval=heartbeat_interval,
+                                   tls=tls, **scheduler_kwargs)  # fmt: skip
         self.scheduler.subscribe(self._observe)
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
@@ -90,6 +93,8 @@ class LocalCluster(ClosesOnExit):
 
             resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
             mem_args += ["--memory-limit", str(memory_limit)]
+        if tls is not None:
+            env = {**(env or {}), **tls.env()}
         self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
                                       heartbeat_interval=heartbeat_interval, preload=preload,
                                       extra_args=mem_args)  # fmt: skip
@@ -131,6 +136,7 @@ class LocalCluster(ClosesOnExit):
         rid = f"r{next(self._req)}"
         for new in self.provider.worker_ids(nt, 1, rid):
             self._own[new] = nt
+            self.scheduler.expect_workers([new], nt)
         self.provider.launch(nt, 1, rid)
         log.info("worker %s died (%s); started a replacement", wid, reason)
 
@@ -144,6 +150,7 @@ class LocalCluster(ClosesOnExit):
         nt = node_type or self.default_type
         rid = f"r{next(self._req)}"
         ids = self.provider.worker_ids(nt, n, rid)
+        self.scheduler.expect_workers(list(ids), nt)
         for wid in ids:
             self._own[wid] = nt
             if self.autoscaler is not None:

@@ -5,6 +5,8 @@ Example::
     [scheduler]
     host = "0.0.0.0"
     port = 8786
+    # tls_ca_file = "certs/ca.pem"; tls_cert = "certs/cert.pem"; tls_key = "certs/key.pem"
+    #   (optional: TLS on every connection; the provider's workers get the same files)
 
     [provider]
     kind = "local"              # local | ssh | slurm | callback
@@ -55,7 +57,7 @@ from tidepool.errors import ConfigError, TidepoolError
 from tidepool.scaling.node_types import NodeType
 
 _TOP_KEYS = ("scheduler", "provider", "policy", "node_types")
-_SCHEDULER_KEYS = ("host", "port")
+_SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
 _POLICY_KINDS = ("adaptive", "completion", "backlog")
 _PROVIDER_KINDS = ("local", "ssh", "slurm", "callback")
@@ -99,10 +101,16 @@ class ClusterConfig:
             pol.no_progress = None
         return pol
 
-    def make_provider(self, scheduler: str, token: str) -> Any:
-        """The provider the ``[provider]`` table describes, bound to the scheduler."""
+    def make_provider(self, scheduler: str, token: str, tls: Any = None) -> Any:
+        """The provider the ``[provider]`` table describes, bound to the scheduler; with ``tls``
+        (a TLSConfig), the workers it starts get its certificates (their environment)."""
         cls, kwargs = _provider_spec(self.provider, self.source)
         prov = _construct(cls, kwargs, self.source, scheduler, token)
+        if tls is not None:
+            if not isinstance(getattr(prov, "env", None), dict):
+                raise ConfigError(f"{self.source}: TLS is on but the {self.provider.get('kind', 'local')} "
+                                  "provider cannot pass the certificates to its workers (no env)")  # fmt: skip
+            prov.env.update(tls.env())
         if hasattr(prov, "bind"):
             prov.bind(scheduler, token)
         return prov

@@ -99,7 +99,7 @@ async def _recv(conn: Connection) -> dict:
     except TimeoutError as exc:
         raise AuthenticationError(
             f"no handshake answer from {conn.peer} within {HANDSHAKE_TIMEOUT:.0f}s; is it a tidepool "
-            "process?"
+            "process, and does it use TLS (then its address is tls://...)?"
         ) from exc
 
 

@@ -6,7 +6,8 @@ flow control, so a huge buffer is never duplicated into the transport's write bu
 returns the next message or raises :class:`ConnectionLostError` once the peer is gone; a malformed
 frame raises :class:`ProtocolError` there and closes this connection only.
 
-Addresses are ``tcp://host:port`` or ``memory://name`` (in-process, for tests; messages still go
+Addresses are ``tcp://host:port``, ``tls://host:port`` (TCP inside TLS, see ``tls.py``; the token
+handshake still runs inside it) or ``memory://name`` (in-process, for tests; messages still go
 through the frame encoder/decoder so serialisation is exercised).
 """
 
@@ -18,28 +19,34 @@ import contextlib
 import functools
 import itertools
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tidepool.comm.auth import client_handshake, server_handshake
 from tidepool.comm.frames import DEFAULT_MAX_FRAME, PREAUTH_MAX_FRAME, FrameDecoder, encode
+from tidepool.comm.tls import TLSConfig
+from tidepool.comm.tls import resolve as resolve_tls
 from tidepool.errors import CommError, ConfigError, ConnectionLostError, ProtocolError
 
 log = logging.getLogger("tidepool.comm")
 
 WRITE_CHUNK = 4 * 1024 * 1024
+TLS_HANDSHAKE_TIMEOUT = 10.0
 SMALL_FRAME = 256 * 1024
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
-    """Split ``tcp://host:port`` -> ("tcp", host, port); ``memory://name`` -> ("memory", name, 0)."""
+    """Split ``tcp://host:port`` -> ("tcp", host, port) (``tls://`` alike); ``memory://name`` ->
+    ("memory", name, 0)."""
     if "://" not in address:
         address = "tcp://" + address
     scheme, rest = address.split("://", 1)
     if scheme == "memory":
         return scheme, rest, 0
-    if scheme != "tcp":
-        raise ConfigError(f"unsupported address scheme {scheme!r} in {address!r}; use tcp://host:port")
+    if scheme not in ("tcp", "tls"):
+        raise ConfigError(f"unsupported address scheme {scheme!r} in {address!r}; use tcp://host:port "
+                          "or tls://host:port")  # fmt: skip
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"address {address!r} needs a port, e.g. tcp://127.0.0.1:8786")
@@ -175,9 +182,22 @@ class TCPConnection(Connection):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
         self._send_lock = asyncio.Lock()
+        self._made_event = asyncio.Event()
+
+    async def wait_made(self, timeout: float) -> bool:
+        """Wait until the transport is up (after the TLS handshake on tls://); False if it never is."""
+        if self.transport is not None:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._made_event.wait()
+        except TimeoutError:
+            return False
+        return self.transport is not None
 
     def _made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        self._made_event.set()
         transport.set_write_buffer_limits(high=8 * 1024 * 1024)
         local = transport.get_extra_info("sockname")
         if local:
@@ -244,6 +264,7 @@ class TCPConnection(Connection):
         self._closed = True
         if self.transport is not None:
             self.transport.close()
+        self._made_event.set()
         self._wake()
         self._resume_writing()
 
@@ -294,8 +315,10 @@ REJECT_LOG_BURST = 10
 class Listener:
     """An accepting endpoint; each authenticated connection is handed to ``handler``."""
 
-    def __init__(self, address: str, handler: Handler, token: str, max_frame: int) -> None:
+    def __init__(self, address: str, handler: Handler, token: str, max_frame: int,
+                 tls: TLSConfig | None = None) -> None:  # fmt: skip
         self.requested = address
+        self.tls = tls
         self.handler = handler
         self.token = token
         self.max_frame = max_frame
@@ -319,11 +342,13 @@ class Listener:
             self.address = f"memory://{name}"
             return self
         loop = asyncio.get_running_loop()
+        ctx = resolve_tls(self.tls, self.requested).server_context() if scheme == "tls" else None
         self._server = await loop.create_server(
-            lambda: _TCPProtocol(self._new_tcp()), host, port, reuse_address=True
+            lambda: _TCPProtocol(self._new_tcp()), host, port, reuse_address=True, ssl=ctx,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if ctx is not None else None,
         )
         sockname = self._server.sockets[0].getsockname()
-        self.address = f"tcp://{host if host not in ('0.0.0.0', '') else sockname[0]}:{sockname[1]}"
+        self.address = f"{scheme}://{host if host not in ('0.0.0.0', '') else sockname[0]}:{sockname[1]}"
         return self
 
     def _new_tcp(self) -> TCPConnection:
@@ -360,7 +385,13 @@ class Listener:
             conn.close()
 
     async def _serve_one(self, conn: Connection) -> None:
-        await asyncio.sleep(0)  # let connection_made run
+        if isinstance(conn, TCPConnection):
+            # plain TCP: connection_made has run; TLS: it runs once the TLS handshake is done (or never)
+            if not await conn.wait_made(TLS_HANDSHAKE_TIMEOUT + 1.0):
+                conn.close()
+                return
+        else:
+            await asyncio.sleep(0)  # let the in-memory peer finish connecting
         if self.handshaking >= MAX_PENDING_HANDSHAKES:
             self.refused += 1
             self._note_rejected(conn.peer, f"{self.handshaking} connections are authenticating already "
@@ -407,10 +438,12 @@ _memory_ids = itertools.count()
 
 
 async def listen(
-    address: str, handler: Handler, token: str, max_frame: int = DEFAULT_MAX_FRAME
+    address: str, handler: Handler, token: str, max_frame: int = DEFAULT_MAX_FRAME,
+    tls: TLSConfig | None = None,
 ) -> Listener:
-    """Listen on ``address`` (``tcp://host:0`` picks a free port); returns the started listener."""
-    return await Listener(address, handler, token, max_frame).start()
+    """Listen on ``address`` (``tcp://host:0`` picks a free port; ``tls://`` needs ``tls`` or the
+    TLS environment); returns the started listener."""
+    return await Listener(address, handler, token, max_frame, tls).start()
 
 
 async def connect(
@@ -420,6 +453,7 @@ async def connect(
     hello: dict[str, Any] | None = None,
     max_frame: int = DEFAULT_MAX_FRAME,
     retry: bool = True,
+    tls: TLSConfig | None = None,
 ) -> Connection:
     """Open an authenticated connection, retrying refused connections until ``timeout``.
 
@@ -427,6 +461,7 @@ async def connect(
     data server), a refused connection means the process is gone and waiting is pointless.
     """
     scheme, host, port = parse_address(address)
+    ctx = resolve_tls(tls, address).client_context() if scheme == "tls" else None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     delay = 0.01
@@ -438,13 +473,22 @@ async def connect(
             else:
                 tcp = TCPConnection(max_frame)
                 await asyncio.wait_for(
-                    loop.create_connection(functools.partial(_TCPProtocol, tcp), host, port),
+                    loop.create_connection(functools.partial(_TCPProtocol, tcp), host, port, ssl=ctx,
+                                           server_hostname=host if ctx is not None else None),
                     max(0.1, deadline - loop.time()),
                 )
-                tcp.peer = f"tcp://{host}:{port}"
+                tcp.peer = f"{scheme}://{host}:{port}"
                 conn = tcp
             break
+        except ssl.SSLError as exc:  # a certificate problem does not go away by retrying
+            raise ConnectionLostError(f"TLS with {address} failed: {exc}; do both sides use certificates "
+                                      "from the same CA (and is the other side a tls:// address)?") from exc
         except (TimeoutError, OSError, ConnectionLostError) as exc:
+            if ctx is not None and not isinstance(exc, (ConnectionRefusedError, TimeoutError)):
+                # connected, then cut off during the TLS handshake: the other side speaks plain TCP
+                # or refused our certificate; retrying cannot help
+                raise ConnectionLostError(f"TLS with {address} failed: {exc!r}; is it a tls:// address, and "
+                                          "does it accept certificates from our CA?") from exc
             if not retry:
                 raise ConnectionLostError(f"could not connect to {address}: {exc}") from exc
             if loop.time() + delay > deadline:

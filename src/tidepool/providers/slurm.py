@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.comm.auth import write_token_file
+from tidepool.comm.tls import TLSConfig
 from tidepool.errors import ConfigError, ProviderError
 from tidepool.providers._address import contact_address
 from tidepool.providers.base import ProviderFailure, worker_command
@@ -192,7 +193,7 @@ class SlurmProvider:
                  walltime: str | int | None = "01:00:00", cores: int | None = None,
                  memory: str | int | None = None, job_extra: Sequence[str] = (),
                  workers_per_job: int | None = None, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None, workdir: str | None = None,
+                 env: Mapping[str, str] | None = None, tls: TLSConfig | None = None, workdir: str | None = None,
                  log_dir: str | None = None, job_name: str = "tidepool",
                  submit_command: str = "sbatch", cancel_command: str = "scancel",
                  squeue_command: str = "squeue", scontrol_command: str = "scontrol",
@@ -219,6 +220,8 @@ class SlurmProvider:
         self.workers_per_job = workers_per_job
         self.python = python
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        if tls is not None:  # the workers find their certificates at the same paths
+            self.env.update(tls.env())
         for k in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise ConfigError(f"SlurmProvider env: {k!r} is not a shell variable name")

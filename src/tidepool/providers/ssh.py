@@ -73,6 +73,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tidepool.comm.tls import TLSConfig
 from tidepool.errors import ConfigError, ProviderError
 from tidepool.providers._address import contact_address
 from tidepool.providers.base import ProviderFailure, worker_command
@@ -254,7 +255,7 @@ class SSHProvider:
 
     def __init__(self, hosts: Sequence[str] | str, *, user: str | None = None, port: int = 22,
                  client_keys: Sequence[str] | str | None = None, known_hosts: Any = _DEFAULT_KNOWN_HOSTS,
-                 python: str = "python3", env: Mapping[str, str] | None = None,
+                 python: str = "python3", env: Mapping[str, str] | None = None, tls: TLSConfig | None = None,
                  workdir: str | None = None, connect_timeout: float = 10.0,
                  term_timeout: float = 5.0, host_retry: float = 30.0,
                  keepalive_interval: float = 15.0, sessions_per_connection: int = 8,
@@ -282,6 +283,8 @@ class SSHProvider:
         self.known_hosts = None if known_hosts is False else known_hosts
         self.python = python
         self.env = dict(env or {})
+        if tls is not None:  # the workers find their certificates at the same paths
+            self.env.update(tls.env())
         for k, v in self.env.items():
             if not _ENV_KEY.match(k) or "\n" in str(v):
                 raise ConfigError(f"SSHProvider env: {k!r} must be a shell variable name and its value "

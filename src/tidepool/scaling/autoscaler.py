@@ -194,6 +194,7 @@ class AutoScaler:
         timeout = max(1.0, rec.deadline - rec.since) if rec is not None else 60.0
         try:
             ids = list(self.provider.worker_ids(nt, n, rid))
+            self.scheduler.expect_workers(ids, nt)
             self.controller.launched(rid, ids, self.scheduler.clock())
             self._sync()
             if isinstance(self.provider, AsyncProvider):

@@ -25,7 +25,9 @@ from typing import Any
 
 from tidepool.comm import Connection, listen
 from tidepool.comm.auth import new_token
+from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ProtocolError
+from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
 
@@ -48,9 +50,14 @@ class Scheduler:
         heartbeat_timeout: float | None = None,
         tick_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        tls: TLSConfig | None = None,
         **state_kwargs: Any,
     ) -> None:
+        #: worker id -> the node type it is being launched as (see expect_workers)
+        self.launched_as: dict[str, NodeType] = {}
+        self.refused_registrations = 0
         self.requested_address = address
+        self.tls = tls
         self.token = token or new_token()
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
@@ -76,7 +83,7 @@ class Scheduler:
         self._closed = False
 
     async def start(self) -> Scheduler:
-        self.listener = await listen(self.requested_address, self._handle_conn, self.token)
+        self.listener = await listen(self.requested_address, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
         log.info("scheduler listening at %s", self.address)
@@ -236,6 +243,32 @@ class Scheduler:
             if not fut.done():
                 fut.set_result(outcome)
 
+    # ---- who a worker may claim to be ------------------------------------------------------------
+    def expect_workers(self, worker_ids: list[str], node_type: NodeType) -> None:
+        """These ids are being launched as ``node_type``: when they register, they may claim that
+        type and at most its resources per worker (an authenticated process could otherwise
+        advertise ``{"cpu": 1e6}`` and draw all the work)."""
+        for wid in worker_ids:
+            self.launched_as[wid] = node_type
+
+    def _overclaim(self, wid: str, msg: dict[str, Any]) -> str:
+        nt = self.launched_as.get(wid)
+        if nt is None:
+            return ""  # started by hand: whoever holds the token may add workers
+        claimed_type = str(msg.get("node_type", "default"))
+        if claimed_type != nt.name:
+            return f"worker {wid} was launched as node type {nt.name!r} but registers as {claimed_type!r}"
+        allowed = nt.worker_resources
+        try:
+            claimed = {str(k): float(v) for k, v in dict(msg.get("resources") or {}).items()}
+        except (TypeError, ValueError):
+            return f"worker {wid} advertises unreadable resources {msg.get('resources')!r}"
+        over = {k: v for k, v in claimed.items() if v > allowed.get(k, 0.0) * (1 + 1e-9) + 1e-9}
+        if over:
+            return (f"worker {wid} advertises {over}, more than its node type {nt.name!r} offers per worker "
+                    f"({dict(allowed)})")  # fmt: skip
+        return ""
+
     # ---- connections ----------------------------------------------------------------------------
     async def _handle_conn(self, conn: Connection) -> None:
         role = conn.info.get("role")
@@ -253,6 +286,12 @@ class Scheduler:
         wid = str(msg["id"])
         if wid in self.worker_conns or wid in self.state.workers:
             await conn.send({"op": "refused", "reason": f"worker id {wid} is already registered"})
+            return
+        overclaim = self._overclaim(wid, msg)
+        if overclaim:
+            log.warning("refused worker %s: %s", wid, overclaim)
+            self.refused_registrations += 1
+            await conn.send({"op": "refused", "reason": overclaim})
             return
         setups = [[name, blob] for name, blob in self.setups.items()]
         await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups})

@@ -172,7 +172,7 @@ class SchedulerState:
         self.last_progress = 0.0
         self.counters: dict[str, int] = {
             "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
-            "workers_joined": 0, "forgotten": 0, "rescued": 0, "refused_outcomes": 0,
+            "workers_joined": 0, "forgotten": 0, "rescued": 0, "refused_outcomes": 0, "refused_reports": 0,
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph,
@@ -902,7 +902,12 @@ class SchedulerState:
         dts = self.tasks.get(e.dep)
         holder = self.workers.get(e.holder)
         ts = self.tasks.get(e.key)
-        if dts is not None and holder is not None and e.holder in dts.who_has:
+        if ts is None or ts.worker != e.worker or dts is None or dts not in ts.deps:
+            # only the worker running a task may say it could not fetch that task's input: any other
+            # report (an authenticated peer speaking for others, or a stale one) changes nothing
+            self.counters["refused_reports"] += 1
+            return
+        if holder is not None and e.holder in dts.who_has:
             dts.who_has.discard(e.holder)
             holder.has_what.discard(dts)
             holder.nbytes -= dts.nbytes

@@ -47,7 +47,10 @@ from typing import Any, Literal
 import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen, serialize
+from tidepool.comm.core import parse_address
 from tidepool.comm.serialize import deserialize
+from tidepool.comm.tls import TLSConfig
+from tidepool.comm.tls import resolve as resolve_tls
 from tidepool.errors import CommError, ConfigError, SerializationError, WorkerSetupError
 from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
@@ -97,9 +100,13 @@ class Worker:
         spill_dir: str | None = None,
         preload: list[str] | None = None,
         restartable: bool = False,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.scheduler_address = scheduler
         self.token = token
+        self.scheme = parse_address(scheduler)[0]
+        # tls:// scheduler: this worker's data server speaks TLS too, with the same certificates
+        self.tls = resolve_tls(tls, scheduler) if self.scheme == "tls" else tls
         res = parse_resources(resources or {})
         if slots is not None:
             if slots < 1:
@@ -169,13 +176,15 @@ class Worker:
         self.loop = loop
         self.closed = asyncio.Event()
         self.pool = SlotPool(loop, self._on_done)
-        self.listener = await listen(f"tcp://{self.host}:0", self._serve_peer, self.token)
+        scheme = "tls" if self.scheme == "tls" else "tcp"
+        self.listener = await listen(f"{scheme}://{self.host}:0", self._serve_peer, self.token, tls=self.tls)
         self.address = self.listener.address
-        self.conn = await connect(self.scheduler_address, self.token, hello={"role": "worker", "name": self.name})
-        if self.address.startswith("tcp://0.0.0.0:"):
+        self.conn = await connect(self.scheduler_address, self.token, hello={"role": "worker", "name": self.name},
+                                  tls=self.tls)  # fmt: skip
+        if self.address.startswith(f"{scheme}://0.0.0.0:"):
             # advertise the interface that reaches the scheduler, not the wildcard
             local = getattr(self.conn, "local_host", "") or socket.gethostbyname(socket.gethostname())
-            self.address = f"tcp://{local}:{self.address.rsplit(':', 1)[1]}"
+            self.address = f"{scheme}://{local}:{self.address.rsplit(':', 1)[1]}"
         await self.conn.send({
             "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
             "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
@@ -558,7 +567,7 @@ class Worker:
         entry = self._peers.get(address)
         if entry is None or entry[0].closed:
             # a refused connection means the peer is gone: fail now, the scheduler reschedules
-            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False)
+            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False, tls=self.tls)
             entry = self._peers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys)

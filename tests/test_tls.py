@@ -1,0 +1,147 @@
+"""TLS on every connection (tls://): real certificates made in the test, real processes and sockets.
+A peer with a certificate from another CA, a plain-TCP peer, or one without a certificate is refused,
+and the token is still required inside TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tidepool
+from tidepool.comm import connect, listen
+from tidepool.comm.tls import TLSConfig, make_certs
+from tidepool.errors import AuthenticationError, ConfigError, ConnectionLostError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import re  # noqa: E402
+
+from test_cli import Proc, free_port, running, tidepool_cmd  # noqa: E402
+
+TLS_LINE = re.compile(r"tidepool scheduler at (tls://\S+)")
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> TLSConfig:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> TLSConfig:
+    return make_certs(tmp_path_factory.mktemp("other"))
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_make_certs_writes_a_ca_a_certificate_and_a_private_key_only_we_can_read(certs: TLSConfig) -> None:
+    assert stat.S_IMODE(Path(certs.key).stat().st_mode) == 0o600
+    assert "BEGIN CERTIFICATE" in Path(certs.ca).read_text() and "PRIVATE KEY" in Path(certs.key).read_text()
+    with pytest.raises(ConfigError, match="tidepool certs"):
+        TLSConfig(certs.ca, certs.cert, "/nonexistent/key.pem")
+
+
+def test_a_whole_cluster_over_tls(certs: TLSConfig) -> None:
+    with tidepool.LocalCluster(n_workers=2, tls=certs) as cluster, tidepool.Client(cluster) as client:
+        assert cluster.address.startswith("tls://")
+        assert all(w["address"].startswith("tls://") for w in client.scheduler_info()["workers"])
+        a = client.submit(add, 1, 2, workers=[cluster.workers[0]])
+        b = client.submit(add, 3, 4, workers=[cluster.workers[1]])
+        c = client.submit(add, a, b, workers=[cluster.workers[0]])  # b travels worker to worker over TLS
+        assert c.result(timeout=30) == 10 and b.result() == 7  # and results to the client
+
+
+def test_wrong_ca_plain_tcp_and_missing_token_are_refused(certs: TLSConfig, other_ca: TLSConfig) -> None:
+    with tidepool.LocalCluster(n_workers=0, tls=certs) as cluster:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="TLS with .* failed"):
+            tidepool.Client(cluster.address, token=cluster.token, tls=other_ca, timeout=10)
+        assert time.monotonic() - t0 < 5  # refused at once, not after the timeout
+        plain = cluster.address.replace("tls://", "tcp://")
+        with pytest.raises(ConnectionLostError, match="tls://"):
+            tidepool.Client(plain, token=cluster.token, timeout=2)
+        with pytest.raises(ConfigError, match="no TLS configuration"):
+            tidepool.Client(cluster.address, token=cluster.token, timeout=2)
+        with pytest.raises(AuthenticationError):
+            tidepool.Client(cluster.address, token="0" * 64, tls=certs, timeout=5)  # TLS alone is not enough
+
+
+def test_a_peer_without_a_client_certificate_is_refused(certs: TLSConfig) -> None:
+    async def main() -> None:
+        async def handler(conn: object) -> None:
+            raise AssertionError("no connection may get through")
+
+        listener = await listen("tls://127.0.0.1:0", handler, "0" * 64, tls=certs)  # type: ignore[arg-type]
+        host, port = listener.address.removeprefix("tls://").rsplit(":", 1)
+        ctx = ssl.create_default_context(cafile=certs.ca)  # trusts the server, has no certificate
+        ctx.check_hostname = False
+        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=ctx)
+            writer.write(b"x" * 100)
+            await writer.drain()
+            await asyncio.wait_for(reader.readexactly(1), 5)
+        # and a TLS client meeting a plain-TCP server fails at once
+        plain = await listen("tcp://127.0.0.1:0", handler, "0" * 64)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="TLS with"):
+            await connect(plain.address.replace("tcp://", "tls://"), "0" * 64, timeout=8, tls=certs)
+        assert time.monotonic() - t0 < 5
+        await listener.close()
+        await plain.close()
+
+    asyncio.run(main())
+
+
+def test_cli_scheduler_and_worker_with_tls_flags(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    r = Proc(tidepool_cmd("certs", str(out)), tmp_path / "certs.err")
+    with running(r):
+        assert r.popen.wait(30) == 0, r.stderr()
+    flags = ["--tls-ca-file", str(out / "ca.pem"), "--tls-cert", str(out / "cert.pem"), "--tls-key", str(out / "key.pem")]
+    token_file = tmp_path / "token"
+    sched = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file), *flags),
+                 tmp_path / "s.err")  # fmt: skip
+    with running(sched):
+        address = sched.wait_for_line(TLS_LINE).group(1)
+        worker = Proc(tidepool_cmd("worker", address, "--token-file", str(token_file), *flags), tmp_path / "w.err")
+        with running(worker):
+            cfg = TLSConfig(str(out / "ca.pem"), str(out / "cert.pem"), str(out / "key.pem"))
+            with tidepool.Client(address, token=token_file.read_text().strip(), tls=cfg) as client:
+                assert client.submit(add, 20, 22).result(timeout=30) == 42
+
+
+def test_a_cluster_file_passes_tls_to_the_providers_workers(certs: TLSConfig, tmp_path: Path) -> None:
+    from tidepool.config import load
+
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[scheduler]\ntls_ca_file = "{certs.ca}"\ntls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n'
+                    '[provider]\nkind = "local"\n[[node_types]]\nname = "cpu"\nresources = { cpu = 1 }\n')
+    cfg = load(str(toml))
+    assert cfg.scheduler["tls_ca_file"] == certs.ca
+    prov = cfg.make_provider("tls://127.0.0.1:1", "0" * 64, certs)
+    assert prov.env["TIDEPOOL_TLS_CA"] == str(Path(certs.ca).resolve())
+    assert prov.env["TIDEPOOL_TLS_KEY"] == str(Path(certs.key).resolve())
+
+
+def test_ssh_and_slurm_providers_hand_the_certificates_to_their_workers(certs: TLSConfig) -> None:
+    from tidepool.providers.slurm import SlurmProvider
+    from tidepool.scaling.node_types import NodeType
+
+    slurm = SlurmProvider(tls=certs)
+    slurm.bind("tls://10.0.0.1:8786", "0" * 64)
+    script = slurm.job_script(NodeType("cpu", {"cpu": 1}), "r1", ["w-1"])
+    assert f"export TIDEPOOL_TLS_CERT={Path(certs.cert).resolve()}" in script
+    assert "tls://10.0.0.1:8786" in script
+    pytest.importorskip("asyncssh")
+    from tidepool.providers.ssh import SSHProvider
+
+    ssh = SSHProvider(["127.0.0.1"], tls=certs)
+    assert ssh.env["TIDEPOOL_TLS_CA"] == str(Path(certs.ca).resolve())  # exported on the remote side
