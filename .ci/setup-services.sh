@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real services the integration tests run against: OpenSSH server (tests/test_ssh_provider.py)
-# and single-node Slurm with munge (tests/test_slurm_provider.py).  Idempotent: does nothing when they are
+# single-node Slurm with munge (tests/test_slurm_provider.py), and headless Chromium with its driver
+# (tests/test_dashboard.py).  Idempotent: does nothing when they are
 # already installed.  Only installs: the test fixtures start, configure and stop the daemons themselves.
 set -euo pipefail
 if [ "$(id -u)" -ne 0 ]; then
@@ -11,6 +12,8 @@ need=()
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null; } || need+=(slurm-wlm)
 [ -x /usr/sbin/munged ] || need+=(munge)
+command -v chromium >/dev/null || need+=(chromium)          # tests/test_dashboard.py: a real browser
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
 fi

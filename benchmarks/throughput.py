@@ -33,6 +33,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class Backend(Protocol):
 class TidepoolBackend:
     name = "tidepool"
     tls = False
+    dashboard = False
 
     def __init__(self) -> None:
         import tidepool
@@ -91,7 +93,12 @@ class TidepoolBackend:
             from tidepool.comm.tls import make_certs
 
             cfg = make_certs(tempfile.mkdtemp(prefix="tidepool-bench-certs-"))
-        self.cluster = tidepool.LocalCluster(n_workers=2, slots=1, tls=cfg)
+        self.cluster = tidepool.LocalCluster(n_workers=2, slots=1, tls=cfg, dashboard=self.dashboard)
+        self._page: threading.Thread | None = None
+        if self.dashboard:  # a page open all along: read the live stream as a browser would
+            link = self.cluster.dashboard_link
+            self._page = threading.Thread(target=_watch_stream, args=(link + "api/stream",), daemon=True)
+            self._page.start()
         try:
             self.client = tidepool.Client(self.cluster)
         except BaseException:
@@ -225,18 +232,35 @@ class Measurements:
         return self.tasks[workload] / statistics.median(self.seconds[(workload, backend)])
 
 
+def _watch_stream(url: str) -> None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=600) as r:  # noqa: S310 - loopback
+            while r.readline():
+                pass
+    except OSError:
+        pass  # the cluster closed
+
+
+class TidepoolDashboardBackend(TidepoolBackend):
+    name = "tidepool-dashboard"
+    dashboard = True
+
+
 class TidepoolTLSBackend(TidepoolBackend):
     name = "tidepool-tls"
     tls = True
 
 
 FACTORIES: dict[str, Callable[[], Backend]] = {"tidepool": TidepoolBackend, "dask": DaskBackend,
-                                               "tidepool-tls": TidepoolTLSBackend}  # fmt: skip
+                                               "tidepool-tls": TidepoolTLSBackend,
+                                               "tidepool-dashboard": TidepoolDashboardBackend}  # fmt: skip
 
 
-def measure(n: int, repeat: int, timeout: float, tls: bool = False) -> Measurements:
+def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: bool = False) -> Measurements:
     m = Measurements()
-    names = ["tidepool", "dask"] + (["tidepool-tls"] if tls else [])
+    names = ["tidepool", "dask"] + (["tidepool-tls"] if tls else []) + (["tidepool-dashboard"] if dashboard else [])
     for rep in range(repeat):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
@@ -267,9 +291,12 @@ def measure(n: int, repeat: int, timeout: float, tls: bool = False) -> Measureme
 
 def table(m: Measurements) -> list[list[str]]:
     tls = any(b == "tidepool-tls" for _, b in m.seconds)
+    dash = any(b == "tidepool-dashboard" for _, b in m.seconds)
     rows = [["workload", "tasks", "tidepool tasks/s", "dask tasks/s", "ratio (tidepool/dask)"]]
     if tls:
         rows[0] += ["tidepool TLS tasks/s", "TLS / TCP", "ratio (tidepool TLS/dask)"]
+    if dash:
+        rows[0] += ["with dashboard + page tasks/s", "dashboard / plain"]
     for workload in WORKLOADS:
         tp, dk = m.rate(workload, "tidepool"), m.rate(workload, "dask")
         rows.append(
@@ -278,6 +305,9 @@ def table(m: Measurements) -> list[list[str]]:
         if tls:
             tt = m.rate(workload, "tidepool-tls")
             rows[-1] += [f"{tt:,.0f}", f"{tt / tp:.2f}", f"{tt / dk:.1f}x"]
+        if dash:
+            td = m.rate(workload, "tidepool-dashboard")
+            rows[-1] += [f"{td:,.0f}", f"{td / tp:.2f}"]
     return rows
 
 
@@ -354,6 +384,9 @@ def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], c
         f"- {w} / {b}: " + ", ".join(f"{s:.2f}" for s in secs) + " s"
         for (w, b), secs in sorted(m.seconds.items())
     )
+    dash_note = ("; with `--dashboard`, also `LocalCluster(..., dashboard=True)` with a reader of the page's "
+                 "live stream (`api/stream`) connected all along" if any(b == "tidepool-dashboard" for _, b in m.seconds)
+                 else "")
     tls_note = ("; with `--tls`, also `LocalCluster(..., tls=make_certs(dir))`: TLS 1.2+ on every connection "
                 "(client, workers, worker to worker), the token handshake inside it"
                 if any(b == "tidepool-tls" for _, b in m.seconds) else "")
@@ -375,7 +408,7 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
 - Machine: {info["nproc"]} CPUs (nproc), {info["cpu"]}; {info["os"]}; load average at start
   {info["load"]}{busy}.
 - Software: Python {info["python"]}; {info["dask"]}; {info["tidepool"]}.
-- tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`{tls_note}.
+- tidepool: `tidepool.LocalCluster(n_workers=2, slots=1)` + `tidepool.Client(cluster)`{tls_note}{dash_note}.
   Dask: `distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
   dashboard_address=None)` + `distributed.Client(cluster)`, default configuration.
 - `map`: `client.map(noop, range(N))` then `client.gather(...)`, {n:,} tasks.  `tree`: the same
@@ -417,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions (median is reported)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per workload run")
     ap.add_argument("--tls", action="store_true", help="also time tidepool with TLS on every connection")
+    ap.add_argument("--dashboard", action="store_true",
+                    help="also time tidepool with the dashboard on and a page reading its live stream")
     ap.add_argument(
         "--write-docs",
         action="store_true",
@@ -440,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = measure(args.tasks, args.repeat, args.timeout, tls=args.tls)
+        m = measure(args.tasks, args.repeat, args.timeout, tls=args.tls, dashboard=args.dashboard)
     except WrongResultError as exc:
         print(f"WRONG RESULT: {exc}", file=sys.stderr)
         return 1

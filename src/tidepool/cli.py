@@ -136,6 +136,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         scheme = "tls" if tls is not None else "tcp"
         s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
                             tls=tls, **extra).start()  # fmt: skip
+        dash = None
+        if args.dashboard:
+            from tidepool.dashboard import start_dashboard
+
+            dash = await start_dashboard(s, args.dashboard, lambda: scaler)
+            print(f"tidepool dashboard at {dash.link}", flush=True)
         if args.token_file:
             write_token_file(args.token_file, token)
         print(f"tidepool scheduler at {s.address}", flush=True)
@@ -224,7 +230,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tidepool.demo import run_demo
 
-    return run_demo(workers=args.workers, tasks=args.tasks, kill=not args.no_kill)
+    return run_demo(workers=args.workers, tasks=args.tasks, kill=not args.no_kill, dashboard=args.dashboard,
+                    hold=args.hold)  # fmt: skip
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -259,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
+    s.add_argument("--dashboard", nargs="?", const="127.0.0.1:8787", default=None, metavar="HOST:PORT",
+                   help="serve the live dashboard and /metrics (default 127.0.0.1:8787; any other host "
+                        "needs the token in the link)")  # fmt: skip
     s.add_argument("--heartbeat-timeout", type=_positive, default=None,
                    help="seconds a connected worker may stay silent before it is removed (default 300)")
     s.add_argument("--no-worker-timeout", type=float, default=None,
@@ -299,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=4, help="most workers the autoscaler may start")
     d.add_argument("--tasks", type=int, default=40, help="tasks per wide phase")
     d.add_argument("--no-kill", action="store_true", help="do not kill a worker mid-run")
+    d.add_argument("--dashboard", action="store_true", help="serve the live dashboard (the link is printed)")
+    d.add_argument("--hold", type=float, default=0.0,
+                   help="with --dashboard: seconds to wait before the run (to open the page) and after it")
     d.set_defaults(fn=cmd_demo)
 
     r = sub.add_parser("report", help="plot a scaling journal (JSON lines) and print its summary")

@@ -23,6 +23,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -49,6 +50,8 @@ class LocalCluster(ClosesOnExit):
 
     Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
     ``restart_crashed=False`` leaves dead workers dead (see the module docstring).
+    ``dashboard=True`` (or ``"host:port"``) serves the live dashboard and ``/metrics`` and prints
+    the link (``cluster.dashboard_link``); docs/dashboard.md.
     ``memory_limit`` (e.g. ``"1GB"``, ``"none"``) caps each worker: results spill to disk, tasks pause
     and the worker restarts at the levels in docs/memory.md (default: the node type's memory, else
     this machine's memory divided by its cores).
@@ -63,7 +66,8 @@ class LocalCluster(ClosesOnExit):
                  timeout: float = 30.0, env: dict[str, str] | None = None,
                  preload: list[str] | None = None, workdir: str | None = None,
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
-                 tls: TLSConfig | None = None, **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 tls: TLSConfig | None = None, dashboard: bool | str = False,
+                 **scheduler_kwargs: Any) -> None:  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
@@ -85,6 +89,16 @@ class LocalCluster(ClosesOnExit):
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
         self.token = self.scheduler.token
+        #: the live dashboard (``dashboard=True`` or ``"host:port"``); its link is printed and kept
+        self.dashboard: Any = None
+        self.dashboard_link = ""
+        if dashboard:
+            from tidepool.dashboard import start_dashboard
+
+            where = dashboard if isinstance(dashboard, str) else f"{host}:0"
+            self.dashboard = self._loop.run(start_dashboard(self.scheduler, where, lambda: self.autoscaler))
+            self.dashboard_link = self.dashboard.link
+            print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
         # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
         # memory shared by as many workers as it has cores (docs/memory.md)
         mem_args = ["--memory-share", str(os.cpu_count() or 1)]
@@ -269,6 +283,11 @@ class LocalCluster(ClosesOnExit):
         if self.autoscaler is not None:
             try:
                 self._loop.run(self.autoscaler.close(), timeout=10)
+            except Exception:
+                pass
+        if self.dashboard is not None:
+            try:
+                self._loop.run(self.dashboard.stop(), timeout=10)
             except Exception:
                 pass
         try:

@@ -35,15 +35,19 @@ def shift(base: int, i: int, seconds: float) -> int:
     return base + i
 
 
-def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill: bool = True) -> int:
+def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill: bool = True,
+             dashboard: bool = False, hold: float = 0.0) -> int:  # fmt: skip
     con = Console()
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
         con.print(f"[dim]{time.monotonic() - t0:6.2f}s[/dim] {msg}")
 
-    with LocalCluster(n_workers=0) as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=0, dashboard=dashboard) as cluster, Client(cluster) as client:
         scaler = cluster.adapt(maximum=workers)
+        if dashboard and hold:
+            say(f"open {cluster.dashboard_link} now: the run starts in {hold:g}s")
+            time.sleep(hold)
         journal = scaler.journal
         clock = cluster.scheduler.clock
         start = clock()
@@ -98,4 +102,7 @@ def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill
                       str(sum(r["nodes"] for r in recs if r["kind"] == "launch")),
                       str(sum(1 for r in recs if r["kind"] == "retire")), str(info["counters"]["recomputed"]))  # fmt: skip
         con.print(table)
+        if dashboard and hold:
+            say(f"the dashboard stays up {hold:g}s more (the pool shrinks meanwhile)")
+            time.sleep(hold)
         return 0 if ok else 1
