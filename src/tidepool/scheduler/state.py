@@ -162,6 +162,8 @@ class SchedulerState:
         #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
         self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
+        #: workers with tasks queued beyond their slots (steal candidates), kept by _load_changed
+        self._overloaded: set[str] = set()
         self._fit_any: dict[ev.Shape, bool] = {}
         self.retiring: dict[str, set[str]] = {}
         self.retire_reason: dict[str, str] = {}
@@ -595,6 +597,7 @@ class SchedulerState:
         ts.est = est
         ts.started = self.now
         ws.processing[ts] = est
+        self._load_changed(ws)
         ws.occupancy += est
         ws.idle_since = None
         if not self._has_room(ws):
@@ -616,6 +619,7 @@ class SchedulerState:
         if seceded and ts in ws.processing:
             ws.seceded -= 1
         est = ws.processing.pop(ts, None)
+        self._load_changed(ws)
         if est is None:
             return
         if seceded:
@@ -846,6 +850,7 @@ class SchedulerState:
         ws.has_what.clear()
         running = sorted(ws.processing, key=lambda t: t.priority)
         ws.processing.clear()
+        self._overloaded.discard(ws.id)
         for ts in sorted(lost, key=lambda t: t.priority):
             self._lose_value(ts, out)
         for ts in running:
@@ -1029,15 +1034,24 @@ class SchedulerState:
                                             cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
 
     # ---- work stealing and seceded tasks -------------------------------------------------------
+    def _load_changed(self, ws: WorkerRecord) -> None:
+        """Keep ``_overloaded`` (workers with tasks queued beyond their slots) exact."""
+        if len(ws.processing) - ws.seceded > ws.slots:
+            self._overloaded.add(ws.id)
+        else:
+            self._overloaded.discard(ws.id)
+
     def _steal(self, out: list[ev.Command]) -> None:
         """Idle slots, nothing ready for them: ask busy workers to give back queued tasks."""
+        if not self._overloaded:  # nobody has a queue to give: no pass over every idle worker
+            return
         workers = self.workers
+        victims = [workers[w] for w in self._overloaded
+                   if w in workers and workers[w].state in ("running", "retiring")]  # fmt: skip
+        if not victims:
+            return
         idle = [workers[w] for w in sorted(self._room) if len(workers[w].processing) - workers[w].seceded < workers[w].slots]
         if not idle:
-            return
-        victims = [w for w in workers.values()
-                   if w.state in ("running", "retiring") and len(w.processing) - w.seceded > w.slots]  # fmt: skip
-        if not victims:
             return
         victims.sort(key=lambda w: (-(len(w.processing) - w.seceded - w.slots), w.seq))
         asks: dict[str, list[str]] = {}
@@ -1131,6 +1145,7 @@ class SchedulerState:
         self.no_worker.clear()
         for keys in self.clients.values():
             keys.clear()
+        self._overloaded.clear()
         for ws in self.workers.values():
             ws.processing.clear()
             ws.has_what.clear()
@@ -1147,6 +1162,7 @@ class SchedulerState:
         ts.seceded = True
         ts.executing = True
         ws.seceded += 1
+        self._load_changed(ws)
         est = ws.processing.get(ts, 0.0)
         ws.occupancy = max(0.0, ws.occupancy - est)
         if self._has_room(ws):
@@ -1193,6 +1209,9 @@ class SchedulerState:
 
     def validate(self) -> None:
         """Check cross-references (for tests); raises AssertionError on an inconsistency."""
+        for wid, wrec in self.workers.items():
+            assert (wid in self._overloaded) == (len(wrec.processing) - wrec.seceded > wrec.slots), ("overloaded", wid)
+        assert self._overloaded <= set(self.workers), ("overloaded", self._overloaded - set(self.workers))
         for key, ts in self.tasks.items():
             assert ts.key == key
             for w in ts.who_has:
