@@ -18,9 +18,11 @@ the workers, and a task record is forgotten once nothing depends on it (so memor
 runs).  Values lost with a worker are recomputed from lineage if still needed.
 
 Ready tasks wait in one priority heap per resource shape, ordered by user priority, then submission
-order, except that a task submitted while an input of the same user priority is unfinished takes
-that input's place in line (depth first: a result is consumed soon after it is made, instead of
-after every later-submitted task, which keeps data-heavy graphs in memory); a worker takes tasks while it has a free
+order, except that a task submitted while an input of the same user priority *from an earlier
+submission* is still being computed takes that input's place in line (depth first across
+submissions: ``check(f)`` for each ``f`` of an earlier ``map`` runs soon after ``f``, not after every
+other task of that ``map``, which keeps data-heavy work in memory; within one graph the submission
+order is kept, which forecasts and scaling assume); a worker takes tasks while it has a free
 slot or less than ``queue_seconds`` of estimated work queued per slot (so no-op tasks are batched
 deeply and long tasks are not hoarded by one worker).
 
@@ -97,7 +99,8 @@ STEAL_BANDWIDTH = 100e6
 #: one step of user priority outweighs any difference in submission order
 #: a task's priority: ``-user_priority * PRIORITY_STEP + line * LINE + seq`` (lower runs first), where
 #: ``seq`` is its submission number (unique: runs replay exactly) and ``line`` its place in line: its
-#: own ``seq``, or the line of an unfinished input of the same user priority (depth first)
+#: own ``seq``, or the line of an input of the same user priority from an earlier submission that
+#: is still being computed (depth first across submissions)
 PRIORITY_STEP = 1 << 80
 LINE = 1 << 40
 PENDING = frozenset({TS.READY, TS.NO_WORKER})  # runnable now, but on no worker yet: demand
@@ -291,7 +294,7 @@ class SchedulerState:
                     continue
                 ts.deps.append(dep)
                 dep.dependents.add(ts)
-                if dep.state not in (TS.MEMORY, TS.ERRED) and dep.priority < ts.priority and (
+                if dep.state in ACTIVE and dep.priority < ts.priority and (
                         dep.priority // PRIORITY_STEP == ts.priority // PRIORITY_STEP):  # fmt: skip
                     # depth first: it takes its unfinished input's place in line (its own seq stays)
                     ts.priority = dep.priority - dep.priority % LINE + seq
