@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from throughput import machine_info, render_markdown, render_text, write_section  # noqa: E402
+from tidepool.worker.memory import high_water_mark  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MB = 2**20
@@ -44,14 +45,6 @@ def make(i: int, mb: int) -> Any:
 
 def check(a: Any, i: int, mb: int) -> bool:
     return bool(a.size == mb * MB and (a == i % 251).all())
-
-
-def high_water_mark() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_graph(submit_map: Callable[..., list[Any]], gather: Callable[[list[Any]], list[Any]],

@@ -484,20 +484,17 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         of what its ``.compute()`` returns; ``options`` (``resources``, ``retries``, ``priority``,
         ``workers``, ``allow_other_workers``) apply to their tasks.
         """
-        from tidepool.dask.client import _check_options, is_dask_collection
+        from tidepool.dask.client import dask_call
 
-        many = isinstance(collection, (list, tuple))
-        items = list(collection) if many else [collection]
-        if items and all(is_dask_collection(c) for c in items):
-            dfuts = self._dask_compute(items, optimize_graph, _check_options(options, "compute()"))
+        call = dask_call(collection, options, "compute()")
+        if call is not None:
+            items, opts, repack = call
+            dfuts = self._dask_compute(items, optimize_graph, opts)
             if progress:
                 from tidepool.telemetry.progress import show_progress
 
                 show_progress(self, dfuts)
-            return type(collection)(dfuts) if many else dfuts[0]
-        if options:
-            raise ConfigError(f"compute() options {sorted(options)} apply to Dask collections only; "
-                              "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip
+            return repack(dfuts)
         roots: list[Delayed[Any]] = collect(collection, Delayed)
         if not roots:
             raise ConfigError("compute() found no delayed values; build them with @tidepool.task")

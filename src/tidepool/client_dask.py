@@ -103,16 +103,12 @@ class DaskAPI:
         collections with graphs that point at the computed chunks, so later computations reuse
         them; ``options`` (``resources``, ``retries``, ``priority``, ...) apply to their tasks.
         """
-        from tidepool.dask.client import _check_options, is_dask_collection
+        from tidepool.dask.client import dask_call
 
-        many = isinstance(collection, (list, tuple))
-        items = list(collection) if many else [collection]
-        if items and all(is_dask_collection(c) for c in items):
-            out = self._dask_persist(items, optimize_graph, _check_options(options, "persist()"))
-            return type(collection)(out) if many else out[0]
-        if options:
-            raise ConfigError(f"persist() options {sorted(options)} apply to Dask collections only; "
-                              "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip
+        call = dask_call(collection, options, "persist()")
+        if call is not None:
+            items, opts, repack = call
+            return repack(self._dask_persist(items, optimize_graph, opts))
         return self.compute(collection)
 
     def fire_and_forget(self, futures: Any) -> None:

@@ -16,6 +16,7 @@ of your own and one certificate per host for more.
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 import socket
@@ -46,6 +47,7 @@ class TLSConfig:
                 raise ConfigError(f"TLS {name} file {path!r} does not exist; make a CA and certificates with "
                                   "`tidepool certs DIR` (or pass your own PEM files)")  # fmt: skip
 
+    @functools.cache  # noqa: B019 - configs are few and immutable: one context each, reused by every connection
     def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=self.ca)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2

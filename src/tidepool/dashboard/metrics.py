@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from tidepool.dashboard.model import DashboardModel
+from tidepool.dashboard.model import DashboardModel, activity
 
 
 class ModelCollector(Collector):
@@ -27,7 +27,7 @@ class ModelCollector(Collector):
         workers = GaugeMetricFamily("tidepool_workers", "Workers by node type and state", labels=["node_type", "state"])
         counts: dict[tuple[str, str], int] = {}
         for w in st.workers.values():
-            state = w.state if w.state != "running" else ("busy" if w.processing else ("held" if w.has_what else "idle"))
+            state = activity(w)
             counts[(w.node_type, state)] = counts.get((w.node_type, state), 0) + 1
         for (nt, state), n in sorted(counts.items()):
             workers.add_metric([nt, state], n)

@@ -1,12 +1,12 @@
 """What the dashboard and ``/metrics`` show, gathered from the scheduler (no I/O; time passed in).
 
 State: a bounded task stream (the last ``STREAM`` finished or failed tasks, from the scheduler's
-events), running counters (tasks finished/failed, recomputations, launches, retirements, launch
-failures), and a bounded time series of workers per node type and state, pending launches and the
+events), tasks finished and failed per group, and a bounded time series of workers per node type and state, pending launches and the
 completion forecast, one point per :meth:`sample`.  Data flow: the scheduler calls :meth:`observe`
 after every batch of events (cheap: it only appends); the web server calls :meth:`sample` and
 :meth:`view` at most a few times a second, so thousands of tasks a second cost the page nothing
-more than a batch each half second.  Scaling decisions come from the autoscaler's journal.
+more than a batch each half second.  Counters are the scheduler's own; scaling decisions come from
+the autoscaler's journal.
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ GROUP_SCAN_LIMIT = 200_000
 ETA_SCAN_LIMIT = 50_000
 
 
+ACTIVITIES = ("busy", "held", "idle", "starting", "retiring")
+
+
+def activity(w: Any) -> str:
+    """What a worker does, as the page and ``/metrics`` count it: starting / retiring, else busy
+    (tasks on it), held (only data), idle."""
+    if w.state in ("starting", "retiring"):
+        return str(w.state)
+    return "busy" if w.processing else ("held" if w.has_what else "idle")
+
+
 class DashboardModel:
     def __init__(self, scheduler: Any, autoscaler: Callable[[], Any]) -> None:
         self.scheduler = scheduler
@@ -34,8 +45,6 @@ class DashboardModel:
         self.stream: collections.deque[dict[str, Any]] = collections.deque(maxlen=STREAM)
         self.stream_seq = 0
         self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES)
-        self.counters: dict[str, int] = {"tasks_finished": 0, "tasks_failed": 0, "workers_joined": 0,
-                                         "workers_left": 0}  # fmt: skip
         self.loop_lag = 0.0  # seconds the scheduler's loop woke late, last measurement
         self.t0 = scheduler.clock()  # times on the page count from here
         #: tasks finished / failed per group so far (records of finished tasks are forgotten)
@@ -47,14 +56,8 @@ class DashboardModel:
         for e in events:
             if isinstance(e, ev.TaskFinished):
                 self._task(e.key, e.worker, e.now - e.duration, e.duration, True)
-                self.counters["tasks_finished"] += 1
             elif isinstance(e, ev.TaskErred):
                 self._task(e.key, e.worker, e.now, 0.0, False)
-                self.counters["tasks_failed"] += 1
-            elif isinstance(e, ev.WorkerJoin):
-                self.counters["workers_joined"] += 1
-            elif isinstance(e, ev.WorkerRemove):
-                self.counters["workers_left"] += 1
 
     def _task(self, key: str, worker: str, start: float, duration: float, ok: bool) -> None:
         ts = self.scheduler.state.tasks.get(key)
@@ -76,17 +79,8 @@ class DashboardModel:
         st = self.scheduler.state
         by_type: dict[str, dict[str, int]] = {}
         for w in st.workers.values():
-            c = by_type.setdefault(w.node_type, {"busy": 0, "held": 0, "idle": 0, "starting": 0, "retiring": 0})
-            if w.state == "starting":
-                c["starting"] += 1
-            elif w.state == "retiring":
-                c["retiring"] += 1
-            elif w.processing:
-                c["busy"] += 1
-            elif w.has_what:
-                c["held"] += 1
-            else:
-                c["idle"] += 1
+            c = by_type.setdefault(w.node_type, dict.fromkeys(ACTIVITIES, 0))
+            c[activity(w)] += 1
         pending: dict[str, int] = {}
         scaler = self.autoscaler()
         if scaler is not None:
@@ -117,7 +111,7 @@ class DashboardModel:
 
     def workers(self) -> list[dict[str, Any]]:
         st = self.scheduler.state
-        idle_empty = set(st.idle_and_empty()) if hasattr(st, "idle_and_empty") else set()
+        idle_empty = set(st.idle_and_empty())
         now = self.scheduler.clock()
         out = []
         for info in st.worker_info():
@@ -133,7 +127,7 @@ class DashboardModel:
         decisions = [dict(r, i=i) for i, r in enumerate(records) if i >= decisions_after and r.get("kind") in DECISIONS]
         return {
             "now": point["t"], "t0": round(self.t0, 3), "point": point, "counts": self.scheduler.state.task_counts(),
-            "counters": dict(self.counters, **self.scheduler.state.counters), "groups": self.groups(),
+            "counters": dict(self.scheduler.state.counters), "groups": self.groups(),
             "workers": self.workers(), "decisions": decisions[-200:], "decisions_next": len(records),
             "stream": [s for s in self.stream if s["seq"] > stream_after][-500:], "stream_next": self.stream_seq,
             "loop_lag": round(self.loop_lag, 4),

@@ -11,7 +11,7 @@ plain ``x.compute()`` / ``x.persist()`` / ``dask.compute(...)`` run on tidepool.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from tidepool.dask.convert import (
@@ -34,6 +34,21 @@ def _check_options(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(f"{where} got unknown option(s) {', '.join(unknown)}; tidepool takes "
                           f"{', '.join(OPTION_NAMES)} (and progress=True)")  # fmt: skip
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def dask_call(collection: Any, options: dict[str, Any], where: str
+              ) -> tuple[list[Any], dict[str, Any], Callable[[list[Any]], Any]] | None:  # fmt: skip
+    """For ``compute``/``persist``: if ``collection`` is Dask collections (one, or a list/tuple of
+    them), those, the checked ``options`` and how to give results back in its shape; otherwise
+    None, after refusing ``options`` (tidepool tasks carry their own)."""
+    many = isinstance(collection, (list, tuple))
+    items = list(collection) if many else [collection]
+    if items and all(is_dask_collection(c) for c in items):
+        return items, _check_options(options, where), (lambda out: type(collection)(out) if many else out[0])
+    if options:
+        raise ConfigError(f"{where} options {sorted(options)} apply to Dask collections only; "
+                          "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip
+    return None
 
 
 def is_dask_collection(x: Any) -> bool:

@@ -17,6 +17,7 @@ Annotations (``dask.annotate``) and the options given to ``get`` map onto tidepo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,11 +102,8 @@ def materialize(dsk: Any) -> tuple[dict[Hashable, Any], dict[str, dict[Hashable,
     elif isinstance(dsk, Mapping):
         graph = dsk
     elif hasattr(dsk, "__dask_graph__"):
-        if _has_layer_annotations(dsk):
-            with dask.config.set({"optimization.fuse.active": False}):
-                graph = dsk.__dask_graph__()
-                annotations = dict(dsk.__dask_annotations__())
-        else:
+        keep = dask.config.set({"optimization.fuse.active": False}) if _has_layer_annotations(dsk) else None
+        with keep or contextlib.nullcontext():
             graph = dsk.__dask_graph__()
             annotations = dict(dsk.__dask_annotations__())
     else:

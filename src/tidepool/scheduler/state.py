@@ -519,8 +519,7 @@ class SchedulerState:
             self._schedule_heaps(out, deferred)
         finally:
             for ts in deferred:  # back in line, in their old places: they wait for their holders
-                heapq.heappush(self._ready[ts.shape] if ts.shape in self._ready else self._ready.setdefault(ts.shape, []),
-                               (ts.priority, ts.ready_seq, ts))  # fmt: skip
+                heapq.heappush(self._ready.setdefault(ts.shape, []), (ts.priority, ts.ready_seq, ts))
 
     def _schedule_heaps(self, out: list[ev.Command], deferred: list[TaskRecord]) -> None:
         ready = self._ready

@@ -122,10 +122,10 @@ class Worker:
         self.heartbeat_interval = heartbeat_interval
         self.memory_limit = resolve_limit(memory_limit, res, memory_share)
         self.memory_thresholds = memory_thresholds or MemoryThresholds()
-        self._spill_parent = spill_dir
         self.monitor: MemoryMonitor | None = None
         self.paused = False
         self._trimmed = 0.0
+        self._proc = psutil.Process()
         self.exit_reason = ""  # "memory" when the worker stopped itself over its memory limit
         #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
         self.restartable = restartable
@@ -681,11 +681,11 @@ class Worker:
     def _metrics(self) -> dict[str, Any]:
         store = self.data
         monitor = self.monitor
-        rss = monitor.sample() if monitor is not None else _rss()
+        rss = monitor.sample() if monitor is not None else _rss(self._proc)
         return {"rss": rss, "keys": len(store), "bytes": sum(self.nbytes.values()),
                 "spilled": store.spilled_bytes if isinstance(store, SpillStore) else 0,
                 "spilled_total": store.spilled_total if isinstance(store, SpillStore) else 0,
-                "peak_rss": monitor.peak_rss if monitor is not None else rss, "memory_limit": self.memory_limit,
+                "peak_rss": monitor.peak() if monitor is not None else rss, "memory_limit": self.memory_limit,
                 "paused": self.paused, "running": len(self.running), "queued": len(self.queue),
                 "time": time.time()}  # fmt: skip
 
@@ -704,9 +704,9 @@ class Worker:
                 await self.conn.send({"op": "heartbeat", "metrics": self._metrics()})
 
 
-def _rss() -> int:
+def _rss(proc: psutil.Process) -> int:
     try:
-        return int(psutil.Process().memory_info().rss)
+        return int(proc.memory_info().rss)
     except psutil.Error:
         return 0
 

@@ -137,8 +137,12 @@ class MemoryMonitor:
         except psutil.Error:
             return self.rss
         self.rss = rss
-        self.peak_rss = max(self.peak_rss, rss, high_water_mark())
+        self.peak_rss = max(self.peak_rss, rss)
         return rss
+
+    def peak(self) -> int:
+        """The highest RSS: sampled, or the kernel's high-water mark (read here, when reported)."""
+        return max(self.peak_rss, high_water_mark())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
