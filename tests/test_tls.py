@@ -8,7 +8,6 @@ import asyncio
 import ssl
 import stat
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -61,10 +60,9 @@ def test_a_whole_cluster_over_tls(certs: TLSConfig) -> None:
 
 def test_wrong_ca_plain_tcp_and_missing_token_are_refused(certs: TLSConfig, other_ca: TLSConfig) -> None:
     with tidepool.LocalCluster(n_workers=0, tls=certs) as cluster:
-        t0 = time.monotonic()
+        # "TLS with ... failed" is the at-once refusal; running out of time says "within 10s"
         with pytest.raises(ConnectionLostError, match="TLS with .* failed"):
             tidepool.Client(cluster.address, token=cluster.token, tls=other_ca, timeout=10)
-        assert time.monotonic() - t0 < 5  # refused at once, not after the timeout
         plain = cluster.address.replace("tls://", "tcp://")
         with pytest.raises(ConnectionLostError, match="tls://"):
             tidepool.Client(plain, token=cluster.token, timeout=2)
@@ -90,10 +88,8 @@ def test_a_peer_without_a_client_certificate_is_refused(certs: TLSConfig) -> Non
             await asyncio.wait_for(reader.readexactly(1), 5)
         # and a TLS client meeting a plain-TCP server fails at once
         plain = await listen("tcp://127.0.0.1:0", handler, "0" * 64)  # type: ignore[arg-type]
-        t0 = time.monotonic()
-        with pytest.raises(ConnectionLostError, match="TLS with"):
+        with pytest.raises(ConnectionLostError, match="TLS with"):  # not "could not connect ... within 8.0s"
             await connect(plain.address.replace("tcp://", "tls://"), "0" * 64, timeout=8, tls=certs)
-        assert time.monotonic() - t0 < 5
         await listener.close()
         await plain.close()
 
