@@ -92,7 +92,8 @@ class TidepoolBackend:
 
             from tidepool.comm.tls import make_certs
 
-            cfg = make_certs(tempfile.mkdtemp(prefix="tidepool-bench-certs-"))
+            self._certs = tempfile.mkdtemp(prefix="tidepool-bench-certs-")  # removed by close()
+            cfg = make_certs(self._certs)
         self.cluster = tidepool.LocalCluster(n_workers=2, slots=1, tls=cfg, dashboard=self.dashboard)
         self._page: threading.Thread | None = None
         if self.dashboard:  # a page open all along: read the live stream as a browser would
@@ -126,6 +127,10 @@ class TidepoolBackend:
     def close(self) -> None:
         self.client.close()
         self.cluster.close()
+        if self.tls:
+            import shutil
+
+            shutil.rmtree(self._certs, ignore_errors=True)
 
 
 class DaskBackend:

@@ -45,6 +45,8 @@ def test_killed_worker_temp_dir_is_removed_once_the_provider_sees_it_exit(tmp_pa
         assert temp_dirs(tmp_path, victim) == []
         assert temp_dirs(tmp_path, survivor)  # the live worker's directory stays
         assert all(d.is_dir() for d in decoys)
+        left = {n for n in os.listdir(tmp_path) if n.startswith(f"tidepool-{victim}")} - {d.name for d in decoys}
+        assert left == set()  # nothing else of the victim either (its spill directory is inside its own)
 
 
 def test_close_removes_the_temp_dirs_of_every_worker_it_started() -> None:

@@ -135,8 +135,12 @@ class Worker:
         self._initial_setups: list[list[Any]] = []
         self.data: MutableMapping[str, Any] = {}
         if self.memory_limit:
-            spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-spill-", dir=spill_dir))
-            atexit.register(shutil.rmtree, spill, True)
+            # inside the worker's own temp directory by default, so whatever removes that (close,
+            # exit, the local provider after a SIGKILL) removes spilled values too
+            spill = self.setup_dir / ".spill"
+            if spill_dir:
+                spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-", dir=spill_dir))
+                atexit.register(shutil.rmtree, spill, True)
             self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target)
         self.nbytes: dict[str, int] = {}
         self.functions: dict[str, Any] = {}
