@@ -122,3 +122,16 @@ def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
         assert not errors, errors
     finally:
         browser.quit()
+
+
+def test_without_the_extra_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import threading
+
+    from tidepool.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    threads = threading.active_count()
+    with pytest.raises(ConfigError, match=r"pip install 'tidepool\[dashboard\]'"):
+        tidepool.LocalCluster(n_workers=0, dashboard=True)
+    assert threading.active_count() == threads  # no scheduler loop left running

@@ -96,7 +96,12 @@ class LocalCluster(ClosesOnExit):
             from tidepool.dashboard import start_dashboard
 
             where = dashboard if isinstance(dashboard, str) else f"{host}:0"
-            self.dashboard = self._loop.run(start_dashboard(self.scheduler, where, lambda: self.autoscaler))
+            try:
+                self.dashboard = self._loop.run(start_dashboard(self.scheduler, where, lambda: self.autoscaler))
+            except BaseException:  # e.g. the extra is not installed: leave no scheduler running
+                self._loop.run(self.scheduler.close(), timeout=10)
+                self._loop.stop()
+                raise
             self.dashboard_link = self.dashboard.link
             print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
         # each worker's memory limit: memory_limit, else its node type's memory, else this machine's

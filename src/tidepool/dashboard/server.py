@@ -18,7 +18,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tidepool.dashboard.metrics import registry_for, render
 from tidepool.dashboard.model import DashboardModel
 from tidepool.dashboard.page import PAGE
 from tidepool.errors import ConfigError
@@ -29,6 +28,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _require_aiohttp() -> Any:
     try:
+        import prometheus_client  # noqa: F401 - only checked here; metrics.py uses it
         from aiohttp import web
     except ImportError:
         raise ConfigError("the dashboard needs aiohttp and prometheus_client: pip install 'tidepool[dashboard]'") from None
@@ -39,6 +39,8 @@ class Dashboard:
     def __init__(self, scheduler: Any, autoscaler: Callable[[], Any], host: str = "127.0.0.1", port: int = 0,
                  interval: float = 0.5, require_token: bool | None = None) -> None:  # fmt: skip
         _require_aiohttp()
+        from tidepool.dashboard.metrics import registry_for
+
         self.scheduler = scheduler
         self.model = DashboardModel(scheduler, autoscaler)
         self.registry = registry_for(self.model)
@@ -126,6 +128,8 @@ class Dashboard:
         return self._web().json_response(self.model.history(), dumps=_dumps)
 
     async def _metrics(self, request: Any) -> Any:
+        from tidepool.dashboard.metrics import render
+
         web = self._web()
         return web.Response(body=render(self.registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
