@@ -20,6 +20,7 @@ import pytest
 
 import tidepool.comm.auth as auth
 from tidepool.comm import Connection, connect, listen, serialize
+from tidepool.comm.admission import PLAIN_PREAMBLE
 from tidepool.comm.core import _memory_connect
 from tidepool.comm.frames import EXT_SERIALIZED, FrameDecoder, encode
 from tidepool.comm.serialize import Serialized
@@ -39,6 +40,13 @@ PREFIX = struct.Struct("!II")
 LEN = struct.Struct("!Q")
 EXT = struct.Struct("!iII")
 
+
+
+async def open_plain(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw TCP connection that introduces itself the way a plain tidepool dialer does."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(PLAIN_PREAMBLE)
+    return reader, writer
 
 def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
     async def main() -> Any:
@@ -212,6 +220,7 @@ def test_client_refuses_a_server_that_does_not_know_the_token() -> None:
         replied = asyncio.Event()
 
         async def fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            assert await reader.readexactly(len(PLAIN_PREAMBLE)) == PLAIN_PREAMBLE
             writer.write(b"".join(encode({"op": "challenge", "nonce": b"n" * 32, "v": 1}, False)))
             msg = await read_frame(reader)
             seen.append(msgpack.packb(msg))
@@ -242,8 +251,8 @@ def test_replayed_answer_from_another_connection_is_rejected() -> None:
         lst = await listen("tcp://127.0.0.1:0", server.handler, TOKEN)
         host, port = tcp_host_port(lst.address)
         try:
-            r1, w1 = await asyncio.open_connection(host, port)
-            r2, w2 = await asyncio.open_connection(host, port)
+            r1, w1 = await open_plain(host, port)
+            r2, w2 = await open_plain(host, port)
             ch1, ch2 = await read_frame(r1), await read_frame(r2)
             assert ch1["op"] == ch2["op"] == "challenge"
             assert len(ch1["nonce"]) == 32 and ch1["nonce"] != ch2["nonce"]
@@ -293,7 +302,7 @@ def test_garbage_handshake_closes_only_that_connection(garbage: bytes) -> None:
         host, port = tcp_host_port(lst.address)
         try:
             good = await connect(lst.address, TOKEN, timeout=T)
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await open_plain(host, port)
             writer.write(garbage)
             assert await closed_by_peer(reader), "server kept a garbage-talking peer open"
             writer.close()
@@ -334,7 +343,7 @@ def test_silent_peers_do_not_block_other_clients() -> None:
         lst = await listen("tcp://127.0.0.1:0", server.handler, TOKEN)
         host, port = tcp_host_port(lst.address)
         try:
-            silent = [await asyncio.open_connection(host, port) for _ in range(5)]
+            silent = [await open_plain(host, port) for _ in range(5)]
             # the listener speaks first; every silent peer got its challenge ...
             for reader, _ in silent:
                 assert (await read_frame(reader))["op"] == "challenge"
@@ -366,7 +375,7 @@ def test_server_closes_a_peer_that_never_answers_the_challenge(
         lst = await listen("tcp://127.0.0.1:0", server.handler, TOKEN)
         host, port = tcp_host_port(lst.address)
         try:
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await open_plain(host, port)
             assert await closed_by_peer(reader, timeout=T), "no handshake timeout on the server"
             writer.close()
             assert server.served == []
@@ -439,7 +448,7 @@ def test_unauthenticated_peer_cannot_get_a_pickle_unpickled(
         host, port = tcp_host_port(lst.address)
         try:
             good = await connect(lst.address, TOKEN, timeout=T)
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await open_plain(host, port)
             if read_challenge_first:
                 assert (await read_frame(reader))["op"] == "challenge"
             writer.write(frame)

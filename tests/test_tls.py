@@ -64,8 +64,9 @@ def test_wrong_ca_plain_tcp_and_missing_token_are_refused(certs: TLSConfig, othe
         with pytest.raises(ConnectionLostError, match="TLS with .* failed"):
             tidepool.Client(cluster.address, token=cluster.token, tls=other_ca, timeout=10)
         plain = cluster.address.replace("tls://", "tcp://")
-        with pytest.raises(ConnectionLostError, match="tls://"):
-            tidepool.Client(plain, token=cluster.token, timeout=2)
+        # told at once, by the listener itself (a timeout would say "no handshake answer ... within")
+        with pytest.raises(ConnectionLostError, match=r"refused the connection: .* speaks TLS: connect to it as tls://"):
+            tidepool.Client(plain, token=cluster.token, timeout=10)
         with pytest.raises(ConfigError, match="no TLS configuration"):
             tidepool.Client(cluster.address, token=cluster.token, timeout=2)
         with pytest.raises(AuthenticationError):
@@ -141,3 +142,44 @@ def test_ssh_and_slurm_providers_hand_the_certificates_to_their_workers(certs: T
 
     ssh = SSHProvider(["127.0.0.1"], tls=certs)
     assert ssh.env["TIDEPOOL_TLS_CA"] == str(Path(certs.ca).resolve())  # exported on the remote side
+
+
+def test_idle_sockets_on_a_tls_port_cost_kilobytes_like_plain_tcp(certs: TLSConfig) -> None:
+    """Issue 29: an idle socket on a tls:// port held asyncio's TLS buffers (~261 KiB each: 2,000
+    of them grew the scheduler from 33 to 764 MiB).  Now TLS starts only when a ClientHello arrives."""
+    import gc
+    import socket
+    import tracemalloc
+
+    async def main() -> float:
+        async def handler(conn: object) -> None:
+            raise AssertionError("nobody authenticates here")
+
+        lst = await listen("tls://127.0.0.1:0", handler, "0" * 64, tls=certs)  # type: ignore[arg-type]
+        host, port = lst.address.removeprefix("tls://").rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        socks = []
+        try:
+            gc.collect()
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(200):
+                s = socket.socket()
+                s.setblocking(False)
+                await loop.sock_connect(s, (host, int(port)))
+                socks.append(s)
+            for _ in range(500):
+                if lst.handshaking == 200:
+                    break
+                await asyncio.sleep(0.01)
+            assert lst.handshaking == 200
+            held = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+            return held / 200
+        finally:
+            for s in socks:
+                s.close()
+            await lst.close()
+
+    per_conn = asyncio.run(main())
+    assert per_conn < 48 * 1024, f"{per_conn / 1024:.0f} KiB per idle TLS connection"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tidepool.comm import Connection, Listener, connect, core, listen, serialize
+from tidepool.comm.admission import PLAIN_PREAMBLE
 from tidepool.comm.core import SMALL_FRAME, WRITE_CHUNK, TCPConnection, parse_address
 from tidepool.comm.serialize import Serialized
 from tidepool.errors import (
@@ -518,6 +519,7 @@ def test_listener_close_also_closes_connections_still_in_the_handshake() -> None
         lst = await listen("tcp://127.0.0.1:0", echo, TOKEN)
         host, port = lst.address.removeprefix("tcp://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(PLAIN_PREAMBLE)  # a plain tidepool dialer's first bytes
         await asyncio.wait_for(reader.read(1), T)  # the challenge has started to arrive
         await lst.close()
         try:

@@ -17,7 +17,7 @@ import secrets
 import stat
 from typing import TYPE_CHECKING
 
-from tidepool.errors import AuthenticationError, ConfigError, ProtocolError
+from tidepool.errors import AuthenticationError, ConfigError, ConnectionLostError, ProtocolError
 
 if TYPE_CHECKING:
     from tidepool.comm.core import Connection
@@ -129,6 +129,9 @@ async def server_handshake(conn: Connection, token: str) -> dict:
 async def client_handshake(conn: Connection, token: str, hello: dict | None = None) -> None:
     """Run the dialer side; raises :class:`AuthenticationError` on a token mismatch."""
     msg = await _recv(conn)
+    if msg.get("op") == "refused":  # e.g. a plain-TCP dialer on a TLS port: told at once
+        conn.close()
+        raise ConnectionLostError(f"{conn.peer} refused the connection: {msg.get('reason')}")
     if msg.get("op") != "challenge" or not isinstance(msg.get("nonce"), bytes):
         raise ProtocolError(f"{conn.peer} did not send a tidepool challenge")
     nonce = msg["nonce"]

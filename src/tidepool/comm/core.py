@@ -19,11 +19,13 @@ import contextlib
 import functools
 import itertools
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tidepool.comm.auth import client_handshake, server_handshake
+from tidepool.comm.admission import PLAIN_PREAMBLE, TLS_HANDSHAKE_RECORD, PendingTable
+from tidepool.comm.auth import HANDSHAKE_TIMEOUT, client_handshake, server_handshake
 from tidepool.comm.frames import DEFAULT_MAX_FRAME, PREAUTH_MAX_FRAME, FrameDecoder, encode
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
@@ -305,15 +307,28 @@ class MemoryConnection(Connection):
 Handler = Callable[[Connection], Awaitable[None]]
 
 
-#: connections allowed to be authenticating at once; more are closed at once (a flood of idle
-#: connections costs a bounded amount: each holds a small buffer until its handshake times out)
+#: connections allowed to be pending (not yet authenticated) at once, and from one source address;
+#: past either limit the oldest pending connection gives way (see ``admission.py``)
 MAX_PENDING_HANDSHAKES = 1024
+MAX_PENDING_PER_SOURCE = 256
+#: connections allowed to be inside a TLS handshake at once (each costs asyncio ~256 KiB of buffers)
+MAX_PENDING_TLS = 64
+#: seconds a pending connection may take once the table is half full (else the handshake timeout)
+PRESSURE_DEADLINE = 2.0
 #: refused connections logged one by one per minute; the rest are counted in one line
 REJECT_LOG_BURST = 10
+#: seconds between two log lines about failing accepts (e.g. "Too many open files")
+ACCEPT_ERROR_LOG_INTERVAL = 10.0
 
 
 class Listener:
-    """An accepting endpoint; each authenticated connection is handed to ``handler``."""
+    """An accepting endpoint; each authenticated connection is handed to ``handler``.
+
+    TCP and TLS share one accept loop: an accepted socket costs a file descriptor and a small task
+    until it has sent its first bytes (nothing is allocated for an idle one, TLS included), then a
+    TLS ClientHello gets a TLS transport, tidepool's plain preamble a plain one, and a plain peer
+    on a TLS port is told so at once instead of waiting for a timeout.
+    """
 
     def __init__(self, address: str, handler: Handler, token: str, max_frame: int,
                  tls: TLSConfig | None = None) -> None:  # fmt: skip
@@ -323,14 +338,32 @@ class Listener:
         self.token = token
         self.max_frame = max_frame
         self.address = ""
-        self._server: asyncio.AbstractServer | None = None
+        self._lsock: socket.socket | None = None
+        self._ctx: ssl.SSLContext | None = None
+        self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[Connection] = set()
-        self.handshaking = 0  # connections that have not authenticated yet
-        self.refused = 0  # connections closed at once: too many were handshaking
+        self._keys = itertools.count()
+        self._pending = PendingTable(MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE,
+                                     HANDSHAKE_TIMEOUT, PRESSURE_DEADLINE)  # fmt: skip
+        self._pending_tls = PendingTable(MAX_PENDING_TLS, MAX_PENDING_TLS, HANDSHAKE_TIMEOUT, PRESSURE_DEADLINE)
+        self._refused_other = 0  # refused for what they sent, or because nothing may be pending
         self._reject_window = -1e9
         self._reject_logged = 0
         self._reject_quiet = 0
+        self._accept_errors = 0
+        self._accept_error_logged = -1e9
+
+    @property
+    def refused(self) -> int:
+        """Connections closed before authenticating: evicted (oldest first), or refused for what
+        they sent."""
+        return self._pending.evicted + self._refused_other
+
+    @property
+    def handshaking(self) -> int:
+        """Connections that have not authenticated yet."""
+        return len(self._pending)
 
     async def start(self) -> Listener:
         scheme, host, port = parse_address(self.requested)
@@ -341,20 +374,143 @@ class Listener:
             _memory_listeners[name] = self
             self.address = f"memory://{name}"
             return self
-        loop = asyncio.get_running_loop()
-        ctx = resolve_tls(self.tls, self.requested).server_context() if scheme == "tls" else None
-        self._server = await loop.create_server(
-            lambda: _TCPProtocol(self._new_tcp()), host, port, reuse_address=True, ssl=ctx,
-            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if ctx is not None else None,
-        )
-        sockname = self._server.sockets[0].getsockname()
-        self.address = f"{scheme}://{host if host not in ('0.0.0.0', '') else sockname[0]}:{sockname[1]}"
+        self._ctx = resolve_tls(self.tls, self.requested).server_context() if scheme == "tls" else None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        lsock = socket.create_server((host, port), family=family, backlog=1024)
+        lsock.setblocking(False)
+        self._lsock = lsock
+        sockname = lsock.getsockname()
+        shown = host if host not in ("0.0.0.0", "") else sockname[0]
+        if ":" in shown:
+            shown = f"[{shown}]"
+        self.address = f"{scheme}://{shown}:{sockname[1]}"
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
         return self
 
-    def _new_tcp(self) -> TCPConnection:
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as exc:
+                if lsock.fileno() < 0:
+                    return
+                self._note_accept_error(loop.time(), exc)
+                await asyncio.sleep(0.1)  # out of file descriptors: give closes a chance
+                continue
+            sock.setblocking(False)
+            source = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            self._spawn_tcp(sock, source)
+
+    def _note_accept_error(self, now: float, exc: OSError) -> None:
+        """One line per interval with a count, never one traceback per failed accept."""
+        self._accept_errors += 1
+        if now - self._accept_error_logged >= ACCEPT_ERROR_LOG_INTERVAL:
+            log.error("accepting connections on %s fails: %s (%d times since the last report); new "
+                      "peers wait until it recovers (raise `ulimit -n` if it is out of file descriptors)",
+                      self.address, exc, self._accept_errors)  # fmt: skip
+            self._accept_errors = 0
+            self._accept_error_logged = now
+
+    def _spawn_tcp(self, sock: socket.socket, source: str) -> None:
+        key = next(self._keys)
+        task = asyncio.get_running_loop().create_task(self._admit(key, sock, source))
+        if not self._pending.add(key, source, task.cancel):
+            self._refused_other += 1
+            self._note_rejected(source, f"no connection may be pending (limit {self._pending.limit})")
+            task.cancel()
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _admit(self, key: int, sock: socket.socket, source: str) -> None:
+        """Sniff, secure and authenticate one accepted socket; then serve it."""
+        conn: TCPConnection | None = None
+        try:
+            async with asyncio.timeout(self._pending.deadline()):
+                conn = await self._secure(key, sock, source)
+                if conn is None:
+                    return
+                self._conns.add(conn)
+                conn.info = await server_handshake(conn, self.token)
+        except asyncio.CancelledError:
+            if conn is not None:
+                conn.close()
+            with contextlib.suppress(OSError):
+                sock.close()
+            raise
+        except TimeoutError:
+            self._note_rejected(source, "no handshake in time")
+            self._close(conn, sock)
+            return
+        except ConnectionLostError as exc:
+            log.info("connection from %s closed during the handshake: %s", source, exc)
+            self._close(conn, sock)
+            return
+        except (CommError, OSError, ssl.SSLError) as exc:
+            self._note_rejected(source, exc)
+            self._close(conn, sock)
+            return
+        finally:
+            self._pending.remove(key)
+        try:
+            await self.handler(conn)
+        except ConnectionLostError:
+            pass
+        except Exception:
+            log.exception("handler for %s failed", conn.peer)
+        finally:
+            conn.close()
+            self._conns.discard(conn)
+
+    def _close(self, conn: Connection | None, sock: socket.socket) -> None:
+        if conn is not None:
+            conn.close()
+            self._conns.discard(conn)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    async def _secure(self, key: int, sock: socket.socket, source: str) -> TCPConnection | None:
+        """The connection's transport, by its first bytes; None when it was closed instead."""
+        loop = asyncio.get_running_loop()
+        first = await _peek_first(loop, sock, len(PLAIN_PREAMBLE))
+        if not first:
+            with contextlib.suppress(OSError):
+                sock.close()
+            return None
         conn = TCPConnection(self.max_frame)
-        self._spawn(conn)
+        if first[0] == TLS_HANDSHAKE_RECORD:
+            if self._ctx is None:  # a TLS client on a plain port: its handshake fails at once
+                self._refuse(sock, source, "a TLS ClientHello on a plain tcp:// port")
+                return None
+            tls_key = next(self._keys)
+            self._pending_tls.add(tls_key, source, functools.partial(_cancel_current, asyncio.current_task()))
+            try:
+                await loop.connect_accepted_socket(
+                    lambda: _TCPProtocol(conn), sock, ssl=self._ctx, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT
+                )
+            finally:
+                self._pending_tls.remove(tls_key)
+            return conn
+        if not first.startswith(PLAIN_PREAMBLE):
+            self._refuse(sock, source, f"it is not a tidepool peer (first bytes {first!r})")
+            return None
+        sock.recv(len(PLAIN_PREAMBLE))  # consume the preamble: the frames follow
+        await loop.connect_accepted_socket(lambda: _TCPProtocol(conn), sock)
+        if self._ctx is not None:  # a plain tidepool peer on a TLS port: say so, then close
+            with contextlib.suppress(CommError, OSError):
+                await conn.send({"op": "refused", "reason": (
+                    f"{self.address} speaks TLS: connect to it as {self.address} with the cluster's "
+                    "certificates (tidepool --tls-ca-file/--tls-cert/--tls-key or TLSConfig)")})  # fmt: skip
+            self._refused_other += 1
+            conn.close()
+            return None
         return conn
+
+    def _refuse(self, sock: socket.socket, source: str, why: str) -> None:
+        self._refused_other += 1
+        self._note_rejected(source, why)
+        with contextlib.suppress(OSError):
+            sock.close()
 
     def _note_rejected(self, peer: str, why: object) -> None:
         """Log refused connections without letting a flood of them flood the log: the first
@@ -372,65 +528,73 @@ class Listener:
             self._reject_quiet += 1
 
     def _spawn(self, conn: Connection) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(conn))
+        """Serve an in-memory connection (TCP ones come through the accept loop)."""
+        task = asyncio.get_running_loop().create_task(self._serve_memory(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: Connection) -> None:
+    async def _serve_memory(self, conn: Connection) -> None:
         self._conns.add(conn)
         try:
-            await self._serve_one(conn)
+            await asyncio.sleep(0)  # let the in-memory peer finish connecting
+            try:
+                conn.info = await server_handshake(conn, self.token)
+            except ConnectionLostError as exc:
+                log.info("connection from %s closed during the handshake: %s", conn.peer, exc)
+                return
+            except (CommError, OSError) as exc:
+                self._note_rejected(conn.peer, exc)
+                return
+            try:
+                await self.handler(conn)
+            except ConnectionLostError:
+                pass
+            except Exception:
+                log.exception("handler for %s failed", conn.peer)
         finally:
             self._conns.discard(conn)
             conn.close()
 
-    async def _serve_one(self, conn: Connection) -> None:
-        if isinstance(conn, TCPConnection):
-            # plain TCP: connection_made has run; TLS: it runs once the TLS handshake is done (or never)
-            if not await conn.wait_made(TLS_HANDSHAKE_TIMEOUT + 1.0):
-                conn.close()
-                return
-        else:
-            await asyncio.sleep(0)  # let the in-memory peer finish connecting
-        if self.handshaking >= MAX_PENDING_HANDSHAKES:
-            self.refused += 1
-            self._note_rejected(conn.peer, f"{self.handshaking} connections are authenticating already "
-                                           f"(limit {MAX_PENDING_HANDSHAKES})")  # fmt: skip
-            conn.close()
-            return
-        self.handshaking += 1
-        try:
-            conn.info = await server_handshake(conn, self.token)
-        except ConnectionLostError as exc:
-            log.info("connection from %s closed during the handshake: %s", conn.peer, exc)
-            conn.close()
-            return
-        except (CommError, OSError) as exc:
-            self._note_rejected(conn.peer, exc)
-            conn.close()
-            return
-        finally:
-            self.handshaking -= 1
-        try:
-            await self.handler(conn)
-        except ConnectionLostError:
-            pass
-        except Exception:
-            log.exception("handler for %s failed", conn.peer)
-        finally:
-            conn.close()
-
     async def close(self) -> None:
         _memory_listeners.pop(self.address.removeprefix("memory://"), None)
-        if self._server is not None:
-            self._server.close()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
         for conn in list(self._conns):  # handshaking or serving: close them all first
             conn.close()
         for t in list(self._tasks):
             t.cancel()
-        if self._server is not None:
+        if self._tasks:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+                await asyncio.wait(list(self._tasks), timeout=2)
+
+
+def _cancel_current(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.cancel()
+
+
+async def _peek_first(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    """The first up to ``n`` bytes the peer sent, left in the socket; b"" once it closed.  Waits
+    while what arrived is a strict prefix of the plain preamble (it may come in two pieces)."""
+    while True:
+        fut: asyncio.Future[None] = loop.create_future()
+        fd = sock.fileno()
+        loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
+        try:
+            data = sock.recv(n, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            continue
+        except OSError:
+            return b""
+        if not data or len(data) >= n or not PLAIN_PREAMBLE.startswith(data):
+            return data
+        await asyncio.sleep(0.01)
 
 
 _memory_listeners: dict[str, Listener] = {}
@@ -478,6 +642,8 @@ async def connect(
                     max(0.1, deadline - loop.time()),
                 )
                 tcp.peer = f"{scheme}://{host}:{port}"
+                if ctx is None and tcp.transport is not None:
+                    tcp.transport.write(PLAIN_PREAMBLE)  # tells the listener this is a plain tidepool peer
                 conn = tcp
             break
         except ssl.SSLError as exc:  # a certificate problem does not go away by retrying
