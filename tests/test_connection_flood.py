@@ -72,9 +72,9 @@ def test_past_the_pending_limit_the_oldest_pending_connection_gives_way(monkeypa
         lst = await listen("tcp://127.0.0.1:0", nothing, TOKEN)
         try:
             socks = []
-            for _ in range(20):  # one at a time, so "oldest" is well defined
+            for n in range(1, 21):  # one at a time, so "oldest" is well defined
                 socks += await open_idle(lst.address, 1)
-                await settle(lambda n=len(socks): lst.handshaking + lst.refused == n, "the listener to see it")
+                await settle(lambda n=n: lst.handshaking + lst.refused == n, "the listener to see it")
             await settle(lambda: lst.refused == 15, "15 evictions")
             loop = asyncio.get_running_loop()
             closed = []
@@ -175,3 +175,48 @@ def test_refusals_are_logged_a_few_at_a_time(monkeypatch: pytest.MonkeyPatch, ca
     assert len(lines) == core.REJECT_LOG_BURST
 
 
+
+
+FD_CHILD = """
+import asyncio, logging, os, resource, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+from tidepool.comm import listen
+
+async def handler(conn):
+    await conn.recv()
+
+async def main():
+    lst = await listen("tcp://127.0.0.1:0", handler, "t" * 64)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(lst.address, flush=True)
+    await asyncio.sleep(float(sys.argv[1]))  # the accept loop retries every 0.1 s: ~30 failures
+    await lst.close()
+
+asyncio.run(main())
+"""
+
+
+def test_running_out_of_file_descriptors_is_reported_once_per_interval_without_tracebacks() -> None:
+    """Issue 32: at file-descriptor exhaustion every failed accept logged a traceback (thousands in
+    seconds).  Now: one line per interval, with a count, naming `ulimit -n`."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", FD_CHILD, "3"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        assert child.stdout is not None
+        host, port = child.stdout.readline().strip().removeprefix("tcp://").rsplit(":", 1)
+        for _ in range(60):  # far more than the child can accept
+            socks.append(socket.create_connection((host, int(port)), timeout=5))
+        _, err = child.communicate(timeout=60)
+    finally:
+        for s in socks:
+            s.close()
+        if child.poll() is None:
+            child.kill()
+    lines = [ln for ln in err.splitlines() if "Too many open files" in ln]
+    assert 1 <= len(lines) <= 2, err[-3000:]
+    assert "ulimit -n" in lines[0]
+    assert "Traceback" not in err, err[-3000:]

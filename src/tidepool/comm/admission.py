@@ -33,7 +33,7 @@ TLS_HANDSHAKE_RECORD = 0x16
 @dataclass
 class _Entry:
     source: str
-    close: Callable[[], None]
+    close: Callable[[], object]
 
 
 @dataclass
@@ -55,7 +55,7 @@ class PendingTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, key: int, source: str, close: Callable[[], None]) -> bool:
+    def add(self, key: int, source: str, close: Callable[[], object]) -> bool:
         """Admit ``key``; False (and nothing is added) when the table admits nothing at all."""
         if self.limit <= 0 or self.per_source <= 0:
             return False

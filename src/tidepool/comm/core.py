@@ -415,6 +415,8 @@ class Listener:
     def _spawn_tcp(self, sock: socket.socket, source: str) -> None:
         key = next(self._keys)
         task = asyncio.get_running_loop().create_task(self._admit(key, sock, source))
+        # a task cancelled before its first step never runs its body: close the socket here too
+        task.add_done_callback(functools.partial(_close_if_cancelled, sock))
         if not self._pending.add(key, source, task.cancel):
             self._refused_other += 1
             self._note_rejected(source, f"no connection may be pending (limit {self._pending.limit})")
@@ -570,6 +572,17 @@ class Listener:
                 await asyncio.wait(list(self._tasks), timeout=2)
 
 
+def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _cancel_current(task: asyncio.Task[Any] | None) -> None:
     if task is not None:
         task.cancel()
@@ -581,7 +594,7 @@ async def _peek_first(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
     while True:
         fut: asyncio.Future[None] = loop.create_future()
         fd = sock.fileno()
-        loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        loop.add_reader(fd, _set_once, fut)
         try:
             await fut
         finally:
