@@ -251,3 +251,50 @@ def test_only_the_worker_running_a_task_may_report_its_input_missing() -> None:
     d.finish(holder, "b")
     assert d.status() == {"a": "memory", "b": "memory"}
     d.state.validate()
+
+
+def test_a_silent_holder_is_suspect_not_dead_and_trusted_again_when_it_answers() -> None:
+    """Issue 29: a fetch from the holder of the only copy stalled (no FIN, no bytes).  The copy is
+    dropped and recomputed elsewhere, the holder gets no new work while it is suspect, it is not
+    removed, and a heartbeat from it makes it a normal worker again."""
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.run_until_idle()
+    holder, other = "w1", "w2"
+    d.add_worker(other, {"cpu": 1.0, "gpu": 1.0})
+    d.submit([("b", ["a"], {"gpu": 1})], ["b"])  # only w2 can run it: it must fetch a from w1
+    ts = d.state.tasks["b"]
+    assert ts.state == "running" and ts.worker == other
+    d.running[other].remove("b")
+    d.send(ev.MissingData(other, "b", "a", holder, d.clock(), "sent nothing for 30s", silent=True))
+    ws = d.state.workers[holder]
+    assert ws.suspect and ws.state == "running"  # suspect, not removed
+    d.run_until_idle()
+    assert d.status()["a"] == "memory" and d.status()["b"] == "memory"
+    assert d.state.tasks["a"].who_has == {other}  # recomputed on the worker that answers
+    # new work goes only to the worker that answers, while the holder is suspect
+    d.submit([(f"c-{i}", []) for i in range(4)], [f"c-{i}" for i in range(4)])
+    assert all(d.state.tasks[f"c-{i}"].worker != holder for i in range(4))
+    d.run_until_idle()
+    d.send(ev.Heartbeat(holder, d.clock(), {}))
+    assert not ws.suspect and d.state.counters["trusted_again"] == 1
+    d.submit([(f"e-{i}", []) for i in range(6)], [f"e-{i}" for i in range(6)])
+    assert any(d.state.tasks[f"e-{i}"].worker == holder for i in range(6))
+    d.state.validate()
+
+
+def test_a_copy_that_could_not_be_fetched_for_other_reasons_does_not_make_its_holder_suspect() -> None:
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    for _ in range(20):
+        ts = d.state.tasks["b"]
+        if ts.state == "running" and d.state.tasks["a"].state == "memory":
+            break
+        d.step()
+    holder = next(iter(d.state.tasks["a"].who_has))
+    d.running[ts.worker or ""].remove("b")
+    d.send(ev.MissingData(ts.worker or "", "b", "a", holder, d.clock(), "ConnectionRefusedError"))
+    assert not d.state.workers[holder].suspect and d.state.counters["suspect_holders"] == 0

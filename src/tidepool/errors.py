@@ -64,6 +64,12 @@ class ConnectionLostError(CommError):
     """The peer closed the connection or stopped answering."""
 
 
+class PeerSilentError(ConnectionLostError):
+    """A peer sent nothing for the fetch timeout without closing its socket (frozen, or cut off by
+    the network).  Its copies are treated as suspect and recomputed or fetched elsewhere; raise
+    ``TIDEPOOL_FETCH_TIMEOUT`` if transfers legitimately stall that long."""
+
+
 class SchedulerError(TidepoolError):
     """The scheduler refused a request."""
 

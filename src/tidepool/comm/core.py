@@ -29,7 +29,13 @@ from tidepool.comm.auth import HANDSHAKE_TIMEOUT, client_handshake, server_hands
 from tidepool.comm.frames import DEFAULT_MAX_FRAME, PREAUTH_MAX_FRAME, FrameDecoder, encode
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
-from tidepool.errors import CommError, ConfigError, ConnectionLostError, ProtocolError
+from tidepool.errors import (
+    CommError,
+    ConfigError,
+    ConnectionLostError,
+    PeerSilentError,
+    ProtocolError,
+)
 
 log = logging.getLogger("tidepool.comm")
 
@@ -69,6 +75,7 @@ class Connection:
         self._closed = False
         self.authenticated = False
         self.info: dict[str, Any] = {}
+        self.last_received = 0.0  # loop time when bytes last arrived (TCP); 0 = never
 
     # -- receiving --------------------------------------------------------------------------------
     def _on_frame(self, msg: Any) -> None:
@@ -102,6 +109,27 @@ class Connection:
             finally:
                 self._waiters.discard(w)
         return self._inbox.popleft()
+
+    async def recv_unless_silent(self, idle: float) -> Any:
+        """:meth:`recv`, but give up (closing this connection) once the peer has sent nothing at
+        all for ``idle`` seconds: a frozen or partitioned peer never closes its socket, so without
+        this a reader waits for as long as the peer is gone.  A slow peer that keeps sending bytes
+        (a large value in transit) is not silent."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        task = loop.create_task(self.recv())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=idle)
+                if done:
+                    return task.result()
+                if loop.time() - max(self.last_received, started) >= idle:
+                    self.close()
+                    raise PeerSilentError(f"{self.peer} sent nothing for {idle:g}s (frozen, or cut off "
+                                          "from us by the network)")  # fmt: skip
+        finally:
+            if not task.done():
+                task.cancel()
 
     def set_authenticated(self) -> None:
         self.authenticated = True
@@ -155,6 +183,7 @@ class _TCPProtocol(asyncio.BufferedProtocol):
         return self.conn._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.conn.last_received = asyncio.get_running_loop().time()
         try:
             self.conn._decoder.buffer_updated(nbytes)
         except ProtocolError as exc:

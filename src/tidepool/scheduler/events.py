@@ -135,6 +135,9 @@ class MissingData:
     holder: str
     now: float
     error: str = ""  # why the fetch failed (connection refused, lost, ...)
+    #: the holder went silent (the fetch stalled, nothing was refused or closed): its copy is
+    #: suspect and the holder gets no new work until it is heard from again
+    silent: bool = False
 
 
 @dataclass(slots=True)

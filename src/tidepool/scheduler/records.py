@@ -77,7 +77,7 @@ class WorkerRecord:
     __slots__ = (
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
-        "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded",
+        "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -106,6 +106,9 @@ class WorkerRecord:
         #: scarce resources it offers (anything but cpu and memory, e.g. gpu): kept for tasks that need them
         self.special = frozenset(k for k, v in resources.items() if v > 0 and k not in ORDINARY)
         self.seceded = 0  # tasks in ``processing`` that left their slot (they do not count as load)
+        #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
+        #: it gets no new work until it is heard from again; it is not declared dead for that
+        self.suspect = False
 
     def __repr__(self) -> str:
         return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"

@@ -559,7 +559,8 @@ def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
                                 e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
     for item in msg.get("missing", ()):
         key, dep, holder = item[0], item[1], item[2]
-        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else ""))
+        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else "",
+                                  silent=bool(item[4]) if len(item) > 4 else False))  # fmt: skip
     for key, nbytes in msg.get("replicas", ()):
         out.append(ev.AddReplica(wid, key, int(nbytes), now))
     if "stolen" in msg or "kept" in msg:

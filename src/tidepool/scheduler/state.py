@@ -178,6 +178,7 @@ class SchedulerState:
         self.counters: dict[str, int] = {
             "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
             "workers_joined": 0, "forgotten": 0, "rescued": 0, "refused_outcomes": 0, "refused_reports": 0,
+            "suspect_holders": 0, "trusted_again": 0,
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph,
@@ -452,11 +453,15 @@ class SchedulerState:
         r = ts.restrict
         return r is None or ws.id in r or ws.name in r or ws.address in r
 
+    def _may_wait_for(self, ws: WorkerRecord, ts: TaskRecord) -> bool:
+        """Is ``ws`` one of ``ts``'s named workers that it should wait for?  A loosely restricted
+        task does not wait for a suspect (silent) worker: any worker will do."""
+        return ws.state == "running" and self._matches(ws, ts) and not (ts.loose and ws.suspect)
+
     def _restricted_ready(self, ts: TaskRecord) -> bool:
         """Queue a ready task restricted to named workers; False: it went to the shape heap
         instead (a loose restriction none of whose workers is here)."""
-        if any(w.state == "running" and self._matches(w, ts) and self._fits(w, ts.shape)
-               for w in self.workers.values()):  # fmt: skip
+        if any(self._may_wait_for(w, ts) and self._fits(w, ts.shape) for w in self.workers.values()):
             self._ready_seq += 1
             ts.ready_seq = self._ready_seq
             heapq.heappush(self._restricted, (ts.priority, self._ready_seq, ts))
@@ -480,8 +485,8 @@ class SchedulerState:
                      and self._fits(self.workers[w], ts.shape) and self._allowed(self.workers[w], ts.shape)]  # fmt: skip
             if cands:
                 self._assign(ts, choose_worker(ts, cands), out)
-            elif not any(w.state == "running" and self._matches(w, ts) for w in self.workers.values()):
-                if ts.loose:  # its workers left: any worker will do
+            elif not any(self._may_wait_for(w, ts) for w in self.workers.values()):
+                if ts.loose:  # its workers left (or went silent): any worker will do
                     self._push_ready(ts)
                 else:  # wait for one of them to come back
                     self._move(ts, TS.NO_WORKER)
@@ -587,7 +592,7 @@ class SchedulerState:
 
     def _has_room(self, ws: WorkerRecord) -> bool:
         n = len(ws.processing) - ws.seceded
-        if ws.state != "running" or n >= ws.slots * self.max_queue_per_slot:
+        if ws.state != "running" or ws.suspect or n >= ws.slots * self.max_queue_per_slot:
             return False
         return n < ws.slots or ws.occupancy < self.queue_seconds * ws.slots
 
@@ -914,6 +919,11 @@ class SchedulerState:
             # report (an authenticated peer speaking for others, or a stale one) changes nothing
             self.counters["refused_reports"] += 1
             return
+        if holder is not None and e.silent and not holder.suspect:
+            # suspect, not dead: no new work until it is heard from; its copies elsewhere still count
+            holder.suspect = True
+            self._room.discard(holder.id)
+            self.counters["suspect_holders"] += 1
         if holder is not None and e.holder in dts.who_has:
             dts.who_has.discard(e.holder)
             holder.has_what.discard(dts)
@@ -939,6 +949,11 @@ class SchedulerState:
         if ws is not None:
             ws.last_seen = e.now
             ws.metrics = e.metrics
+            if ws.suspect:  # it answers again: trusted again
+                ws.suspect = False
+                if self._has_room(ws):
+                    self._room.add(ws.id)
+                self.counters["trusted_again"] += 1
 
     def _tick(self, e: ev.Tick, out: list[ev.Command]) -> None:
         for ws in list(self.workers.values()):

@@ -51,7 +51,13 @@ from tidepool.comm.core import parse_address
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
-from tidepool.errors import CommError, ConfigError, SerializationError, WorkerSetupError
+from tidepool.errors import (
+    CommError,
+    ConfigError,
+    PeerSilentError,
+    SerializationError,
+    WorkerSetupError,
+)
 from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
 from tidepool.setup import run_setup
@@ -101,6 +107,7 @@ class Worker:
         preload: list[str] | None = None,
         restartable: bool = False,
         tls: TLSConfig | None = None,
+        fetch_timeout: float | None = None,
     ) -> None:
         self.scheduler_address = scheduler
         self.token = token
@@ -120,6 +127,8 @@ class Worker:
         self.name = name or self.id
         self.host = host or _default_host(scheduler)
         self.heartbeat_interval = heartbeat_interval
+        #: seconds a peer may send nothing while we fetch from it before its copy counts as suspect
+        self.fetch_timeout = fetch_timeout if fetch_timeout is not None else fetch_timeout_from_env()
         self.memory_limit = resolve_limit(memory_limit, res, memory_share)
         self.memory_thresholds = memory_thresholds or MemoryThresholds()
         self.monitor: MemoryMonitor | None = None
@@ -152,7 +161,7 @@ class Worker:
         self._peers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._finished: list[list[Any]] = []
         self._erred: list[dict[str, Any]] = []
-        self._missing: list[list[str]] = []
+        self._missing: list[list[str | bool]] = []  # [key, dep, holder, why, holder went silent]
         self._replicas: list[list[Any]] = []
         self._started: list[str] = []
         self._stolen: list[str] = []
@@ -520,9 +529,9 @@ class Worker:
             if kind == "broken":  # the value exists but cannot reach us: fail, do not recompute
                 self._fail(t, SerializationError(f"input {dep!r} of task {t.key!r} could not be "
                                                  f"transferred: {why}", t.key), "")  # fmt: skip
-            else:
-                holder = holders[0][0] if holders else ""
-                self._missing.append([t.key, dep, holder, why])
+            else:  # "missing" or "silent" (a stalled holder: suspect, not dead)
+                holder = holders[-1][0] if kind == "silent" and holders else holders[0][0] if holders else ""
+                self._missing.append([t.key, dep, holder, why, kind == "silent"])
             self._schedule_flush()
             return
         t.missing -= 1
@@ -545,6 +554,10 @@ class Worker:
             for _wid, addr in holders:
                 try:
                     got, failed = await self.get_from_peer(addr, [key])
+                except PeerSilentError as exc:
+                    log.warning("fetching %s from %s stalled: %s", key, addr, exc)
+                    outcome = ("silent", str(exc))
+                    continue
                 except CommError as exc:
                     log.info("fetching %s from %s failed: %s", key, addr, exc)
                     outcome = ("missing", str(exc))
@@ -571,10 +584,16 @@ class Worker:
         entry = self._peers.get(address)
         if entry is None or entry[0].closed:
             # a refused connection means the peer is gone: fail now, the scheduler reschedules
-            conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False, tls=self.tls)
+            try:
+                conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False,
+                                     tls=self.tls)  # fmt: skip
+            except CommError as exc:
+                if isinstance(exc.__cause__, TimeoutError):  # no answer at all, not a refusal: silent
+                    raise PeerSilentError(f"{address} did not answer: {exc}") from exc
+                raise
             entry = self._peers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        return await request_data(conn, lock, keys)
+        return await request_data(conn, lock, keys, self.fetch_timeout)
 
     async def _replicate(self, key: str, holders: list[list[str]]) -> None:
         # a value that cannot move is reported by its holder; the retirement waits or is refused
@@ -723,17 +742,19 @@ def _mb(n: int | float) -> str:
 Fetched = Literal[True] | tuple[str, str]
 
 
-async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
+                       idle_timeout: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
     """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
     and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
-    unpickle here).  Keys the holder does not have are in neither."""
+    unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
+    that sends nothing for that long raises :class:`PeerSilentError` (and the connection closes)."""
     values: dict[str, Any] = {}
     failed: dict[str, str] = {}
     todo = list(keys)
     while todo:
         async with lock:
             await conn.send({"op": "get-data", "keys": todo})
-            reply = await conn.recv()
+            reply = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
         for k, blob in reply["data"].items():
             try:
                 values[k] = blob.load()
@@ -742,6 +763,26 @@ async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str]) ->
         failed.update(reply.get("failed") or {})
         todo = list(reply.get("deferred") or ())
     return values, failed
+
+
+#: how long a peer may send nothing during a fetch before its copy is suspect (issue 29); long
+#: enough for a loaded machine, short next to the 300 s heartbeat time-to-live
+DEFAULT_FETCH_TIMEOUT = 30.0
+FETCH_TIMEOUT_ENV = "TIDEPOOL_FETCH_TIMEOUT"
+
+
+def fetch_timeout_from_env() -> float:
+    """``$TIDEPOOL_FETCH_TIMEOUT`` (seconds), else :data:`DEFAULT_FETCH_TIMEOUT`."""
+    raw = os.environ.get(FETCH_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_FETCH_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ConfigError(f"{FETCH_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
 
 
 def _log_send_error(t: asyncio.Task[Any]) -> None:
