@@ -27,7 +27,11 @@ def fits(available: Mapping[str, float], demand: Iterable[tuple[str, float]]) ->
 
 
 def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecord:
-    """The best of ``candidates`` (non-empty, all able to run ``ts``) for ``ts``."""
+    """The best of ``candidates`` (non-empty, all able to run ``ts``) for ``ts``; workers whose copy
+    of ``ts`` went silent (``ts.avoid``) only when no other candidate is left."""
+    if ts.avoid:
+        elsewhere = [w for w in candidates if w.id not in ts.avoid]
+        candidates = elsewhere or candidates
     if len(candidates) == 1:
         return candidates[0]
     local: dict[str, int] = {}

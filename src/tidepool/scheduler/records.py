@@ -19,11 +19,13 @@ class TaskRecord:
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
         "est", "ready_seq", "started", "duration", "recomputes", "executing", "no_worker_since",
-        "fetch_failures", "stealing", "seceded", "restrict", "loose",
+        "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
                  retries: int, priority: int, group: str) -> None:  # fmt: skip
+        #: workers whose copy of this value went silent: its recompute runs elsewhere if it can
+        self.avoid: frozenset[str] | None = None
         self.key = key
         self.func_id = func_id
         self.payload = payload

@@ -674,6 +674,7 @@ class SchedulerState:
         elif ts.worker == ws.id:
             self._unassign(ts)
         self.last_progress = self.now
+        ts.avoid = None
         if duration is not None:
             self.estimates.observe(ts.group, duration)
             self.counters["finished"] += 1
@@ -919,6 +920,8 @@ class SchedulerState:
             # report (an authenticated peer speaking for others, or a stale one) changes nothing
             self.counters["refused_reports"] += 1
             return
+        if holder is not None and e.silent:
+            dts.avoid = (dts.avoid or frozenset()) | {holder.id}  # recompute it elsewhere
         if holder is not None and e.silent and not holder.suspect:
             # suspect, not dead: no new work until it is heard from; its copies elsewhere still count
             holder.suspect = True
