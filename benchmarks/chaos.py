@@ -51,7 +51,8 @@ Worker processes import tidepool when they start, so the replacements started du
 ``--snapshot HEAD`` extracts that commit's ``src/tidepool`` (``git archive``, read-only) into a temporary
 directory and re-runs this script with it first on ``PYTHONPATH`` (inherited by every worker).
 
-``--quick`` is 2 runs of a 1,500-task graph.  ``--write-docs`` rewrites only the part of
+``--network`` runs the network mode instead (``chaos_network.py``: links between test hosts cut and
+healed while the graph runs; needs root).  ``--quick`` is 2 runs of a 1,500-task graph.  ``--write-docs`` rewrites only the part of
 ``docs/benchmarks.md`` between the ``<!-- chaos:start -->`` / ``<!-- chaos:end -->`` markers.
 Exits 1 if any tidepool run gave a wrong value, raised, hung or lost a held future.
 """
@@ -882,6 +883,11 @@ def tidepool_source(info: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--network" in argv:  # partitions between test hosts instead of process kills
+        import chaos_network
+
+        return chaos_network.main([a for a in argv if a != "--network"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     ap.add_argument("--runs", type=int, help="chaos runs per scheduler (default 5; --quick 2)")
     ap.add_argument(
