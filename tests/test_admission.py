@@ -67,3 +67,26 @@ def test_limits_always_hold(ops: list[tuple[bool, int, str]], limit: int, per_so
         assert len(t) == len(live) <= limit
         for s in "abc":
             assert sum(1 for v in live.values() if v == s) <= per_source
+
+
+def test_idle_entries_give_way_before_entries_that_have_talked() -> None:
+    t, closed = table(limit=3, per_source=3)
+    t.add(0, "a", lambda: closed.append(0))
+    t.promote(0)  # a real peer: sent its preamble, now authenticating
+    t.add(1, "a", lambda: closed.append(1))
+    t.add(2, "a", lambda: closed.append(2))
+    t.add(3, "a", lambda: closed.append(3))  # the oldest idle one goes, not the older real peer
+    t.add(4, "a", lambda: closed.append(4))
+    assert closed == [1, 2]
+    for key in (3, 4):
+        t.promote(key)
+    t.add(5, "a", lambda: closed.append(5))  # everyone has talked: the oldest of them goes
+    assert closed == [1, 2, 0]
+
+
+def test_an_entry_whose_first_bytes_wait_unread_counts_as_talking() -> None:
+    t, closed = table(limit=2, per_source=2)
+    t.add(0, "a", lambda: closed.append(0), spoke=lambda: True)  # its preamble arrived, unread
+    t.add(1, "a", lambda: closed.append(1), spoke=lambda: False)
+    t.add(2, "a", lambda: closed.append(2), spoke=lambda: False)
+    assert closed == [1]

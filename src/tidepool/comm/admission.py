@@ -8,10 +8,11 @@ gone.
 
 Why a table with eviction instead of a plain cap (issue 29): a cap refuses the *newest*
 connection once an idle flood has filled it, so a flood that reopens its sockets as they close
-locks every real peer out.  Here the newest connection always gets in and the *oldest* pending one
-gives way, globally and per source address, and the time a pending connection may take shrinks
-while the table is more than half full.  A real peer authenticates within milliseconds, so it is
-never the oldest for long; an idle socket is.
+locks every real peer out.  Here the newest connection always gets in and an old pending one gives
+way, globally and per source address: the oldest that has sent nothing yet, and only when every
+pending connection has talked, the oldest of those.  A real peer sends its first bytes at once and
+authenticates within milliseconds; an idle socket never talks, so a flood of them evicts only
+itself.  The time a pending connection may take shrinks while the table is more than half full.
 
 Pure bookkeeping: the table closes evicted entries through the callback it was given, and reads
 no clock (the listener applies the deadline it returns).
@@ -34,6 +35,8 @@ TLS_HANDSHAKE_RECORD = 0x16
 class _Entry:
     source: str
     close: Callable[[], object]
+    active: bool = False  # it has sent its first bytes: a peer that talks, not an idle socket
+    spoke: Callable[[], bool] | None = None  # have its first bytes arrived (not yet read)?
 
 
 @dataclass
@@ -55,17 +58,26 @@ class PendingTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, key: int, source: str, close: Callable[[], object]) -> bool:
-        """Admit ``key``; False (and nothing is added) when the table admits nothing at all."""
+    def add(self, key: int, source: str, close: Callable[[], object],
+            spoke: Callable[[], bool] | None = None) -> bool:  # fmt: skip
+        """Admit ``key``; False (and nothing is added) when the table admits nothing at all.
+        ``spoke`` tells whether the entry's first bytes have arrived even though nobody has read
+        them yet (on a busy loop a real peer's preamble may wait there a while)."""
         if self.limit <= 0 or self.per_source <= 0:
             return False
         while self._by_source[source] >= self.per_source:
             self._evict_oldest(source)
         while len(self._entries) >= self.limit:
             self._evict_oldest(None)
-        self._entries[key] = _Entry(source, close)
+        self._entries[key] = _Entry(source, close, spoke=spoke)
         self._by_source[source] += 1
         return True
+
+    def promote(self, key: int) -> None:
+        """``key`` has sent its first bytes: idle entries give way before it does."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.active = True
 
     def remove(self, key: int) -> None:
         entry = self._entries.pop(key, None)
@@ -79,14 +91,24 @@ class PendingTable:
         return self.normal_deadline
 
     def _evict_oldest(self, source: str | None) -> None:
+        """Close the oldest entry (of ``source``, if given) that has sent nothing; if every one has
+        talked, the oldest of them."""
+        victim: int | None = None
         for key, entry in self._entries.items():
             if source is None or entry.source == source:
-                del self._entries[key]
-                self._forget(entry.source)
-                self.evicted += 1
-                entry.close()
-                return
-        raise AssertionError("eviction found nothing to evict")  # counts and entries disagree
+                if not entry.active and entry.spoke is not None and entry.spoke():
+                    entry.active = True  # it talks, we had not looked yet
+                if not entry.active:
+                    victim = key
+                    break
+                if victim is None:
+                    victim = key
+        if victim is None:
+            raise AssertionError("eviction found nothing to evict")  # counts and entries disagree
+        entry = self._entries.pop(victim)
+        self._forget(entry.source)
+        self.evicted += 1
+        entry.close()
 
     def _forget(self, source: str) -> None:
         self._by_source[source] -= 1

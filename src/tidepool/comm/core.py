@@ -446,7 +446,7 @@ class Listener:
         task = asyncio.get_running_loop().create_task(self._admit(key, sock, source))
         # a task cancelled before its first step never runs its body: close the socket here too
         task.add_done_callback(functools.partial(_close_if_cancelled, sock))
-        if not self._pending.add(key, source, task.cancel):
+        if not self._pending.add(key, source, task.cancel, functools.partial(_has_bytes, sock)):
             self._refused_other += 1
             self._note_rejected(source, f"no connection may be pending (limit {self._pending.limit})")
             task.cancel()
@@ -509,6 +509,7 @@ class Listener:
                 sock.close()
             return None
         conn = TCPConnection(self.max_frame)
+        self._pending.promote(key)  # it talks: idle sockets give way before it
         if first[0] == TLS_HANDSHAKE_RECORD:
             if self._ctx is None:  # a TLS client on a plain port: its handshake fails at once
                 self._refuse(sock, source, "a TLS ClientHello on a plain tcp:// port")
@@ -605,6 +606,16 @@ def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
     if task.cancelled():
         with contextlib.suppress(OSError):
             sock.close()
+
+
+def _has_bytes(sock: socket.socket) -> bool:
+    """Has the peer sent anything we have not read yet (without reading it)?"""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False
 
 
 def _set_once(fut: asyncio.Future[None]) -> None:
