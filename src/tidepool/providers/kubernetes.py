@@ -483,6 +483,11 @@ class KubernetesProvider:
                 raise
         with self._lock:
             self._created[name] = (rid, workers_of(body))
+            stopped = set(workers_of(body)) <= self._terminated and name not in self._deleting
+            if stopped:  # terminated while its create was in flight: it must not stay
+                self._deleting.add(name)
+        if stopped:
+            await self._delete([name])
 
     def terminate(self, worker_ids: builtins.list[str]) -> None:
         """Delete the pods of these workers (a gone pod or unknown worker: nothing to do).  Inside
@@ -586,7 +591,10 @@ class KubernetesProvider:
                         rid = self._created.get(name, ("", []))[0]
                         out.append(ProviderFailure(rid, wid, f"pod {name} was deleted outside tidepool "
                                                    "(kubectl delete, a drain or the garbage collector)"))  # fmt: skip
-                self._deleting.add(name)
+            for name in gone:  # dealt with: forget it (it is not listed any more)
+                self._created.pop(name, None)
+                self._unsched_since.pop(name, None)
+            self.cache.forget(builtins.list(gone))
             if self.keep_failed_pods:
                 doomed = [n for n in doomed if pod_ended(pods[n]) and not pod_problem(pods[n], None, 0, 1)]
             doomed = [n for n in doomed if n not in self._deleting]

@@ -89,6 +89,13 @@ class PodCache:
                 rec.last_warning = (reason, str(ev.get("message") or ""))
                 rec.warnings[reason] = rec.last_warning[1]
 
+    def forget(self, names: list[str]) -> None:
+        """Drop what is kept about deleted pods once the provider has dealt with them."""
+        with self.lock:
+            for name in names:
+                self.gone.pop(name, None)
+                self.events.pop(name, None)
+
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, PodEvents]]:
         with self.lock:
             return dict(self.pods), dict(self.gone), dict(self.events)
