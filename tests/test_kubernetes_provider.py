@@ -106,9 +106,11 @@ def test_elastic_graph_runs_through_the_api_from_zero_pods_grows_and_shrinks(emu
         for f in [*futs, gpu_fut]:
             f.release()
         wait_until(lambda: pods(emu) == [], 30, "every idle worker's pod to be deleted")
-        # listing came from the watch: one list call to start it, not one per autoscaler round
+        # listing came from the watch, not one list call per autoscaler round: one list for
+        # left-overs of an earlier scheduler, one to start the watch
         plain_lists = [r for r in emu.emulator.requests if r[0] == "GET" and r[1].endswith("/pods") and "watch" not in r[2]]
-        assert len(plain_lists) == 1, plain_lists
+        assert len(plain_lists) == 2, plain_lists
+        assert any(r[0] == "GET" and r[1].endswith("/pods") and "watch=" in r[2] for r in emu.emulator.requests)
     assert emu.call(lambda: emu.emulator.objects("secrets")) == []  # close deleted the Secret
 
 
@@ -171,7 +173,10 @@ def test_launch_is_idempotent_and_a_pod_already_there_counts_as_created(emu: Emu
     prov = provider(emu, tmp_path, cluster_id="idem", scheduler="tcp://127.0.0.1:1", token="t" * 64)
     nt = NodeType("cpu", {"cpu": 1}, max_nodes=4, workers_per_node=2)
     try:
-        # an earlier scheduler (or a retried call) created the first pod already: 409 is success
+        prov.launch(nt, 1, "r0")  # connected, Secret made, watching
+        wait_until(lambda: any(i.get("phase") for i in prov.list().values()), 10, "the first pod in the cache")
+        # a create whose answer was lost (the call timed out after the server did the work) and is
+        # tried again: the server answers 409 AlreadyExists, which counts as created
         first = prov.manifests(nt, 2, "r1")[0]
         emu.call(lambda: emu.emulator._put("pods", {**json.loads(json.dumps(first)), "status": {"phase": "Pending"},
                                                     "metadata": {**first["metadata"], "namespace": "default",
@@ -180,21 +185,48 @@ def test_launch_is_idempotent_and_a_pod_already_there_counts_as_created(emu: Emu
         prov.launch(nt, 2, "r1")
         prov.launch(nt, 2, "r1")
         ids = prov.worker_ids(nt, 2, "r1")
-        wait_until(lambda: set(prov.list()) == set(ids) and all(i.get("pod") for i in prov.list().values()), 10,
-                   "both pods listed")  # fmt: skip
+        wait_until(lambda: not prov._creating and set(ids) <= set(prov.list())
+                   and all(i.get("pod") for i in prov.list().values()), 10, "r1's creates done, both pods listed")  # fmt: skip
         posts = [r for r in emu.emulator.requests if r[0] == "POST" and r[1].endswith("/pods")]
-        assert len(posts) == 2  # one per node, the second launch of r1 made none
-        assert len(pods(emu)) == 2 and all(len(p["spec"]["containers"]) == 2 for p in pods(emu))
+        assert len(posts) == 3, '\n'.join(map(str, emu.emulator.requests))  # r0's pod and one per node of r1; the second launch of r1 made none
+        r1 = [p for p in pods(emu) if p["metadata"]["labels"]["tidepool.io/request"] == "r1"]
+        assert len(r1) == 2 and all(len(p["spec"]["containers"]) == 2 for p in r1)
         assert prov.poll_errors() == []
         prov.terminate(["no-such-worker"])  # unknown: nothing to do
         prov.terminate(ids[:1])  # one worker of a two-worker pod: the pod stays for its sibling
-        assert len(pods(emu)) == 2
+        assert len(pods(emu)) == 3
         prov.terminate(ids[1:2])
-        wait_until(lambda: len(pods(emu)) == 1, 10, "the pod of both terminated workers to go")
+        wait_until(lambda: len(pods(emu)) == 2, 10, "the pod of both terminated workers to go")
         assert prov.poll_errors() == []  # stopped on purpose: not failures
     finally:
         prov.close()
-    assert pods(emu) == [] and emu.call(lambda: emu.emulator.objects("secrets")) == []
+    assert all(p["metadata"].get("deletionTimestamp") for p in pods(emu))  # close deleted them (gracefully)
+    assert emu.call(lambda: emu.emulator.objects("secrets")) == []
+    wait_until(lambda: pods(emu) == [], 15, "the pods' processes to end on SIGTERM")
+
+
+def test_pods_left_by_an_earlier_scheduler_with_the_same_cluster_id_are_deleted(emu: EmulatorThread,
+                                                                               tmp_path: Path) -> None:  # fmt: skip
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=4)
+    old = provider(emu, tmp_path, cluster_id="again", scheduler="tcp://127.0.0.1:1", token="a" * 64)
+    old.launch(nt, 1, "r1")
+    wait_until(lambda: len(pods(emu)) == 1, 10, "the first scheduler's pod")
+    (left,) = pods(emu)
+    # that scheduler dies without close(); a new one with the same cluster id starts
+    new = provider(emu, tmp_path, cluster_id="again", scheduler="tcp://127.0.0.1:1", token="b" * 64)
+    try:
+        assert new.worker_ids(nt, 1, "r1") != old.worker_ids(nt, 1, "r1")  # never the same pod names
+        new.launch(nt, 1, "r1")
+        mine = new.worker_ids(nt, 1, "r1")
+        wait_until(lambda: [json.loads(p["metadata"]["annotations"]["tidepool.io/workers"]) for p in pods(emu)] == [mine],
+                   15, "the left-over pod deleted and the new one created")  # fmt: skip
+        assert left["metadata"]["name"] not in {p["metadata"]["name"] for p in pods(emu)}
+        assert new.poll_errors() == []
+    finally:
+        new.close()
+        old._closed = True  # it "died": nothing of it is left to close
+        if old._loop_thread is not None:
+            old._loop_thread.stop()
 
 
 def test_quota_refusal_is_a_failed_launch_with_the_api_message(emu: EmulatorThread, tmp_path: Path) -> None:

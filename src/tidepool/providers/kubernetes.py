@@ -145,7 +145,8 @@ class KubernetesProvider:
     ``$KUBECONFIG`` or ``~/.kube/config``), or the pod's service account when the scheduler runs in
     the cluster (``in_cluster``; default: when ``$KUBERNETES_SERVICE_HOST`` is set and no
     kubeconfig is given).  ``cluster_id`` labels everything this provider creates (default: a new
-    random id; give a fixed one so an operator can find the pods).  Workers dial
+    random id; give a fixed one so an operator can find the pods, and only one running scheduler per
+    id: pods with that label found before the first launch are deleted as left-overs).  Workers dial
     ``scheduler_service`` (``name`` or ``name:port``, resolved as ``name.<namespace>.svc``) if
     given, else the scheduler's address with ``scheduler_host`` as its host.
     """
@@ -192,7 +193,9 @@ class KubernetesProvider:
         self.keep_failed_pods = keep_failed_pods
         self.clock = clock
         self.cache = PodCache()
-        self._names = IdNames()
+        # worker ids carry a per-provider suffix: a later scheduler with the same cluster_id never
+        # names a pod like one an earlier one left behind (a 409 for that pod would count as created)
+        self._names = IdNames(f"-{secrets.token_hex(2)}")
         self._lock = threading.RLock()  # guards the bookkeeping below (sync calls come from threads)
         self._requests: dict[str, builtins.list[str]] = {}  # request -> worker ids (launch accepted)
         self._creating: set[str] = set()  # requests whose pods are being created
@@ -337,8 +340,25 @@ class KubernetesProvider:
                 except Exception as exc2:
                     raise ProviderError(f"cannot update the token Secret {body['metadata']['name']!r}: "
                                         f"{api_message(exc2)}{_hint(exc2, 'update secrets', self.namespace)}") from exc2  # fmt: skip
+            await self._delete_leftovers()
             self._watches = [asyncio.get_running_loop().create_task(self._watch_pods()),
                              asyncio.get_running_loop().create_task(self._watch_events())]  # fmt: skip
+
+    async def _delete_leftovers(self) -> None:
+        """Pods with our cluster label that exist before our first create were left by an earlier
+        scheduler with this cluster id (it crashed, or its close never ran): delete them."""
+        try:
+            resp = await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=self._selector())
+        except Exception as exc:
+            raise ProviderError(f"cannot list pods in namespace {self.namespace!r}: {api_message(exc)}"
+                                f"{_hint(exc, 'list pods', self.namespace)}") from exc  # fmt: skip
+        names = [p.metadata.name for p in resp.items]
+        if names:
+            log.warning("KubernetesProvider: deleting %d pod(s) left by an earlier scheduler with cluster id %r: %s",
+                        len(names), self.cluster_id, names)  # fmt: skip
+            with self._lock:
+                self._deleting.update(names)
+            await self._delete(names)
 
     def _selector(self) -> str:
         return f"{LABEL_CLUSTER}={label_value(self.cluster_id)}"
