@@ -333,11 +333,35 @@ def test_the_watch_lists_again_after_410_gone_and_keeps_up(emu: EmulatorThread, 
         before = lists()
         emu.call(forget_history)
         wait_until(lambda: lists() > before, 15, "a fresh list after 410 Gone")
+        assert emu.emulator.expired_watches >= 1  # it was the 410 that made it list again
         prov.launch(nt, 1, "r2")  # changes after the relist still arrive through the watch
         ids = prov.worker_ids(nt, 1, "r1") + prov.worker_ids(nt, 1, "r2")
         wait_until(lambda: all(prov.list().get(w, {}).get("phase") for w in ids), 10, "both pods in the cache")
     finally:
         prov.close()
+
+
+def test_the_provider_belongs_to_the_loop_that_first_awaits_it(emu: EmulatorThread, tmp_path: Path) -> None:
+    import asyncio
+
+    prov = provider(emu, tmp_path, cluster_id="loops", scheduler="tcp://127.0.0.1:1", token="t" * 64)
+    nt = NodeType("cpu", {"cpu": 1})
+
+    async def first() -> None:
+        await prov.launch_async(nt, 1, "r1")
+        while not any(i.get("phase") for i in (await prov.list_async()).values()):
+            await asyncio.sleep(0.02)
+        assert prov._loop_thread is None  # no thread: the API client lives in this loop
+        await prov.close_async()
+
+    async def second() -> None:
+        await prov.list_async()
+
+    asyncio.run(first())
+    assert emu.call(lambda: emu.emulator.objects("secrets")) == []
+    with pytest.raises(ProviderError, match="bound to another event loop"):
+        asyncio.run(second())
+    wait_until(lambda: pods(emu) == [], 15, "the pod deleted by close_async")
 
 
 @pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="no real cluster: set KUBECONFIG (and TIDEPOOL_K8S_IMAGE, "

@@ -154,6 +154,7 @@ class KubeEmulator:
         self.faults: dict[str, str] = {}
         self.quota_pods: int | None = None
         self.requests: list[tuple[str, str, str]] = []
+        self.expired_watches = 0  # watches answered 410 Gone (their resourceVersion was too old)
         self.workdir = workdir or tempfile.mkdtemp(prefix="tidepool-kube-")
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -361,6 +362,7 @@ class KubeEmulator:
             if since < oldest - 1:
                 gone = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
                         "reason": "Expired", "message": f"too old resource version: {since} ({oldest})"}  # fmt: skip
+                self.expired_watches += 1
                 await resp.write((json.dumps({"type": "ERROR", "object": gone}) + "\n").encode())
                 return resp
             first = [(rv, kind, o) for rv, p, kind, o in self.history
