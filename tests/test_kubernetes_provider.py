@@ -243,17 +243,32 @@ def test_quota_refusal_is_a_failed_launch_with_the_api_message(emu: EmulatorThre
 
 
 def test_a_disruption_notice_lists_the_worker_as_expiring(emu: EmulatorThread, tmp_path: Path) -> None:
+    prov = provider(emu, tmp_path, cluster_id="notice", scheduler="tcp://127.0.0.1:1", token="t" * 64)
+    nt = NodeType("spot", {"cpu": 1})
+    try:
+        prov.launch(nt, 1, "r1")
+        (wid,) = prov.worker_ids(nt, 1, "r1")
+        wait_until(lambda: prov.list().get(wid, {}).get("phase") == "Running", 10, "the pod running")
+        assert prov.expiring(time.time()) == []
+        (pod,) = pods(emu)
+        emu.call(emu.emulator.disrupt, pod["metadata"]["name"], "PreemptionByScheduler", "spot node reclaimed")
+        wait_until(lambda: prov.expiring(time.time()) == [wid], 10, "the notice to reach the provider")
+        assert prov.poll_errors() == []  # a notice, not a failure (yet)
+    finally:
+        prov.close()
+
+
+def test_the_autoscaler_retires_a_worker_whose_pod_got_a_disruption_notice(emu: EmulatorThread, tmp_path: Path) -> None:
     prov = provider(emu, tmp_path, cluster_id="spot")
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        # idle=None: no idle retirement, so only the notice can make it retire the worker
         scaler = cluster.adapt(node_types=[NodeType("spot", {"cpu": 1}, max_nodes=1, startup_estimate=0.5)],
                                provider=prov, policy=Adaptive(idle=None))  # fmt: skip
         assert client.submit(slow_double, 2).result(timeout=60) == 4
         (pod,) = pods(emu)
         (wid,) = json.loads(pod["metadata"]["annotations"]["tidepool.io/workers"])
-        assert prov.expiring(time.time()) == []
+        assert not scaler.journal.of_kind("retire")
         emu.call(emu.emulator.disrupt, pod["metadata"]["name"], "PreemptionByScheduler", "spot node reclaimed")
-        wait_until(lambda: prov.expiring(time.time()) == [wid], 10, "the notice to reach the provider")
-        # the autoscaler retires it gracefully and its pod is deleted
         wait_until(lambda: any(r.get("worker") == wid for r in scaler.journal.of_kind("retire")), 20, "retirement")
         wait_until(lambda: pods(emu) == [], 20, "the pod to be deleted")
 
@@ -339,6 +354,27 @@ def test_the_watch_lists_again_after_410_gone_and_keeps_up(emu: EmulatorThread, 
         wait_until(lambda: all(prov.list().get(w, {}).get("phase") for w in ids), 10, "both pods in the cache")
     finally:
         prov.close()
+
+
+def test_no_api_server_or_no_kubeconfig_fails_the_launch_saying_what_to_check(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    emulator = KubeEmulator()
+    emulator.url = f"http://127.0.0.1:{port}"
+    cases = [(emulator.write_kubeconfig(str(tmp_path / "kubeconfig")), "reachable"),
+             (str(tmp_path / "missing"), "cannot load the Kubernetes configuration")]  # fmt: skip
+    for kubeconfig, expected in cases:
+        prov = KubernetesProvider(kubeconfig=kubeconfig, scheduler="tcp://127.0.0.1:1", token="t" * 64, retry_for=0.3)
+        try:
+            prov.launch(NodeType("cpu", {"cpu": 1}), 1, "r1")
+            errors: list[Any] = []
+            wait_until(lambda p=prov, e=errors: bool(e.extend(p.poll_errors()) or e), 20, "the launch to fail")  # type: ignore[misc]
+            assert errors[0].worker_id is None and expected in errors[0].message, errors[0].message
+        finally:
+            prov.close()
 
 
 def test_the_provider_belongs_to_the_loop_that_first_awaits_it(emu: EmulatorThread, tmp_path: Path) -> None:

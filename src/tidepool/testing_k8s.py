@@ -20,8 +20,9 @@ else it stays ``Pending`` with ``PodScheduled=False/Unschedulable`` and a ``Fail
 event in the real wording (``0/2 nodes are available: 2 Insufficient nvidia.com/gpu.``), and is
 retried when capacity frees.  A bound pod's containers run as real processes: the container's
 ``command`` + ``args`` with ``python`` replaced by this interpreter, the environment resolved
-(``valueFrom.secretKeyRef`` reads the Secret; a missing one is ``CreateContainerConfigError``), so a
-pod running ``python -m tidepool.worker ...`` is a real worker.  Container exits become
+(``valueFrom.secretKeyRef`` reads the Secret; a missing one is ``CreateContainerConfigError``) and
+a ``TMPDIR`` of the pod's own that goes with the pod (a container's file system), so a pod running
+``python -m tidepool.worker ...`` is a real worker and a killed one leaves nothing behind.  Container exits become
 ``terminated`` states and the pod's phase (``restartPolicy: Never``).
 
 Faults, the way a cluster shows them: images in ``bad_images`` fail to pull (``ErrImagePull``, then
@@ -42,6 +43,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -187,6 +189,9 @@ class KubeEmulator:
             t.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        for (p, ns, name) in list(self.store):
+            if p == "pods":
+                shutil.rmtree(self._pod_tmp(ns, name), ignore_errors=True)
 
     def write_kubeconfig(self, path: str, namespace: str = "default") -> str:
         """A kubeconfig pointing at this server (plain HTTP, a static token)."""
@@ -245,6 +250,11 @@ class KubeEmulator:
         obj = self.store.pop((plural, ns, name), None)
         if obj is not None:
             self._emit(plural, "DELETED", obj)
+        if plural == "pods":  # a container's file system goes with its pod
+            shutil.rmtree(self._pod_tmp(ns, name), ignore_errors=True)
+
+    def _pod_tmp(self, ns: str, name: str) -> str:
+        return os.path.join(self.workdir, f"{ns}_{name}.tmp")
 
     def event(self, pod: Mapping[str, Any], reason: str, message: str, type_: str = "Normal",
               component: str = "kubelet") -> None:  # fmt: skip
@@ -482,7 +492,8 @@ class KubeEmulator:
                 "started": "running" in state, "state": state}  # fmt: skip
 
     def _env(self, ns: str, c: Mapping[str, Any]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG", "TMPDIR")}
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG")}
+        env["TMPDIR"] = self._pod_tmp(ns, c.get("_pod", ""))
         for e in c.get("env") or []:
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")
             if ref is not None:
@@ -519,13 +530,14 @@ class KubeEmulator:
                 self.event(pod, "BackOff", back, "Warning")
             return
         try:
-            envs = [self._env(ns, c) for c in containers]
+            envs = [self._env(ns, {**c, "_pod": name}) for c in containers]
         except LookupError as exc:
             pod["status"]["containerStatuses"] = [self._cstatus(c, {"waiting": {"reason": "CreateContainerConfigError",
                                                                                 "message": str(exc)}}) for c in containers]  # fmt: skip
             self._put("pods", pod)
             self.event(pod, "Failed", f"Error: {exc}", "Warning")
             return
+        os.makedirs(self._pod_tmp(ns, name), exist_ok=True)  # the container's own /tmp
         run = self.running.setdefault(f"{ns}/{name}", _Running())
         logs = open(os.path.join(self.workdir, f"{ns}_{name}.log"), "ab")  # noqa: SIM115 - closed below
         try:

@@ -282,8 +282,8 @@ class KubernetesProvider:
                 return await fn(*args, _request_timeout=self.request_timeout, **kwargs)
             except Exception as exc:
                 status = getattr(exc, "status", None)
-                transient = status in _RETRY or (status is None and isinstance(exc, (OSError, TimeoutError))
-                                                 or type(exc).__module__.startswith("aiohttp"))  # fmt: skip
+                dropped = isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.startswith("aiohttp")
+                transient = status in _RETRY or (status is None and dropped)
                 if not transient or time.monotonic() + delay > deadline:
                     raise
                 await asyncio.sleep(delay * (0.5 + random.random()))
