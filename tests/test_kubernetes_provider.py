@@ -147,6 +147,28 @@ def test_pod_failures_reach_the_futures_as_provider_errors_with_the_kubernetes_r
         wait_until(lambda: pods(emu) == [], 20, "the failed pod to be deleted")
 
 
+@pytest.mark.parametrize(("action", "expected"), [("oomkill", "OOMKilled (exit code 137)"), ("evict", "was evicted (Evicted)")])
+def test_a_running_pod_killed_by_the_cluster_is_reported_once_with_the_reason(
+        action: str, expected: str, emu: EmulatorThread, tmp_path: Path) -> None:  # fmt: skip
+    prov = provider(emu, tmp_path, cluster_id=f"run-{action}", scheduler="tcp://127.0.0.1:1", token="t" * 64)
+    nt = NodeType("cpu", {"cpu": 1, "memory": "1GiB"})
+    try:
+        prov.launch(nt, 1, "r1")
+        (wid,) = prov.worker_ids(nt, 1, "r1")
+        wait_until(lambda: prov.list().get(wid, {}).get("phase") == "Running", 10, "the pod running")
+        assert prov.poll_errors() == []
+        name = prov.list()[wid]["pod"]
+        emu.call(getattr(emu.emulator, action), name)
+        errors: list[Any] = []
+        wait_until(lambda: bool(errors.extend(prov.poll_errors()) or errors), 10, "the failure reported")
+        assert [(e.request_id, e.worker_id) for e in errors] == [("r1", wid)]
+        assert expected in errors[0].message and name in errors[0].message
+        wait_until(lambda: pods(emu) == [], 10, "the failed pod deleted")
+        assert prov.poll_errors() == []  # once
+    finally:
+        prov.close()
+
+
 def test_unschedulable_waits_a_grace_period_unless_the_cluster_autoscaler_gives_up() -> None:
     pod = {"metadata": {"name": "tp-x-cpu-r1-1"},
            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
