@@ -393,7 +393,7 @@ def test_no_api_server_or_no_kubeconfig_fails_the_launch_saying_what_to_check(tm
         try:
             prov.launch(NodeType("cpu", {"cpu": 1}), 1, "r1")
             errors: list[Any] = []
-            wait_until(lambda p=prov, e=errors: bool(e.extend(p.poll_errors()) or e), 20, "the launch to fail")  # type: ignore[misc]
+            wait_until(lambda p=prov, e=errors: bool(e.extend(p.poll_errors()) or e), 20, "the launch to fail")
             assert errors[0].worker_id is None and expected in errors[0].message, errors[0].message
         finally:
             prov.close()
@@ -435,5 +435,8 @@ def test_end_to_end_on_a_real_cluster() -> None:
         cluster.adapt(node_types=[nt], provider=prov, policy=Adaptive(idle=IdleRetire(idle_timeout=2.0)))
         # built-ins only: the image has tidepool, not this test module
         parts = client.map(abs, range(-6, 0))
-        assert client.submit(sum, parts).result(timeout=300) == 21
+        total = client.submit(sum, parts)
+        assert total.result(timeout=300) == 21
+        for f in [*parts, total]:  # nothing held: the idle workers retire and their pods go
+            f.release()
         wait_until(lambda: prov.list() == {}, 120, "the pods to be deleted after the run")
