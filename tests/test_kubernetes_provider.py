@@ -430,7 +430,7 @@ def test_end_to_end_on_a_real_cluster() -> None:
     prov = KubernetesProvider(namespace=os.environ.get("TIDEPOOL_K8S_NAMESPACE", "default"), image=image,
                               image_pull_policy="IfNotPresent", scheduler_host=host,
                               cluster_id=f"e2e{int(time.time()) % 100000}")  # fmt: skip
-    nt = NodeType("cpu", {"cpu": 0.5, "memory": "512MiB"}, max_nodes=2, startup_estimate=30.0)
+    nt = NodeType("cpu", {"cpu": 1, "memory": "512MiB"}, max_nodes=2, startup_estimate=30.0)
     with tidepool.LocalCluster(n_workers=0, host="0.0.0.0") as cluster, tidepool.Client(cluster) as client:
         cluster.adapt(node_types=[nt], provider=prov, policy=Adaptive(idle=IdleRetire(idle_timeout=2.0)))
         # built-ins only: the image has tidepool, not this test module
