@@ -251,6 +251,23 @@ def test_pods_left_by_an_earlier_scheduler_with_the_same_cluster_id_are_deleted(
             old._loop_thread.stop()
 
 
+def test_close_while_a_create_awaits_its_answer_leaves_no_pod(emu: EmulatorThread, tmp_path: Path) -> None:
+    prov = provider(emu, tmp_path, cluster_id="inflight", scheduler="tcp://127.0.0.1:1", token="t" * 64)
+    prov.launch(NodeType("cpu", {"cpu": 1}), 0, "r0")  # connected and watching, no pod
+    wait_until(lambda: any(w.plural == "pods" for w in emu.emulator.watchers), 10, "the pod watch")
+    emu.emulator.answer_delay = 3.0  # the server creates the pod, the answer is not back when close() runs
+    emu.emulator.watch_lag = True  # ... and the watch has not shown it yet
+    prov.launch(NodeType("cpu", {"cpu": 1}), 1, "r1")
+    wait_until(lambda: len(pods(emu)) == 1, 10, "the pod created on the server")
+    assert prov._created == {} and prov.cache.pods == {}  # the provider has not heard of it
+    try:
+        prov.close()
+    finally:
+        emu.call(emu.emulator.catch_up)
+    assert all(p["metadata"].get("deletionTimestamp") for p in pods(emu))
+    wait_until(lambda: pods(emu) == [], 15, "the pod deleted by close")
+
+
 def test_quota_refusal_is_a_failed_launch_with_the_api_message(emu: EmulatorThread, tmp_path: Path) -> None:
     emu.emulator.quota_pods = 0
     prov = provider(emu, tmp_path, cluster_id="quota", scheduler="tcp://127.0.0.1:1", token="t" * 64)

@@ -30,7 +30,8 @@ Faults, the way a cluster shows them: images in ``bad_images`` fail to pull (``E
 node type when it starts (``OOMKilled``, exit 137; ``Evicted`` by node memory pressure);
 :meth:`oomkill`, :meth:`evict` and :meth:`disrupt` (a ``DisruptionTarget`` condition: a spot or
 drain notice) act on one running pod; ``quota_pods`` refuses creates over a pod count with the API
-server's ``403 exceeded quota`` message.  ``requests`` records every call (method, path, query).
+server's ``403 exceeded quota`` message; ``answer_delay`` makes pod creates answer late, after the
+work; ``watch_lag`` holds watch events back (a lagging watch cache) until :meth:`catch_up`.  ``requests`` records every call (method, path, query).
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ class KubeEmulator:
         self.bad_images: set[str] = set()
         self.faults: dict[str, str] = {}
         self.quota_pods: int | None = None
+        self.answer_delay = 0.0  # seconds a create waits *after* doing the work (a slow or lost answer)
+        self.watch_lag = False  # True: watch events wait (a lagging watch cache) until it is False again
+        self._held: list[tuple[_Watcher, tuple[int, str, dict[str, Any]]]] = []
         self.requests: list[tuple[str, str, str]] = []
         self.expired_watches = 0  # watches answered 410 Gone (their resourceVersion was too old)
         self.workdir = workdir or tempfile.mkdtemp(prefix="tidepool-kube-")
@@ -232,7 +236,16 @@ class KubeEmulator:
         del self.history[:-HISTORY]
         for w in self.watchers:
             if self._matches(w.plural, w.namespace, w.labels, w.fields, plural, snap):
-                w.queue.put_nowait((self.rv, kind, snap))
+                self._held.append((w, (self.rv, kind, snap)))
+        if not self.watch_lag:
+            self.catch_up()
+
+    def catch_up(self) -> None:
+        """Send the watch events held while ``watch_lag`` was on."""
+        self.watch_lag = False
+        held, self._held = self._held, []
+        for w, item in held:
+            w.queue.put_nowait(item)
 
     @staticmethod
     def _matches(wplural: str, wns: str, labels: str | None, fields: str | None, plural: str,
@@ -349,6 +362,8 @@ class KubeEmulator:
         self._put(plural, body, "ADDED")
         if plural == "pods":
             self._schedule_pending()
+        if self.answer_delay and plural == "pods":
+            await asyncio.sleep(self.answer_delay)
         return web.json_response(body, status=201)
 
     async def _watch(self, request: web.Request, ns: str, plural: str) -> web.StreamResponse:

@@ -678,17 +678,23 @@ class KubernetesProvider:
             if self._closed:
                 return
             self._closed = True
-        for t in list(self._tasks):
-            if t is not asyncio.current_task():
-                t.cancel()
+        running = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in running:  # launches in flight: a create may be done on the server, unrecorded here
+            t.cancel()
+        if running:
+            await asyncio.wait(running, timeout=self.request_timeout)
         if self._core is None:
             return
         pods, _, _ = self.cache.snapshot()
+        names = set(pods)
+        with contextlib.suppress(Exception):  # so the listing catches those creates too
+            resp = await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=self._selector())
+            names.update(p.metadata.name for p in resp.items)
         with self._lock:
-            names = sorted(set(self._created) | set(pods))
-            self._deleting.update(names)
+            todo = sorted(names | set(self._created))
+            self._deleting.update(todo)
         try:
-            await self._delete(names)
+            await self._delete(todo)
             with contextlib.suppress(Exception):
                 await self._call(self._core.delete_namespaced_secret, secret_name(self.cluster_id), self.namespace)
         except Exception as exc:  # noqa: BLE001 - close must not raise into cleanup paths
