@@ -169,6 +169,39 @@ def test_a_running_pod_killed_by_the_cluster_is_reported_once_with_the_reason(
         prov.close()
 
 
+def test_the_emulator_answers_the_real_client_as_an_api_server_does(emu: EmulatorThread, tmp_path: Path) -> None:
+    import asyncio
+
+    from kubernetes_asyncio import client, config
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    kubeconfig = emu.emulator.write_kubeconfig(str(tmp_path / "kubeconfig"))
+
+    async def session() -> None:
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        async with client.ApiClient(cfg) as api:
+            core = client.CoreV1Api(api)
+            svc = {"metadata": {"name": "tidepool-scheduler", "labels": {"app": "tp"}},
+                   "spec": {"selector": {"app": "tp"}, "ports": [{"port": 8786}]}}  # fmt: skip
+            made = await core.create_namespaced_service("default", svc)
+            assert made.metadata.uid and made.spec.ports[0].port == 8786
+            with pytest.raises(ApiException) as again:
+                await core.create_namespaced_service("default", svc)
+            assert again.value.status == 409 and json.loads(again.value.body)["reason"] == "AlreadyExists"
+            assert [s.metadata.name for s in (await core.list_namespaced_service("default", label_selector="app=tp")).items] == ["tidepool-scheduler"]
+            assert (await core.list_namespaced_service("default", label_selector="app!=tp")).items == []
+            await core.delete_namespaced_service("tidepool-scheduler", "default")
+            with pytest.raises(ApiException) as gone:
+                await core.read_namespaced_service("tidepool-scheduler", "default")
+            assert gone.value.status == 404
+            with pytest.raises(ApiException) as bad:
+                await core.create_namespaced_secret("default", {"metadata": {"name": "Not_A_Name"}})
+            assert bad.value.status == 422
+
+    asyncio.run(session())
+
+
 def test_unschedulable_waits_a_grace_period_unless_the_cluster_autoscaler_gives_up() -> None:
     pod = {"metadata": {"name": "tp-x-cpu-r1-1"},
            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
