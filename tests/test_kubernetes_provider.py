@@ -434,7 +434,7 @@ def test_no_api_server_or_no_kubeconfig_fails_the_launch_saying_what_to_check(tm
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    emulator = KubeEmulator()
+    emulator = KubeEmulator(workdir=str(tmp_path))  # never started: only its kubeconfig is used
     emulator.url = f"http://127.0.0.1:{port}"
     cases = [(emulator.write_kubeconfig(str(tmp_path / "kubeconfig")), "reachable"),
              (str(tmp_path / "missing"), "cannot load the Kubernetes configuration")]  # fmt: skip

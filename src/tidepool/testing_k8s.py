@@ -161,6 +161,7 @@ class KubeEmulator:
         self._held: list[tuple[_Watcher, tuple[int, str, dict[str, Any]]]] = []
         self.requests: list[tuple[str, str, str]] = []
         self.expired_watches = 0  # watches answered 410 Gone (their resourceVersion was too old)
+        self._own_workdir = workdir is None  # made here: removed by stop()
         self.workdir = workdir or tempfile.mkdtemp(prefix="tidepool-kube-")
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -196,6 +197,8 @@ class KubeEmulator:
         for (p, ns, name) in list(self.store):
             if p == "pods":
                 shutil.rmtree(self._pod_tmp(ns, name), ignore_errors=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def write_kubeconfig(self, path: str, namespace: str = "default") -> str:
         """A kubeconfig pointing at this server (plain HTTP, a static token)."""
