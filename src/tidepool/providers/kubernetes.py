@@ -33,8 +33,9 @@ loop, and a caller without any loop gets a private loop thread (``tidepool-kuber
   an ownerReference to the scheduler's pod, so the garbage collector removes them if the scheduler
   dies without closing.
 
-API calls have a timeout (``request_timeout``); throttling and server errors (429, 5xx) are retried
-with jittered backoff for up to ``retry_for`` seconds, then reported.
+API calls (``kubernetes_api.py``) have a timeout (``request_timeout``); throttling and server
+errors (429, 5xx) are retried with jittered backoff for up to ``retry_for`` seconds, then reported
+with the API server's message and what to do.
 """
 
 from __future__ import annotations
@@ -43,10 +44,8 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
-import random
 import secrets
 import threading
 import time
@@ -56,6 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tidepool.errors import ConfigError, ProviderError
 from tidepool.providers._address import contact_address
 from tidepool.providers.base import IdNames, ProviderFailure, worker_command
+from tidepool.providers.kubernetes_api import api_message, call_api, hint, kube, load_configuration
 from tidepool.providers.kubernetes_pods import (
     LABEL_CLUSTER,
     PodTemplate,
@@ -82,57 +82,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidepool.providers.kubernetes")
 T = TypeVar("T")
-#: HTTP statuses worth retrying: throttled, or the API server briefly unwell
-_RETRY = (429, 500, 502, 503, 504)
-
-
-def _kube() -> Any:
-    try:
-        import kubernetes_asyncio
-        import kubernetes_asyncio.client
-        import kubernetes_asyncio.config
-        import kubernetes_asyncio.watch  # noqa: F401 - the submodules the provider uses
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ConfigError("KubernetesProvider needs kubernetes_asyncio: pip install 'tidepool[kubernetes]'") from exc
-    return kubernetes_asyncio
-
-
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
 
-
-def api_message(exc: BaseException) -> str:
-    """The API server's own message for a failed call (``403 Forbidden: pods is forbidden: ...``)."""
-    status = getattr(exc, "status", None)
-    if status is None:
-        return f"{type(exc).__name__}: {exc}"
-    text = getattr(exc, "reason", "") or ""
-    body = getattr(exc, "body", None)
-    with contextlib.suppress(Exception):
-        data = json.loads(body) if body else {}
-        if isinstance(data, dict) and data.get("message"):
-            text = f"{data.get('reason') or text}: {data['message']}"
-    return f"{status} {text}".strip()
-
-
-def _hint(exc: BaseException, what: str, namespace: str) -> str:
-    """What to do about a failed API call."""
-    status = getattr(exc, "status", None)
-    if status in (401, 403) and "quota" in api_message(exc).lower():
-        return f"; raise the ResourceQuota of namespace {namespace!r} or lower the node type's max_nodes"
-    if status in (401, 403):
-        return (f"; the scheduler's service account (or kubeconfig user) may not {what} in namespace "
-                f"{namespace!r}: apply the Role and RoleBinding in docs/providers.md")  # fmt: skip
-    if status == 404:
-        return f"; does namespace {namespace!r} exist? (kubectl create namespace {namespace})"
-    if status == 422:
-        return "; the node type's pod template is invalid: fix its options (image, resources, node_selector, ...)"
-    if status is None:
-        return "; is the Kubernetes API server reachable from here (kubeconfig server address, network)?"
-    return ""
 
 
 class KubernetesProvider:
@@ -214,7 +169,7 @@ class KubernetesProvider:
         self._core: Any = None
         self._owner: dict[str, Any] | None = None
         self._closed = False
-        _kube()  # fail at construction, not at the first launch, when the client is missing
+        kube()  # fail at construction, not at the first launch, when the client is missing
 
     # ---- the owning loop --------------------------------------------------------------------------
     def bind(self, scheduler: str, token: str) -> None:
@@ -274,20 +229,7 @@ class KubernetesProvider:
 
     # ---- API plumbing ---------------------------------------------------------------------------
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """One API call with a timeout; 429/5xx and dropped connections retried for ``retry_for`` s."""
-        deadline = time.monotonic() + self.retry_for
-        delay = 0.2
-        while True:
-            try:
-                return await fn(*args, _request_timeout=self.request_timeout, **kwargs)
-            except Exception as exc:
-                status = getattr(exc, "status", None)
-                dropped = isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.startswith("aiohttp")
-                transient = status in _RETRY or (status is None and dropped)
-                if not transient or time.monotonic() + delay > deadline:
-                    raise
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
+        return await call_api(fn, *args, request_timeout=self.request_timeout, retry_for=self.retry_for, **kwargs)
 
     async def _start(self) -> None:
         """Connect, create the token Secret and start the watches (once; retried after a failure)."""
@@ -301,22 +243,9 @@ class KubernetesProvider:
             if not self.scheduler or not self.token:
                 raise ProviderError("KubernetesProvider has no scheduler address/token; call bind(address, token) "
                                     "or use cluster.adapt(provider=...)")  # fmt: skip
-            k = _kube()
+            k = kube()
             if self._api is None:
-                cfg = k.client.Configuration()
-                use_incluster = self.in_cluster if self.in_cluster is not None else (
-                    self.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST")))
-                try:
-                    if use_incluster:
-                        k.config.load_incluster_config(client_configuration=cfg)
-                    else:
-                        await k.config.load_kube_config(config_file=self.kubeconfig, context=self.context,
-                                                        client_configuration=cfg)  # fmt: skip
-                except Exception as exc:  # noqa: BLE001 - ConfigException, file errors: said how to fix
-                    where = "the pod's service account" if use_incluster else (self.kubeconfig or "$KUBECONFIG / ~/.kube/config")
-                    raise ProviderError(f"cannot load the Kubernetes configuration from {where}: {exc}; point "
-                                        "kubeconfig= (or $KUBECONFIG) at a cluster's config, or run the "
-                                        "scheduler in the cluster") from exc  # fmt: skip
+                cfg = await load_configuration(self.kubeconfig, self.context, self.in_cluster)
                 self._api = k.client.ApiClient(configuration=cfg)
                 self._core = k.client.CoreV1Api(self._api)
             core = self._core
@@ -325,7 +254,7 @@ class KubernetesProvider:
                     me = await self._call(core.read_namespaced_pod, self.owner_pod, self.namespace)
                 except Exception as exc:  # noqa: BLE001 - reported with what to do
                     raise ProviderError(f"cannot read the scheduler's own pod {self.owner_pod!r} (owner_pod): "
-                                        f"{api_message(exc)}{_hint(exc, 'get pods', self.namespace)}") from exc  # fmt: skip
+                                        f"{api_message(exc)}{hint(exc, 'get pods', self.namespace)}") from exc  # fmt: skip
                 self._owner = {"apiVersion": "v1", "kind": "Pod", "name": me.metadata.name, "uid": me.metadata.uid,
                                "blockOwnerDeletion": False, "controller": False}  # fmt: skip
             body = secret_manifest(self.cluster_id, self.token, self._owner)
@@ -334,12 +263,12 @@ class KubernetesProvider:
             except Exception as exc:
                 if getattr(exc, "status", None) != 409:
                     raise ProviderError(f"cannot create the token Secret {body['metadata']['name']!r}: "
-                                        f"{api_message(exc)}{_hint(exc, 'create secrets', self.namespace)}") from exc  # fmt: skip
+                                        f"{api_message(exc)}{hint(exc, 'create secrets', self.namespace)}") from exc  # fmt: skip
                 try:  # left by an earlier scheduler with this cluster id: it gets our token
                     await self._call(core.replace_namespaced_secret, body["metadata"]["name"], self.namespace, body)
                 except Exception as exc2:
                     raise ProviderError(f"cannot update the token Secret {body['metadata']['name']!r}: "
-                                        f"{api_message(exc2)}{_hint(exc2, 'update secrets', self.namespace)}") from exc2  # fmt: skip
+                                        f"{api_message(exc2)}{hint(exc2, 'update secrets', self.namespace)}") from exc2  # fmt: skip
             await self._delete_leftovers()
             self._watches = [asyncio.get_running_loop().create_task(self._watch_pods()),
                              asyncio.get_running_loop().create_task(self._watch_events())]  # fmt: skip
@@ -351,7 +280,7 @@ class KubernetesProvider:
             resp = await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=self._selector())
         except Exception as exc:
             raise ProviderError(f"cannot list pods in namespace {self.namespace!r}: {api_message(exc)}"
-                                f"{_hint(exc, 'list pods', self.namespace)}") from exc  # fmt: skip
+                                f"{hint(exc, 'list pods', self.namespace)}") from exc  # fmt: skip
         names = [p.metadata.name for p in resp.items]
         if names:
             log.warning("KubernetesProvider: deleting %d pod(s) left by an earlier scheduler with cluster id %r: %s",
@@ -364,7 +293,7 @@ class KubernetesProvider:
         return f"{LABEL_CLUSTER}={label_value(self.cluster_id)}"
 
     async def _watch_pods(self) -> None:
-        k, core, ns = _kube(), self._core, self.namespace
+        k, core, ns = kube(), self._core, self.namespace
 
         async def list_call() -> tuple[builtins.list[dict[str, Any]], str]:
             resp = await self._call(core.list_namespaced_pod, ns, label_selector=self._selector())
@@ -380,7 +309,7 @@ class KubernetesProvider:
                             lambda: self._closed)  # fmt: skip
 
     async def _watch_events(self) -> None:
-        k, core, ns = _kube(), self._core, self.namespace
+        k, core, ns = kube(), self._core, self.namespace
         ours = f"tp-{self.cluster_id}-"  # our pod names start so (see pod_name; cluster ids are DNS-safe)
 
         def mine(ev: Mapping[str, Any]) -> bool:
@@ -477,7 +406,7 @@ class KubernetesProvider:
             if failed and len(failed) == len(bodies):  # nothing will come: one failed launch
                 exc = failed[0][1]
                 raise ProviderError(f"launch {rid} of {count} {nt.name!r} pod(s) failed: {api_message(exc)}"
-                                    f"{_hint(exc, 'create pods', self.namespace)}") from exc  # fmt: skip
+                                    f"{hint(exc, 'create pods', self.namespace)}") from exc  # fmt: skip
             with self._lock:
                 for body, exc in failed:  # partial: the pods that will not come, worker by worker
                     for wid in workers_of(body):
@@ -545,7 +474,7 @@ class KubernetesProvider:
         errors = [(n, r) for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)]
         if errors:
             problems = [f"{n}: {api_message(r)}" for n, r in errors]
-            raise ProviderError(f"could not delete pods {problems}{_hint(errors[0][1], 'delete pods', self.namespace)}; "
+            raise ProviderError(f"could not delete pods {problems}{hint(errors[0][1], 'delete pods', self.namespace)}; "
                                 f"delete them by hand: kubectl delete pods -n {self.namespace} -l {self._selector()}")  # fmt: skip
 
     async def _delete_one(self, name: str) -> None:
