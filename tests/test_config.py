@@ -99,7 +99,7 @@ NT = "[[node_types]]\nname='a'\n"
         ("[scheduler]\nport='8786'\n" + NT, "port must be a whole number 0..65535"),
         ("[scheduler]\nhost=1\n" + NT, "host must be a host name or address"),
         ("scheduler=3\n" + NT, "[scheduler] must be a table"),
-        ("[provider]\nkind='kubernetes'\n" + NT, "[provider] kind must be one of local, ssh, slurm, callback"),
+        ("[provider]\nkind='nomad'\n" + NT, "[provider] kind must be one of local, ssh, slurm, callback"),
         ("[provider]\nenv='A=1'\n" + NT, "[provider] env must be a table of strings"),
         ("[provider]\nextra_args='--x'\n" + NT, "[provider] extra_args must be a list of strings"),
         ("[provider]\nheartbeat_interval=-1\n" + NT, "heartbeat_interval must be a finite number >= 0"),

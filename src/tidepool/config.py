@@ -9,7 +9,7 @@ Example::
     #   (optional: TLS on every connection; the provider's workers get the same files)
 
     [provider]
-    kind = "local"              # local | ssh | slurm | callback
+    kind = "local"              # local | ssh | slurm | callback | kubernetes
     # kind = "callback"; launch = "mymodule:launch"; terminate = "mymodule:terminate"
 
     [policy]
@@ -60,7 +60,7 @@ _TOP_KEYS = ("scheduler", "provider", "policy", "node_types")
 _SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
 _POLICY_KINDS = ("adaptive", "completion", "backlog")
-_PROVIDER_KINDS = ("local", "ssh", "slurm", "callback")
+_PROVIDER_KINDS = ("local", "ssh", "slurm", "callback", "kubernetes")
 #: keys every built-in policy kind accepts besides ``kind`` (all seconds: finite numbers >= 0)
 _POLICY_KEYS: dict[str, tuple[str, ...]] = {
     "adaptive": ("idle_timeout", "cached_idle_timeout", "max_eta", "min_lifetime"),
@@ -221,12 +221,12 @@ def _provider_spec(table: Mapping[str, Any], source: str) -> tuple[Any, dict[str
         for k in ("launch", "terminate"):
             if not isinstance(p[k], str) or ":" not in p[k]:
                 raise ConfigError(f"{source}: [provider] {k} must be 'module:function', got {p[k]!r}")
-    elif kind in ("ssh", "slurm"):
+    elif kind in ("ssh", "slurm", "kubernetes"):
         try:
             mod = importlib.import_module(f"tidepool.providers.{kind}")
         except ImportError as exc:
             raise ConfigError(f"{source}: [provider] kind={kind!r} cannot be loaded: {exc}") from exc
-        cls = getattr(mod, "SSHProvider" if kind == "ssh" else "SlurmProvider")
+        cls = getattr(mod, {"ssh": "SSHProvider", "slurm": "SlurmProvider"}.get(kind, "KubernetesProvider"))
     else:
         cls = _import(kind, source)
         if not callable(cls):
