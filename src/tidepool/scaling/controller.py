@@ -154,12 +154,22 @@ class Actions:
 
 
 # ---- pure pieces of the decision ---------------------------------------------------------------
-def wanted_launches(decision: ScaleDecision, snap: ClusterSnapshot,
-                    reasons: list[str]) -> dict[str, int]:  # fmt: skip
-    """The policy's launches, raised to what ``min_nodes`` needs (a reason appended for each)."""
+def standing(snap: ClusterSnapshot, name: str, retiring: Mapping[str, int]) -> int:
+    """Nodes of type ``name`` that stay: live workers not being retired, plus launches in flight
+    (``retiring``: workers of each type being retired now)."""
+    nt = snap.node_type(name)
+    per = nt.workers_per_node if nt is not None else 1
+    live = sum(1 for w in snap.workers if w.node_type == name) - retiring.get(name, 0)
+    return -(-max(0, live) // per) + sum(p.nodes for p in snap.pending if p.node_type == name)
+
+
+def wanted_launches(decision: ScaleDecision, snap: ClusterSnapshot, reasons: list[str],
+                    retiring: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
+    """The policy's launches, raised to what ``min_nodes`` needs (a reason appended for each):
+    a node being retired does not count towards ``min_nodes``."""
     wanted = dict(decision.launch)
     for nt in snap.node_types:  # min_nodes always holds
-        deficit = nt.min_nodes - snap.nodes_of(nt.name)
+        deficit = nt.min_nodes - standing(snap, nt.name, retiring)
         if deficit > 0 and not snap.blocked(nt.name) and wanted.get(nt.name, 0) < deficit:
             wanted[nt.name] = deficit
             reasons.append(f"{nt.name}: below min_nodes={nt.min_nodes}")
@@ -168,7 +178,7 @@ def wanted_launches(decision: ScaleDecision, snap: ClusterSnapshot,
 
 def clamp_launches(wanted: Mapping[str, int], snap: ClusterSnapshot, node_types: Mapping[str, NodeType], *,
                    unusable: Mapping[str, str], stale: set[str], max_workers: int | None, workers: int,
-                   reasons: list[str]) -> dict[str, int]:  # fmt: skip
+                   reasons: list[str], retiring: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
     """Nodes to launch per type within the limits: known types only, none blocked (backoff or
     disabled), none of a type a stale forecast planned (beyond ``min_nodes``), at most
     ``max_nodes`` per type and ``max_workers`` in all (``workers``: live and coming now)."""
@@ -181,9 +191,11 @@ def clamp_launches(wanted: Mapping[str, int], snap: ClusterSnapshot, node_types:
         if snap.blocked(name):
             reasons.append(f"{name}: not launched ({unusable.get(name) or 'in backoff'})")
             continue
-        if name in stale and n > max(0, known.min_nodes - snap.nodes_of(name)):
-            reasons.append(f"{name}: not launched again until a forecast sees the last launch")
-            continue
+        if name in stale:  # only what min_nodes needs until a forecast sees the last launch
+            deficit = known.min_nodes - standing(snap, name, retiring)
+            if n > deficit:
+                reasons.append(f"{name}: not launched again until a forecast sees the last launch")
+                n = deficit
         n = min(n, known.max_nodes - snap.nodes_of(name))
         if max_workers is not None:
             n = min(n, (max_workers - workers) // known.workers_per_node)
@@ -287,12 +299,14 @@ class ScalingController:
         actions.snapshot = snap
         decision = self._decide(snap)
         reasons = list(decision.reasons)
-        wanted = wanted_launches(decision, snap, reasons)
+        retiring = self._retiring_by_type()
+        wanted = wanted_launches(decision, snap, reasons, retiring)
         workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
         planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
-                                 max_workers=self.max_workers, workers=workers, reasons=reasons)  # fmt: skip
+                                 max_workers=self.max_workers, workers=workers, reasons=reasons,
+                                 retiring=retiring)  # fmt: skip
         self._launch(planned, "; ".join(reasons), obs.now, actions)
-        self._retirements(decision, snap, by_id, planned, actions)
+        self._retirements(decision, snap, by_id, planned, retiring, actions)
         if not actions.launch and not actions.retire and decision.reasons:
             self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
         return self._finish(actions)
@@ -360,6 +374,8 @@ class ScalingController:
         terminated, so a queued job that starts later cannot join uncounted)."""
         if r.request in self._failed_requests:
             return  # already counted (a provider may both raise and report the same failure)
+        if not r.reason:
+            r = LaunchFailed(r.request, "the provider reported a failure without a message", r.at)
         self._failed_requests.add(r.request)
         req = self.instances.requests.get(r.request)
         if req is not None and req.open:
@@ -415,7 +431,7 @@ class ScalingController:
             if r.outcome == "retired":
                 self.instances.move(inst, IS.GONE, r.at, "retired")
             else:
-                self.instances.move(inst, IS.READY, r.at, r.outcome)
+                self.instances.move(inst, IS.READY, r.at, r.outcome or "refused")
         if r.outcome != "retired":
             self.refused_until[r.worker] = r.at + REFUSED_PAUSE  # do not ask again at every step
         self.journal.record("retire-done", r.at, worker=r.worker, outcome=r.outcome)
@@ -579,18 +595,20 @@ class ScalingController:
             nt = self.node_types[name]
             rid = f"a{next(self._ids)}"
             timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
-            self.instances.request(rid, name, n, now, now + timeout, reason or "the policy asked")
+            why = reason or "the policy asked (no reason given)"
+            self.instances.request(rid, name, n, now, now + timeout, why)
             actions.launch.append((rid, nt, n))
             actions.launch_timeouts[rid] = timeout
             self._stale_types.add(name)
-            self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=reason)
+            self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=why)
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
-                     planned: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
+                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
         """Retire what the policy asked, if known, running, ours, not refused lately, not below
-        ``min_nodes`` and not of a type launched this step (anti-flap)."""
+        ``min_nodes`` (nodes being retired already do not count) and not of a type launched this
+        step (anti-flap)."""
         now = snap.now
-        left = {nt.name: snap.nodes_of(nt.name) for nt in snap.node_types}
+        left = {nt.name: standing(snap, nt.name, retiring) for nt in snap.node_types}
         why = dict(decision.why)
         for wid in decision.retire:
             ws = by_id.get(wid)
@@ -614,6 +632,12 @@ class ScalingController:
                 "adapt(manage_foreign=True) lets it retire such workers"))  # fmt: skip
         return False
 
+    def _retiring_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for inst in self.instances.retiring.values():
+            out[inst.node_type] = out.get(inst.node_type, 0) + 1
+        return out
+
     def _is_retiring(self, wid: str) -> bool:
         inst = self.instances.get(wid)
         return inst is not None and inst.state is IS.RETIRING
@@ -628,6 +652,7 @@ class ScalingController:
             self._joined(Joined(ws.id, ws.joined, ready=True))
         elif inst.state in FINAL:
             table.move(inst, IS.JOINED, now, "registered again")
+        inst.node_type = inst.node_type or ws.node_type  # an adopted worker's type is known once it joined
         table.move(inst, IS.RETIRING, now, why)
         actions.retire.append(ws.id)
         self.journal.record("retire", now, worker=ws.id, node_type=ws.node_type, reason=why)

@@ -124,6 +124,8 @@ class InstanceTable:
         self.open: dict[str, Request] = {}
         #: instances registered with the scheduler now (joined, ready, retiring)
         self.live: dict[str, Instance] = {}
+        #: instances being retired now
+        self.retiring: dict[str, Instance] = {}
 
     # ---- requests -------------------------------------------------------------------------------
     def request(self, rid: str, node_type: str, nodes: int, now: float, deadline: float, why: str) -> Request:
@@ -171,6 +173,10 @@ class InstanceTable:
             self.live[inst.worker] = inst
         else:
             self.live.pop(inst.worker, None)
+        if new is IS.RETIRING:
+            self.retiring[inst.worker] = inst
+        else:
+            self.retiring.pop(inst.worker, None)
 
     def get(self, wid: str) -> Instance | None:
         return self.instances.get(wid)
@@ -182,9 +188,12 @@ class InstanceTable:
         """Check the indexes agree with the records (tests call this after every step)."""
         for wid, inst in self.instances.items():
             assert (wid in self.live) == (inst.state in LIVE), (wid, inst.state)
+            assert (wid in self.retiring) == (inst.state is IS.RETIRING), (wid, inst.state)
+            assert all(why for _, _, why in inst.history), (wid, inst.history)
             assert inst.history and inst.history[-1][1] is inst.state, (wid, inst.history)
             if inst.request is not None:
                 assert inst.request in self.requests, (wid, inst.request)
         for rid, req in self.requests.items():
             assert (rid in self.open) == req.open, (rid, req.state)
             assert req.history and req.history[-1][1] is req.state, (rid, req.history)
+            assert all(why for _, _, why in req.history), (rid, req.history)
