@@ -114,7 +114,7 @@ def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> N
             fut.result(timeout=30)
         assert "flaky" in str(info.value) and "disabled" in str(info.value)
         assert len(client.setup_errors) >= 2
-        kinds = [r["kind"] for r in scaler.controller.journal.records]
+        kinds = [r["kind"] for r in scaler.journal.records]
         assert "node-type-disabled" in kinds
 
 
