@@ -174,9 +174,10 @@ class AutoScaler:
     async def _launch(self, rid: str, nt: Any, n: int, timeout: float) -> None:
         """Name the workers (so arrivals match), then submit: ``launch`` returns at once; what
         fails later comes through ``poll_errors``.  A sync provider's call still runs in a daemon
-        thread, bounded by the launch timeout, so one that breaks the contract and blocks cannot
-        stall the scheduler's loop."""
-        timeout = max(1.0, timeout)
+        thread, bounded by half the launch timeout (so a call that hangs is reported as such,
+        before the controller gives up on the launch's workers), so one that breaks the contract
+        and blocks cannot stall the scheduler's loop."""
+        timeout = max(0.5, timeout / 2)
         try:
             ids = list(self.provider.worker_ids(nt, n, rid))
             self.scheduler.expect_workers(ids, nt)
