@@ -384,3 +384,29 @@ def test_duration_estimates_adapt_but_resist_outliers() -> None:
     for _ in range(60):
         est.observe("f", 3.0)  # a real shift is followed
     assert est.estimate("f") == pytest.approx(3.0, rel=0.05)
+
+
+def test_tasks_waiting_when_autoscaling_starts_fail_at_once_if_no_node_type_can_run_them() -> None:
+    """The feasibility rule reaches the state as an event when the autoscaler starts: a task that
+    was already waiting for a worker (submitted before adapt) fails then, instead of waiting for
+    ever (the state had no rule, and with an autoscaler no no_worker_timeout either)."""
+    from tidepool.scheduler import events as ev
+
+    d = StateDriver(SchedulerState())
+    d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
+    tasks = d.state.tasks
+    assert tasks["t-1"].state == tasks["ok-1"].state == "no-worker"
+    d.send(ev.CheckFeasible(d.clock(), controller((CPU, GPU)).feasibility()))  # adapt() starts
+    assert d.status() == {"t-1": "erred"} and tasks["ok-1"].state == "no-worker"
+    assert tasks["t-1"].exc_type == "InfeasibleTaskError" and "tpu" in tasks["t-1"].message
+
+
+def test_workers_named_after_their_launch_was_given_up_are_terminated() -> None:
+    d = driver_with([(f"w-{i}", []) for i in range(2)], {"w": 30.0})
+    c = ScalingController((ONE,), Adaptive(), launch_timeout=5.0, forecast_interval=0.25)
+    (rid, _, _), *_ = step_with_state(c, d.state, 0.0).launch
+    acts = step_with_state(c, d.state, 6.0)  # timed out before the provider named anything
+    assert c.instances.requests[rid].state == "failed" and not acts.terminate
+    acts = step_with_state(c, d.state, 6.5, reports=[Named(rid, ("late-1",), 6.2)])
+    assert acts.terminate == ["late-1"]  # they would join uncounted otherwise
+    assert c.instances.instances["late-1"].state == "failed"
