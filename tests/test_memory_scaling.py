@@ -66,7 +66,7 @@ def test_a_task_needing_more_memory_than_any_node_type_fails_at_once_naming_the_
     c = ScalingController((SMALL, BIG), Adaptive(), forecast_interval=0.25)
     state = SchedulerState()
     d = StateDriver(state)
-    d.send(ev.CheckFeasible(0.0, c.feasibility()))
+    d.send(ev.CheckFeasible(0.0, c.view.feasibility))
     d.submit([("huge-1", [], {"memory": 64 * GB}), ("fine-1", [], {"memory": 8 * GB})], ["huge-1", "fine-1"])
     ts = state.tasks["huge-1"]
     assert ts.state == "erred" and ts.exc_type == "InfeasibleTaskError"

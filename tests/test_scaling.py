@@ -322,7 +322,7 @@ def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
     c = controller((CPU, GPU))
     state = SchedulerState()
     d = StateDriver(state)
-    d.send(ev.CheckFeasible(0.0, c.feasibility()))  # as the shell does when autoscaling starts
+    d.send(ev.CheckFeasible(0.0, c.view.feasibility))  # as the shell does when autoscaling starts
     d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
     ts = state.tasks["t-1"]
     assert ts.state == "erred" and ts.exc_type == "InfeasibleTaskError"
@@ -396,7 +396,7 @@ def test_tasks_waiting_when_autoscaling_starts_fail_at_once_if_no_node_type_can_
     d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
     tasks = d.state.tasks
     assert tasks["t-1"].state == tasks["ok-1"].state == "no-worker"
-    d.send(ev.CheckFeasible(d.clock(), controller((CPU, GPU)).feasibility()))  # adapt() starts
+    d.send(ev.CheckFeasible(d.clock(), controller((CPU, GPU)).view.feasibility))  # adapt() starts
     assert d.status() == {"t-1": "erred"} and tasks["ok-1"].state == "no-worker"
     assert tasks["t-1"].exc_type == "InfeasibleTaskError" and "tpu" in tasks["t-1"].message
 

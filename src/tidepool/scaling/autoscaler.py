@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tidepool.errors import ProviderError
 from tidepool.providers.base import AsyncProvider, ReportsExpiring
 from tidepool.scaling.controller import ControllerView, ScalingController
-from tidepool.scaling.feasibility import Feasibility
 from tidepool.scaling.shell.round import LIST_EVERY, Round
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
@@ -117,7 +116,7 @@ class AutoScaler:
             journal.record("worker-join", ws.joined, worker=ws.id, node_type=ws.node_type,
                            resources=dict(ws.resources))  # fmt: skip
         self.scheduler.subscribe(journal.observe)
-        await self.scheduler.apply([ev.CheckFeasible(now, Feasibility(tuple(self.controller.node_types.values())))])
+        await self.scheduler.apply([ev.CheckFeasible(now, self.round.view.feasibility)])
         self.scheduler.eta_hooks.append(self.round.arrivals)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self

@@ -136,6 +136,8 @@ class ControllerView:
     unusable: Mapping[str, str] = field(default_factory=lambda: _frozen({}))  # disabled type -> why
     startup: Mapping[str, float] = field(default_factory=lambda: _frozen({}))  # measured start-up, s
     forecast: ForecastDue = ForecastDue()
+    #: the node types and the disabled ones: the rule the scheduler state gets (``CheckFeasible``)
+    feasibility: Feasibility = Feasibility(())
 
 
 @dataclass
@@ -260,18 +262,13 @@ class ScalingController:
         self._stale_types: set[str] = set()
         #: workers to terminate at the next step (given up before they registered)
         self._terminate: list[str] = []
-        self._disabled_sent = 0
+        self._feasibility = Feasibility(tuple(self.node_types.values()))
         #: what the shells may read, as of the last step
-        self.view = ControllerView(forecast=self._fc)
+        self.view = ControllerView(forecast=self._fc, feasibility=self._feasibility)
         self._on: dict[type, Callable[[Any], None]] = {
             Named: self._named, Joined: self._joined, Ready: self._ready, LaunchFailed: self._launch_failed,
             WorkerFailed: self._worker_failed, Retired: self._retired, Adopted: self._adopted,
         }  # fmt: skip
-
-    def feasibility(self) -> Feasibility:
-        """What the node types offer and which are disabled, as frozen data for the scheduler."""
-        disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
-        return Feasibility(tuple(self.node_types.values()), disabled)
 
     def manages(self, wid: str) -> bool:
         """Is ``wid`` this controller's to retire (launched here, adopted, or manage_foreign)?"""
@@ -667,9 +664,10 @@ class ScalingController:
         if self._terminate:
             actions.terminate.extend(w for w in self._terminate if w not in actions.terminate)
             self._terminate.clear()
-        if len(self.unusable) != self._disabled_sent:
-            self._disabled_sent = len(self.unusable)
-            actions.feasibility = self.feasibility()
+        if len(self.unusable) != len(self._feasibility.disabled):  # a node type was disabled
+            disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
+            self._feasibility = Feasibility(self._feasibility.node_types, disabled)
+            actions.feasibility = self._feasibility
         recs = self.journal.records[self._drained:]
         self._drained = len(self.journal.records)
         actions.records = recs
@@ -682,6 +680,7 @@ class ScalingController:
         self.view = ControllerView(
             backlog_since=self.backlog_since, pending=pending, failures=_frozen(self.failures),
             unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
+            feasibility=self._feasibility,
         )  # fmt: skip
         actions.view = self.view
         return actions

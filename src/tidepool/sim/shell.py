@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tidepool.scaling.controller import ControllerView, ScalingController
-from tidepool.scaling.feasibility import Feasibility
 from tidepool.scaling.shell.round import Round, sync_round
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
@@ -91,7 +90,7 @@ class SimAutoScaler:
 
     def start(self, now: float, **info: Any) -> None:
         self.journal.record("journal-start", now, simulated=True, **info)
-        self._apply([ev.CheckFeasible(now, Feasibility(tuple(self.controller.node_types.values())))])
+        self._apply([ev.CheckFeasible(now, self.round.view.feasibility)])
 
     # ---- the observer (after every batch the scheduler state handled) --------------------------
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:

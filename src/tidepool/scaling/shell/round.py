@@ -133,7 +133,7 @@ class Round:
     def arrivals(self, now: float) -> tuple[float, ...]:
         """Seconds until each slot of the launches in flight is expected (for the scheduler's ETA)."""
         out: list[float] = []
-        types = self.controller.node_types
+        types = {nt.name: nt for nt in self.view.feasibility.node_types}
         for p in self.view.pending:
             nt = types[p.node_type]
             slots = max(1, int(nt.worker_resources.get("cpu", 1))) * nt.workers_per_node * p.nodes
