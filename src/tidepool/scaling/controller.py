@@ -270,7 +270,7 @@ class ScalingController:
             WorkerFailed: self._worker_failed, Retired: self._retired, Adopted: self._adopted,
         }  # fmt: skip
 
-    def manages(self, wid: str) -> bool:
+    def _manages(self, wid: str) -> bool:
         """Is ``wid`` this controller's to retire (launched here, adopted, or manage_foreign)?"""
         inst = self.instances.get(wid)
         return self.manage_foreign or (inst is not None and inst.origin != "foreign")
@@ -620,7 +620,7 @@ class ScalingController:
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
 
     def _ours(self, ws: WorkerView, now: float) -> bool:
-        if self.manages(ws.id):
+        if self._manages(ws.id):
             return True
         if ws.id not in self._foreign_noted:
             self._foreign_noted.add(ws.id)
