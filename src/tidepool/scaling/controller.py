@@ -326,15 +326,16 @@ class ScalingController:
     def _named(self, r: Named) -> None:
         table = self.instances
         req = table.requests.get(r.request)
-        if req is None or req.state not in (IS.REQUESTED, IS.FAILED) or (req.state is IS.FAILED and req.workers):
-            return  # not ours, or named already
-        if req.state is IS.FAILED:  # given up before the provider named its workers: stop them
+        if req is not None and req.state is IS.FAILED and not req.workers:
+            # given up before the provider named its workers: stop them, or they join uncounted
             for w in r.workers:
                 if table.get(w) is None:
                     inst = table.add(w, req.node_type, req.id, IS.NAMED, r.at, f"named for launch {req.id}")
                     table.move(inst, IS.FAILED, r.at, f"launch {req.id} was given up before it was named")
                     self._terminate.append(w)
             return
+        if req is None or req.state is not IS.REQUESTED:
+            return  # not ours, or named already
         table.move_request(req, IS.NAMED, r.at, f"the provider named {len(r.workers)} workers")
         for w in r.workers:
             if table.get(w) is None:
