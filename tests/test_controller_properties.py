@@ -2,7 +2,8 @@
 
 A small world plays provider and scheduler: it names each launch's workers, lets each of them
 join after a random delay, crash, vanish from the listing or never come; retirements end retired
-or refused; the provider reports random launch failures and setups fail at random.  It honours
+or refused; the provider reports random launch failures and setups fail at random; half the runs
+start with a cluster's own worker, adopted.  It honours
 every ``terminate``.  The policy is random too (launches of any size, any node type, retirements
 of any worker, with or without reasons) or the default one.  After every step:
 
@@ -27,6 +28,7 @@ from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.instances import IS, InstanceTable, InvalidTransition
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import (
+    Adopted,
     Joined,
     LaunchFailed,
     Named,
@@ -150,6 +152,9 @@ def test_random_observation_sequences_keep_the_controller_invariants(
                           launch_timeout=rng.choice([None, 15.0]), backoff_base=rng.choice([0.5, 5.0]),
                           max_type_failures=3, forecast_interval=0.25, manage_foreign=rng.random() < 0.3)  # fmt: skip
     world = World(rng)
+    if rng.random() < 0.5:  # a cluster's own worker, present before autoscaling: adopted
+        world.live["own-0"] = WorkerView("own-0", "cpu", "running", {"cpu": 1.0}, 1, 0, 0.0, 0, 0, 0, 0.0, 0.0)
+        world.inbox.append(Adopted("own-0", 0.0))
     deadlines: dict[str, float] = {}
     for _ in range(steps):
         world.now += rng.choice([0.1, 1.0, 3.0, 10.0])
