@@ -3,8 +3,7 @@
 A small world plays provider and scheduler: it names each launch's workers, lets each of them
 join after a random delay, crash, vanish from the listing or never come; retirements end retired
 or refused; the provider reports random launch failures and setups fail at random; half the runs
-start with a cluster's own worker, adopted.  It honours
-every ``terminate``.  The policy is random too (launches of any size, any node type, retirements
+start with a cluster's own worker, adopted.  It honours every ``terminate``.  The policy is random too (launches of any size, any node type, retirements
 of any worker, with or without reasons) or the default one.  After every step:
 
 - the workers alive or coming of a type never exceed its ``max_nodes``;
