@@ -7,6 +7,7 @@ from tidepool.scaling.controller import ScalingController, largest_offers
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.policies import Adaptive, MemoryPressure
 from tidepool.scaling.snapshot import ClusterSnapshot, Demand, WorkerView
+from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
 from tidepool.testing import StateDriver
 
@@ -63,8 +64,9 @@ def test_a_task_needing_more_memory_than_any_node_type_fails_at_once_naming_the_
     assert largest_offers((("tpu", 1.0),), [SMALL]) == " (no node type has tpu)"
     assert largest_offers((("memory", 1.0 * GB),), [SMALL]) == ""
     c = ScalingController((SMALL, BIG), Adaptive(), forecast_interval=0.25)
-    state = SchedulerState(infeasible=c.infeasible_reason)
+    state = SchedulerState()
     d = StateDriver(state)
+    d.send(ev.CheckFeasible(0.0, c.view.feasibility))
     d.submit([("huge-1", [], {"memory": 64 * GB}), ("fine-1", [], {"memory": 8 * GB})], ["huge-1", "fine-1"])
     ts = state.tasks["huge-1"]
     assert ts.state == "erred" and ts.exc_type == "InfeasibleTaskError"

@@ -40,8 +40,8 @@ def test_launches_that_raise_fail_the_waiting_tasks_with_the_providers_message()
             fut.result(timeout=60)
         assert "code 403" in str(info.value) and "gpu" in str(info.value)
         # each failed launch counted once (the callback both raised and reported it)
-        assert scaler.controller.failures["gpu"] == len(calls) == 3
-        kinds = [r["kind"] for r in scaler.controller.journal.records]
+        assert scaler.view.failures["gpu"] == len(calls) == 3
+        kinds = [r["kind"] for r in scaler.journal.records]
         assert kinds.count("launch-failed") == 3 and "node-type-disabled" in kinds
         # new work for the disabled type fails at once, with the same reason
         with pytest.raises(ProviderError, match="quota exceeded"):

@@ -1,12 +1,13 @@
 """The controller reconciles its launches with the provider's listing; tested with the public
-FakeProvider and a fake clock only."""
+FakeProvider and a fake clock only, through the shared round the shells run."""
 
 from __future__ import annotations
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.observation import step_with_state
+from tidepool.scaling.shell.round import Round, sync_round
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
+from tidepool.telemetry.journal import Journal
 from tidepool.testing import FakeClock, FakeProvider, StateDriver
 
 CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=1.0)
@@ -16,25 +17,20 @@ def want_one(snap: ClusterSnapshot) -> ScaleDecision:
     return ScaleDecision(launch={"cpu": 1}) if not snap.nodes_of("cpu") else ScaleDecision()
 
 
-def run_round(c: ScalingController, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
-    """One shell round, as autoscaler.py does it: failures (naming a worker, or a whole request),
-    listing, step, terminations, launches, arrivals."""
-    for f in p.poll_errors():
-        if f.worker_id:
-            c.worker_failed(f.worker_id, f.message, clock())
-        else:
-            c.launch_failed(f.request_id, f.message, clock())
-    acts = step_with_state(c, d.state, clock(), listing=p.list())
-    p.terminate(acts.terminate)
-    launched = []
-    for rid, nt, n in acts.launch:
-        ids = p.worker_ids(nt, n, rid)
-        c.launched(rid, ids, clock())
-        p.launch(nt, n, rid)
-        launched += ids
+def shell(c: ScalingController, d: StateDriver) -> Round:
+    """The shared round, fed by the driver's scheduler events as a shell's observer is."""
+    rnd = Round(c, Journal())
+    d.observers.append(lambda events, cmds: rnd.scheduler_events(events, bool(d.state.pending)))
+    return rnd
+
+
+def run_round(rnd: Round, d: StateDriver, p: FakeProvider, clock: FakeClock) -> list[str]:
+    """One shell round (the shared ``sync_round``), then the workers the provider started join."""
+    launched: list[str] = []
+    sync_round(rnd, d.state, p, clock(), apply=d.send, named=lambda ids, nt: launched.extend(ids))
     for wid, info in p.ready():
         d.add_worker(wid, info["resources"], node_type=info["node_type"])
-        c.worker_joined(wid, clock())
+    rnd.controller.instances.validate()
     return launched
 
 
@@ -43,13 +39,15 @@ def test_a_worker_that_dies_before_registering_fails_its_launch_at_once() -> Non
     d = StateDriver(clock=clock)
     p = FakeProvider(clock, startup=30.0)
     c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
-    (wid,) = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    (wid,) = run_round(rnd, d, p, clock)
     clock.advance(1.0)
     p.crash(wid, returncode=3)
-    run_round(c, d, p, clock)  # long before the 600 s launch timeout
-    recs = c.journal.records
+    run_round(rnd, d, p, clock)  # long before the 600 s launch timeout
+    recs = rnd.journal.records
     assert [r["reason"] for r in recs if r["kind"] == "reconcile"] == [f"worker {wid} ended before it registered (exit code 3)"]
-    assert c.failures["cpu"] == 1
+    assert rnd.view.failures["cpu"] == 1
+    assert c.instances.instances[wid].state == "failed" and "exit code 3" in c.instances.instances[wid].reason
     assert [r["kind"] for r in recs].count("launch-failed") == 1
 
 
@@ -58,14 +56,14 @@ def test_a_worker_the_provider_forgot_fails_its_launch_and_counts_once() -> None
     d = StateDriver(clock=clock)
     p = FakeProvider(clock, startup=30.0)
     c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
-    (wid,) = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    (wid,) = run_round(rnd, d, p, clock)
     del p.workers[wid]  # e.g. a job cancelled behind our back
-    clock.advance(1.0)
-    run_round(c, d, p, clock)
-    clock.advance(1.0)
-    run_round(c, d, p, clock)
-    assert c.failures["cpu"] == 1
-    assert any("not listed" in r["reason"] for r in c.journal.records if r["kind"] == "launch-failed")
+    for _ in range(3):
+        clock.advance(1.0)
+        run_round(rnd, d, p, clock)
+    assert rnd.view.failures["cpu"] == 1
+    assert any("not listed" in r["reason"] for r in rnd.journal.records if r["kind"] == "launch-failed")
 
 
 def test_fake_provider_is_idempotent_and_reports_failures_only_through_poll_errors() -> None:
@@ -90,11 +88,13 @@ def test_healthy_launches_arrive_and_are_not_reconciled_away() -> None:
     d = StateDriver(clock=clock)
     p = FakeProvider(clock, startup=2.0)
     c = ScalingController((CPU,), want_one, forecast_interval=0.25)
-    (wid,) = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    (wid,) = run_round(rnd, d, p, clock)
     for _ in range(5):
         clock.advance(1.0)
-        run_round(c, d, p, clock)
-    assert wid in d.state.workers and not c.launches and not c.failures.get("cpu")
+        run_round(rnd, d, p, clock)
+    assert wid in d.state.workers and not rnd.view.pending and not rnd.view.failures.get("cpu")
+    assert c.instances.instances[wid].state == "ready"
 
 
 def test_a_raising_launch_callback_is_reported_once_through_poll_errors_only() -> None:
@@ -134,21 +134,22 @@ def test_one_failed_node_of_a_big_request_leaves_the_rest_pending_and_never_exce
     big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
     p = FakeProvider(clock, startup=100.0)
     c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
-    first = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    first = run_round(rnd, d, p, clock)
     assert len(first) == 8
     clock.advance(10.0)
     p.crash(first[3], returncode=1)  # its allocation failed while the others queue
     p._errors.append(p._failure_cls("a1", first[3], "node failed"))  # also reported as an error: counted once
     peak = 0
     for _ in range(200):
-        run_round(c, d, p, clock)
+        run_round(rnd, d, p, clock)
         clock.advance(1.0)
         alive = [w for w, i in p.list().items() if i["alive"]]
         peak = max(peak, len(alive))
     assert peak <= 8
     assert len(d.state.workers) == 8  # 7 from the first request + 1 replacement
-    assert c.failures.get("cpu", 0) == 0 and not c.unusable
-    kinds = [r["kind"] for r in c.journal.records]
+    assert rnd.view.failures.get("cpu", 0) == 0 and not rnd.view.unusable
+    kinds = [r["kind"] for r in rnd.journal.records]
     assert kinds.count("worker-failed") == 1 and "launch-failed" not in kinds and "backoff" not in kinds
 
 
@@ -157,9 +158,10 @@ def test_a_request_given_up_as_a_whole_terminates_its_workers_that_have_not_regi
     d = StateDriver(clock=clock)
     p = FakeProvider(clock, startup=1000.0)
     c = ScalingController((CPU,), want_upto(1), launch_timeout=600.0, forecast_interval=0.25)
-    (wid,) = run_round(c, d, p, clock)
-    c.launch_failed("a1", "the provider gave up on it", clock())  # e.g. a doomed Slurm job
-    run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    (wid,) = run_round(rnd, d, p, clock)
+    rnd.launch_failed("a1", "the provider gave up on it", clock())  # e.g. a doomed Slurm job
+    run_round(rnd, d, p, clock)
     assert p.workers[wid]["alive"] is False  # terminated: a job that starts late cannot join uncounted
 
 
@@ -171,12 +173,13 @@ def test_workers_of_a_request_that_arrived_are_not_counted_again_as_pending() ->
     big = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0)
     p = FakeProvider(clock, startup=10.0)
     c = ScalingController((big,), want_upto(8), launch_timeout=600.0, forecast_interval=0.25)
-    ids = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    ids = run_round(rnd, d, p, clock)
     p.workers[ids[-1]]["up_at"] = 500.0  # the straggler
     clock.advance(11.0)
-    run_round(c, d, p, clock)
+    run_round(rnd, d, p, clock)
     assert len(d.state.workers) == 7
-    acts = step_with_state(c, d.state, clock(), listing=p.list())
+    acts, _ = rnd.step(d.state, clock(), listing=p.list())
     assert acts.snapshot is not None and acts.snapshot.nodes_of("cpu") == 8
     (pend,) = acts.snapshot.pending
     assert pend.worker_ids == (ids[-1],) and pend.nodes == 1
@@ -191,10 +194,11 @@ def test_measured_start_up_is_the_typical_node_not_the_last_straggler() -> None:
     nt = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=10.0)
     p = FakeProvider(clock, startup=10.0)
     c = ScalingController((nt,), want_upto(4), launch_timeout=900.0, forecast_interval=0.25)
-    ids = run_round(c, d, p, clock)
+    rnd = shell(c, d)
+    ids = run_round(rnd, d, p, clock)
     p.workers[ids[-1]]["up_at"] = 500.0
     for _ in range(60):
         clock.advance(10.0)
-        run_round(c, d, p, clock)
-    assert len(d.state.workers) == 4 and not c.launches
-    assert c.startup["cpu"] == 10.0
+        run_round(rnd, d, p, clock)
+    assert len(d.state.workers) == 4 and not rnd.view.pending
+    assert rnd.view.startup["cpu"] == 10.0

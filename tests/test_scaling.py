@@ -8,7 +8,14 @@ from tidepool.errors import ConfigError
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.forecast import critical_path, list_schedule
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.observation import remaining_work, step_with_state
+from tidepool.scaling.observation import (
+    Joined,
+    LaunchFailed,
+    Named,
+    Report,
+    remaining_work,
+    step_with_state,
+)
 from tidepool.scaling.planner import plan, rank_types
 from tidepool.scaling.policies import (
     Adaptive,
@@ -206,7 +213,6 @@ def test_completion_target_chain_adds_nothing_beyond_one_worker() -> None:
     acts = step_with_state(c, d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 1)]
     d.add_worker("cpu-1")
-    c.worker_joined("cpu-1", 0.5)
     for t in range(1, 40):
         d.step(duration=0.5)
         d.clock.advance(0.5)
@@ -255,13 +261,15 @@ def test_controller_tracks_arrivals_and_learns_startup() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(8)], {"w": 10.0})
     c = controller((ONE,))
     (rid, nt, n), *_ = step_with_state(c, d.state, 0.0).launch
-    c.launched(rid, [f"cpu-{rid}-{i}" for i in range(n)], 0.0)
-    assert not step_with_state(c, d.state, 0.1).launch  # in flight: counted, not launched again
-    for i in range(n):
-        d.add_worker(f"cpu-{rid}-{i}")
-        c.worker_joined(f"cpu-{rid}-{i}", 2.0)
-    assert c.startup["cpu"] == 2.0 and not c.launches
-    assert any(r["kind"] == "launch-arrived" for r in c.journal.records)
+    ids = tuple(f"cpu-{rid}-{i}" for i in range(n))
+    assert not step_with_state(c, d.state, 0.1, reports=[Named(rid, ids, 0.0)]).launch  # in flight: not launched again
+    for w in ids:
+        d.add_worker(w)
+    acts = step_with_state(c, d.state, 2.1, reports=[Joined(w, 2.0) for w in ids])
+    assert acts.view.startup["cpu"] == 2.0 and not acts.view.pending
+    assert any(r["kind"] == "launch-arrived" for r in acts.records)
+    inst = c.instances.instances[ids[0]]
+    assert [s for _, s, _ in inst.history] == ["named", "joined"] and c.instances.requests[rid].state == "joined"
 
 
 def test_controller_cancels_launch_that_never_arrives_backs_off_and_tries_another_type() -> None:
@@ -272,8 +280,7 @@ def test_controller_cancels_launch_that_never_arrives_backs_off_and_tries_anothe
     acts = step_with_state(c, d.state, 0.0)
     assert [nt.name for _, nt, _ in acts.launch] == ["cpu"]
     rid = acts.launch[0][0]
-    c.launched(rid, ["cpu-x-1", "cpu-x-2"], 0.0)
-    acts = step_with_state(c, d.state, 11.0)
+    acts = step_with_state(c, d.state, 11.0, reports=[Named(rid, ("cpu-x-1", "cpu-x-2"), 0.0)])
     assert sorted(acts.terminate) == ["cpu-x-1", "cpu-x-2"]  # no leak: cancelled ones are stopped
     assert [nt.name for _, nt, _ in acts.launch] == ["big"]  # cpu is in backoff: use what else fits
     kinds = [r["kind"] for r in c.journal.records]
@@ -284,13 +291,16 @@ def test_controller_disables_type_after_repeated_failures_and_says_why() -> None
     d = driver_with([("w-0", [])], {"w": 30.0})
     c = ScalingController((ONE,), Adaptive(), max_type_failures=2, backoff_base=1.0, forecast_interval=0.25)
     t = 0.0
+    reports: list[Report] = []
     for _ in range(2):
-        acts = step_with_state(c, d.state, t)
+        acts = step_with_state(c, d.state, t, reports=reports)
         assert acts.launch
-        c.launch_failed(acts.launch[0][0], "sbatch: invalid partition", t)
+        reports = [LaunchFailed(acts.launch[0][0], "sbatch: invalid partition", t)]
         t += 10
-    assert "cpu" in c.unusable and "invalid partition" in c.unusable["cpu"]
-    assert not step_with_state(c, d.state, t + 100).launch
+    acts = step_with_state(c, d.state, t + 100, reports=reports)
+    assert "cpu" in acts.view.unusable and "invalid partition" in acts.view.unusable["cpu"]
+    assert not acts.launch
+    assert acts.feasibility is not None and acts.feasibility.disabled[0][0] == "cpu"  # for the scheduler
 
 
 def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
@@ -307,9 +317,12 @@ def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
 
 
 def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
+    from tidepool.scheduler import events as ev
+
     c = controller((CPU, GPU))
-    state = SchedulerState(infeasible=c.infeasible_reason)
+    state = SchedulerState()
     d = StateDriver(state)
+    d.send(ev.CheckFeasible(0.0, c.view.feasibility))  # as the shell does when autoscaling starts
     d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
     ts = state.tasks["t-1"]
     assert ts.state == "erred" and ts.exc_type == "InfeasibleTaskError"
@@ -333,10 +346,10 @@ def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
     c = controller((ONE,))
     acts = step_with_state(c, d.state, 0.0)
     assert [(nt.name, n) for _, nt, n in acts.launch] == [("cpu", 4)]  # wide phase: all at once
-    c.launched(acts.launch[0][0], [f"cpu-{i}" for i in range(4)], 0.0)
+    reports: list[Report] = [Named(acts.launch[0][0], tuple(f"cpu-{i}" for i in range(4)), 0.0)]
     for i in range(4):
         d.add_worker(f"cpu-{i}", node_type="cpu")
-        c.worker_joined(f"cpu-{i}", 0.5)
+        reports.append(Joined(f"cpu-{i}", 0.5))
     for _ in range(10):
         d.step(duration=0.5)
     assert d.state.tasks["r-1"].state == "running"  # the reduce: one task, duration never seen
@@ -346,7 +359,7 @@ def test_completion_target_on_the_bursty_graph_phase_by_phase() -> None:
     for i in range(40):  # the reduce's worker fetched its inputs (as a real worker reports)
         d.send(ev.AddReplica(runner, f"w-{i}", 8, d.clock()))  # type: ignore[arg-type]
     d.state.now = d.clock.advance(7.0)
-    acts = step_with_state(c, d.state, d.clock())
+    acts = step_with_state(c, d.state, d.clock(), reports=reports)
     assert not acts.launch
     assert len(acts.retire) == 3  # nothing can use them before the reduce ends: let them go
     for w in acts.retire:
@@ -371,3 +384,29 @@ def test_duration_estimates_adapt_but_resist_outliers() -> None:
     for _ in range(60):
         est.observe("f", 3.0)  # a real shift is followed
     assert est.estimate("f") == pytest.approx(3.0, rel=0.05)
+
+
+def test_tasks_waiting_when_autoscaling_starts_fail_at_once_if_no_node_type_can_run_them() -> None:
+    """The feasibility rule reaches the state as an event when the autoscaler starts: a task that
+    was already waiting for a worker (submitted before adapt) fails then, instead of waiting for
+    ever (the state had no rule, and with an autoscaler no no_worker_timeout either)."""
+    from tidepool.scheduler import events as ev
+
+    d = StateDriver(SchedulerState())
+    d.submit([("t-1", [], {"tpu": 1}), ("ok-1", [])], ["t-1", "ok-1"])
+    tasks = d.state.tasks
+    assert tasks["t-1"].state == tasks["ok-1"].state == "no-worker"
+    d.send(ev.CheckFeasible(d.clock(), controller((CPU, GPU)).view.feasibility))  # adapt() starts
+    assert d.status() == {"t-1": "erred"} and tasks["ok-1"].state == "no-worker"
+    assert tasks["t-1"].exc_type == "InfeasibleTaskError" and "tpu" in tasks["t-1"].message
+
+
+def test_workers_named_after_their_launch_was_given_up_are_terminated() -> None:
+    d = driver_with([(f"w-{i}", []) for i in range(2)], {"w": 30.0})
+    c = ScalingController((ONE,), Adaptive(), launch_timeout=5.0, forecast_interval=0.25)
+    (rid, _, _), *_ = step_with_state(c, d.state, 0.0).launch
+    acts = step_with_state(c, d.state, 6.0)  # timed out before the provider named anything
+    assert c.instances.requests[rid].state == "failed" and not acts.terminate
+    acts = step_with_state(c, d.state, 6.5, reports=[Named(rid, ("late-1",), 6.2)])
+    assert acts.terminate == ["late-1"]  # they would join uncounted otherwise
+    assert c.instances.instances["late-1"].state == "failed"

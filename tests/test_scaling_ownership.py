@@ -9,7 +9,7 @@ import pytest
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.observation import step_with_state
+from tidepool.scaling.observation import Adopted, Named, Report, Retired, step_with_state
 from tidepool.scaling.policies import Adaptive
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
 from tidepool.testing import StateDriver
@@ -38,8 +38,7 @@ def test_foreign_workers_retire_when_the_user_opts_in_or_adopts_them() -> None:
     c = ScalingController((CPU,), retire_everyone, forecast_interval=0.25, manage_foreign=True)
     assert sorted(step_with_state(c, d.state, 100.0).retire) == ["by-hand", "cluster-own"]
     c2 = ScalingController((CPU,), retire_everyone, forecast_interval=0.25)
-    c2.adopt("cluster-own")
-    assert step_with_state(c2, d.state, 100.0).retire == ["cluster-own"]
+    assert step_with_state(c2, d.state, 100.0, reports=[Adopted("cluster-own", 99.0)]).retire == ["cluster-own"]
 
 
 def test_launch_request_ids_never_look_like_a_clusters_own() -> None:
@@ -81,12 +80,13 @@ def test_a_chain_sent_as_separate_submits_launches_one_worker_like_one_graph() -
         specs = [ev.TaskSpec(f"c-{i}", "f", None, (f"c-{i - 1}",) if i else (), {}, 0, "c") for i in range(31)]
         batches = [[s] for s in specs] if separate else [specs]
         launched = 0
+        reports: list[Report] = []
         for i, batch in enumerate(batches):  # 0.5 ms apart, as fast submits arrive
             t = i * 0.0005
             d.send(ev.UpdateGraph("c", batch, [s.key for s in batch], t))
-            for rid, _, n in step_with_state(c, d.state, t).launch:
-                launched += n
-                c.launched(rid, [f"w-{rid}"], t)
+            acts = step_with_state(c, d.state, t, reports=reports)
+            reports = [Named(rid, (f"w-{rid}",), t) for rid, _, _ in acts.launch]  # the next step learns
+            launched += sum(n for _, _, n in acts.launch)
         assert launched == 1, (separate, [r for r in c.journal.records if r["kind"] == "launch"])
 
 
@@ -97,8 +97,8 @@ def test_walltime_retirements_go_through_step_and_are_retried_while_refused() ->
     acts = step_with_state(c, d.state, 0.0, expiring=["job-1", "unknown"])
     assert acts.retire == ["job-1"]
     assert [r["reason"] for r in acts.records if r["kind"] == "retire"] == ["provider: walltime ends soon"]
-    c.retire_done("job-1", "refused: it holds data nobody else can take", 0.5)
-    assert step_with_state(c, d.state, 3.0, expiring=["job-1"]).retire == []  # not every round
+    refused = Retired("job-1", "refused: it holds data nobody else can take", 0.5)
+    assert step_with_state(c, d.state, 3.0, expiring=["job-1"], reports=[refused]).retire == []  # not every round
     assert step_with_state(c, d.state, 6.0, expiring=["job-1"]).retire == ["job-1"]
 
 

@@ -104,9 +104,9 @@ def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> N
         scaler = cluster.adapt(node_types=[NodeType("flaky", {"cpu": 1}, max_nodes=1, startup_estimate=0.3)],
                                max_type_failures=2, backoff_base=0.2)  # fmt: skip
         fut = client.submit(read_env, "HOME")
-        wait_until(lambda: "flaky" in scaler.controller.unusable, timeout=30,
+        wait_until(lambda: "flaky" in scaler.view.unusable, timeout=30,
                    what="the autoscaler to disable the node type whose setup keeps failing")  # fmt: skip
-        why = scaler.controller.unusable["flaky"]
+        why = scaler.view.unusable["flaky"]
         assert "setup failed" in why and "license server" in why
         # the task never runs unprepared, and it does not wait forever either: it fails with the
         # setup's own error once the only node type that could run it is disabled
@@ -114,7 +114,7 @@ def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> N
             fut.result(timeout=30)
         assert "flaky" in str(info.value) and "disabled" in str(info.value)
         assert len(client.setup_errors) >= 2
-        kinds = [r["kind"] for r in scaler.controller.journal.records]
+        kinds = [r["kind"] for r in scaler.journal.records]
         assert "node-type-disabled" in kinds
 
 

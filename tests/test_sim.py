@@ -393,9 +393,14 @@ def test_cli_simulate_reports_configuration_errors(capsys: pytest.CaptureFixture
 
 
 def test_the_controller_is_stepped_in_exactly_one_place() -> None:
-    calls = [(p.name, line) for p in SRC.glob("*.py") for line in p.read_text().splitlines()
-             if re.search(r"\.step\(observe\(|step_with_state\(|controller\.step\(", line)]  # fmt: skip
-    assert len(calls) == 1 and calls[0][0] == "shell.py", calls
+    """One round for every shell: the controller's ``step`` is called in scaling/shell/round.py
+    only (the simulator and the asyncio shell both run that round)."""
+    calls = [(str(p.relative_to(SRC.parent)), line) for p in SRC.parent.rglob("*.py") for line in p.read_text().splitlines()
+             if re.search(r"\.step\(observe\(|controller\.step\(", line)]  # fmt: skip
+    assert [c[0] for c in calls] == ["scaling/shell/round.py"], calls
+    for shell in (SRC / "shell.py", SRC.parent / "scaling" / "autoscaler.py"):
+        text = shell.read_text()
+        assert "Round(" in text and not re.search(r"controller\.(step\(|launches|backlog_since|unusable|failures|worker_joined|launched\(|adopt\()", text)
 
 
 def test_random_graphs_keep_the_state_consistent() -> None:

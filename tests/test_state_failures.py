@@ -73,7 +73,8 @@ def test_a_worker_joining_in_time_saves_a_no_worker_task() -> None:
 
 
 def test_with_an_autoscaler_the_no_worker_timeout_does_not_apply() -> None:
-    d = StateDriver(SchedulerState(no_worker_timeout=1, infeasible=lambda shape: None))
+    d = StateDriver(SchedulerState(no_worker_timeout=1))
+    d.send(ev.CheckFeasible(d.clock(), lambda shape: None))  # an autoscaler started: it can launch any shape
     d.submit([("train", [], {"gpu": 1})], ["train"])
     d.clock.advance(100)
     d.send(ev.Tick(d.clock()))
@@ -153,18 +154,20 @@ def test_an_input_that_repeatedly_cannot_be_fetched_fails_its_dependent() -> Non
 
 
 def test_disabled_node_types_fail_waiting_tasks_with_the_providers_error() -> None:
-    disabled: dict[str, str] = {}
+    from tidepool.scaling.feasibility import Feasibility
+    from tidepool.scaling.node_types import NodeType
 
-    def hook(shape: ev.Shape) -> tuple[str, str] | None:
-        return ("ProviderError", "node type 'gpu' is disabled: sbatch: invalid account") if disabled else None
-
-    d = StateDriver(SchedulerState(infeasible=hook))
+    gpu = NodeType("gpu", {"cpu": 1, "gpu": 1})
+    d = StateDriver(SchedulerState())
+    d.send(ev.CheckFeasible(d.clock(), Feasibility((gpu,))))  # the autoscaler starts
     d.submit([("train", [], {"gpu": 1})], ["train"])
     assert d.state.tasks["train"].state == "no-worker"
-    disabled["gpu"] = "yes"
-    d.send(ev.CheckFeasible(d.clock()))
+    disabled = (("gpu", "ProviderError", "sbatch: invalid account"),)
+    d.send(ev.CheckFeasible(d.clock(), Feasibility((gpu,), disabled)))  # the controller disabled 'gpu'
     ts = d.state.tasks["train"]
     assert d.status()["train"] == "erred" and ts.exc_type == "ProviderError" and "invalid account" in ts.message
+    d.submit([("train-2", [], {"gpu": 1})], ["train-2"])  # later work: the state kept the rule
+    assert d.status()["train-2"] == "erred" and "invalid account" in d.state.tasks["train-2"].message
 
 
 def test_the_state_says_when_a_function_must_be_shipped_to_a_worker() -> None:

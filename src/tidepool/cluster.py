@@ -173,7 +173,7 @@ class LocalCluster(ClosesOnExit):
         for wid in ids:
             self._own[wid] = nt
             if self.autoscaler is not None:
-                self.autoscaler.controller.adopt(wid)
+                self.autoscaler.adopt(wid)
         self.provider.launch(nt, n, rid)
         if wait:
             self.wait_for_workers(ids)
@@ -264,15 +264,16 @@ class LocalCluster(ClosesOnExit):
         _check_can_launch(node_types, controller_kwargs.get("max_workers"))
         j = journal if isinstance(journal, Journal) else Journal(journal)
         controller = ScalingController(node_types, policy, **controller_kwargs)
-        for wid in self._own:  # the cluster's own workers are the autoscaler's to retire too
-            controller.adopt(wid)
         prov = provider if provider is not None else self.provider
         if isinstance(prov, NeedsAddress):
             prov.bind(self.address, self.token)
         self._extra_provider = prov if provider is not None else None
 
         async def start() -> AutoScaler:
-            return await AutoScaler(self.scheduler, prov, controller, interval, journal=j).start()
+            scaler = AutoScaler(self.scheduler, prov, controller, interval, journal=j)
+            for wid in self._own:  # the cluster's own workers are the autoscaler's to retire too
+                scaler.adopt(wid)
+            return await scaler.start()
 
         self.autoscaler = self._loop.run(start())
         return self.autoscaler

@@ -58,10 +58,14 @@ class StateDriver:
         self.running: dict[str, list[str]] = {}  # worker -> keys it was told to execute
         self.log: list[ev.Command] = []
         self.reports: list[ev.Report] = []
+        #: called with (events, commands) after each batch, as ``Scheduler.subscribe`` callbacks are
+        self.observers: list[Callable[[list[ev.Event], list[ev.Command]], None]] = []
 
     def send(self, *events: ev.Event) -> list[ev.Command]:
         cmds = self.state.handle_many(list(events))
         self.log.extend(cmds)
+        for observer in self.observers:
+            observer(list(events), cmds)
         for c in cmds:
             if isinstance(c, ev.Execute):
                 self.running.setdefault(c.worker, []).append(c.key)

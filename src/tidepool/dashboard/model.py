@@ -84,8 +84,8 @@ class DashboardModel:
         pending: dict[str, int] = {}
         scaler = self.autoscaler()
         if scaler is not None:
-            for rec in scaler.controller.launches.values():
-                pending[rec.node_type] = pending.get(rec.node_type, 0) + len(rec.worker_ids) - len(rec.arrived)
+            for p in scaler.view.pending:  # launches in flight: their workers not registered yet
+                pending[p.node_type] = pending.get(p.node_type, 0) + len(p.worker_ids)
         # the forecast scans the remaining work: skipped (None) on very large graphs
         eta = (self.scheduler.eta()["eta"] if len(st.tasks) <= ETA_SCAN_LIMIT else None) if st.tasks else 0.0
         point = {"t": round(now, 3), "workers": by_type, "pending": pending,

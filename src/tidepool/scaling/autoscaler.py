@@ -1,16 +1,17 @@
-"""The asyncio shell around :class:`ScalingController`: runs it and carries out its actions.
+"""The asyncio shell around :class:`ScalingController`: runs the shared round, awaiting the provider.
 
-It wakes every ``interval`` seconds and whenever the scheduler reports demand or a worker change,
-polls the provider for failures, builds one observation of the scheduler's state (``observation.py``)
-and calls ``controller.step`` with it,
-then names the new workers (``provider.worker_ids``) and submits launches (``launch`` returns at
-once; an :class:`AsyncProvider`'s coroutines are awaited in this loop, a plain provider's calls run in
-a daemon thread bounded by a timeout, so one that breaks the contract and hangs fails that launch
-and never blocks ``close`` or interpreter exit), retires gracefully through the scheduler, and
-terminates.  While launches are in flight it lists the provider every ``LIST_EVERY`` seconds and
-hands the listing to the controller, which fails launches whose workers vanished.  When a node type gets disabled it asks the scheduler to re-check
-waiting tasks (``CheckFeasible``): those only that type could run fail with the provider's error.
-``close`` terminates every worker it ever launched, so nothing leaks.
+It wakes every ``interval`` seconds and whenever the scheduler reports demand or a worker change.
+The round itself (``scaling/shell/round.py``) is shared with the simulator and the tests: the
+scheduler's events and the provider's failures become reports in its inbox, the provider is
+listed every ``LIST_EVERY`` seconds while launches are in flight, and one observation of the
+scheduler's state (``observation.py``) goes to ``controller.step``.  This shell then carries out
+the actions: a new feasibility rule goes to the scheduler (``CheckFeasible``: tasks only a disabled
+type could run fail with the provider's error), launches are named (``provider.worker_ids``) and
+submitted (``launch`` returns at once; an :class:`AsyncProvider`'s coroutines are awaited in this
+loop, a plain provider's calls run in a daemon thread bounded by a timeout, so one that breaks the
+contract and hangs fails that launch and never blocks ``close`` or interpreter exit), workers are
+terminated and retired gracefully through the scheduler.  ``close`` terminates every worker it
+ever named, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
 from tidepool.providers.base import AsyncProvider, ReportsExpiring
-from tidepool.scaling.controller import ScalingController
-from tidepool.scaling.observation import step_with_state
+from tidepool.scaling.controller import ControllerView, ScalingController
+from tidepool.scaling.shell.round import LIST_EVERY, Round
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
 
@@ -38,8 +39,7 @@ log = logging.getLogger("tidepool.scaling")
 T = TypeVar("T")
 #: seconds a provider's poll/list/terminate call may take before the autoscaler stops waiting
 PROVIDER_CALL_TIMEOUT = 30.0
-#: seconds between provider listings while launches are in flight (listing may cost a squeue)
-LIST_EVERY = 2.0
+__all__ = ["LIST_EVERY", "PROVIDER_CALL_TIMEOUT", "AutoScaler", "in_daemon_thread"]
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
@@ -79,14 +79,35 @@ class AutoScaler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
-        self._disabled_seen = 0  # how many disabled node types the scheduler was told about
         self._closing = False
-        self._listed_at = float("-inf")
         #: the run's journal (a file, if given a path): scheduler events plus the controller's records
         self.journal = journal if journal is not None else Journal()
+        #: the shared round: the inbox of reports, listing times, the controller's last view
+        self.round = Round(controller, self.journal)
+
+    @property
+    def view(self) -> ControllerView:
+        """The controller's read-only view as of its last step (backlog, launches in flight,
+        failures and disabled node types, learned start-up)."""
+        return self.round.view
+
+    def adopt(self, wid: str) -> None:
+        """``wid`` (the cluster's own worker) is the autoscaler's to retire too.  Callable from
+        any thread: the report joins the inbox in the event loop's thread."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if loop is None or here:
+            self.round.adopt(wid, self.scheduler.clock())
+        else:
+            loop.call_soon_threadsafe(self.round.adopt, wid, self.scheduler.clock())
 
     async def start(self) -> AutoScaler:
+        self._loop = asyncio.get_running_loop()
         self.scheduler.subscribe(self._observe)
         journal = self.journal
         now = self.scheduler.clock()
@@ -95,43 +116,14 @@ class AutoScaler:
             journal.record("worker-join", ws.joined, worker=ws.id, node_type=ws.node_type,
                            resources=dict(ws.resources))  # fmt: skip
         self.scheduler.subscribe(journal.observe)
-        self.scheduler.state.infeasible = self.controller.infeasible_reason
-        self.scheduler.eta_hooks.append(self._arrivals)
+        await self.scheduler.apply([ev.CheckFeasible(now, self.round.view.feasibility)])
+        self.scheduler.eta_hooks.append(self.round.arrivals)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
-        wake = False
-        for e in events:
-            if isinstance(e, ev.WorkerJoin):
-                self.controller.worker_joined(e.worker, e.now)
-                if e.ready:
-                    self.controller.worker_ready(e.worker)
-                wake = True
-            elif isinstance(e, ev.WorkerReady):
-                self.controller.worker_ready(e.worker)
-            elif isinstance(e, ev.WorkerRemove):
-                if e.cause is ev.RemoveCause.SETUP_FAILED:
-                    self.controller.worker_failed(e.worker, e.reason, e.now, setup=True)
-                wake = True
-            elif isinstance(e, ev.UpdateGraph):
-                wake = True
-        self._sync()
-        if wake or (self.scheduler.state.pending and self.controller.backlog_since is None):
+        if self.round.scheduler_events(events, bool(self.scheduler.state.pending)):
             self._wake.set()
-
-    def _sync(self) -> None:
-        """Write the controller's new records into the run's journal."""
-        for rec in self.controller.drain_records():
-            self.journal.add(rec)
-
-    def _arrivals(self, now: float) -> tuple[float, ...]:
-        out: list[float] = []
-        for rec in self.controller.launches.values():
-            nt = self.controller.node_types[rec.node_type]
-            slots = max(1, int(nt.worker_resources.get("cpu", 1))) * nt.workers_per_node * rec.nodes
-            out.extend([max(0.0, rec.since + nt.startup_estimate - now)] * slots)
-        return tuple(out)
 
     async def _run(self) -> None:
         while not self._closing:
@@ -149,32 +141,25 @@ class AutoScaler:
                 log.exception("autoscaler step failed")
 
     async def step(self) -> None:
+        rnd = self.round
         now = self.scheduler.clock()
-        for failure in await self._call("poll_errors"):
-            if failure.worker_id:
-                self.controller.worker_failed(failure.worker_id, failure.message, now)
-            else:
-                self.controller.launch_failed(failure.request_id, failure.message, now)
+        rnd.provider_failures(await self._call("poll_errors"), now)
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
         listing = None
-        if self.controller.launches and now - self._listed_at >= LIST_EVERY:  # reconcile launches
-            self._listed_at = now
+        if rnd.listing_due(now):  # reconcile launches
             try:
                 listing = await self._call("list")
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
-        actions = step_with_state(self.controller, self.scheduler.state, self.scheduler.clock(),
-                                  expiring=expiring, listing=listing)  # fmt: skip
-        for rec in actions.records:
-            self.journal.add(rec)
+        now = self.scheduler.clock()
+        actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing)
         self.steps += 1
-        if len(self.controller.unusable) != self._disabled_seen:
-            self._disabled_seen = len(self.controller.unusable)
-            await self.scheduler.apply([ev.CheckFeasible(self.scheduler.clock())])
+        if actions.feasibility is not None:
+            await self.scheduler.apply([ev.CheckFeasible(now, actions.feasibility)])
         for rid, nt, n in actions.launch:
-            self._spawn(self._launch(rid, nt, n))
+            self._spawn(self._launch(rid, nt, n, actions.launch_timeouts.get(rid, 60.0)))
         if actions.terminate:
             await self._call("terminate", actions.terminate)
         if actions.retire:
@@ -185,18 +170,17 @@ class AutoScaler:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def _launch(self, rid: str, nt: Any, n: int) -> None:
+    async def _launch(self, rid: str, nt: Any, n: int, timeout: float) -> None:
         """Name the workers (so arrivals match), then submit: ``launch`` returns at once; what
         fails later comes through ``poll_errors``.  A sync provider's call still runs in a daemon
-        thread, bounded by the launch timeout, so one that breaks the contract and blocks cannot
-        stall the scheduler's loop."""
-        rec = self.controller.launches.get(rid)
-        timeout = max(1.0, rec.deadline - rec.since) if rec is not None else 60.0
+        thread, bounded by half the launch timeout (so a call that hangs is reported as such,
+        before the controller gives up on the launch's workers), so one that breaks the contract
+        and blocks cannot stall the scheduler's loop."""
+        timeout = max(0.5, timeout / 2)
         try:
             ids = list(self.provider.worker_ids(nt, n, rid))
             self.scheduler.expect_workers(ids, nt)
-            self.controller.launched(rid, ids, self.scheduler.clock())
-            self._sync()
+            self.round.name(rid, ids, self.scheduler.clock())
             if isinstance(self.provider, AsyncProvider):
                 async with asyncio.timeout(timeout):
                     await self.provider.launch_async(nt, n, rid)
@@ -206,13 +190,11 @@ class AutoScaler:
             msg = (f"provider.launch({nt.name!r}, {n}, {rid!r}) did not return within {timeout:g}s; "
                    "a provider's launch must not block (submit the request and return)")  # fmt: skip
             log.warning("%s", msg)
-            self.controller.launch_failed(rid, msg, self.scheduler.clock())
-            self._sync()
+            self.round.launch_failed(rid, msg, self.scheduler.clock())
         except Exception as exc:  # noqa: BLE001 - a provider breaking the contract by raising
             msg = str(exc) if isinstance(exc, ProviderError) else f"{type(exc).__name__}: {exc}"
             log.warning("launch %s of %s failed: %s", rid, nt.name, msg)
-            self.controller.launch_failed(rid, msg, self.scheduler.clock())
-            self._sync()
+            self.round.launch_failed(rid, msg, self.scheduler.clock())
 
     async def _call(self, name: str, *args: Any) -> Any:
         """A provider call: awaited in this loop for an :class:`AsyncProvider`, else in a thread."""
@@ -223,13 +205,7 @@ class AutoScaler:
 
     async def _retire(self, ids: list[str]) -> None:
         result = await self.scheduler.retire_workers(ids, "autoscaler")
-        now = self.scheduler.clock()
-        done = []
-        for wid, outcome in result.items():
-            self.controller.retire_done(wid, outcome, now)
-            if outcome == "retired":
-                done.append(wid)
-        self._sync()
+        done = self.round.retired(result, self.scheduler.clock())
         if done:
             await self._call("terminate", done)
 
@@ -242,11 +218,10 @@ class AutoScaler:
                 await self._task
         for t in list(self._bg):
             t.cancel()
-        ids = self.controller.launched_worker_ids()
+        ids = list(dict.fromkeys(self.round.named))
         if ids:
             with contextlib.suppress(Exception):
                 await self._call("terminate", ids)
-        self._sync()
         journal = self.journal
         now = self.scheduler.clock()
         for wid in list(self.scheduler.state.workers):

@@ -1,24 +1,38 @@
-"""The scaling controller's core: launches in flight, limits, backoff; no I/O, no clock.
+"""The scaling controller's core: ``step(observation) -> Actions``, its only entry point.
 
-State: ``launches`` (request id -> what was asked, when, which worker ids, which arrived),
-``failures`` and ``backoff_until`` per node type, ``unusable`` types (too many failures in a row),
-``backlog_since`` (since when runnable demand has existed without a break), learned startup times
-per type, and ``journal``: an in-memory list of every decision with its reason (no file: the
-shell takes new records with :meth:`ScalingController.drain_records`, or from ``Actions.records``,
-and writes them where it likes).
+State: ``instances`` (``instances.py``: every launch request and every worker launched or adopted,
+each with its lifecycle state and a reason per move), ``failures`` and ``backoff_until`` per node
+type, ``unusable`` types (too many failures in a row), ``backlog_since`` (since when runnable
+demand has existed without a break), learned startup times per type, and ``journal``: an
+in-memory list of every decision with its reason (no file: each step's new records go out in
+``Actions.records`` and the shell writes them where it likes).  No I/O, no clock.
 
-Each :meth:`ScalingController.step` observes first (arrivals, timeouts), then acts: it builds a
-:class:`ClusterSnapshot`, asks the policy, and clamps the answer to ``min_nodes``/``max_nodes`` per
-type and ``max_workers`` overall.  A policy that raises is logged once (then at most once a
-minute), journaled as ``policy-error``, and replaced for that step by the default policy, so the
-pool keeps serving waiting tasks.
+Each :meth:`ScalingController.step` observes first, then acts:
 
-Whose workers: the controller retires only workers it launched or was told to ``adopt`` (a
-LocalCluster's own workers); a worker started by hand belongs to the user and is left alone
-(journaled once as ``not-managed``) unless ``manage_foreign=True``.  Launch request ids are
-``a1``, ``a2``, ... so they never collide with ids the user's cluster gave its own workers.  The asyncio shell (``autoscaler.py``) carries out the returned
-:class:`Actions` through a provider and reports back (``launched``, ``launch_failed``,
-``retire_done``).
+1. observe (:meth:`_observe`): the reports since the last step (named, joined, ready, failed
+   launches and workers, retirement outcomes, adopted workers: ``observation.py``), in order; the
+   provider's listing (a worker that vanished or ended before it registered fails now, not at the
+   launch timeout); workers that left; workers whose allocation ends soon; launches past their
+   timeout; the backlog clock;
+2. decide (:meth:`_decide`): build a :class:`ClusterSnapshot`, ask the policy (a policy that
+   raises is logged once, then at most once a minute, journaled as ``policy-error`` and replaced
+   for that step by the default policy, so the pool keeps serving waiting tasks);
+3. act: clamp launches to ``min_nodes``/``max_nodes`` per type and ``max_workers`` overall
+   (:func:`wanted_launches`, :func:`clamp_launches`), filter retirements (:meth:`_retirements`:
+   ours, running, not refused lately, not below ``min_nodes``, never a type launched this step).
+
+``Actions`` carries what the shell must do (launch, retire, terminate), the journal records, a new
+:class:`~tidepool.scaling.feasibility.Feasibility` when a node type got disabled (the shell sends it
+to the scheduler state in a ``CheckFeasible`` event) and a read-only :class:`ControllerView`
+(backlog, launches in flight, failures, learned start-up, when the next forecast is due): the
+shells read that, never the controller's fields.
+
+Whose workers: the controller retires only workers it launched or was told about with an
+``Adopted`` report (a LocalCluster's own workers); a worker started by hand belongs to the user and
+is left alone (journaled once as ``not-managed``) unless ``manage_foreign=True``.  Launch request
+ids are ``a1``, ``a2``, ... so they never collide with ids the user's cluster gave its own workers.
+The shared round (``scaling/shell/round.py``) runs it for the asyncio shell, the simulator and the
+tests.
 """
 
 from __future__ import annotations
@@ -27,26 +41,39 @@ import dataclasses
 import itertools
 import re
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ConfigError
+from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
+from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.planner import describe_types, rank_types
+from tidepool.scaling.observation import (
+    Adopted,
+    Joined,
+    LaunchFailed,
+    Named,
+    Ready,
+    Retired,
+    WorkerFailed,
+)
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
     PendingLaunch,
-    Shape,
+    ScaleDecision,
     TypeForecast,
+    WorkerView,
 )
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
     from tidepool.scaling.observation import GraphView, Observation
 
+__all__ = ["Actions", "ControllerView", "ForecastDue", "ScalingController", "largest_offers"]
 
 #: the forecast's cost grows with the graph: one more second between forecasts per this many tasks
 FORECAST_TASKS_PER_SECOND = 40_000.0
@@ -56,18 +83,61 @@ FORECAST_MIN_INTERVAL = 0.25
 FORECAST_MAX_INTERVAL = 30.0
 #: forecasts per start-up time of the quickest node type (VMs that boot in 90 s: every 4.5 s)
 FORECAST_PER_STARTUP = 20.0
+#: seconds a worker that refused to retire is not asked again
+REFUSED_PAUSE = 10.0
+#: seconds between asks to retire a worker whose allocation ends soon
+EXPIRY_RETRY = 5.0
 
 
-@dataclass
-class LaunchRecord:
-    request_id: str
-    node_type: str
-    nodes: int
-    since: float
-    deadline: float
-    worker_ids: list[str] = field(default_factory=list)
-    arrived: set[str] = field(default_factory=set)
-    delays: list[float] = field(default_factory=list)  # launch-to-join seconds of each arrival
+@dataclass(frozen=True)
+class ForecastDue:
+    """When the next observation should carry the unfinished graph (a fresh forecast).
+
+    On a small graph, a worker or a launch more or less changes every answer: at once.  Otherwise
+    at most every ``every`` seconds while things change, which grows with the graph (one second
+    per ``FORECAST_TASKS_PER_SECOND`` tasks: the forecast costs a pass over the graph) and with
+    the node types' start-up (a decision about nodes that take 90 s to start needs no forecast
+    every 0.25 s).  A forecast older than a launch never launches that type again (``step`` waits
+    for a fresh one), so a stale forecast cannot launch twice for the same work.
+    """
+
+    at: float = -1e9  # when the last forecast was made
+    every: float = FORECAST_MIN_INTERVAL
+    key: tuple[Any, ...] = ()  # (workers, launches in flight, tasks, finished changed) then
+    finished: int = -1  # tasks finished at the last forecast
+    in_flight: int = 0  # launch requests open after the last step
+
+    def due(self, workers: int, tasks: int, finished: int, now: float) -> bool:
+        since = now - self.at
+        if self.every > FORECAST_MIN_INTERVAL:  # a big graph: the forecast is a cost to bound
+            return since >= self.every
+        structural = (workers, self.in_flight)
+        changed = (*structural, tasks, finished != self.finished)
+        if structural == self.key[:2]:
+            if since < self.every and changed == self.key:
+                return False
+            if since < 0.05:
+                return False
+        return True
+
+
+def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class ControllerView:
+    """What the shells may know of the controller after a step (read-only copies)."""
+
+    backlog_since: float | None = None
+    #: launches in flight: what is still to come of each (workers that registered are live)
+    pending: tuple[PendingLaunch, ...] = ()
+    failures: Mapping[str, int] = field(default_factory=lambda: _frozen({}))  # launches failed in a row
+    unusable: Mapping[str, str] = field(default_factory=lambda: _frozen({}))  # disabled type -> why
+    startup: Mapping[str, float] = field(default_factory=lambda: _frozen({}))  # measured start-up, s
+    forecast: ForecastDue = ForecastDue()
+    #: the node types and the disabled ones: the rule the scheduler state gets (``CheckFeasible``)
+    feasibility: Feasibility = Feasibility(())
 
 
 @dataclass
@@ -76,27 +146,70 @@ class Actions:
     retire: list[str] = field(default_factory=list)
     terminate: list[str] = field(default_factory=list)
     snapshot: ClusterSnapshot | None = None
-    #: journal records made since the last drain (this step's decisions and earlier reports)
+    #: journal records made in this step (its reports' and its decisions')
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: seconds each launch of this step may take before it is given up (request id -> seconds)
+    launch_timeouts: dict[str, float] = field(default_factory=dict)
+    #: set when a node type was disabled: the shell sends it to the scheduler (``CheckFeasible``)
+    feasibility: Feasibility | None = None
+    view: ControllerView = ControllerView()
 
 
-def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
-    """``" (the most memory any node type offers is 14.9GiB per worker, on 'big')"`` for each
-    resource the shape needs more of than every node type has."""
-    from tidepool.resources import format_resources
+# ---- pure pieces of the decision ---------------------------------------------------------------
+def standing(snap: ClusterSnapshot, name: str, retiring: Mapping[str, int]) -> int:
+    """Nodes of type ``name`` that stay: live workers not being retired, plus launches in flight
+    (``retiring``: workers of each type being retired now)."""
+    nt = snap.node_type(name)
+    per = nt.workers_per_node if nt is not None else 1
+    live = sum(1 for w in snap.workers if w.node_type == name) - retiring.get(name, 0)
+    return -(-max(0, live) // per) + sum(p.nodes for p in snap.pending if p.node_type == name)
 
-    parts = []
-    types = list(types)
-    for name, amount in shape:
-        offers = [(nt.worker_resources.get(name, 0.0), nt.name) for nt in types]
-        best, who = max(offers, default=(0.0, ""))
-        if amount > best:
-            if best <= 0:
-                parts.append(f"no node type has {name}")
-            else:
-                parts.append(f"the most {name} any node type offers is "
-                             f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
-    return f" ({'; '.join(parts)})" if parts else ""
+
+def wanted_launches(decision: ScaleDecision, snap: ClusterSnapshot, reasons: list[str],
+                    retiring: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
+    """The policy's launches, raised to what ``min_nodes`` needs (a reason appended for each):
+    a node being retired does not count towards ``min_nodes``."""
+    wanted = dict(decision.launch)
+    for nt in snap.node_types:  # min_nodes always holds
+        deficit = nt.min_nodes - standing(snap, nt.name, retiring)
+        if deficit > 0 and not snap.blocked(nt.name) and wanted.get(nt.name, 0) < deficit:
+            wanted[nt.name] = deficit
+            reasons.append(f"{nt.name}: below min_nodes={nt.min_nodes}")
+    return wanted
+
+
+def clamp_launches(wanted: Mapping[str, int], snap: ClusterSnapshot, node_types: Mapping[str, NodeType], *,
+                   unusable: Mapping[str, str], stale: set[str], max_workers: int | None, workers: int,
+                   reasons: list[str], retiring: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
+    """Nodes to launch per type within the limits: known types only, none blocked (backoff or
+    disabled), none of a type a stale forecast planned (beyond ``min_nodes``), at most
+    ``max_nodes`` per type and ``max_workers`` in all (``workers``: live and coming now)."""
+    planned: dict[str, int] = {}
+    for name, n in wanted.items():
+        known = node_types.get(name)
+        if known is None:
+            reasons.append(f"policy asked for unknown node type {name!r}: ignored")
+            continue
+        if snap.blocked(name):
+            reasons.append(f"{name}: not launched ({unusable.get(name) or 'in backoff'})")
+            continue
+        if name in stale:  # only what min_nodes needs until a forecast sees the last launch
+            deficit = known.min_nodes - standing(snap, name, retiring)
+            if n > deficit:
+                reasons.append(f"{name}: not launched again until a forecast sees the last launch")
+                n = deficit
+        n = min(n, known.max_nodes - snap.nodes_of(name))
+        if max_workers is not None:
+            n = min(n, (max_workers - workers) // known.workers_per_node)
+        if n > 0:
+            planned[name] = n
+            workers += n * known.workers_per_node
+    return planned
+
+
+def quiet_decision(text: str) -> str:
+    """A decision's reason with its numbers blurred: idle 0.1s / 0.2s ... is the same decision."""
+    return re.sub(r"[0-9.]+", "#", text)
 
 
 class ScalingController:
@@ -118,9 +231,11 @@ class ScalingController:
         self.backoff_max = backoff_max
         self.max_type_failures = max_type_failures
         self.max_workers = max_workers
+        #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
+        self.manage_foreign = manage_foreign
         self.journal = Journal()  # in memory only: the controller writes no file
         self._drained = 0
-        self.launches: dict[str, LaunchRecord] = {}
+        self.instances = InstanceTable()
         self.failures: dict[str, int] = {}
         self.backoff_until: dict[str, float] = {}
         self.unusable: dict[str, str] = {}
@@ -129,143 +244,262 @@ class ScalingController:
         self._failed_requests: set[str] = set()  # each failed launch is counted once
         self.startup: dict[str, float] = {}
         self.backlog_since: float | None = None
-        self.retiring: set[str] = set()
         self.refused_until: dict[str, float] = {}
-        self.joined: set[str] = set()
-        self.worker_request: dict[str, str] = {}
-        #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
-        self.manage_foreign = manage_foreign
-        self.adopted: set[str] = set()  # not launched here, but ours to retire (the cluster's own)
         self._foreign_noted: set[str] = set()
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
         self._fallback = Adaptive()
         self._policy_error_t = -1e9
         self._policy_error = ""
-        self.request_type: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._last_reason = ""
         self._last_reason_t = -1e9
         self._forecasts: tuple[TypeForecast, ...] = ()
         self._eta: float | None = None
         self._next_demand: float | None = None
-        self._fc_time = -1e9
-        self._fc_every = forecast_interval or 0.25
+        self._fc = ForecastDue(every=forecast_interval or FORECAST_MIN_INTERVAL)
         self._fc_fixed = forecast_interval is not None
-        self._fc_key: tuple[Any, ...] = ()
-        self._fc_finished = -1
         #: node types launched since the last forecast: no new launch of them until a fresh one
         self._stale_types: set[str] = set()
         #: workers to terminate at the next step (given up before they registered)
         self._terminate: list[str] = []
+        self._feasibility = Feasibility(tuple(self.node_types.values()))
+        #: what the shells may read, as of the last step
+        self.view = ControllerView(forecast=self._fc, feasibility=self._feasibility)
+        self._on: dict[type, Callable[[Any], None]] = {
+            Named: self._named, Joined: self._joined, Ready: self._ready, LaunchFailed: self._launch_failed,
+            WorkerFailed: self._worker_failed, Retired: self._retired, Adopted: self._adopted,
+        }  # fmt: skip
 
-    # ---- feasibility -------------------------------------------------------------------------------
-    def infeasible_reason(self, shape: Shape) -> str | tuple[str, str] | None:
-        """Why no usable node type could ever run ``shape`` (None if one could).
+    def _manages(self, wid: str) -> bool:
+        """Is ``wid`` this controller's to retire (launched here, adopted, or manage_foreign)?"""
+        inst = self.instances.get(wid)
+        return self.manage_foreign or (inst is not None and inst.origin != "foreign")
 
-        A shape only disabled node types fit fails with the error that disabled them
-        (``(error type, message)``), so the user sees the provider's own words.
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self, obs: Observation) -> Actions:
+        """One round on one observation: first what happened (reports, the provider's listing,
+        workers that left or end soon, timeouts), then the decision.
+
+        ``obs.expiring``: workers the provider says end soon (a walltime): retired gracefully now,
+        asked again every 5 s while refused.  ``obs.listing``: the provider's ``list()`` (worker id
+        -> at least ``alive``), when the shell fetched one.  ``obs.graph``: the unfinished graph,
+        when the last view's ``forecast.due`` asked for it.
         """
-        fitting = rank_types(shape, tuple(self.node_types.values()))
-        if not fitting:
-            return (f"it needs {dict(shape)} and no node type offers that{largest_offers(shape, self.node_types.values())}; "
-                    f"node types: {describe_types(tuple(self.node_types.values()))}")  # fmt: skip
-        names = [nt.name for nt in fitting]
-        if all(n in self.unusable for n in names):
-            why = "; ".join(f"node type {n!r} is disabled: {self.unusable[n]}" for n in names)
-            return self.unusable_error.get(names[0], "ProviderError"), (
-                f"it needs {dict(shape)}, which only disabled node types offer ({why}). Fix the "
-                "provider or the setup, then start a new cluster (or add a worker by hand)")  # fmt: skip
-        return None
+        actions = Actions()
+        by_id = {w.id: w for w in obs.workers}
+        self._observe(obs, by_id, actions)
+        types = self._types_now()
+        if obs.graph is not None:
+            self._refresh_forecast(obs, obs.graph, types)
+        pending = tuple(self._pending(r) for r in self.instances.open.values())
+        snap = self._snapshot(obs, types, pending)
+        actions.snapshot = snap
+        decision = self._decide(snap)
+        reasons = list(decision.reasons)
+        retiring = self._retiring_by_type()
+        wanted = wanted_launches(decision, snap, reasons, retiring)
+        workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
+        planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
+                                 max_workers=self.max_workers, workers=workers, reasons=reasons,
+                                 retiring=retiring)  # fmt: skip
+        self._launch(planned, "; ".join(reasons), obs.now, actions)
+        self._retirements(decision, snap, by_id, planned, retiring, actions)
+        if not actions.launch and not actions.retire and decision.reasons:
+            self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
+        return self._finish(actions)
 
-    # ---- reports from the shell -------------------------------------------------------------------
-    def worker_joined(self, wid: str, now: float) -> None:
-        self.joined.add(wid)
-        rid = self.worker_request.get(wid)
-        rec = self.launches.get(rid) if rid else None
-        if rec is None:
+    # ---- 1. observe -------------------------------------------------------------------------------
+    def _observe(self, obs: Observation, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
+        for report in obs.reports:
+            self._on[type(report)](report)
+        if obs.listing is not None:
+            self._reconcile(obs.listing, obs.now)
+        self._sync_live(by_id, obs.now)
+        self._expiring(obs.expiring, by_id, obs.now, actions)
+        self._timeouts(obs.now, actions)
+        if obs.demand:
+            if self.backlog_since is None:
+                self.backlog_since = obs.now
+        else:
+            self.backlog_since = None
+
+    def _named(self, r: Named) -> None:
+        table = self.instances
+        req = table.requests.get(r.request)
+        if req is not None and req.state is IS.FAILED and not req.workers:
+            # given up before the provider named its workers: stop them, or they join uncounted
+            for w in r.workers:
+                if table.get(w) is None:
+                    inst = table.add(w, req.node_type, req.id, IS.NAMED, r.at, f"named for launch {req.id}")
+                    table.move(inst, IS.FAILED, r.at, f"launch {req.id} was given up before it was named")
+                    self._terminate.append(w)
             return
-        if wid not in rec.arrived:
-            rec.delays.append(now - rec.since)
-        rec.arrived.add(wid)
-        if len(rec.arrived) >= len(rec.worker_ids):
-            # the typical start-up of its nodes: the median, not the last straggler (the slowest
-            # of 500 queue waits says little about the next launch of a few nodes)
-            took = statistics.median(rec.delays) if rec.delays else now - rec.since
-            old = self.startup.get(rec.node_type)
-            self.startup[rec.node_type] = took if old is None else 0.7 * old + 0.3 * took
-            del self.launches[rid]  # type: ignore[arg-type]
-            self.journal.record("launch-arrived", now, request=rec.request_id, node_type=rec.node_type,
-                                seconds=round(took, 3))  # fmt: skip
+        if req is None or req.state is not IS.REQUESTED:
+            return  # not ours, or named already
+        table.move_request(req, IS.NAMED, r.at, f"the provider named {len(r.workers)} workers")
+        for w in r.workers:
+            if table.get(w) is None:
+                table.add(w, req.node_type, req.id, IS.NAMED, r.at, f"named by the provider for launch {req.id}")
+                req.workers.append(w)
 
-    def worker_ready(self, wid: str) -> None:
-        """A worker finished its setup and takes tasks: its node type works."""
-        nt = self.request_type.get(self.worker_request.get(wid, ""))
+    def _joined(self, r: Joined) -> None:
+        inst = self.instances.get(r.worker)
+        if inst is None:
+            return  # not ours (started by hand): nothing to track
+        if inst.state is IS.NAMED:
+            self.instances.move(inst, IS.JOINED, r.at, "registered with the scheduler")
+            req = self.instances.requests.get(inst.request) if inst.request is not None else None
+            if req is not None and req.open:
+                req.delays.append(r.at - req.since)
+                self._maybe_arrived(req, r.at)
+        elif inst.state in FINAL:
+            self.instances.move(inst, IS.JOINED, r.at, "registered again")
+        if r.ready:
+            self._ready(Ready(r.worker, r.at))
+
+    def _ready(self, r: Ready) -> None:
+        inst = self.instances.get(r.worker)
+        if inst is None:
+            return
+        if inst.state is IS.JOINED:
+            self.instances.move(inst, IS.READY, r.at, "its setup finished")
+        nt = inst.node_type if inst.request is not None else None
         if nt is not None and nt not in self.unusable:
-            self.failures[nt] = 0
+            self.failures[nt] = 0  # its node type works
 
-    def launched(self, request_id: str, worker_ids: list[str], now: float) -> None:
-        rec = self.launches.get(request_id)
-        if rec is None:
-            return
-        rec.worker_ids = list(worker_ids)
-        for w in worker_ids:
-            self.worker_request[w] = request_id
-            if w in self.joined:
-                rec.arrived.add(w)
-        if worker_ids and len(rec.arrived) >= len(worker_ids):
-            self.worker_joined(worker_ids[-1], now)
-
-    def launch_failed(self, request_id: str, message: str, now: float) -> None:
+    def _launch_failed(self, r: LaunchFailed) -> None:
         """The whole request failed: its workers that did not register are given up (and
         terminated, so a queued job that starts later cannot join uncounted)."""
-        if request_id in self._failed_requests:
+        if r.request in self._failed_requests:
             return  # already counted (a provider may both raise and report the same failure)
-        self._failed_requests.add(request_id)
-        rec = self.launches.pop(request_id, None)
-        nt = rec.node_type if rec else self._type_of_request(request_id)
-        if rec is not None:
-            self._terminate.extend(w for w in rec.worker_ids if w not in rec.arrived and w not in self.joined)
-        self.journal.record("launch-failed", now, request=request_id, node_type=nt, reason=message)
+        if not r.reason:
+            r = LaunchFailed(r.request, "the provider reported a failure without a message", r.at)
+        self._failed_requests.add(r.request)
+        req = self.instances.requests.get(r.request)
+        if req is not None and req.open:
+            self._terminate.extend(self._give_up(req, r.reason, r.at))
+        nt = req.node_type if req is not None else None
+        self.journal.record("launch-failed", r.at, request=r.request, node_type=nt, reason=r.reason)
         if nt:
-            self._type_failed(nt, message, now)
+            self._type_failed(nt, r.reason, r.at)
+
+    def _give_up(self, req: Request, why: str, now: float) -> list[str]:
+        """Fail an open request and its workers still to come; returns those workers."""
+        missing = self.instances.missing(req)
+        for w in missing:
+            self.instances.move(self.instances.instances[w], IS.FAILED, now, why)
+        self.instances.move_request(req, IS.FAILED, now, why)
+        return missing
+
+    def _worker_failed(self, r: WorkerFailed) -> None:
+        """A worker this controller launched died before joining (or its setup failed)."""
+        inst = self.instances.get(r.worker)
+        if inst is None or inst.request is None:
+            return
+        if inst.state is IS.NAMED:
+            self._start_failed(inst.request, r.worker, f"worker {r.worker}: {r.reason}", r.at)
+        elif r.setup:
+            if inst.state is IS.JOINED:
+                self.instances.move(inst, IS.FAILED, r.at, f"setup failed: {r.reason}")
+            self._type_failed(inst.node_type, r.reason, r.at, "WorkerSetupError")
 
     def _start_failed(self, rid: str, wid: str, message: str, now: float) -> None:
         """One worker of request ``rid`` ended before it registered.  The request fails only when
         none of its workers is left to come (2% of a 500-node job array failing is not a broken
         node type); otherwise the worker leaves the request, which stays pending for the rest."""
-        rec = self.launches.get(rid)
-        if rec is not None and rec.worker_ids and wid not in rec.worker_ids:
-            return  # already given up (the listing and the provider's error both tell)
-        if rec is None or len(rec.worker_ids) <= 1 or not set(rec.worker_ids) - rec.arrived - {wid}:
-            self.launch_failed(rid, message, now)
+        table = self.instances
+        req = table.requests[rid]
+        others = [w for w in table.missing(req) if w != wid]
+        if len(req.workers) <= 1 or not others:
+            self._launch_failed(LaunchFailed(rid, message, now))
             return
-        rec.worker_ids.remove(wid)
-        wpn = self.node_types[rec.node_type].workers_per_node if rec.node_type in self.node_types else 1
-        rec.nodes = max(1, -(-len(rec.worker_ids) // max(1, wpn)))
+        table.move(table.instances[wid], IS.FAILED, now, message)
+        req.workers.remove(wid)
+        nt = self.node_types.get(req.node_type)
+        wpn = nt.workers_per_node if nt is not None else 1
+        req.nodes = max(1, -(-len(req.workers) // max(1, wpn)))
         self._terminate.append(wid)  # idempotent clean-up of whatever is left of it
-        self.journal.record("worker-failed", now, request=rid, node_type=rec.node_type, worker=wid,
-                            reason=f"{message}; the other {len(rec.worker_ids)} of the request stay pending")  # fmt: skip
-        if len(rec.arrived) >= len(rec.worker_ids):
-            self.worker_joined(next(iter(rec.arrived)), now)
+        self.journal.record("worker-failed", now, request=rid, node_type=req.node_type, worker=wid,
+                            reason=f"{message}; the other {len(req.workers)} of the request stay pending")  # fmt: skip
+        self._maybe_arrived(req, now)
 
-    def worker_failed(self, wid: str, message: str, now: float, *, setup: bool = False) -> None:
-        """A worker this controller launched died before joining (or its setup failed)."""
-        rid = self.worker_request.get(wid)
-        if rid is not None and wid not in self.joined:
-            self._start_failed(rid, wid, f"worker {wid}: {message}", now)
-        elif wid in self.joined and rid is not None:
-            nt = self._type_of_request(rid)
-            if nt and setup:
-                self._type_failed(nt, message, now, "WorkerSetupError")
+    def _retired(self, r: Retired) -> None:
+        inst = self.instances.get(r.worker)
+        if inst is not None and inst.state is IS.RETIRING:
+            if r.outcome == "retired":
+                self.instances.move(inst, IS.GONE, r.at, "retired")
+            else:
+                self.instances.move(inst, IS.READY, r.at, r.outcome or "refused")
+        if r.outcome != "retired":
+            self.refused_until[r.worker] = r.at + REFUSED_PAUSE  # do not ask again at every step
+        self.journal.record("retire-done", r.at, worker=r.worker, outcome=r.outcome)
 
-    def retire_done(self, wid: str, outcome: str, now: float) -> None:
-        self.retiring.discard(wid)
-        if outcome != "retired":
-            self.refused_until[wid] = now + 10.0  # do not ask again at every step
-        self.journal.record("retire-done", now, worker=wid, outcome=outcome)
+    def _adopted(self, r: Adopted) -> None:
+        if self.instances.get(r.worker) is None:
+            self.instances.add(r.worker, "", None, IS.NAMED, r.at, "adopted: the cluster's own worker",
+                               origin="adopted")  # fmt: skip
 
-    def _type_of_request(self, rid: str) -> str | None:
-        return self.request_type.get(rid)
+    def _maybe_arrived(self, req: Request, now: float) -> None:
+        """Every worker still coming of ``req`` registered: learn the start-up of its type."""
+        if len(self.instances.arrived(req)) < len(req.workers):
+            return
+        # the typical start-up of its nodes: the median, not the last straggler (the slowest
+        # of 500 queue waits says little about the next launch of a few nodes)
+        took = statistics.median(req.delays) if req.delays else now - req.since
+        old = self.startup.get(req.node_type)
+        self.startup[req.node_type] = took if old is None else 0.7 * old + 0.3 * took
+        self.instances.move_request(req, IS.JOINED, now, "every worker still coming registered")
+        self.journal.record("launch-arrived", now, request=req.id, node_type=req.node_type, seconds=round(took, 3))
+
+    def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
+        """Workers not registered yet that the provider no longer lists, or lists as ended."""
+        table = self.instances
+        for req in list(table.open.values()):
+            for wid in table.missing(req):
+                if not req.open:
+                    break  # the request failed as a whole
+                info = listing.get(wid)
+                if info is None:
+                    why = f"worker {wid} is not listed by the provider any more"
+                elif not info.get("alive", True):
+                    rc = info.get("returncode")
+                    why = f"worker {wid} ended before it registered" + (f" (exit code {rc})" if rc is not None else "")
+                else:
+                    continue
+                self.journal.record("reconcile", now, request=req.id, worker=wid, reason=why)
+                self._start_failed(req.id, wid, why, now)
+
+    def _sync_live(self, by_id: Mapping[str, WorkerView], now: float) -> None:
+        """The scheduler's workers against the table: instances that left are gone; a named one
+        already registered (an adopted worker that joined before it was adopted) has joined."""
+        table = self.instances
+        for inst in [i for i in table.live.values() if i.worker not in by_id]:
+            table.move(inst, IS.GONE, now, "it left the scheduler")
+        if len(by_id) != len(table.live):
+            for wid, ws in by_id.items():
+                named = table.get(wid)
+                if named is not None and named.state is IS.NAMED:
+                    self._joined(Joined(wid, ws.joined, ready=ws.state == "running"))
+
+    def _expiring(self, expiring: tuple[str, ...], by_id: Mapping[str, WorkerView], now: float,
+                  actions: Actions) -> None:  # fmt: skip
+        for wid in expiring:
+            ws = by_id.get(wid)
+            if ws is None or ws.state != "running" or self._is_retiring(wid):
+                continue
+            if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
+                continue
+            self._expiry_tried[wid] = now
+            self._begin_retire(ws, now, "provider: walltime ends soon", actions)
+
+    def _timeouts(self, now: float, actions: Actions) -> None:
+        """Launches that never arrived: given up, their workers terminated, their type backs off."""
+        for req in [r for r in self.instances.open.values() if now >= r.deadline]:
+            msg = f"{len(self.instances.missing(req))} workers of launch {req.id} did not register within {req.deadline - req.since:.0f}s"
+            actions.terminate.extend(self._give_up(req, msg, now))
+            self._failed_requests.add(req.id)
+            self.journal.record("cancel-launch", now, request=req.id, node_type=req.node_type, reason=msg)
+            self._type_failed(req.node_type, msg, now)
 
     def _type_failed(self, nt: str, message: str, now: float, error: str = "ProviderError") -> None:
         n = self.failures.get(nt, 0) + 1
@@ -279,7 +513,7 @@ class ScalingController:
             self.unusable_error[nt] = error
             self.journal.record("node-type-disabled", now, node_type=nt, reason=why)
 
-    # ---- the step ---------------------------------------------------------------------------------
+    # ---- 2. decide --------------------------------------------------------------------------------
     def _types_now(self) -> tuple[NodeType, ...]:
         """Node types with startup estimates replaced by what was measured here."""
         out = []
@@ -289,224 +523,26 @@ class ScalingController:
             out.append(nt)
         return tuple(out)
 
-    def step(self, obs: Observation) -> Actions:
-        """One round on one observation: first what happened (arrivals, timeouts, workers whose
-        allocation ends soon, the provider's listing), then the decision.
-
-        ``obs.expiring``: workers the provider says end soon (a walltime): retired gracefully now,
-        asked again every 5 s while refused.  ``obs.listing``: the provider's ``list()`` (worker id
-        -> at least ``alive``), when the shell fetched one: a launched worker that is not listed, or
-        listed as ended, before it registered fails its launch now instead of at the launch timeout.
-        ``obs.graph``: the unfinished graph, when :meth:`wants_graph` asked for it.
-        """
-        now = obs.now
-        actions = Actions()
-        by_id = {w.id: w for w in obs.workers}
-        if obs.listing is not None:
-            self._reconcile(obs.listing, now)
-        for wid in obs.expiring:
-            ws = by_id.get(wid)
-            if ws is None or ws.state != "running" or wid in self.retiring:
-                continue
-            if now - self._expiry_tried.get(wid, -1e9) <= 5.0:
-                continue
-            self._expiry_tried[wid] = now
-            self.retiring.add(wid)
-            actions.retire.append(wid)
-            self.journal.record("retire", now, worker=wid, node_type=ws.node_type,
-                                reason="provider: walltime ends soon")  # fmt: skip
-        # observe: launches that never arrived
-        for rid, rec in list(self.launches.items()):
-            if now >= rec.deadline:
-                missing = [w for w in rec.worker_ids if w not in rec.arrived]
-                actions.terminate.extend(missing)
-                del self.launches[rid]
-                self._failed_requests.add(rid)
-                msg = f"{len(missing)} workers of launch {rid} did not register within {rec.deadline - rec.since:.0f}s"
-                self.journal.record("cancel-launch", now, request=rid, node_type=rec.node_type, reason=msg)
-                self._type_failed(rec.node_type, msg, now)
-        self.retiring &= set(by_id)
-        if obs.demand:
-            if self.backlog_since is None:
-                self.backlog_since = now
-        else:
-            self.backlog_since = None
-        types = self._types_now()
-        if obs.graph is not None:
-            self._refresh_forecast(obs, obs.graph, types)
-        pending = tuple(self._pending(r) for r in self.launches.values())
-        snap = ClusterSnapshot(
-            now=now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
+    def _snapshot(self, obs: Observation, types: tuple[NodeType, ...],
+                  pending: tuple[PendingLaunch, ...]) -> ClusterSnapshot:  # fmt: skip
+        return ClusterSnapshot(
+            now=obs.now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
             last_progress=obs.last_progress, finished=obs.finished, waiting=obs.waiting,
             running=obs.running, backlog_since=self.backlog_since,
             backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
-        actions.snapshot = snap
+
+    def _decide(self, snap: ClusterSnapshot) -> ScaleDecision:
         try:
             decision = as_decision(self.policy(snap))
         except Exception as exc:  # noqa: BLE001 - a user policy must not stop the pool from serving
-            decision = self._policy_failed(exc, snap, now)
+            decision = self._policy_failed(exc, snap, snap.now)
         for shape_desc in decision.infeasible:
-            self.journal.record("infeasible", now, demand=shape_desc)
-        # clamp launches to limits
-        planned: dict[str, int] = {}
-        total_workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
-        reasons = list(decision.reasons)
-        wanted = dict(decision.launch)
-        for nt in types:  # min_nodes always holds
-            deficit = nt.min_nodes - snap.nodes_of(nt.name)
-            if deficit > 0 and not snap.blocked(nt.name) and wanted.get(nt.name, 0) < deficit:
-                wanted[nt.name] = deficit
-                reasons.append(f"{nt.name}: below min_nodes={nt.min_nodes}")
-        for name, n in wanted.items():
-            known = self.node_types.get(name)
-            if known is None:
-                reasons.append(f"policy asked for unknown node type {name!r}: ignored")
-                continue
-            if snap.blocked(name):
-                reasons.append(f"{name}: not launched ({self.unusable.get(name) or 'in backoff'})")
-                continue
-            if name in self._stale_types and n > max(0, known.min_nodes - snap.nodes_of(name)):
-                reasons.append(f"{name}: not launched again until a forecast sees the last launch")
-                continue
-            n = min(n, known.max_nodes - snap.nodes_of(name))
-            if self.max_workers is not None:
-                n = min(n, (self.max_workers - total_workers) // known.workers_per_node)
-            if n > 0:
-                planned[name] = n
-                total_workers += n * known.workers_per_node
-        for name, n in planned.items():
-            nt = self.node_types[name]
-            rid = f"a{next(self._ids)}"
-            timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
-            self.launches[rid] = LaunchRecord(rid, name, n, now, now + timeout)
-            self.request_type[rid] = name
-            actions.launch.append((rid, nt, n))
-            self._stale_types.add(name)
-            self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason="; ".join(reasons))
-        # retirements: only known, not already retiring, and not below min_nodes
-        left = {nt.name: snap.nodes_of(nt.name) for nt in types}
-        for wid in decision.retire:
-            ws = by_id.get(wid)
-            if ws is None or wid in self.retiring or ws.state != "running":
-                continue
-            if not self.manages(wid):
-                if wid not in self._foreign_noted:
-                    self._foreign_noted.add(wid)
-                    self.journal.record("not-managed", now, worker=wid, node_type=ws.node_type, reason=(
-                        "not retired: the autoscaler did not launch it (started by hand?); "
-                        "adapt(manage_foreign=True) lets it retire such workers"))  # fmt: skip
-                continue
-            if self.refused_until.get(wid, -1e9) > now:
-                continue
-            wt = self.node_types.get(ws.node_type)
-            if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
-                continue
-            if planned.get(ws.node_type):
-                continue  # anti-flap: never launch and retire the same type at once
-            left[ws.node_type] = left.get(ws.node_type, 0) - 1
-            self.retiring.add(wid)
-            actions.retire.append(wid)
-            why = dict(decision.why).get(wid, "the policy asked (no reason given)")
-            self.journal.record("retire", now, worker=wid, node_type=ws.node_type, reason=why)
-        if not actions.launch and not actions.retire and decision.reasons:
-            text = "; ".join(decision.reasons)[:2000]
-            shape = re.sub(r"[0-9.]+", "#", text)  # idle 0.1s / 0.2s ... is the same decision
-            if shape != self._last_reason or now - self._last_reason_t > 10.0:
-                self.journal.record("decision", now, reason=text)
-                self._last_reason, self._last_reason_t = shape, now
-        if self._terminate:
-            actions.terminate.extend(w for w in self._terminate if w not in actions.terminate)
-            self._terminate.clear()
-        actions.records = self.drain_records()
-        return actions
+            self.journal.record("infeasible", snap.now, demand=shape_desc)
+        return decision
 
-    def wants_graph(self, workers: int, tasks: int, finished: int, now: float) -> bool:
-        """Should the next observation carry the unfinished graph (a fresh forecast is due)?
-
-        On a small graph, a worker or a launch more or less changes every answer: at once.
-        Otherwise at most every ``_fc_every`` seconds while things change, which grows with the
-        graph (one second per ``FORECAST_TASKS_PER_SECOND`` tasks: the forecast costs a pass over
-        the graph) and with the node types' start-up (a decision about nodes that take 90 s to
-        start needs no forecast every 0.25 s).  A forecast older than a launch never launches that type again (``step``
-        waits for a fresh one), so a stale forecast cannot launch twice for the same work.
-        """
-        since = now - self._fc_time
-        if self._fc_every > FORECAST_MIN_INTERVAL:  # a big graph: the forecast is a cost to bound
-            return since >= self._fc_every
-        structural = (workers, len(self.launches))
-        changed = (*structural, tasks, finished != self._fc_finished)
-        if structural == self._fc_key[:2]:
-            if since < self._fc_every and changed == self._fc_key:
-                return False
-            if since < 0.05:
-                return False
-        return True
-
-    def _refresh_forecast(self, obs: Observation, graph: GraphView, types: tuple[NodeType, ...]) -> None:
-        now = obs.now
-        blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
-        nodes = {}
-        for nt in types:
-            live = sum(1 for w in obs.workers if w.node_type == nt.name)
-            nodes[nt.name] = -(-live // nt.workers_per_node) + sum(
-                self._pending(r).nodes for r in self.launches.values() if r.node_type == nt.name)
-        pending = tuple((r.node_type, self._pending(r).nodes, r.since) for r in self.launches.values())
-        self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
-                                                                       now, blocked)  # fmt: skip
-        if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
-            quickest = min(nt.startup_estimate for nt in types)  # decisions need no finer grain than this
-            self._fc_every = min(FORECAST_MAX_INTERVAL, max(FORECAST_MIN_INTERVAL, obs.tasks / FORECAST_TASKS_PER_SECOND,
-                                                            quickest / FORECAST_PER_STARTUP))  # fmt: skip
-        self._stale_types.clear()
-        self._fc_time = now
-        self._fc_key = (len(obs.workers), len(self.launches), obs.tasks, obs.finished != self._fc_finished)
-        self._fc_finished = obs.finished
-
-    def _pending(self, rec: LaunchRecord) -> PendingLaunch:
-        """What is still to come of a launch: its workers that have not registered (those that did
-        are counted as live workers already; counting the whole request too would block launches
-        while a few nodes of a big request wait in a queue)."""
-        if not rec.worker_ids:
-            return PendingLaunch(rec.request_id, rec.node_type, rec.nodes, (), rec.since)
-        missing = tuple(w for w in rec.worker_ids if w not in rec.arrived)
-        nt = self.node_types.get(rec.node_type)
-        wpn = max(1, nt.workers_per_node if nt is not None else 1)
-        return PendingLaunch(rec.request_id, rec.node_type, -(-len(missing) // wpn), missing, rec.since)
-
-    def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
-        for rid, rec in list(self.launches.items()):
-            for wid in list(rec.worker_ids):
-                if rid not in self.launches:
-                    break  # the request failed as a whole
-                if wid in rec.arrived or wid in self.joined:
-                    continue
-                info = listing.get(wid)
-                if info is None:
-                    why = f"worker {wid} is not listed by the provider any more"
-                elif not info.get("alive", True):
-                    rc = info.get("returncode")
-                    why = f"worker {wid} ended before it registered" + (f" (exit code {rc})" if rc is not None else "")
-                else:
-                    continue
-                self.journal.record("reconcile", now, request=rid, worker=wid, reason=why)
-                self._start_failed(rid, wid, why, now)
-
-    def drain_records(self) -> list[dict[str, Any]]:
-        """Records made since the last call, for the shell to write to its journal."""
-        recs = self.journal.records[self._drained:]
-        self._drained = len(self.journal.records)
-        return recs
-
-    def adopt(self, wid: str) -> None:
-        """Treat ``wid`` as ours to retire although this controller did not launch it."""
-        self.adopted.add(wid)
-
-    def manages(self, wid: str) -> bool:
-        return self.manage_foreign or wid in self.worker_request or wid in self.adopted
-
-    def _policy_failed(self, exc: Exception, snap: ClusterSnapshot, now: float) -> Any:
+    def _policy_failed(self, exc: Exception, snap: ClusterSnapshot, now: float) -> ScaleDecision:
         import logging
         import traceback
 
@@ -519,5 +555,133 @@ class ScalingController:
             self._policy_error, self._policy_error_t = text, now
         return as_decision(self._fallback(snap))
 
-    def launched_worker_ids(self) -> list[str]:
-        return list(self.worker_request)
+    def _refresh_forecast(self, obs: Observation, graph: GraphView, types: tuple[NodeType, ...]) -> None:
+        now = obs.now
+        blocked = {nt.name for nt in types if nt.name in self.unusable or self.backoff_until.get(nt.name, 0) > now}
+        open_ = list(self.instances.open.values())
+        nodes = {}
+        for nt in types:
+            live = sum(1 for w in obs.workers if w.node_type == nt.name)
+            nodes[nt.name] = -(-live // nt.workers_per_node) + sum(
+                self._pending(r).nodes for r in open_ if r.node_type == nt.name)
+        pending = tuple((r.node_type, self._pending(r).nodes, r.since) for r in open_)
+        self._forecasts, self._eta, self._next_demand = type_forecasts(graph, obs.workers, types, nodes, pending,
+                                                                       now, blocked)  # fmt: skip
+        every = self._fc.every
+        if not self._fc_fixed:  # big graphs are re-forecast less often (by size: no clock here)
+            quickest = min(nt.startup_estimate for nt in types)  # decisions need no finer grain than this
+            every = min(FORECAST_MAX_INTERVAL, max(FORECAST_MIN_INTERVAL, obs.tasks / FORECAST_TASKS_PER_SECOND,
+                                                   quickest / FORECAST_PER_STARTUP))  # fmt: skip
+        self._stale_types.clear()
+        key = (len(obs.workers), len(open_), obs.tasks, obs.finished != self._fc.finished)
+        self._fc = ForecastDue(at=now, every=every, key=key, finished=obs.finished)
+
+    def _pending(self, req: Request) -> PendingLaunch:
+        """What is still to come of a launch: its workers that have not registered (those that did
+        are counted as live workers already; counting the whole request too would block launches
+        while a few nodes of a big request wait in a queue)."""
+        if not req.workers:
+            return PendingLaunch(req.id, req.node_type, req.nodes, (), req.since)
+        missing = tuple(self.instances.missing(req))
+        nt = self.node_types.get(req.node_type)
+        wpn = max(1, nt.workers_per_node if nt is not None else 1)
+        return PendingLaunch(req.id, req.node_type, -(-len(missing) // wpn), missing, req.since)
+
+    # ---- 3. act -----------------------------------------------------------------------------------
+    def _launch(self, planned: Mapping[str, int], reason: str, now: float, actions: Actions) -> None:
+        for name, n in planned.items():
+            nt = self.node_types[name]
+            rid = f"a{next(self._ids)}"
+            timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
+            why = reason or "the policy asked (no reason given)"
+            self.instances.request(rid, name, n, now, now + timeout, why)
+            actions.launch.append((rid, nt, n))
+            actions.launch_timeouts[rid] = timeout
+            self._stale_types.add(name)
+            self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=why)
+
+    def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
+                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
+        """Retire what the policy asked, if known, running, ours, not refused lately, not below
+        ``min_nodes`` (nodes being retired already do not count) and not of a type launched this
+        step (anti-flap)."""
+        now = snap.now
+        left = {nt.name: standing(snap, nt.name, retiring) for nt in snap.node_types}
+        why = dict(decision.why)
+        for wid in decision.retire:
+            ws = by_id.get(wid)
+            if ws is None or ws.state != "running" or self._is_retiring(wid) or not self._ours(ws, now):
+                continue
+            if self.refused_until.get(wid, -1e9) > now or planned.get(ws.node_type):
+                continue
+            wt = self.node_types.get(ws.node_type)
+            if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
+                continue
+            left[ws.node_type] = left.get(ws.node_type, 0) - 1
+            self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
+
+    def _ours(self, ws: WorkerView, now: float) -> bool:
+        if self._manages(ws.id):
+            return True
+        if ws.id not in self._foreign_noted:
+            self._foreign_noted.add(ws.id)
+            self.journal.record("not-managed", now, worker=ws.id, node_type=ws.node_type, reason=(
+                "not retired: the autoscaler did not launch it (started by hand?); "
+                "adapt(manage_foreign=True) lets it retire such workers"))  # fmt: skip
+        return False
+
+    def _retiring_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for inst in self.instances.retiring.values():
+            out[inst.node_type] = out.get(inst.node_type, 0) + 1
+        return out
+
+    def _is_retiring(self, wid: str) -> bool:
+        inst = self.instances.get(wid)
+        return inst is not None and inst.state is IS.RETIRING
+
+    def _begin_retire(self, ws: WorkerView, now: float, why: str, actions: Actions) -> None:
+        table = self.instances
+        inst = table.get(ws.id)
+        if inst is None:  # a foreign worker (manage_foreign) or one the provider says expires
+            inst = table.add(ws.id, ws.node_type, None, IS.READY, now, "a worker started elsewhere",
+                             origin="foreign")  # fmt: skip
+        elif inst.state is IS.NAMED:
+            self._joined(Joined(ws.id, ws.joined, ready=True))
+        elif inst.state in FINAL:
+            table.move(inst, IS.JOINED, now, "registered again")
+        inst.node_type = inst.node_type or ws.node_type  # an adopted worker's type is known once it joined
+        table.move(inst, IS.RETIRING, now, why)
+        actions.retire.append(ws.id)
+        self.journal.record("retire", now, worker=ws.id, node_type=ws.node_type, reason=why)
+
+    def _note_decision(self, text: str, now: float) -> None:
+        shape = quiet_decision(text)
+        if shape != self._last_reason or now - self._last_reason_t > 10.0:
+            self.journal.record("decision", now, reason=text)
+            self._last_reason, self._last_reason_t = shape, now
+
+    def _finish(self, actions: Actions) -> Actions:
+        if self._terminate:
+            actions.terminate.extend(w for w in self._terminate if w not in actions.terminate)
+            self._terminate.clear()
+        if len(self.unusable) != len(self._feasibility.disabled):  # a node type was disabled
+            disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
+            self._feasibility = Feasibility(self._feasibility.node_types, disabled)
+            actions.feasibility = self._feasibility
+        recs = self.journal.records[self._drained:]
+        self._drained = len(self.journal.records)
+        actions.records = recs
+        snap = actions.snapshot
+        self._fc = dataclasses.replace(self._fc, in_flight=len(self.instances.open))
+        # the snapshot's launches in flight plus this step's (nothing else changed them since)
+        requests = self.instances.requests
+        pending = (snap.pending if snap is not None else ()) + tuple(
+            self._pending(requests[rid]) for rid, _, _ in actions.launch)
+        self.view = ControllerView(
+            backlog_since=self.backlog_since, pending=pending, failures=_frozen(self.failures),
+            unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
+            feasibility=self._feasibility,
+        )  # fmt: skip
+        actions.view = self.view
+        return actions

@@ -1,10 +1,18 @@
 """One observation of the cluster: the only input of :meth:`ScalingController.step`.
 
-State: none.  :class:`Observation` and :class:`GraphView` are frozen data; :func:`observe` is the
-shell's half (it reads the mutable :class:`SchedulerState` once, in the scheduler's thread) and
-:func:`step_with_state` is the convenience the asyncio shell, the simulator and tests use:
-``observe`` then ``controller.step``.  The controller itself never sees the state: everything it
-decides on is in the observation, ``now`` included.
+State: none.  :class:`Observation`, :class:`GraphView` and the reports are frozen data;
+:func:`observe` is the shell's half (it reads the mutable :class:`SchedulerState` once, in the
+scheduler's thread).  The shells run it through the shared round (``scaling/shell/round.py``);
+:func:`step_with_state` is the short form for tests: ``observe`` then ``controller.step``.  The
+controller itself never sees the state: everything it learns is in the observation, ``now``
+included.
+
+Reports (``Observation.reports``) are what happened since the last step, in order, each with the
+time it happened: the provider named a request's workers (:class:`Named`), a worker registered
+(:class:`Joined`) or finished its setup (:class:`Ready`), a launch or one worker of it failed
+(:class:`LaunchFailed`, :class:`WorkerFailed`), a retirement ended (:class:`Retired`), a worker the
+controller did not launch is its to retire (:class:`Adopted`).  The shell collects them between
+steps (its inbox) and hands them over in the next observation, with the provider's listing.
 
 The unfinished graph (``GraphView``) is the expensive part; the shell builds it only when the
 controller says it wants a fresh forecast (:meth:`ScalingController.wants_graph`).
@@ -33,6 +41,71 @@ class GraphView:
 
 
 @dataclass(frozen=True)
+class Named:
+    """The provider named the workers of launch ``request`` (``provider.worker_ids``)."""
+
+    request: str
+    workers: tuple[str, ...]
+    at: float
+
+
+@dataclass(frozen=True)
+class Joined:
+    """``worker`` registered with the scheduler (``ready``: it has no setup to run first)."""
+
+    worker: str
+    at: float
+    ready: bool = False
+
+
+@dataclass(frozen=True)
+class Ready:
+    """``worker`` finished its setup and takes tasks."""
+
+    worker: str
+    at: float
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    """The whole launch ``request`` failed (the provider raised, refused, or gave up on it)."""
+
+    request: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """``worker`` ended before it registered, or (``setup``) its setup failed after it joined."""
+
+    worker: str
+    reason: str
+    at: float
+    setup: bool = False
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The retirement of ``worker`` ended: ``outcome`` is ``"retired"`` or why it did not."""
+
+    worker: str
+    outcome: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """``worker`` was not launched by the controller, but is its to retire (a cluster's own)."""
+
+    worker: str
+    at: float
+
+
+Report = Named | Joined | Ready | LaunchFailed | WorkerFailed | Retired | Adopted
+
+
+@dataclass(frozen=True)
 class Observation:
     now: float
     workers: tuple[WorkerView, ...]
@@ -45,6 +118,7 @@ class Observation:
     graph: GraphView | None = None  # None: not sampled this round (the last forecast stands)
     expiring: tuple[str, ...] = ()  # workers whose allocation ends soon (provider: walltime)
     listing: Mapping[str, Mapping[str, Any]] | None = None  # the provider's list(), when fetched
+    reports: tuple[Report, ...] = ()  # what happened since the last step, in order
 
     def worker(self, wid: str) -> WorkerView | None:
         for w in self.workers:
@@ -142,7 +216,8 @@ def graph_view(state: SchedulerState, now: float) -> GraphView:
 
 
 def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: Sequence[str] = (),
-            listing: Mapping[str, Mapping[str, Any]] | None = None) -> Observation:  # fmt: skip
+            listing: Mapping[str, Mapping[str, Any]] | None = None,
+            reports: Sequence[Report] = ()) -> Observation:  # fmt: skip
     """Read the scheduler state once into frozen data (the shell's side of the boundary)."""
     workers = worker_views(state)
     return Observation(
@@ -150,12 +225,18 @@ def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: 
         finished=state.counters["finished"], waiting=state.counts.get("waiting", 0),
         running=sum(w.running for w in workers), tasks=len(state.tasks),
         graph=graph_view(state, now) if graph else None, expiring=tuple(expiring), listing=listing,
+        reports=tuple(reports),
     )  # fmt: skip
 
 
 def step_with_state(controller: ScalingController, state: SchedulerState, now: float, *,
-                    expiring: Sequence[str] = (),
-                    listing: Mapping[str, Mapping[str, Any]] | None = None) -> Actions:  # fmt: skip
-    """Observe ``state`` (with the graph if the controller wants a forecast), then step."""
-    want = controller.wants_graph(len(state.workers), len(state.tasks), state.counters["finished"], now)
-    return controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing))
+                    expiring: Sequence[str] = (), listing: Mapping[str, Mapping[str, Any]] | None = None,
+                    reports: Sequence[Report] = ()) -> Actions:  # fmt: skip
+    """Observe ``state`` (with the graph if the controller wants a forecast) with ``reports``,
+    then step: one round of ``scaling/shell/round.py`` without its provider, for tests."""
+    from tidepool.scaling.shell.round import Round
+    from tidepool.telemetry.journal import Journal
+
+    rnd = Round(controller, Journal())
+    rnd.inbox.extend(reports)
+    return rnd.step(state, now, expiring=expiring, listing=listing)[0]

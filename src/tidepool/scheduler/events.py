@@ -7,6 +7,7 @@ Commands are plain records the asyncio shell turns into messages; the shell may 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -223,9 +224,14 @@ class Restart:
 
 @dataclass(slots=True)
 class CheckFeasible:
-    """Node types changed (one was disabled): tasks no worker and no usable node type can run err."""
+    """What the autoscaler can launch changed (it started, or a node type was disabled).
+
+    ``rule(shape)`` says why no usable node type could ever run a shape (a reason, or ``(error
+    type, message)``; None: one could): frozen data (``scaling.feasibility.Feasibility``), kept by
+    the state for tasks that become ready later.  Waiting tasks it rules out fail now."""
 
     now: float
+    rule: Callable[[Shape], str | tuple[str, str] | None]
 
 
 @dataclass(slots=True)

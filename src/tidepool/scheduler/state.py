@@ -137,7 +137,6 @@ class SchedulerState:
         queue_seconds: float = 0.05,
         max_queue_per_slot: int = 200,
         estimates: DurationEstimates | None = None,
-        infeasible: Callable[[ev.Shape], Infeasible] | None = None,
     ) -> None:
         self.allowed_failures = allowed_failures
         #: seconds of silence (beyond the scheduler's own stalls) after which a worker is removed
@@ -149,9 +148,10 @@ class SchedulerState:
         self.queue_seconds = queue_seconds
         self.max_queue_per_slot = max_queue_per_slot
         self.estimates = estimates or DurationEstimates()
-        #: optional hook (set by the autoscaler): why no usable node type could ever run this shape,
-        #: as a reason string or ``(error type, message)``; None when one could
-        self.infeasible = infeasible
+        #: the autoscaler's rule (from its last ``CheckFeasible`` event): why no usable node type
+        #: could ever run this shape, as a reason string or ``(error type, message)``; None: no
+        #: autoscaler (tasks wait ``no_worker_timeout`` for a worker instead)
+        self.infeasible: Callable[[ev.Shape], Infeasible] | None = None
         self.tasks: dict[str, TaskRecord] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self.clients: dict[str, set[str]] = {}
@@ -1010,8 +1010,7 @@ class SchedulerState:
         self._erred_cascade(ts, out)
 
     def _check_feasible(self, e: ev.CheckFeasible, out: list[ev.Command]) -> None:
-        if self.infeasible is None:
-            return
+        self.infeasible = e.rule
         for shape in list(self.no_worker):
             for ts in sorted(self.no_worker.get(shape, ()), key=lambda t: t.priority):
                 if ts.state != "no-worker":

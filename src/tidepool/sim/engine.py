@@ -668,7 +668,7 @@ class Simulation:
             if now >= self._gathered_at + self.tail:  # type: ignore[operator]
                 self._stopped = f"the tail of {self.tail:g}s after the results ended"
                 return True
-            return not self.workers and not self.controller.launches and not self.inbox and not self.out
+            return not self.workers and not self.shell.view.pending and not self.inbox and not self.out
         if self._first_submit is not None and now - max(self.state.last_progress, self._last_event) > self.stall:
             self._stopped = f"nothing finished and no worker joined for {self.stall:g}s with work left (stalled)"
             return True

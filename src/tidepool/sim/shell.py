@@ -1,18 +1,15 @@
-"""The autoscaler shell on the simulator's clock: ``scaling/autoscaler.py``'s steps, synchronously.
+"""The autoscaler shell on the simulator's clock: the shared round (``scaling/shell/round.py``), synchronously.
 
-Same order as :class:`~tidepool.scaling.autoscaler.AutoScaler`: on every step it polls the
-provider for failures, asks it which workers expire soon, lists it (every ``LIST_EVERY`` seconds
-while launches are in flight), steps the controller on one observation of the scheduler state,
-writes the controller's records to the journal, re-checks feasibility when a node type got
-disabled, then launches, terminates and retires.  Its observer tells the controller about joins,
-readiness and setup failures and wakes the next step on joins, leaves, submits and new demand.  A
-retirement batch is reported back (``retire_done``, then ``terminate`` of the retired workers)
-once every worker of the batch is closed or refused, as the asyncio shell does when its futures
-resolve.
-
-Two functions are the only places the simulator touches the controller's interface, so a change
-of that interface is adapted here once: :func:`controller_step` (the call) and
-:meth:`SimAutoScaler.carry_out` (everything done with the returned ``Actions``).
+The round is the asyncio shell's (:class:`~tidepool.scaling.autoscaler.AutoScaler`), written once
+in :func:`~tidepool.scaling.shell.round.sync_round`: poll the provider for failures, ask it which
+workers expire soon, list it (every ``LIST_EVERY`` seconds while launches are in flight), step the
+controller on one observation of the scheduler state and the reports gathered since the last step,
+then send a new feasibility rule to the state, launch and terminate.  This module adds what is the
+simulator's own: the observer (after every batch the state handled) turns the state's events into
+reports and wakes the next step on joins, leaves, submits and new demand; a retirement batch goes
+to the state as a ``RetireWorkers`` event and is reported back (``Retired`` reports, then
+``terminate`` of the retired workers) once every worker of the batch is closed or refused, as the
+asyncio shell does when its futures resolve.
 
 What differs from the asyncio shell: provider calls return at once (no threads, no timeouts); a
 step takes simulated time only through ``step_cost`` (see :class:`StepCost`), during which wakes
@@ -22,30 +19,18 @@ coalesce, as they do behind a real step that blocks the event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tidepool.scaling.autoscaler import LIST_EVERY
-from tidepool.scaling.controller import Actions, ScalingController
-from tidepool.scaling.observation import observe
+from tidepool.scaling.controller import ControllerView, ScalingController
+from tidepool.scaling.shell.round import Round, sync_round
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
     from tidepool.sim.provider import SimProvider
-
-
-def controller_step(controller: ScalingController, state: SchedulerState, now: float, *,
-                    expiring: Sequence[str] = (), listing: Mapping[str, Mapping[str, Any]] | None = None,
-                    graph_allowed: bool = True) -> tuple[Actions, bool]:  # fmt: skip
-    """The one call of the controller in the simulator: observe ``state`` at ``now`` (with the
-    unfinished graph if the controller wants a fresh forecast and ``graph_allowed``), then step.
-    Returns the actions and whether the graph was sampled (what the step cost depends on)."""
-    want = graph_allowed and controller.wants_graph(len(state.workers), len(state.tasks),
-                                                    state.counters["finished"], now)  # fmt: skip
-    return controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing)), want
 
 
 @dataclass(frozen=True)
@@ -89,72 +74,44 @@ class SimAutoScaler:
         self.provider = provider
         self.state = state
         self.journal = journal
+        self.round = Round(controller, journal)
         self._apply = apply
         self._wake = wake
-        self._listed_at = float("-inf")
-        self._disabled_seen = 0
         self._waiters: dict[str, list[_RetireBatch]] = {}
         self.steps = 0
         self.forecasts = 0
-        self.step_wall = 0.0  # wall-clock seconds spent in controller_step
+        self.step_wall = 0.0  # wall-clock seconds spent in the controller's steps
         self.max_step_wall = 0.0
+
+    @property
+    def view(self) -> ControllerView:
+        """The controller's read-only view as of its last step."""
+        return self.round.view
 
     def start(self, now: float, **info: Any) -> None:
         self.journal.record("journal-start", now, simulated=True, **info)
-        self.state.infeasible = self.controller.infeasible_reason
+        self._apply([ev.CheckFeasible(now, self.round.view.feasibility)])
 
     # ---- the observer (after every batch the scheduler state handled) --------------------------
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
-        controller = self.controller
-        wake = False
-        for e in events:
-            t = type(e)
-            if t is ev.WorkerJoin:
-                controller.worker_joined(e.worker, e.now)  # type: ignore[union-attr]
-                if e.ready:  # type: ignore[union-attr]
-                    controller.worker_ready(e.worker)  # type: ignore[union-attr]
-                wake = True
-            elif t is ev.WorkerReady:
-                controller.worker_ready(e.worker)  # type: ignore[union-attr]
-            elif t is ev.WorkerRemove:
-                if e.cause is ev.RemoveCause.SETUP_FAILED:  # type: ignore[union-attr]
-                    controller.worker_failed(e.worker, e.reason, e.now, setup=True)  # type: ignore[union-attr]
-                wake = True
-            elif t is ev.UpdateGraph:
-                wake = True
-        self._sync()
+        wake = self.round.scheduler_events(events, bool(self.state.pending))
         for c in cmds:
             if type(c) is ev.CloseWorker:
                 self._resolve(c.worker, "retired", None)
             elif type(c) is ev.RetireRefused:
                 self._resolve(c.worker, f"refused: {c.reason}", None)
-        if wake or (self.state.pending and controller.backlog_since is None):
+        if wake:
             self._wake()
-
-    def _sync(self) -> None:
-        for rec in self.controller.drain_records():
-            self.journal.add(rec)
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self, now: float) -> float:
         """One autoscaler round at ``now``; returns the simulated seconds it keeps the shell busy."""
-        controller, provider = self.controller, self.provider
-        for failure in provider.poll_errors():
-            if failure.worker_id:
-                controller.worker_failed(failure.worker_id, failure.message, now)
-            else:
-                controller.launch_failed(failure.request_id, failure.message, now)
-        expiring = provider.expiring(now)
-        listing = None
-        if controller.launches and now - self._listed_at >= LIST_EVERY:
-            self._listed_at = now
-            listing = provider.list()
         state = self.state
         allowed = (self.forecast_budget is None
                    or now - self._forecast_at >= self._forecast_cost / self.forecast_budget)  # fmt: skip
         t0 = time.perf_counter()
-        actions, forecast = controller_step(controller, state, now, expiring=expiring, listing=listing,
-                                            graph_allowed=allowed)  # fmt: skip
+        actions, forecast = sync_round(self.round, state, self.provider, now, apply=self._apply,
+                                       expiring=self.provider.expiring(now), graph_allowed=allowed)  # fmt: skip
         took = time.perf_counter() - t0
         self.step_wall += took
         self.max_step_wall = max(self.max_step_wall, took)
@@ -164,25 +121,9 @@ class SimAutoScaler:
         busy = cost.seconds(len(state.workers), len(state.tasks), forecast)
         if forecast:
             self._forecast_at, self._forecast_cost = now, cost.per_task * len(state.tasks)
-        self.carry_out(actions, now)
-        return busy
-
-    def carry_out(self, actions: Actions, now: float) -> None:
-        """Everything the simulator does with a step's ``Actions``, in the asyncio shell's order."""
-        for rec in actions.records:
-            self.journal.add(rec)
-        controller = self.controller
-        if len(controller.unusable) != self._disabled_seen:
-            self._disabled_seen = len(controller.unusable)
-            self._apply([ev.CheckFeasible(now)])
-        for rid, nt, n in actions.launch:
-            controller.launched(rid, self.provider.worker_ids(nt, n, rid), now)
-            self.provider.launch(nt, n, rid)
-            self._sync()
-        if actions.terminate:
-            self.provider.terminate(list(actions.terminate))
         if actions.retire:
             self._retire(list(actions.retire), now)
+        return busy
 
     # ---- retirement, as Scheduler.retire_workers + AutoScaler._retire -----------------------------
     def _retire(self, ids: list[str], now: float) -> None:
@@ -203,20 +144,14 @@ class SimAutoScaler:
                 self._finish(batch, self.state.now if now is None else now)
 
     def _finish(self, batch: _RetireBatch, now: float) -> None:
-        done = []
-        for wid, outcome in batch.results.items():
-            self.controller.retire_done(wid, outcome, now)
-            if outcome == "retired":
-                done.append(wid)
-        self._sync()
+        done = self.round.retired(batch.results, now)
         if done:
             self.provider.terminate(done)
 
     def close(self, now: float) -> None:
         """As ``AutoScaler.close``: terminate every launched worker, journal who was still there."""
-        ids = self.controller.launched_worker_ids()
+        ids = list(dict.fromkeys(self.round.named))
         if ids:
             self.provider.terminate(ids)
-        self._sync()
         for wid in list(self.state.workers):
             self.journal.record("worker-leave", now, worker=wid, reason="cluster closed", graceful=True)

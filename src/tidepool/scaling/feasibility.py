@@ -1,0 +1,64 @@
+"""Which resource shapes the autoscaler could ever run: frozen data the scheduler keeps.
+
+State: none (frozen).  A :class:`Feasibility` is what the node types offer and which of them are
+disabled (too many failed launches, or a failed setup).  The controller returns a new one in
+``Actions.feasibility`` whenever a node type gets disabled; the shell hands it to the scheduler
+state machine in a ``CheckFeasible`` event, which fails the waiting tasks it rules out and keeps
+it for tasks that become ready later.  So the state machine never reads the controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.planner import describe_types, rank_types
+from tidepool.scaling.snapshot import Shape
+
+
+def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
+    """``" (the most memory any node type offers is 14.9GiB per worker, on 'big')"`` for each
+    resource the shape needs more of than every node type has."""
+    from tidepool.resources import format_resources
+
+    parts = []
+    types = list(types)
+    for name, amount in shape:
+        offers = [(nt.worker_resources.get(name, 0.0), nt.name) for nt in types]
+        best, who = max(offers, default=(0.0, ""))
+        if amount > best:
+            if best <= 0:
+                parts.append(f"no node type has {name}")
+            else:
+                parts.append(f"the most {name} any node type offers is "
+                             f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    """The node types, and ``disabled``: (node type, error class, why) for each one disabled."""
+
+    node_types: tuple[NodeType, ...]
+    disabled: tuple[tuple[str, str, str], ...] = ()
+
+    def __call__(self, shape: Shape) -> str | tuple[str, str] | None:
+        """Why no usable node type could ever run ``shape`` (None if one could).
+
+        A shape only disabled node types fit fails with the error that disabled them
+        (``(error type, message)``), so the user sees the provider's own words.
+        """
+        types = self.node_types
+        fitting = rank_types(shape, types)
+        if not fitting:
+            return (f"it needs {dict(shape)} and no node type offers that{largest_offers(shape, types)}; "
+                    f"node types: {describe_types(types)}")  # fmt: skip
+        off = {name: (error, why) for name, error, why in self.disabled}
+        names = [nt.name for nt in fitting]
+        if all(n in off for n in names):
+            why = "; ".join(f"node type {n!r} is disabled: {off[n][1]}" for n in names)
+            return off[names[0]][0], (
+                f"it needs {dict(shape)}, which only disabled node types offer ({why}). Fix the "
+                "provider or the setup, then start a new cluster (or add a worker by hand)")  # fmt: skip
+        return None
