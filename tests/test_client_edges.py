@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 import tidepool
+from tidepool.client import FETCH_ATTEMPTS
 from tidepool.comm import Connection, listen
 from tidepool.comm.frames import DEFAULT_MAX_FRAME, GROW_FIRST, FrameDecoder, encode
 from tidepool.comm.serialize import serialize
-from tidepool.errors import ConfigError, ConnectionLostError, SchedulerError
+from tidepool.errors import ConfigError, ConnectionLostError, SchedulerError, TransferError
 from tidepool.loop import LoopThread
 
 SRC = str(Path(tidepool.__file__).resolve().parents[1])  # the tidepool under test, for subprocesses
@@ -62,24 +63,43 @@ def test_a_receive_buffer_still_exported_is_moved_never_resized_and_the_frame_ar
 
 # ---- bug 2: any error in the client's read loop fails the futures --------------------------------
 class FakeScheduler:
-    """A scheduler on real TCP that answers every graph update with a report the client cannot
-    handle (an item without its status): the injected read-loop failure."""
+    """A scheduler on real TCP.  ``holder=None``: it answers every graph update with a report the
+    client cannot handle (an item without its status), the injected read-loop failure.  Otherwise
+    it reports every task done and names a fake worker as the holder, whose data server either
+    answers nonsense (``"nonsense"``) or drops every connection once asked (``"drops"``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, holder: str | None = None) -> None:
         self.loop = LoopThread("fake-scheduler")
         self.token = "edges-test-token"
+        self.holder = holder
         self.listener = self.loop.run(listen("tcp://127.0.0.1:0", self.handler, self.token))
+        self.worker = self.loop.run(listen("tcp://127.0.0.1:0", self.data_server, self.token))
         self.address = self.listener.address
+        self.reads = 0
 
     async def handler(self, conn: Connection) -> None:
         await conn.send({"op": "welcome", "client": "client-1"})
         while True:
             msg = await conn.recv()
             if msg.get("op") == "update-graph":
-                await conn.send({"op": "report", "items": [[k] for k in msg["wanted"]]})
+                status = [] if self.holder is None else ["memory"]
+                await conn.send({"op": "report", "items": [[k, *status] for k in msg["wanted"]]})
+            elif msg.get("op") == "who-has":
+                result = {k: [self.worker.address] for k in msg["keys"]}
+                await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    async def data_server(self, conn: Connection) -> None:
+        while True:
+            await conn.recv()
+            self.reads += 1
+            if self.holder == "drops":
+                conn.close()
+                return
+            await conn.send({"op": "nonsense"})
 
     def close(self) -> None:
         self.loop.run(self.listener.close())
+        self.loop.run(self.worker.close())
         self.loop.stop()
 
 
@@ -96,6 +116,19 @@ def test_an_error_in_the_client_read_loop_fails_pending_futures_and_later_calls(
                 client.submit(inc, 2)
         finally:
             client.close()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("holder", ["nonsense", "drops"])
+def test_a_value_that_cannot_be_read_from_its_holder_fails_result_instead_of_retrying_forever(holder: str) -> None:
+    fake = FakeScheduler(holder)
+    try:
+        with tidepool.Client(fake.address, token=fake.token, timeout=10) as client:
+            fut = client.submit(inc, 1)
+            with pytest.raises(TransferError, match=fake.worker.address):
+                fut.result(timeout=60)  # before the fix: TimeoutError (asked again and again)
+            assert fake.reads == (1 if holder == "nonsense" else FETCH_ATTEMPTS)
     finally:
         fake.close()
 

@@ -25,6 +25,7 @@ def make(i: int) -> np.ndarray:  # type: ignore[type-arg]
     return np.full(20 * MB, i % 251, dtype=np.uint8)
 
 
+@pytest.mark.timeout(900)  # 10 GB through two workers' disks: minutes when the machine is loaded
 def test_500_results_of_20mb_on_two_1gb_workers_complete_correct_under_the_limit() -> None:
     with tidepool.LocalCluster(n_workers=2, memory_limit="1GB") as cluster, tidepool.Client(cluster) as client:
         futs: list[tidepool.Future | None] = list(client.map(make, range(500)))  # type: ignore[type-arg]

@@ -80,6 +80,13 @@ from tidepool.resources import parse_resources
 log = logging.getLogger("tidepool.client")
 T = TypeVar("T")
 _clients: list[weakref.ref[Client]] = []
+#: reads of one value from one holder that may fail in a row (the holder still named by the
+#: scheduler each time) before result()/gather() give up with a TransferError
+FETCH_ATTEMPTS = 10
+
+
+class _HolderGone(ConnectionLostError):
+    """A holder refused the connection: it is gone, and the scheduler will say so (not counted)."""
 
 
 def default_client() -> Client:
@@ -654,6 +661,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         values: dict[str, Any] = {}
         remaining = list(keys)
         backoff = 0.05
+        failures: dict[tuple[str, str], int] = {}  # (key, holder) -> failed reads in a row
         while remaining:
             who = await self._request({"op": "who-has", "keys": remaining})
             by_addr: dict[str, list[str]] = {}
@@ -672,9 +680,20 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
             results = await asyncio.gather(
                 *(self._get_from(a, ks) for a, ks in by_addr.items()), return_exceptions=True
             )
-            for (_addr, ks), res in zip(by_addr.items(), results, strict=False):
-                if isinstance(res, BaseException):
+            for (addr, ks), res in zip(by_addr.items(), results, strict=False):
+                if isinstance(res, (CommError, OSError, TimeoutError)):  # gone or moved: ask again
                     absent.extend(ks)
+                    for k in ks if not isinstance(res, _HolderGone) else ():
+                        failures[k, addr] = failures.get((k, addr), 0) + 1
+                        if failures[k, addr] >= FETCH_ATTEMPTS:
+                            raise TransferError(
+                                f"the value of {k!r} could not be read from {addr}, which the scheduler "
+                                f"still names as its holder, {FETCH_ATTEMPTS} times in a row once connected (last: "
+                                f"{type(res).__name__}: {res}); can this machine reach the workers' data ports?",
+                                k)  # fmt: skip
+                elif isinstance(res, BaseException):  # anything else is final: never retried forever
+                    raise TransferError(f"reading {ks[:3]} from {addr} failed: {type(res).__name__}: {res}",
+                                        ks[0]) from res  # fmt: skip
                 else:
                     got, failed = res
                     for k, why in failed.items():  # the value exists but cannot reach us: final
@@ -722,18 +741,23 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         entry = self._workers.get(address)
         if entry is None or entry[0].closed:
             # refused: the worker is gone; ask the scheduler again rather than retrying here
-            conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False, tls=self.tls)
+            try:
+                conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False,
+                                     tls=self.tls)  # fmt: skip
+            except ConnectionLostError as exc:
+                raise _HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys)
 
     def _why_not_done(self, keys: list[str], timeout: float | None, *, head: bool = True) -> str:
         """The message of a ``TimeoutError``: which keys, their state and why, as the scheduler sees
-        them (asked with a short timeout of its own; without an answer, only the keys)."""
+        them (asked with a short timeout of its own, so a timed-out call returns soon after its
+        timeout even when the scheduler does not answer; then only the keys are named)."""
         shown = keys[:3]
         try:
             self._check_open()
-            why = self._loop.run(self._request({"op": "why", "keys": shown}), timeout=min(5.0, self.timeout))
+            why = self._loop.run(self._request({"op": "why", "keys": shown}), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
             why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
         parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
