@@ -216,7 +216,7 @@ class FrameDecoder:
                 part += zeros
             except BufferError:  # "Existing exports of data: object cannot be re-sized"
                 grown = bytearray(len(part) + add)
-                grown[: self._target_filled] = part[: self._target_filled]
+                grown[: self._target_filled] = memoryview(part)[: self._target_filled]  # no temporary copy
                 return grown
         return part
 
