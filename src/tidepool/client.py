@@ -14,7 +14,12 @@ keys and read the values straight from those workers, in one request per worker.
 Never hanging: once the scheduler connection is lost (``_lost``), every pending future fails with
 :class:`ConnectionLostError`, a finished future whose value was not fetched yet raises it from
 ``result()``, and every later call raises it at once.  ``result(timeout=t)`` and
-``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait.
+``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait, and
+their ``TimeoutError`` names the keys, their state and why (asked from the scheduler).  Any other
+error in the read loop closes the connection and fails the futures the same way; a value that
+cannot be read from the holder the scheduler names (an error that is not a lost connection, or
+``FETCH_ATTEMPTS`` failed reads in a row) fails with :class:`TransferError`.  A graph update over
+the frame limit is refused by the call that makes it (nothing is sent; the client stays usable).
 
 Cancelling (see :mod:`tidepool.futures` for the rules): ``Future.cancel()``, :meth:`Client.cancel`
 and ``shutdown(cancel_futures=True)`` send one ``cancel`` request for all their keys through the
