@@ -25,22 +25,24 @@ def make(i: int) -> np.ndarray:  # type: ignore[type-arg]
     return np.full(20 * MB, i % 251, dtype=np.uint8)
 
 
+@pytest.mark.timeout(900)  # 10 GB through two workers' disks: minutes when the machine is loaded
 def test_500_results_of_20mb_on_two_1gb_workers_complete_correct_under_the_limit() -> None:
     with tidepool.LocalCluster(n_workers=2, memory_limit="1GB") as cluster, tidepool.Client(cluster) as client:
         futs: list[tidepool.Future | None] = list(client.map(make, range(500)))  # type: ignore[type-arg]
-        tidepool.wait(futs)
+        tidepool.wait(futs, timeout=900)  # a bound, not a deadline: minutes on a loaded machine
         state = cluster.scheduler.state
         assert sum(len(w.has_what) for w in state.workers.values()) == 500
         assert all(len(w.has_what) > 100 for w in state.workers.values())  # spilled values are still held
-        wait_until(lambda: all(w.metrics.get("spilled", 0) > 0 for w in state.workers.values()), 10)
+        # metrics come with heartbeats (every second, later when the machine is loaded)
+        wait_until(lambda: all(w.metrics.get("spilled", 0) > 0 for w in state.workers.values()), 120)
         held = sum(ts.nbytes for w in state.workers.values() for ts in w.has_what)
         assert held >= 500 * 20 * MB
         for i in range(500):  # every byte of every result, fetched one at a time (spilled ones from disk)
             f, futs[i] = futs[i], None
-            a = f.result()  # type: ignore[union-attr]
+            a = f.result(timeout=300)  # type: ignore[union-attr]  # a hang fails, naming the key
             assert a.size == 20 * MB and a.dtype == np.uint8 and (a == i % 251).all(), i
             del f, a
-        wait_until(lambda: all("peak_rss" in w.metrics for w in state.workers.values()), 10)
+        wait_until(lambda: all("peak_rss" in w.metrics for w in state.workers.values()), 120)
         for w in state.workers.values():
             m = w.metrics
             assert w.memory_limit == LIMIT

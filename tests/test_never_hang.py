@@ -245,21 +245,28 @@ def test_a_scheduler_paused_longer_than_the_heartbeat_ttl_keeps_its_workers(tmp_
     import subprocess
     import sys
 
+    # The scheduler tells workers to beat every 1 s (its heartbeat_interval replaces theirs at
+    # registration) and may discount a stall up to one 0.5 s tick short, so a TTL of 2 s left under
+    # 0.5 s for a loaded machine's jitter; 4 s leaves 2.5 s.  The pause is twice the TTL: without
+    # the discount every worker would be lost.
+    ttl = 4.0
     token = tmp_path / "token"
     sched = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "scheduler", "--port", "0", "--token-file",
-                              str(token), "--heartbeat-timeout", "2"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                              str(token), "--heartbeat-timeout", str(ttl)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     workers: list[subprocess.Popen[bytes]] = []
     try:
         address = (sched.stdout.readline() if sched.stdout else "").split(" at ", 1)[1].strip()
         env = {**os.environ, "TIDEPOOL_TOKEN_FILE": str(token)}
+        # the workers import this module (slow_inc's) before they register: on a loaded machine that
+        # import, done when the first task arrives, held a worker's GIL past the TTL by itself
         workers = [subprocess.Popen([sys.executable, "-m", "tidepool.worker", address, "--slots", "1",
-                                     "--heartbeat-interval", "0.2"], env=env) for _ in range(2)]  # fmt: skip
+                                     "--preload", slow_inc.__module__], env=env) for _ in range(2)]  # fmt: skip
         with tidepool.Client(address, token=token.read_text()) as client:
             client.wait_for_workers(2, timeout=30)
             futs = client.map(slow_inc, range(6), [0.5] * 6)
-            os.kill(sched.pid, signal.SIGSTOP)  # the scheduler hears nothing for 4 s (> its 2 s TTL)
+            os.kill(sched.pid, signal.SIGSTOP)  # the scheduler hears nothing for twice its TTL
             try:
-                time.sleep(4.0)  # the pause itself is the point of the test
+                time.sleep(2 * ttl)  # the pause itself is the point of the test
             finally:
                 os.kill(sched.pid, signal.SIGCONT)
             assert client.gather(futs, timeout=60) == list(range(1, 7))

@@ -14,7 +14,12 @@ keys and read the values straight from those workers, in one request per worker.
 Never hanging: once the scheduler connection is lost (``_lost``), every pending future fails with
 :class:`ConnectionLostError`, a finished future whose value was not fetched yet raises it from
 ``result()``, and every later call raises it at once.  ``result(timeout=t)`` and
-``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait.
+``gather(timeout=t)`` bound the whole fetch (who-has, connecting, reading), not only the wait, and
+their ``TimeoutError`` names the keys, their state and why (asked from the scheduler).  Any other
+error in the read loop closes the connection and fails the futures the same way; a value that
+cannot be read from the holder the scheduler names (an error that is not a lost connection, or
+``FETCH_ATTEMPTS`` failed reads in a row) fails with :class:`TransferError`.  A graph update over
+the frame limit is refused by the call that makes it (nothing is sent; the client stays usable).
 
 Cancelling (see :mod:`tidepool.futures` for the rules): ``Future.cancel()``, :meth:`Client.cancel`
 and ``shutdown(cancel_futures=True)`` send one ``cancel`` request for all their keys through the
@@ -29,7 +34,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
+import importlib.util
 import itertools
 import logging
 import threading
@@ -43,6 +50,8 @@ import cloudpickle
 from tidepool.client_dask import DaskAPI
 from tidepool.comm import Connection, connect, serialize
 from tidepool.comm.auth import token_from_env
+from tidepool.comm.frames import encode, frame_size
+from tidepool.comm.serialize import Serialized
 from tidepool.comm.tls import TLSConfig
 from tidepool.dask.client import DaskCollections
 from tidepool.errors import (
@@ -76,14 +85,26 @@ from tidepool.resources import parse_resources
 log = logging.getLogger("tidepool.client")
 T = TypeVar("T")
 _clients: list[weakref.ref[Client]] = []
+#: reads of one value from one holder that may fail in a row (the holder still named by the
+#: scheduler each time) before result()/gather() give up with a TransferError
+FETCH_ATTEMPTS = 10
+
+
+class _HolderGone(ConnectionLostError):
+    """A holder refused the connection: it is gone, and the scheduler will say so (not counted)."""
 
 
 def default_client() -> Client:
-    """The most recently created client that is still open."""
+    """The most recently created client that is still open; inside a task, the worker's client
+    (the one :func:`~tidepool.get_client` returns) unless the task opened another one since."""
     for ref in reversed(_clients):
         c = ref()
         if c is not None and not c.closed:
             return c
+    from tidepool.worker import context
+
+    if context._worker is not None:
+        return context.get_client()
     raise ConfigError("no tidepool Client is running; create one with tidepool.Client(...)")
 
 
@@ -95,12 +116,17 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     """
 
     def __init__(self, address: Any = None, token: str | None = None, *, timeout: float = 30.0,
-                 name: str = "client", tls: TLSConfig | None = None) -> None:  # fmt: skip
+                 name: str = "client", tls: TLSConfig | None = None, asynchronous: bool = False) -> None:  # fmt: skip
         self._own_cluster = None
+        #: Dask's ``asynchronous=True``: ``await Client(..., asynchronous=True)`` (or ``async with``),
+        #: and the calls that wait (gather, scheduler_info, close, ...) return awaitables
+        self.asynchronous = asynchronous
         if address is None:
             from tidepool.cluster import LocalCluster
 
             address = self._own_cluster = LocalCluster()
+        #: the cluster object this client was given or started (None for an address)
+        self.cluster = None if isinstance(address, str) else address
         if not isinstance(address, str):
             token = token or getattr(address, "token", None)
             tls = tls or getattr(address, "tls", None)
@@ -137,14 +163,50 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         self.setup_errors: list[dict[str, Any]] = []
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
         self._loop = LoopThread("tidepool-client")
+        if asynchronous:  # connects now, in the client's loop; ``await client`` waits for it
+            self._starting: concurrent.futures.Future[None] | None = self._loop.submit(self._start())
+            _clients.append(weakref.ref(self))
+            return
+        self._starting = None
         try:
             self._loop.run(self._start(), timeout=timeout + 5)
         except BaseException:
-            self.closed = True
-            self._loop.stop()
-            self._callbacks.shutdown(wait=False)
+            self._failed_start()
             raise
         _clients.append(weakref.ref(self))
+
+    def _failed_start(self) -> None:
+        self.closed = True
+        self._loop.stop()
+        self._callbacks.shutdown(wait=False)
+
+    def __await__(self) -> Any:
+        return self._ready().__await__()
+
+    async def _ready(self) -> Client:
+        if self._starting is not None:
+            try:
+                await asyncio.wrap_future(self._starting)
+            except BaseException:
+                self._failed_start()
+                raise
+        return self
+
+    async def __aenter__(self) -> Client:
+        return await self._ready()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, _Client_close, self)
+
+    @property
+    def dashboard_link(self) -> str:
+        """The live dashboard's address, when the cluster this client was given (or started) serves
+        one (``LocalCluster(dashboard=True)``); else ``""``."""
+        return str(getattr(self.cluster, "dashboard_link", "") or "")
+
+    def nthreads(self) -> dict[str, int]:
+        """Dask's ``nthreads()``: each worker's address -> how many tasks it runs at once."""
+        return {w["address"]: max(1, int(w["resources"].get("cpu", 1))) for w in self.scheduler_info()["workers"]}
 
     async def _start(self) -> None:
         try:
@@ -183,6 +245,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
             self._own_cluster.close()
 
     async def _aclose(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        if not hasattr(self, "_conn"):  # asynchronous, never connected
+            return
         self._reader.cancel()
         self._conn.close()
         for conn, _ in self._workers.values():
@@ -309,8 +375,28 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         self._check_open()
         _check_acyclic(tasks)
         msg = {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
+        self._check_frame_size(msg)
         self._post(msg)
         self._sent_funcs.update(functions)
+
+    def _check_frame_size(self, msg: dict[str, Any]) -> None:
+        """Refuse, before anything is sent, a graph update over the frame limit (the scheduler would
+        drop the connection, failing every future of this client): only this call fails."""
+        limit = self._conn.max_frame
+        tasks, functions = msg["tasks"], msg["functions"]
+        sizes = [(t[2].nbytes if isinstance(t[2], Serialized) else 0, t[0]) for t in tasks]
+        estimate = sum(n for n, _ in sizes) + sum(getattr(f, "nbytes", 0) for f in functions.values())
+        if estimate + 256 * len(tasks) <= limit // 2:
+            return  # far below: skip encoding the header twice
+        size = frame_size(encode(msg))  # buffers are referenced, not copied
+        if size <= limit:
+            return
+        biggest, key = max(sizes, default=(0, "?"))
+        raise SerializationError(
+            f"the arguments of {key!r} are {biggest:,} bytes ({size:,} bytes for this submission), over "
+            f"the {limit:,}-byte frame limit: nothing was sent and the client stays usable. Create "
+            "large data on the workers (submit a function that loads or builds it), pass it in smaller "
+            "pieces, or raise TIDEPOOL_MAX_FRAME_BYTES (the same on every process)", key)  # fmt: skip
 
     # ---- the ordered outbox ------------------------------------------------------------------------
     # Graph updates and releases leave in the order they were made, from any thread, without
@@ -527,7 +613,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         flat: list[Future[Any]] = collect(futures, Future)
         done, not_done = concurrent.futures.wait(flat, timeout=timeout)
         if not_done:
-            raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s")
+            keys = [f.key for f in flat if f in not_done]
+            raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s; "
+                               + self._why_not_done(keys, timeout, head=False))  # fmt: skip
         need = []
         for f in flat:
             if f.cancelled():
@@ -578,6 +666,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         values: dict[str, Any] = {}
         remaining = list(keys)
         backoff = 0.05
+        failures: dict[tuple[str, str], int] = {}  # (key, holder) -> failed reads in a row
         while remaining:
             who = await self._request({"op": "who-has", "keys": remaining})
             by_addr: dict[str, list[str]] = {}
@@ -596,9 +685,20 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
             results = await asyncio.gather(
                 *(self._get_from(a, ks) for a, ks in by_addr.items()), return_exceptions=True
             )
-            for (_addr, ks), res in zip(by_addr.items(), results, strict=False):
-                if isinstance(res, BaseException):
+            for (addr, ks), res in zip(by_addr.items(), results, strict=False):
+                if isinstance(res, (CommError, OSError, TimeoutError)):  # gone or moved: ask again
                     absent.extend(ks)
+                    for k in ks if not isinstance(res, _HolderGone) else ():
+                        failures[k, addr] = failures.get((k, addr), 0) + 1
+                        if failures[k, addr] >= FETCH_ATTEMPTS:
+                            raise TransferError(
+                                f"the value of {k!r} could not be read from {addr}, which the scheduler "
+                                f"still names as its holder, {FETCH_ATTEMPTS} times in a row once connected (last: "
+                                f"{type(res).__name__}: {res}); can this machine reach the workers' data ports?",
+                                k)  # fmt: skip
+                elif isinstance(res, BaseException):  # anything else is final: never retried forever
+                    raise TransferError(f"reading {ks[:3]} from {addr} failed: {type(res).__name__}: {res}",
+                                        ks[0]) from res  # fmt: skip
                 else:
                     got, failed = res
                     for k, why in failed.items():  # the value exists but cannot reach us: final
@@ -646,10 +746,30 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         entry = self._workers.get(address)
         if entry is None or entry[0].closed:
             # refused: the worker is gone; ask the scheduler again rather than retrying here
-            conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False, tls=self.tls)
+            try:
+                conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False,
+                                     tls=self.tls)  # fmt: skip
+            except ConnectionLostError as exc:
+                raise _HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys)
+
+    def _why_not_done(self, keys: list[str], timeout: float | None, *, head: bool = True) -> str:
+        """The message of a ``TimeoutError``: which keys, their state and why, as the scheduler sees
+        them (asked with a short timeout of its own, so a timed-out call returns soon after its
+        timeout even when the scheduler does not answer; then only the keys are named)."""
+        shown = keys[:3]
+        try:
+            self._check_open()
+            why = self._loop.run(self._request({"op": "why", "keys": shown}), timeout=min(2.0, self.timeout))
+        except (TidepoolError, TimeoutError) as exc:
+            why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
+        parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
+                 for k in shown]  # fmt: skip
+        more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+        lead = f"{keys[0]!r} not done after {timeout}s; " if head and len(keys) == 1 else ""
+        return lead + "; ".join(parts) + more
 
     # ---- scheduler messages ----------------------------------------------------------------------
     async def _request(self, msg: dict[str, Any]) -> Any:
@@ -680,12 +800,26 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
                             fut.set_result(msg.get("result"))
         except CommError as exc:
             self._connection_lost(exc)
+        except asyncio.CancelledError:  # close()
+            raise
+        except Exception as exc:  # a bug or a message we cannot handle: never leave futures waiting
+            log.exception("the client could not handle a message from the scheduler at %s; closing "
+                          "the connection and failing every pending future", self.address)  # fmt: skip
+            self._conn.close()
+            self._connection_lost(exc, broken=True)
 
-    def _connection_lost(self, exc: BaseException) -> None:
-        err = ConnectionLostError(
-            f"lost the scheduler at {self.address} ({exc}); results not fetched yet are gone with it. "
-            "Restart the scheduler and submit again with a new Client"
-        )
+    def _connection_lost(self, exc: BaseException, broken: bool = False) -> None:
+        if broken:  # the scheduler may be fine: our side of the connection failed
+            err = ConnectionLostError(
+                f"the client's connection to the scheduler at {self.address} failed on our side "
+                f"({type(exc).__name__}: {exc}) and was closed; results not fetched yet cannot be "
+                "fetched through it. Submit again with a new Client (and report this error)"
+            )
+        else:
+            err = ConnectionLostError(
+                f"lost the scheduler at {self.address} ({exc}); results not fetched yet are gone with it. "
+                "Restart the scheduler and submit again with a new Client"
+            )
         self._lost = err
         for fut in list(self._requests.values()):
             if not fut.done():
@@ -749,7 +883,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         origin = info.get("origin") or key
         if blob is not None:
             try:
-                exc = blob.load()
+                exc = _with_setup_hint(blob.load())
                 if isinstance(exc, BaseException):
                     if tb:
                         exc.__cause__ = RemoteTraceback(tb)
@@ -869,7 +1003,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     # ---- cluster control and introspection ------------------------------------------------------
     def scheduler_info(self) -> dict[str, Any]:
         """Workers (running tasks, held keys/bytes, idle since), task counts and counters."""
-        return self._loop.run(self._request({"op": "info"}))  # type: ignore[no-any-return]
+        return self._call({"op": "info"})  # type: ignore[no-any-return]
 
     def register_setup(self, fn: Callable[[], Any] | None = None, *, modules: Iterable[str] = (),
                        files: Iterable[str] = (), requirements: Iterable[str] = (),
@@ -895,7 +1029,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     def _register_spec(self, nm: str, spec: Any) -> dict[str, str]:
         self._check_open()
         self._setups.append(nm)
-        result = self._loop.run(self._request({"op": "register-setup", "name": nm, "setup": serialize(spec)}))
+        result = self._call({"op": "register-setup", "name": nm, "setup": serialize(spec)})
         failed = {w: r for w, r in result.items() if r != "ok"}
         if failed:
             details = "\n".join(f"--- worker {w}: {r}" for w, r in failed.items())
@@ -906,7 +1040,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
     def _graph_progress(self, keys: list[str] | None, watch: int | None) -> dict[str, int]:
         """How many of a graph's tasks are done (for the progress bar): keys once, then the watch id."""
         msg: dict[str, Any] = {"op": "progress", "keys": keys} if keys is not None else {"op": "progress", "watch": watch}
-        return self._loop.run(self._request(msg))  # type: ignore[no-any-return]
+        return self._call(msg)  # type: ignore[no-any-return]
 
     def _graph_progress_end(self, watch: int) -> None:
         self._post({"op": "progress-end", "watch": watch})
@@ -917,7 +1051,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         At least max(remaining critical path, remaining work / slots), refined by simulating the
         scheduler on the workers present and those being launched.
         """
-        res = self._loop.run(self._request({"op": "eta"}))
+        res = self._call({"op": "eta"})
         return res["eta"]  # type: ignore[no-any-return]
 
     def retire_workers(self, workers: list[str]) -> dict[str, str]:
@@ -925,7 +1059,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
 
         Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
         """
-        return self._loop.run(self._request({"op": "retire", "workers": list(workers)}))  # type: ignore[no-any-return]
+        return self._call({"op": "retire", "workers": list(workers)})  # type: ignore[no-any-return]
 
 
 #: errors the scheduler makes (not raised by the task itself), by the type name it reports
@@ -943,6 +1077,23 @@ _DASK_ONLY = {
     "actor": "tidepool has no actors; keep state in a task's result, or in a setup hook",
     "actors": "tidepool has no actors; keep state in a task's result, or in a setup hook",
 }
+
+
+def _with_setup_hint(exc: Any) -> Any:
+    """A task's ``ModuleNotFoundError`` (its function or arguments import a module the workers do
+    not have), still a ``ModuleNotFoundError``, with what to do: ship or install the module."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return exc
+    top = exc.name.split(".")[0]
+    try:
+        here = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        here = False
+    where = ("it imports here on the client, but not on the workers" if here
+             else "it is not installed on the workers")  # fmt: skip
+    return ModuleNotFoundError(
+        f"{exc} on the worker ({where}); ship it with client.register_setup(modules=[{top!r}]), or "
+        f"install it on every worker (client.register_setup(requirements=[...]))", name=exc.name, path=exc.path)
 
 
 def _refuse_dask_only(kwargs: dict[str, Any], batch: bool = False) -> None:
@@ -1129,3 +1280,33 @@ def _next_result(futs: list[Future[T]], end: float | None) -> T:
     value = futs[-1].result(None if end is None else max(0.0, end - time.monotonic()))
     futs.pop()  # only now: a future that raised is still in ``futs``, so it is cancelled too
     return value
+
+
+_Client_close = Client.close  # the blocking close, for __aexit__ and the wrapper below
+
+#: calls that wait: with ``Client(asynchronous=True)`` they return awaitables, as in Dask
+_AWAITABLE_WHEN_ASYNCHRONOUS = (
+    "gather", "scatter", "scheduler_info", "nthreads", "close", "shutdown", "cancel", "retire_workers",
+    "register_setup", "who_has", "has_what", "run", "restart", "upload_file", "wait_for_workers", "eta",
+)  # fmt: skip
+
+
+def _awaitable_when_asynchronous(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "asynchronous", False):
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None and loop is not self._loop.loop:
+                # an asyncio.Future, already running in a thread: nothing is left un-awaited
+                return loop.run_in_executor(None, functools.partial(fn, self, *args, **kwargs))
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
+for _name in _AWAITABLE_WHEN_ASYNCHRONOUS:
+    if callable(getattr(Client, _name, None)):
+        setattr(Client, _name, _awaitable_when_asynchronous(getattr(Client, _name)))

@@ -32,6 +32,7 @@ from tidepool.comm.tls import TLSConfig
 from tidepool.config import ClusterConfig
 from tidepool.config import load as config_load
 from tidepool.errors import ConfigError
+from tidepool.keywords import check_keywords
 from tidepool.loop import ClosesOnExit, LoopThread
 from tidepool.providers.base import NeedsAddress
 from tidepool.providers.local import LocalProvider
@@ -68,6 +69,11 @@ class LocalCluster(ClosesOnExit):
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
                  tls: TLSConfig | None = None, dashboard: bool | str = False,
                  **scheduler_kwargs: Any) -> None:  # fmt: skip
+        if scheduler_kwargs:  # a typo names LocalCluster and the close name, not an internal class
+            from tidepool.scheduler.state import SchedulerState
+
+            check_keywords("LocalCluster", scheduler_kwargs, LocalCluster.__init__, Scheduler.__init__,
+                           SchedulerState.__init__)  # fmt: skip
         if n_workers is None:
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
@@ -250,6 +256,7 @@ class LocalCluster(ClosesOnExit):
         """
         if self.autoscaler is not None:
             raise ConfigError("adapt() was already called on this cluster")
+        check_keywords("adapt", controller_kwargs, LocalCluster.adapt, ScalingController.__init__)
         _check_adapt_arguments(minimum, maximum, node_types, config, interval)
         if config is not None:  # a cluster file: its node types, policy and provider
             cfg = config_load(config) if isinstance(config, str) else config

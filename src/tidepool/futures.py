@@ -115,7 +115,12 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         return "error" if super().exception(0) is not None else "finished"
 
     def result(self, timeout: float | None = None) -> T:
-        v = super().result(timeout)
+        try:
+            v = super().result(timeout)
+        except TimeoutError:
+            if self.done():  # the task itself raised a TimeoutError
+                raise
+            raise TimeoutError(self.client._why_not_done([self.key], timeout)) from None
         if v is not IN_MEMORY:
             return v  # type: ignore[no-any-return]
         if self._value is _UNSET:

@@ -26,13 +26,20 @@ from typing import Any
 
 from tidepool.comm.admission import PLAIN_PREAMBLE, TLS_HANDSHAKE_RECORD, PendingTable
 from tidepool.comm.auth import HANDSHAKE_TIMEOUT, client_handshake, server_handshake
-from tidepool.comm.frames import DEFAULT_MAX_FRAME, PREAUTH_MAX_FRAME, FrameDecoder, encode
+from tidepool.comm.frames import (
+    DEFAULT_MAX_FRAME,
+    PREAUTH_MAX_FRAME,
+    FrameDecoder,
+    encode,
+    frame_size,
+)
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
 from tidepool.errors import (
     CommError,
     ConfigError,
     ConnectionLostError,
+    FrameTooLargeError,
     PeerSilentError,
     ProtocolError,
 )
@@ -169,7 +176,16 @@ class Connection:
     def _encode(self, msg: dict[str, Any]) -> list[bytes | memoryview]:
         if self._closed:
             raise ConnectionLostError(f"connection to {self.peer} is closed")
-        return encode(msg, allow_pickles=self.authenticated)
+        parts = encode(msg, allow_pickles=self.authenticated)
+        if self.authenticated:
+            size = frame_size(parts)
+            if size > self._max_frame_after_auth:  # the peer would refuse it and drop the connection
+                raise FrameTooLargeError(
+                    f"a {msg.get('op', '?')!r} message of {size:,} bytes is over the {self._max_frame_after_auth:,}"
+                    "-byte frame limit; it was not sent and the connection stays open. Send less at once, "
+                    "or raise TIDEPOOL_MAX_FRAME_BYTES (the same on every process)"
+                )
+        return parts
 
 
 class _TCPProtocol(asyncio.BufferedProtocol):

@@ -116,17 +116,22 @@ class FrameDecoder:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._target is not None:
             if self._target_filled == len(self._target):
-                self._grow(self._target)
+                self._target = self._grow(self._target)
             return memoryview(self._target)[self._target_filled :]
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end >= len(self._staging) - 4096:
             # compact: move unparsed bytes to the front (small: at most one small part)
             n = self._end - self._start
-            self._staging[:n] = self._staging[self._start : self._end]
+            self._staging[:n] = self._staging[self._start : self._end]  # same size: no resize
             self._start, self._end = 0, n
             if self._end >= len(self._staging) - 4096:
-                self._staging.extend(bytes(len(self._staging)))
+                try:
+                    self._staging.extend(bytes(len(self._staging)))
+                except BufferError:  # still exported (see _grow): never resize it, use a new one
+                    fresh = bytearray(2 * len(self._staging))
+                    fresh[:n] = self._staging[:n]
+                    self._staging = fresh
         return memoryview(self._staging)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -196,14 +201,24 @@ class FrameDecoder:
             self._start += need
             self._part_done(part_b)
 
-    def _grow(self, part: bytearray) -> None:
-        """Double ``part`` (up to its announced length) once the bytes so far have filled it; in
-        place, so the kernel keeps reading straight into it (a large buffer grows by remapping)."""
+    def _grow(self, part: bytearray) -> bytearray:
+        """``part`` doubled (up to its announced length) once the bytes so far have filled it.
+
+        In place when nothing else holds a view of it, so the kernel keeps reading straight into it
+        (a large buffer grows by remapping).  A buffer still exported (a transport, or a traceback
+        that outlived its frame, keeps a memoryview of it) is never resized: the filled bytes move
+        to a new buffer of the new size instead, and the old one is left to its holder."""
         add = min(self._target_need - len(part), max(len(part), GROW_FIRST))
         # one resize to the exact size (a doubling is a "major upsize" for CPython: no spare room),
         # filled from an anonymous mapping: zero pages, no temporary Python buffer of that size
         with mmap.mmap(-1, add) as zeros:
-            part += zeros
+            try:
+                part += zeros
+            except BufferError:  # "Existing exports of data: object cannot be re-sized"
+                grown = bytearray(len(part) + add)
+                grown[: self._target_filled] = memoryview(part)[: self._target_filled]  # no temporary copy
+                return grown
+        return part
 
     def _part_done(self, part: bytes | bytearray) -> None:
         if self._stage == 0:

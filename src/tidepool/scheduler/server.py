@@ -29,6 +29,8 @@ from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ProtocolError
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
+from tidepool.scheduler.explain import explain
+from tidepool.scheduler.stalls import StallLog
 from tidepool.scheduler.state import SchedulerState
 
 log = logging.getLogger("tidepool.scheduler")
@@ -396,6 +398,9 @@ class Scheduler:
                              "result": {k: self.state.who_has(k) if k in tasks else None for k in msg["keys"]}})  # fmt: skip
         elif op == "info":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
+        elif op == "why":  # a timed-out result(): each key's state and why it is not done
+            await conn.send({"op": "reply", "id": msg["id"],
+                             "result": {k: explain(self.state, k) for k in msg["keys"]}})  # fmt: skip
         elif op == "eta":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
@@ -533,6 +538,7 @@ class Scheduler:
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        stalls = StallLog(self.state.heartbeat_timeout)
         while True:
             before = loop.time()
             await asyncio.sleep(self.tick_interval)
@@ -540,7 +546,9 @@ class Scheduler:
             lag = loop.time() - before - self.tick_interval
             stalled = lag if lag > max(0.5, self.tick_interval) else 0.0
             if stalled:
-                log.warning("the scheduler was stalled for %.1fs; not counting it against workers", stalled)
+                said = stalls.note(stalled, loop.time())
+                if said is not None:
+                    log.log(*said)
             try:
                 await self.apply([ev.Tick(self.clock(), stalled)])
             except Exception:

@@ -1,0 +1,262 @@
+"""What a Dask user hit in a day (issue 33): receive buffers, read-loop failures, oversized
+arguments, keyword typos, calls after close, timeouts that say why, the stall log, and Dask's names.
+
+Real processes and sockets where the failure lives there (a fake scheduler on real TCP for the
+client's read loop, a subprocess with a small frame limit); the pure parts (frame decoder, stall
+log) are driven directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tidepool
+from tidepool.client import FETCH_ATTEMPTS
+from tidepool.comm import Connection, listen
+from tidepool.comm.frames import DEFAULT_MAX_FRAME, GROW_FIRST, FrameDecoder, encode
+from tidepool.comm.serialize import serialize
+from tidepool.errors import ConfigError, ConnectionLostError, SchedulerError, TransferError
+from tidepool.loop import LoopThread
+
+SRC = str(Path(tidepool.__file__).resolve().parents[1])  # the tidepool under test, for subprocesses
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+# ---- bug 2: a receive buffer still exported is never resized --------------------------------------
+def test_a_receive_buffer_still_exported_is_moved_never_resized_and_the_frame_arrives_whole() -> None:
+    """Every view get_buffer handed out stays alive (as a transport frame kept by a traceback
+    would keep it): growing the large part, or the staging buffer, must not resize them."""
+    payload = np.arange(3 * GROW_FIRST, dtype=np.uint8)  # grows twice past GROW_FIRST
+    data = b"".join(bytes(p) for p in encode({"op": "x", "v": serialize(payload), "pad": "p" * 40_000}))
+    out: list[Any] = []
+    dec = FrameDecoder(out.append, DEFAULT_MAX_FRAME)
+    dec.allow_pickles = True
+    held: list[memoryview] = []
+    view = memoryview(data)
+    while view.nbytes:
+        buf = dec.get_buffer(-1)
+        held.append(buf)
+        n = min(buf.nbytes, view.nbytes, 1_000_003)  # odd chunks, like a socket's
+        buf[:n] = view[:n]
+        view = view[n:]
+        dec.buffer_updated(n)
+    assert len(out) == 1 and out[0]["pad"] == "p" * 40_000
+    got = out[0]["v"].load()
+    assert got.dtype == np.uint8 and np.array_equal(got, payload)
+
+
+# ---- bug 2: any error in the client's read loop fails the futures --------------------------------
+class FakeScheduler:
+    """A scheduler on real TCP.  ``holder=None``: it answers every graph update with a report the
+    client cannot handle (an item without its status), the injected read-loop failure.  Otherwise
+    it reports every task done and names a fake worker as the holder, whose data server either
+    answers nonsense (``"nonsense"``) or drops every connection once asked (``"drops"``)."""
+
+    def __init__(self, holder: str | None = None) -> None:
+        self.loop = LoopThread("fake-scheduler")
+        self.token = "edges-test-token"
+        self.holder = holder
+        self.listener = self.loop.run(listen("tcp://127.0.0.1:0", self.handler, self.token))
+        self.worker = self.loop.run(listen("tcp://127.0.0.1:0", self.data_server, self.token))
+        self.address = self.listener.address
+        self.reads = 0
+
+    async def handler(self, conn: Connection) -> None:
+        await conn.send({"op": "welcome", "client": "client-1"})
+        while True:
+            msg = await conn.recv()
+            if msg.get("op") == "update-graph":
+                status = [] if self.holder is None else ["memory"]
+                await conn.send({"op": "report", "items": [[k, *status] for k in msg["wanted"]]})
+            elif msg.get("op") == "who-has":
+                result = {k: [self.worker.address] for k in msg["keys"]}
+                await conn.send({"op": "reply", "id": msg["id"], "result": result})
+
+    async def data_server(self, conn: Connection) -> None:
+        while True:
+            await conn.recv()
+            self.reads += 1
+            if self.holder == "drops":
+                conn.close()
+                return
+            await conn.send({"op": "nonsense"})
+
+    def close(self) -> None:
+        self.loop.run(self.listener.close())
+        self.loop.run(self.worker.close())
+        self.loop.stop()
+
+
+def test_an_error_in_the_client_read_loop_fails_pending_futures_and_later_calls() -> None:
+    fake = FakeScheduler()
+    try:
+        client = tidepool.Client(fake.address, token=fake.token, timeout=10)
+        try:
+            fut = client.submit(inc, 1)
+            exc = fut.exception(timeout=30)  # before the fix: TimeoutError (the future waited forever)
+            assert isinstance(exc, ConnectionLostError), exc
+            assert "IndexError" in str(exc) and "our side" in str(exc)
+            with pytest.raises(ConnectionLostError):
+                client.submit(inc, 2)
+        finally:
+            client.close()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("holder", ["nonsense", "drops"])
+def test_a_value_that_cannot_be_read_from_its_holder_fails_result_instead_of_retrying_forever(holder: str) -> None:
+    fake = FakeScheduler(holder)
+    try:
+        with tidepool.Client(fake.address, token=fake.token, timeout=10) as client:
+            fut = client.submit(inc, 1)
+            with pytest.raises(TransferError, match=fake.worker.address):
+                fut.result(timeout=60)  # before the fix: TimeoutError (asked again and again)
+            assert fake.reads == (1 if holder == "nonsense" else FETCH_ATTEMPTS)
+    finally:
+        fake.close()
+
+
+# ---- bug 3: an oversized argument fails its submit alone ----------------------------------------
+OVERSIZED = textwrap.dedent(
+    """
+    import numpy as np, tidepool
+    from tidepool.errors import SerializationError
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        try:
+            client.submit(len, np.ones(3 * 2**20, dtype="u1"))
+        except SerializationError as exc:
+            print("REFUSED", exc)
+        print("AFTER", client.submit(len, np.ones(1000, dtype="u1")).result(timeout=60))
+    """
+)
+
+
+def test_an_argument_over_the_frame_limit_fails_that_submit_alone_with_size_and_limit() -> None:
+    env = {**os.environ, "TIDEPOOL_MAX_FRAME_BYTES": str(2 * 2**20),
+           "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", OVERSIZED], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert refused, proc.stdout + proc.stderr[-3000:]
+    assert "are 3,145,8" in refused[0] and "2,097,152-byte frame limit" in refused[0], refused[0]
+    assert "AFTER 1000" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+# ---- sharp edges -----------------------------------------------------------------------------------
+def test_a_keyword_typo_names_the_public_call_and_the_close_name() -> None:
+    with pytest.raises(ConfigError, match=r"LocalCluster\(\) got an unexpected keyword argument 'n_worker' "
+                                          r"\(did you mean 'n_workers'\?\)"):  # fmt: skip
+        tidepool.LocalCluster(n_worker=1)  # type: ignore[call-arg]
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        with pytest.raises(ConfigError, match=r"adapt\(\) got an unexpected keyword argument 'maxium' "
+                                              r"\(did you mean 'maximum'\?\)"):  # fmt: skip
+            cluster.adapt(maxium=4)
+        assert cluster.autoscaler is None  # nothing started
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tidepool.LocalCluster]:
+    with tidepool.LocalCluster(n_workers=1, no_worker_timeout=None, dashboard=True) as c:
+        yield c
+
+
+def test_calls_after_close_give_a_clean_error_and_no_warning(cluster: tidepool.LocalCluster) -> None:
+    client = tidepool.Client(cluster)
+    client.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in (client.scheduler_info, client.eta, client.nthreads, lambda: client.retire_workers([]),
+                     lambda: client.submit(inc, 1), lambda: client.register_setup(modules=[])):  # fmt: skip
+            with pytest.raises(SchedulerError, match="this client is closed"):
+                call()
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_result_timeout_says_which_key_its_state_and_why(cluster: tidepool.LocalCluster) -> None:
+    with tidepool.Client(cluster) as client:
+        fut = client.submit(inc, 1, resources={"gpu": 1})
+        with pytest.raises(TimeoutError) as info:
+            fut.result(timeout=0.5)
+        msg = str(info.value)
+        assert fut.key in msg and "no-worker" in msg and "no worker offers 'gpu'" in msg, msg
+        with pytest.raises(TimeoutError, match="no worker offers 'gpu'"):
+            client.gather([fut, client.submit(inc, 2)], timeout=0.5)
+        fut.cancel()
+
+
+def test_dask_names_dashboard_link_nthreads(cluster: tidepool.LocalCluster) -> None:
+    with tidepool.Client(cluster) as client:
+        assert client.dashboard_link == cluster.dashboard_link and client.dashboard_link.startswith("http")
+        workers = client.scheduler_info()["workers"]
+        assert client.nthreads() == {w["address"]: 1 for w in workers} and len(workers) == 1
+
+
+def test_an_asynchronous_client_is_awaited_as_in_dask(cluster: tidepool.LocalCluster) -> None:
+    async def main() -> tuple[int, list[int], int, bool]:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            fut = client.submit(inc, 1)
+            one = await fut
+            both = await client.gather([fut, client.submit(inc, 2)])
+            info = await client.scheduler_info()
+        return one, both, len(info["workers"]), client.closed
+
+    assert asyncio.run(main()) == (2, [2, 3], 1, True)
+
+
+def clients_in_a_task() -> tuple[bool, str]:
+    first = tidepool.default_client()  # before any get_client(): the worker's client
+    return first is tidepool.get_client(), first.address
+
+
+def test_get_client_in_a_task_and_default_client_points_to_it(cluster: tidepool.LocalCluster) -> None:
+    with tidepool.Client(cluster) as client:
+        same, address = client.submit(clients_in_a_task).result(timeout=60)
+    assert same and address == cluster.address
+
+
+def test_a_module_only_the_client_has_fails_naming_register_setup(cluster: tidepool.LocalCluster,
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    (tmp_path / "edges_only_here.py").write_text("def twice(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import edges_only_here  # type: ignore[import-not-found]
+
+        with tidepool.Client(cluster) as client:
+            with pytest.raises(ModuleNotFoundError, match=r"register_setup\(modules=\['edges_only_here'\]\)"):
+                client.submit(edges_only_here.twice, 2).result(timeout=60)
+            client.register_setup(modules=["edges_only_here"])  # what the message says works
+            assert client.submit(edges_only_here.twice, 2).result(timeout=60) == 4
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("edges_only_here", None)
+
+
+def test_stalls_are_summed_at_info_once_per_period_and_warned_near_the_heartbeat_timeout() -> None:
+    from tidepool.scheduler.stalls import STALL_LOG_PERIOD, StallLog
+
+    log = StallLog(heartbeat_timeout=300.0)
+    said = [log.note(1.0, t) for t in (0.0, 10.0, 20.0)]
+    assert said[0] is not None and said[0][0] == logging.INFO and said[1:] == [None, None]
+    summary = log.note(2.5, STALL_LOG_PERIOD + 1)
+    assert summary is not None and summary[0] == logging.INFO
+    assert "3 time(s) for 4.5s" in summary[1] and "longest 2.5s" in summary[1]
+    warn = log.note(200.0, STALL_LOG_PERIOD + 2)  # 2/3 of the heartbeat timeout: could matter
+    assert warn is not None and warn[0] == logging.WARNING and "67% of the heartbeat timeout" in warn[1]
