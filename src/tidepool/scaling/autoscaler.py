@@ -24,11 +24,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import AsyncProvider, ReportsExpiring
+from tidepool.providers.base import AsyncProvider, ReportsEvents, ReportsExpiring
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.observation import step_with_state
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
+from tidepool.telemetry.startup import StartupTracker
 
 if TYPE_CHECKING:
     from tidepool.providers.base import Provider
@@ -85,6 +86,8 @@ class AutoScaler:
         self._listed_at = float("-inf")
         #: the run's journal (a file, if given a path): scheduler events plus the controller's records
         self.journal = journal if journal is not None else Journal()
+        #: requested -> registered -> ready of every worker launched here (``worker-startup`` records)
+        self.startup = StartupTracker()
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
@@ -102,15 +105,20 @@ class AutoScaler:
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         wake = False
+        self._provider_events()
         for e in events:
             if isinstance(e, ev.WorkerJoin):
                 self.controller.worker_joined(e.worker, e.now)
+                self.startup.joined(e.worker, e.now)
                 if e.ready:
                     self.controller.worker_ready(e.worker)
+                    self._startup_record(e.worker, e.now)
                 wake = True
             elif isinstance(e, ev.WorkerReady):
                 self.controller.worker_ready(e.worker)
+                self._startup_record(e.worker, e.now)
             elif isinstance(e, ev.WorkerRemove):
+                self.startup.forget(e.worker)
                 if e.cause is ev.RemoveCause.SETUP_FAILED:
                     self.controller.worker_failed(e.worker, e.reason, e.now, setup=True)
                 wake = True
@@ -119,6 +127,22 @@ class AutoScaler:
         self._sync()
         if wake or (self.scheduler.state.pending and self.controller.backlog_since is None):
             self._wake.set()
+
+    def _startup_record(self, wid: str, now: float) -> None:
+        rec = self.startup.ready(wid, now)
+        if rec is not None:
+            self.journal.add(rec)
+
+    def _provider_events(self) -> None:
+        """The provider's own records (how each worker was started, a fork server replaced ...)."""
+        if not isinstance(self.provider, ReportsEvents):
+            return
+        now = self.scheduler.clock()
+        for rec in self.provider.drain_events():
+            kind = str(rec.pop("kind", "provider"))
+            if kind == "worker-launch" and rec.get("worker"):
+                self.startup.started_by(str(rec["worker"]), str(rec.get("how")))
+            self.journal.record(kind, now, **rec)
 
     def _sync(self) -> None:
         """Write the controller's new records into the run's journal."""
@@ -150,6 +174,7 @@ class AutoScaler:
 
     async def step(self) -> None:
         now = self.scheduler.clock()
+        self._provider_events()
         for failure in await self._call("poll_errors"):
             if failure.worker_id:
                 self.controller.worker_failed(failure.worker_id, failure.message, now)
@@ -196,12 +221,14 @@ class AutoScaler:
             ids = list(self.provider.worker_ids(nt, n, rid))
             self.scheduler.expect_workers(ids, nt)
             self.controller.launched(rid, ids, self.scheduler.clock())
+            self.startup.launched(ids, rid, nt.name, self.scheduler.clock())
             self._sync()
             if isinstance(self.provider, AsyncProvider):
                 async with asyncio.timeout(timeout):
                     await self.provider.launch_async(nt, n, rid)
             else:
                 await in_daemon_thread(self.provider.launch, nt, n, rid, timeout=timeout)
+            self._provider_events()
         except TimeoutError:
             msg = (f"provider.launch({nt.name!r}, {n}, {rid!r}) did not return within {timeout:g}s; "
                    "a provider's launch must not block (submit the request and return)")  # fmt: skip
