@@ -32,9 +32,10 @@ asyncio loop, socket or thread exists in it before the fork; the worker creates 
 **What the child resets.**  Signal handlers and the wakeup fd (back to a spawned process's
 defaults), the server's pipes (closed; stdin is ``/dev/null`` as for a spawned worker), the
 environment (replaced by the request's: a worker sees the provider's environment *now*, not when
-the server started), the working directory, ``tempfile``'s cached directory, and ``sys.orig_argv``,
-which becomes the spawn command line: a worker over its memory limit re-executes itself with it
-(``os.execv``) and comes back as a spawned worker under the same pid.  Python reseeds ``random``
+the server started; ``PYTHONPATH`` entries added since go on ``sys.path``), the working
+directory, ``tempfile``'s cached directory, and ``sys.orig_argv``, which becomes the spawn command
+line: a worker over its memory limit re-executes itself with it (``os.execv``) and comes back as a
+spawned worker under the same pid.  Python reseeds ``random``
 in a forked child itself.
 
 **Setup hooks** (``client.register_setup``) are not the server's business: the scheduler sends
@@ -106,8 +107,12 @@ def _child(req: dict[str, Any], close_fds: list[int]) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    started_with = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(req["env"])
+    if os.environ.get("PYTHONPATH", "") != started_with:  # set since the server started: as a spawn would
+        new = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = new
     if req.get("cwd"):
         os.chdir(req["cwd"])
     import tempfile
