@@ -115,6 +115,18 @@ class LocalProvider:
     # ---- the fork server ------------------------------------------------------------------------
     FORK_SERVER_RESTARTS = 3
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the fork server has imported the worker code, so the next launch forks at
+        once; ``False`` if there is no fork server (or it failed: launches then spawn)."""
+        server = self._fork
+        if server is None:
+            return False
+        try:
+            server.wait_ready(timeout)
+        except forkserver.ForkServerError:
+            return False
+        return True
+
     def _base_env(self) -> dict[str, str]:
         return {**MALLOC_ENV, **os.environ, **self.env, "TIDEPOOL_TOKEN": self.token}
 
