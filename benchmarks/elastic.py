@@ -596,7 +596,8 @@ def measure_one(workload: str, system: str, mode: str, timeout: float, idle: flo
                 path = journal_dir / f"{workload}-{mode}-{time.monotonic_ns()}.jsonl"
                 with path.open("w") as f:  # a journal record like the others (t, kind): simulate reads it
                     f.write(json.dumps({"t": t0, "kind": "bench-window", "t0": t0, "t1": t1,
-                                        "makespan": t1 - t0, "workload": workload}) + "\n")
+                                        "makespan": t1 - t0, "workload": workload, "mode": mode,
+                                        "hold": idle if workload == "scale-down" else 0.0}) + "\n")
                     f.writelines(json.dumps(r, default=str) + "\n" for r in records)
                 run.journal_path = path
         else:
