@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reply-fd", type=int, required=True)
     p.add_argument("--preload", action="append", default=[])
     args = p.parse_args(argv)
-    return serve(args.reply_fd, args.preload)
+    try:
+        return serve(args.reply_fd, args.preload)
+    except BrokenPipeError:  # the provider is gone (its reader closed): nothing left to serve
+        return 0
 
 
 #: the server's command (``-c``, not ``-m``: the package imports this module before ``-m`` would run it)

@@ -138,9 +138,11 @@ class LocalProvider:
         the time): ``fork-server`` (started, died, replaced, fallback, with the reason) and one
         ``worker-launch`` per worker (``how``: fork-server or spawn; ``seconds`` the call took)."""
         out = []
-        while self._events:
-            out.append(self._events.popleft())
-        return out
+        while True:
+            try:
+                out.append(self._events.popleft())
+            except IndexError:  # (deque operations are atomic: safe against a launch thread appending)
+                return out
 
     def _start_fork_server(self, event: str, reason: str = "") -> None:
         try:
