@@ -15,8 +15,8 @@ compares makespan and held worker-seconds.
 
 From the journals (issue 34): every real run above also writes its journal, and each journal is
 replayed in the simulator as recorded -- the graph with its dependencies and submit times
-(``tidepool.sim.replay``), the node types of the run, and the run's own measured start-ups
-(``calibrate_startup``, from the journal's ``worker-startup`` records) -- and compared with the real
+(``tidepool.sim.replay``), the node types of the run, and the run's own measured start-ups and
+message delay (``calibrate``: the journal's ``worker-startup`` records and dispatch gaps) -- and compared with the real
 run's makespan (the ``bench-window`` record) and held worker-seconds (the journal's joins and leaves
 within the makespan).  ``--journals DIR`` replays the journals ``benchmarks/elastic.py
 --journal-dir DIR`` wrote instead of running anything for real; ``--write-docs`` then writes the
@@ -121,7 +121,7 @@ def replay_journal(path: Path, seeds: int) -> dict[str, Any]:
     """Real and replayed makespan / held worker-seconds of one journal of ``benchmarks/elastic.py``."""
     from tidepool.scaling.policies import Adaptive, IdleRetire
     from tidepool.sim import simulate as run
-    from tidepool.sim.replay import calibrate_startup
+    from tidepool.sim.replay import calibrate
     from tidepool.sim.workload import load_workload
     from tidepool.telemetry.journal import held_worker_seconds
     from tidepool.telemetry.report import load_records
@@ -137,7 +137,7 @@ def replay_journal(path: Path, seeds: int) -> dict[str, Any]:
         w = load_workload(str(path), seed=seed)
         w.hold = float(window.get("hold", 0.0))
         cluster = sim_cluster(workload)
-        calibrate_startup(cluster, records)
+        calibrate(cluster, records)
         policy = Adaptive(idle=IdleRetire(cached_idle_timeout=1.0)) if mode.startswith("adaptive-cached") else Adaptive()
         r = run(w, cluster, policy, seed=seed)
         assert r.makespan is not None, f"{path.name} did not finish in the simulator: {r.notes}"
@@ -175,8 +175,10 @@ def replay_section(replays: list[dict[str, Any]], info: dict[str, str], command:
 
 Every adaptive tidepool run of the elasticity section wrote its journal; each journal is replayed in
 the simulator as recorded: the graph with its dependencies and submit times, the run's node types,
-its own measured start-ups (`worker-startup` records, sampled), the default policy and the autoscaler
-period of `LocalCluster.adapt` (0.05 s).  Goal (issue 34): makespan and held worker-seconds within 10% of
+its own measured start-ups (`worker-startup` records, sampled) and message delay (half the mean gap
+between a task's end and the next runnable task's start on a worker: on a loaded machine, stalls of
+the scheduler's process are in it), the default policy (for the `cached-idle` runs
+`IdleRetire(cached_idle_timeout=1)`) and the autoscaler period of `LocalCluster.adapt` (0.05 s).  Goal (issue 34): makespan and held worker-seconds within 10% of
 the real run.
 
 {render_markdown(replay_rows(replays))}

@@ -12,7 +12,7 @@ import pytest
 from tidepool.cli import main as cli_main
 from tidepool.scheduler import events as ev
 from tidepool.sim.cluster import preset_cluster
-from tidepool.sim.replay import calibrate_startup
+from tidepool.sim.replay import calibrate_latency, calibrate_startup, dispatch_gaps
 from tidepool.sim.workload import load_workload
 from tidepool.telemetry.journal import Journal
 from tidepool.telemetry.report import load_records
@@ -42,7 +42,7 @@ def recorded_run(path: Path, gpu: bool = True) -> list[dict[str, object]]:
     j.observe([ev.TaskFinished("w1", "a", 100, 1.0, 2.5)], [])
     j.observe([ev.UpdateGraph("c1", [spec("d", "b", "c")], ["d"], 3.0)], [])
     j.observe([ev.TaskFinished("w1", "b", 8, 1.0, 3.5), ev.TaskFinished("w2", "c", 8, 2.0, 4.5)], [])
-    j.observe([ev.TaskFinished("w2", "d", 8, 0.5, 5.0)], [])
+    j.observe([ev.TaskFinished("w2", "d", 8, 0.5, 5.1)], [])  # started 0.1 s after c ended: a dispatch gap
     j.close()
     return load_records(str(path))
 
@@ -73,6 +73,10 @@ def test_a_journal_replays_as_its_graph_with_its_own_start_up(tmp_path: Path) ->
     boot = cluster.models["default"].boot
     assert boot.kind == "choice" and sorted(boot.params) == pytest.approx([0.15, 0.35])  # request -> ready
     assert "2 measured workers" in notes[0] and "normal(0.3, 0.05)" in notes[0]
+    # gaps before a runnable task: b right after a (0 s), d 0.1 s after c; one message = half the mean
+    assert sorted(dispatch_gaps(load_records(str(path)))) == pytest.approx([0.0, 0.1])
+    assert calibrate_latency(cluster, load_records(str(path)))
+    assert cluster.latency == pytest.approx(0.025)
 
 
 def test_start_ups_of_an_older_journal_come_from_launches_and_joins() -> None:
