@@ -173,7 +173,8 @@ def replay_section(replays: list[dict[str, Any]], info: dict[str, str], command:
                                            for k in ("makespan", "held")))  # fmt: skip
     return f"""## Simulator fidelity from the journals of real runs (`benchmarks/sim_fidelity.py`)
 
-Every adaptive tidepool run of the elasticity section wrote its journal; each journal is replayed in
+Every adaptive tidepool run of the elasticity section (`benchmarks/elastic.py --journal-dir DIR`, the
+same run as the tables above when the sections are written together) wrote its journal; each is replayed in
 the simulator as recorded: the graph with its dependencies and submit times, the run's node types,
 its own measured start-ups (`worker-startup` records, sampled) and message delay (half the mean gap
 between a task's end and the next runnable task's start on a worker: on a loaded machine, stalls of
