@@ -82,6 +82,7 @@ def test_once_replacements_are_used_up_the_provider_spawns_and_says_why() -> Non
     provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=True)
     provider.FORK_SERVER_RESTARTS = 0
     try:
+        provider.start_fork_server()
         server = provider._fork
         assert server is not None
         server.wait_ready()
@@ -107,6 +108,7 @@ def test_a_preload_module_that_starts_a_thread_makes_the_server_refuse(tmp_path:
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["threadymod"], fork_server=True)
     try:
+        provider.start_fork_server()
         server = provider._fork
         assert server is not None
         with pytest.raises(forkserver.ForkServerError, match="refused to fork: 2 threads"):
@@ -128,8 +130,8 @@ def test_fork_server_off_by_setting_spawns(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("TIDEPOOL_FORK_SERVER", "0")
     provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32)
     try:
-        assert provider._fork is None
         provider.launch(NT, 1, "r1")
+        assert provider._fork is None
         assert all(isinstance(p.proc, subprocess.Popen) for p in provider.procs.values())
     finally:
         provider.close()
@@ -145,5 +147,18 @@ def test_a_forked_worker_is_killed_and_its_exit_code_seen_like_a_spawned_one() -
         provider.kill(wid)
         assert proc.wait(10) == -signal.SIGKILL
         assert provider.list()[wid]["alive"] is False
+    finally:
+        provider.close()
+
+
+def test_constructing_a_provider_starts_no_process() -> None:
+    """Cluster files are checked by building their provider: that must start nothing; the first
+    launch starts the fork server (and forks from it)."""
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=True)
+    try:
+        assert provider._fork is None
+        provider.launch(NT, 1, "r1")
+        assert provider._fork is not None
+        assert [e["how"] for e in provider.drain_events() if e["kind"] == "worker-launch"] == ["fork-server"]
     finally:
         provider.close()

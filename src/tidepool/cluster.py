@@ -120,6 +120,7 @@ class LocalCluster(ClosesOnExit):
         self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
                                       heartbeat_interval=heartbeat_interval, preload=preload,
                                       extra_args=mem_args, fork_server=fork_server)  # fmt: skip
+        self.provider.start_fork_server()  # imports the worker code while the cluster is set up
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)

@@ -22,7 +22,9 @@ kill on close are the same.  A fork server that dies or refuses is replaced (at 
 without them), after which the provider spawns; either way the worker at hand is spawned, and the
 reason is reported through :meth:`LocalProvider.drain_events`, which the autoscaler writes into
 the run's journal (``fork-server`` records), with one ``worker-launch`` record per worker saying how
-it was started.  ``fork_server=False`` or ``TIDEPOOL_FORK_SERVER=0`` turns it off.
+it was started.  ``fork_server=False`` or ``TIDEPOOL_FORK_SERVER=0`` turns it off.  Constructing
+the provider starts nothing: :meth:`LocalProvider.start_fork_server` (``LocalCluster`` calls it)
+or the first launch starts the server.
 """
 
 from __future__ import annotations
@@ -109,15 +111,25 @@ class LocalProvider:
         if fork_server and not forkserver.supported():
             self._event("fork-server", event="fallback", reason=f"fork servers are not supported on {sys.platform}")
             self.fork_server = False
-        if self.fork_server:
-            self._start_fork_server("started")
+        self._fork_started = False  # constructing starts nothing (cluster files are checked by building one)
 
     # ---- the fork server ------------------------------------------------------------------------
     FORK_SERVER_RESTARTS = 3
 
+    def start_fork_server(self) -> None:
+        """Start the fork server now (it imports the worker code in the background), so that the
+        first launch forks at once; otherwise the first launch starts it.  No-op when it is off or
+        already started.  ``LocalCluster`` calls this when it is created."""
+        with self._fork_lock:
+            if self.fork_server and not self._fork_started:
+                self._fork_started = True
+                self._start_fork_server("started")
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the fork server has imported the worker code, so the next launch forks at
-        once; ``False`` if there is no fork server (or it failed: launches then spawn)."""
+        once (starting it if need be); ``False`` if there is no fork server (or it failed:
+        launches then spawn)."""
+        self.start_fork_server()
         server = self._fork
         if server is None:
             return False
@@ -161,6 +173,7 @@ class LocalProvider:
     def _fork_worker(self, wid: str, cmd: builtins.list[str], env: dict[str, str]) -> forkserver.ForkedWorker | None:
         """Fork ``wid`` from the fork server; ``None`` (spawn it) if the server cannot, after
         replacing the server or giving up on it with the reason in the journal."""
+        self.start_fork_server()
         with self._fork_lock:  # launches may run in several threads at once
             return self._fork_worker_locked(wid, cmd, env)
 
