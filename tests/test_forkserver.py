@@ -162,3 +162,22 @@ def test_constructing_a_provider_starts_no_process() -> None:
         assert [e["how"] for e in provider.drain_events() if e["kind"] == "worker-launch"] == ["fork-server"]
     finally:
         provider.close()
+
+
+def test_a_launch_does_not_wait_long_for_a_server_still_importing(tmp_path: Path) -> None:
+    """A launch must return promptly: past the wait it spawns, and the server stays for later."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["slowmod"], fork_server=True)
+    provider.FORK_SERVER_READY_WAIT = 0.2
+    try:
+        provider.launch(NT, 1, "r1")
+        [wid] = provider.procs
+        assert isinstance(provider.procs[wid].proc, subprocess.Popen)
+        events = provider.drain_events()
+        assert [(e["kind"], e.get("event") or e.get("how")) for e in events] == [
+            ("fork-server", "started"), ("fork-server", "not-ready"), ("worker-launch", "spawn")]  # fmt: skip
+        assert "was not ready after 0.2 s" in events[1]["reason"]
+        assert provider._fork is not None and provider._fork.starting  # kept: it serves later launches
+    finally:
+        provider.close()

@@ -356,6 +356,11 @@ class ForkServer:
     def ready(self) -> bool:
         return self._ready and self.dead is None
 
+    @property
+    def starting(self) -> bool:
+        """Still importing: neither ready nor dead."""
+        return not self._ready and self.dead is None
+
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
             return self._exits.get(pid)
@@ -375,9 +380,11 @@ class ForkServer:
                 raise ForkServerError(f"the fork server (pid {self.proc.pid}) was not ready after "
                                       f"{self.READY_TIMEOUT if timeout is None else timeout:g} s")  # fmt: skip
 
-    def fork(self, worker_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> ForkedWorker:
-        """Fork one worker running ``python -m tidepool.worker ARGV`` in ``env``; its handle."""
-        self.wait_ready()
+    def fork(self, worker_id: str, argv: list[str], env: dict[str, str], cwd: str | None,
+             ready_timeout: float | None = None) -> ForkedWorker:  # fmt: skip
+        """Fork one worker running ``python -m tidepool.worker ARGV`` in ``env``; its handle.
+        Waits ``ready_timeout`` (default :attr:`READY_TIMEOUT`) for a server still importing."""
+        self.wait_ready(ready_timeout)
         req = json.dumps({"id": worker_id, "argv": argv, "env": env, "cwd": cwd}).encode() + b"\n"
         try:
             with self._write_lock:

@@ -115,6 +115,9 @@ class LocalProvider:
 
     # ---- the fork server ------------------------------------------------------------------------
     FORK_SERVER_RESTARTS = 3
+    #: seconds a launch waits for a fork server that is still importing before spawning instead
+    #: (a launch must return promptly; the server stays and serves the launches after)
+    FORK_SERVER_READY_WAIT = 10.0
 
     def start_fork_server(self) -> None:
         """Start the fork server now (it imports the worker code in the background), so that the
@@ -181,10 +184,13 @@ class LocalProvider:
         server = self._fork
         if server is None:
             return None
-        try:
-            return server.fork(wid, cmd[3:], env, self.cwd)  # cmd = [python, -m, tidepool.worker, ...]
+        try:  # cmd = [python, -m, tidepool.worker, ...]
+            return server.fork(wid, cmd[3:], env, self.cwd, ready_timeout=self.FORK_SERVER_READY_WAIT)
         except forkserver.ForkServerError as exc:
             reason = str(exc)
+        if server.starting:  # slow imports (a loaded machine): spawn this one, keep the server
+            self._event("fork-server", event="not-ready", pid=server.proc.pid, reason=reason, worker=wid)
+            return None
         server.close(timeout=1.0)
         self._event("fork-server", event="died", pid=server.proc.pid, reason=reason, worker=wid)
         if "refused" in reason and self._fork_preload:
