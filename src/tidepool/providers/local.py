@@ -24,7 +24,8 @@ reason is reported through :meth:`LocalProvider.drain_events`, which the autosca
 the run's journal (``fork-server`` records), with one ``worker-launch`` record per worker saying how
 it was started.  ``fork_server=False`` or ``TIDEPOOL_FORK_SERVER=0`` turns it off.  Constructing
 the provider starts nothing: :meth:`LocalProvider.start_fork_server` (``LocalCluster`` calls it)
-or the first launch starts the server.
+or the first launch starts the server.  A launch waits at most ``FORK_SERVER_READY_WAIT`` for a
+server still importing, then spawns its worker (a ``not-ready`` record) and keeps the server.
 """
 
 from __future__ import annotations
