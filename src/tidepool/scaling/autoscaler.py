@@ -88,6 +88,8 @@ class AutoScaler:
         self.journal = journal if journal is not None else Journal()
         #: requested -> registered -> ready of every worker launched here (``worker-startup`` records)
         self.startup = StartupTracker()
+        #: the provider, if it reports journal records of its own (checked once: _observe runs per batch)
+        self._events_source: ReportsEvents | None = provider if isinstance(provider, ReportsEvents) else None
 
     async def start(self) -> AutoScaler:
         self.scheduler.subscribe(self._observe)
@@ -135,10 +137,10 @@ class AutoScaler:
 
     def _provider_events(self) -> None:
         """The provider's own records (how each worker was started, a fork server replaced ...)."""
-        if not isinstance(self.provider, ReportsEvents):
+        if self._events_source is None:
             return
         now = self.scheduler.clock()
-        for rec in self.provider.drain_events():
+        for rec in self._events_source.drain_events():
             kind = str(rec.pop("kind", "provider"))
             if kind == "worker-launch" and rec.get("worker"):
                 self.startup.started_by(str(rec["worker"]), str(rec.get("how")))
