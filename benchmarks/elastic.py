@@ -1,10 +1,12 @@
 """Elasticity: tidepool's adaptive pool against Dask distributed's ``Adaptive``, in the same run.
 
 Every workload runs four ways, each on a fresh cluster on this machine (cluster start-up is not
-timed; the adaptive clusters start with zero workers):
+timed, including the fork server's imports; the adaptive clusters start with zero workers):
 
 - ``tidepool``: ``tidepool.LocalCluster(n_workers=0)`` + ``cluster.adapt(maximum=4)`` (workers of
-  1 slot; default policy);
+  1 slot; default policy; workers forked from the fork server, the default);
+- ``tidepool (spawn)`` (bursty, chain, wide): the same with ``fork_server=False``, every worker a
+  new interpreter;
 - ``dask``: ``distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
   dashboard_address=None)`` + ``cluster.adapt(minimum=0, maximum=4)`` (Dask's defaults otherwise);
 - ``tidepool fixed-4`` and ``dask fixed-4``: the same clusters with 4 workers from the start, the
@@ -91,6 +93,12 @@ MODES = ("adaptive", "fixed")
 #: instead of the default 60 s, so the data-moving retirement path is exercised within the idle time
 EAGER = "adaptive-cached-idle-1s"
 EAGER_CACHED_IDLE = 1.0
+#: an extra tidepool row: the adaptive pool with the fork server turned off (every worker a new
+#: interpreter), on these workloads; the plain ``tidepool`` rows use the fork server (the default)
+SPAWN = "adaptive-spawn"
+SPAWN_WORKLOADS = ("bursty", "chain", "wide")
+#: the launch probe: workers asked for one at a time, request -> registered, per launcher
+PROBE_KINDS = (("tidepool", "fork server"), ("tidepool", "spawn"), ("dask", "spawn (Nanny)"))
 
 
 class WrongResultError(Exception):
@@ -177,7 +185,7 @@ class TidepoolHarness(Harness):
         self.mode = mode
         self.journal: Journal | None = None
         if mode != "fixed":
-            self.cluster = tidepool.LocalCluster(n_workers=0, slots=1)
+            self.cluster = tidepool.LocalCluster(n_workers=0, slots=1, fork_server=mode != SPAWN)
         elif gpu:
             self.cluster = tidepool.LocalCluster(n_workers=3, slots=1, node_type="cpu")
             self.cluster.add_workers(
@@ -186,12 +194,14 @@ class TidepoolHarness(Harness):
         else:
             self.cluster = tidepool.LocalCluster(n_workers=MAX_WORKERS, slots=1)
         try:
+            # part of the cluster's start-up (not timed): the fork server imports the worker code
+            self.cluster.provider.wait_ready()
             if mode == "adaptive" and gpu:
                 self.cluster.adapt(node_types=[
                     tidepool.NodeType("cpu", {"cpu": 1}, max_nodes=3, startup_estimate=0.5),
                     tidepool.NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=1, startup_estimate=0.5),
                 ])  # fmt: skip
-            elif mode == "adaptive":
+            elif mode in ("adaptive", SPAWN):
                 self.cluster.adapt(maximum=MAX_WORKERS)
             elif mode == EAGER:
                 from tidepool.scaling.policies import Adaptive, IdleRetire
@@ -526,6 +536,9 @@ class Run:
     idle_workers: tuple[int, int, int] | None = None  # scale-down: see IDLE_WORKERS
     #: scaling records: tidepool's journal; for Dask worker-join/leave from its scheduler's events
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    #: tidepool: (how started, request -> registered s, request -> ready s) of every worker launched
+    startups: list[tuple[str, float, float]] = field(default_factory=list)
+    journal_path: Path | None = None  # where this run's journal was written (``--journal-dir``)
 
     @property
     def recomputed(self) -> int:
@@ -561,6 +574,8 @@ def measure_one(workload: str, system: str, mode: str, timeout: float, idle: flo
                 r["duration"] for r in records if r["kind"] == "task" and t0 <= r["t"] <= t1 + 1
             )
             run.scaling = [r for r in records if r["kind"] not in ("task", "decision")]
+            run.startups = [(str(r.get("how")), float(r["to_registered"]), float(r["to_ready"]))
+                            for r in records if r["kind"] == "worker-startup"]  # fmt: skip
             red = [
                 r
                 for r in records
@@ -579,9 +594,12 @@ def measure_one(workload: str, system: str, mode: str, timeout: float, idle: flo
             if journal_dir is not None:
                 journal_dir.mkdir(parents=True, exist_ok=True)
                 path = journal_dir / f"{workload}-{mode}-{time.monotonic_ns()}.jsonl"
-                with path.open("w") as f:
-                    f.write(json.dumps({"kind": "bench-window", "t0": t0, "t1": t1}) + "\n")
+                with path.open("w") as f:  # a journal record like the others (t, kind): simulate reads it
+                    f.write(json.dumps({"t": t0, "kind": "bench-window", "t0": t0, "t1": t1,
+                                        "makespan": t1 - t0, "workload": workload, "mode": mode,
+                                        "hold": idle if workload == "scale-down" else 0.0}) + "\n")
                     f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+                run.journal_path = path
         else:
             assert isinstance(h, DaskHarness)
             events = h.events()
@@ -706,6 +724,8 @@ def median_run(runs: list[Run]) -> Run:
 def label(system: str, mode: str) -> str:
     if mode == EAGER:
         return f"{system} (cached idle {EAGER_CACHED_IDLE:.0f} s)"
+    if mode == SPAWN:
+        return f"{system} (spawn)"
     return system if mode == "adaptive" else f"{system} fixed-{MAX_WORKERS}"
 
 
@@ -725,8 +745,8 @@ NA_DASK_GPU = "n/a (no node types)"
 def table(results: dict[tuple[str, str, str], Run], workloads: list[str]) -> list[list[str]]:
     rows = [HEADER]
     for wl in workloads:
-        for system, mode in (("tidepool", "adaptive"), ("dask", "adaptive"), ("tidepool", EAGER), ("tidepool", "fixed"),
-                             ("dask", "fixed")):  # fmt: skip
+        for system, mode in (("tidepool", "adaptive"), ("tidepool", SPAWN), ("dask", "adaptive"), ("tidepool", EAGER),
+                             ("tidepool", "fixed"), ("dask", "fixed")):  # fmt: skip
             r = results.get((wl, system, mode))
             if r is None:
                 if (wl, system, mode) == ("gpu", "dask", "adaptive"):
@@ -1012,11 +1032,12 @@ How it was measured:
   {info["load"]}{busy_note}.
 - Software: Python {info["python"]}; {info["dask"]}; {info["tidepool"]}.
 - tidepool: `LocalCluster(n_workers=0, slots=1)` + `cluster.adapt(maximum={MAX_WORKERS})` (default
-  policy; node startup estimate 0.5 s until measured).  Dask: `distributed.LocalCluster(n_workers=0,
+  policy; node startup estimate 0.5 s until measured; workers forked from the fork server, the
+  default; `tidepool (spawn)` rows: the same with `fork_server=False`, a new interpreter per worker).  Dask: `distributed.LocalCluster(n_workers=0,
   threads_per_worker=1, processes=True, dashboard_address=None)` + `cluster.adapt(minimum=0,
   maximum={MAX_WORKERS})`, Dask's defaults otherwise (`interval` 1 s, `wait_count` 3,
   `target_duration` 5 s).  Fixed pools: the same clusters with {MAX_WORKERS} workers from the start.
-  Every run gets a fresh cluster; its start-up is not timed.{eager}
+  Every run gets a fresh cluster; its start-up (with the fork server's imports) is not timed.{eager}
 - Workloads: `bursty` = 40 x 0.5 s tasks, a 3 s reduce over them, 40 x 0.5 s tasks needing its
   result, a 0.1 s reduce (82 tasks, as in `tests/test_autoscaling_e2e.py`); `chain` = 20 x 0.2 s
   tasks in a line (`f = client.submit(step, f)`); `wide` = 200 x 0.1 s
@@ -1054,6 +1075,139 @@ Every run:
 """
 
 
+# ---- worker start-up: launch to registered, fork server against spawn against Dask ---------------
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def probe_launches(system: str, how: str, k: int, timeout: float = 60.0) -> list[float]:
+    """Start ``k`` workers one after another on a fresh cluster with none; for each, seconds from
+    asking for it to the scheduler listing it (polled from the client every 5 ms, the same for
+    both schedulers).  tidepool: ``cluster.add_workers(1, wait=False)``; Dask: ``cluster.scale(n)``."""
+    out: list[float] = []
+    if system == "tidepool":
+        import tidepool
+
+        cluster = tidepool.LocalCluster(n_workers=0, slots=1, fork_server=how == "fork server")
+        client = tidepool.Client(cluster)
+        try:
+            cluster.provider.wait_ready()  # cluster start-up: the fork server has imported the worker
+            for n in range(1, k + 1):
+                t0 = time.monotonic()
+                cluster.add_workers(1, wait=False)
+                while len(client.scheduler_info()["workers"]) < n:
+                    if time.monotonic() - t0 > timeout:
+                        raise TimeoutError(f"tidepool worker {n} not registered after {timeout:.0f}s")
+                    time.sleep(0.005)
+                out.append(time.monotonic() - t0)
+        finally:
+            client.close()
+            cluster.close()
+    else:
+        import distributed
+
+        dcluster = distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                            dashboard_address=None)  # fmt: skip
+        dclient = distributed.Client(dcluster)
+        try:
+            rpc = dclient.scheduler
+            assert rpc is not None
+            for n in range(1, k + 1):
+                t0 = time.monotonic()
+                dcluster.scale(n)
+                while len(dclient.sync(rpc.identity, n_workers=-1)["workers"]) < n:
+                    if time.monotonic() - t0 > timeout:
+                        raise TimeoutError(f"Dask worker {n} not registered after {timeout:.0f}s")
+                    time.sleep(0.005)
+                out.append(time.monotonic() - t0)
+        finally:
+            dclient.close()
+            dcluster.close()
+    wait_children_gone()
+    return out
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1000:.0f}" if xs else "-"
+
+
+def startup_rows(runs: dict[tuple[str, str, str], list[Run]],
+                 probes: dict[tuple[str, str], list[float]]) -> list[list[str]]:  # fmt: skip
+    """Launch -> registered per launcher: the probe (every scheduler) and the adaptive runs' journals."""
+    rows = [["launcher", "measured in", "workers", "median ms", "min ms", "max ms", "every worker, ms"]]
+    for (system, how), xs in probes.items():
+        if xs:
+            rows.append([f"{system} {how}", "probe", str(len(xs)), _med(xs), f"{min(xs) * 1000:.0f}",
+                         f"{max(xs) * 1000:.0f}", ", ".join(f"{x * 1000:.0f}" for x in xs)])  # fmt: skip
+    for mode, name in (("adaptive", "fork server"), (SPAWN, "spawn")):
+        xs = [reg for (wl, system, m), rs in runs.items() if system == "tidepool" and m == mode
+              for r in rs for _how, reg, _ in r.startups]  # fmt: skip
+        if xs:
+            rows.append([f"tidepool {name}", "adaptive runs (journal)", str(len(xs)), _med(xs),
+                         f"{min(xs) * 1000:.0f}", f"{max(xs) * 1000:.0f}",
+                         ", ".join(f"{x * 1000:.0f}" for x in sorted(xs))])  # fmt: skip
+    return rows
+
+
+def startup_section(rows: list[list[str]], runs: dict[tuple[str, str, str], list[Run]],
+                    probes: dict[tuple[str, str], list[float]], info: dict[str, str], command: str,
+                    when: str, load_end: str) -> str:  # fmt: skip
+    firsts = []
+    for wl in WORKLOADS:
+        for mode in ("adaptive", SPAWN):
+            rs = runs.get((wl, "tidepool", mode))
+            if rs:
+                firsts.append(f"{wl} {label('tidepool', mode)}: " + ", ".join(fmt(r.first_log) for r in rs) + " s")
+        dk = runs.get((wl, "dask", "adaptive"))
+        if dk:
+            firsts.append(f"{wl} dask: " + ", ".join(fmt(r.first_log) for r in dk) + " s")
+    fork = probes.get(("tidepool", "fork server"), [])
+    first = sorted(r.first_log for (_, system, m), rs in runs.items() if system == "tidepool" and m == "adaptive"
+                   for r in rs if r.first_log is not None)  # fmt: skip
+    first_goal = ""
+    if first:
+        ok = sum(1 for x in first if x <= 0.3)
+        first_goal = (f"First worker at most 0.3 s after work arrives (issue 34, quiet machine): {ok} of {len(first)} "
+                      f"adaptive runs with the fork server here (median {statistics.median(first):.2f} s).")  # fmt: skip
+    goal = ""
+    if fork:
+        med = statistics.median(fork)
+        goal = (f"Goal (issue 34): median at most 150 ms with the fork server, measured on a quiet machine: "
+                f"**{med * 1000:.0f} ms** here ({'met' if med <= 0.15 else 'not met'}), on a machine that was "
+                f"not quiet (load average {info['load']} at the start, {load_end} at the end; other engineers "
+                "shared its 2 CPUs).")  # fmt: skip
+    return f"""## Worker start-up: fork server, spawn and Dask (`benchmarks/elastic.py`)
+
+How long a new worker takes from being asked for to being registered with the scheduler.  tidepool's
+`LocalProvider` forks workers from a fork server (a process that has imported the worker code,
+`tidepool/providers/forkserver.py`) by default; `fork_server=False` starts a new interpreter per
+worker (spawn).  Dask's `LocalCluster` starts a Nanny process that starts the worker.
+
+{render_markdown(rows)}
+
+- `probe`: a fresh cluster with no workers; {len(fork) or "k"} workers asked for one at a time (tidepool
+  `cluster.add_workers(1, wait=False)`, Dask `cluster.scale(n)`), each timed from the request until the
+  scheduler lists it (polled from the client every 5 ms, the same for both).  The fork server had
+  finished its imports before the first request.
+- `adaptive runs (journal)`: every worker the autoscaler launched in the bursty/chain/wide/gpu/scale-down
+  runs of the elasticity section, from the journal's `worker-startup` records (request -> registered).
+- First worker after the first submit, per adaptive run (from the logs): {"; ".join(firsts) or "-"}.
+
+In the adaptive runs the autoscaler asks for up to 4 workers at once while tasks already run: the
+forks and the new workers' start (an event loop, a listener, the handshake) compete with each other,
+with the running tasks, the client and everything else on the machine for its CPUs, so their times
+are longer than the probe's one-at-a-time ones and spread with the machine's load.  Each worker's
+`worker-launch` journal record also gives how long the provider's fork call itself took.
+
+{goal}  {first_goal}
+Measured {when} with `{command}`; {info["nproc"]} CPUs ({info["cpu"]}), Python {info["python"]},
+{info["dask"]}.
+"""
+
+
 def write_docs(section: str) -> None:
     write_section(DOCS, "elastic", section)
 
@@ -1068,6 +1222,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per workload run")
     ap.add_argument("--journal-dir", type=Path, help="write tidepool's journals (JSON lines) here")
+    ap.add_argument("--no-spawn", action="store_true",
+                    help=f"skip the tidepool (spawn) rows of {','.join(SPAWN_WORKLOADS)}")
+    ap.add_argument("--probe", type=int, default=8,
+                    help="launch probe: workers started one at a time per launcher (0: no probe)")
     ap.add_argument("--write-docs", action="store_true",
                     help=f"rewrite the elastic section of {DOCS.relative_to(ROOT)}")  # fmt: skip
     args = ap.parse_args(argv)
@@ -1099,6 +1257,8 @@ def main(argv: list[str] | None = None) -> int:
                         order = [(s, m) for m in MODES for s in reversed(SYSTEMS)]
                     if wl == "scale-down":
                         order.append(("tidepool", EAGER))
+                    if wl in SPAWN_WORKLOADS and not args.no_spawn:
+                        order.insert(1, ("tidepool", SPAWN))
                     for system, mode in order:
                         if (wl, system, mode) == ("gpu", "dask", "adaptive"):
                             continue  # n/a: Dask's Adaptive has no node types
@@ -1114,9 +1274,19 @@ def main(argv: list[str] | None = None) -> int:
                               + "".join(f"  [{n}]" for n in r.notes), flush=True)  # fmt: skip
                         if mode != "fixed":
                             print(f"  {'':10} {'':16} scaling: {scaling_summary(r)}", flush=True)
+                        if r.startups:
+                            print(f"  {'':10} {'':16} launch-to-registered: "
+                                  + ", ".join(f"{reg * 1000:.0f} ms ({how})" for how, reg, _ in r.startups), flush=True)
         except WrongResultError as exc:
             print(f"WRONG RESULT: {exc}", file=sys.stderr)
             return 1
+        probes: dict[tuple[str, str], list[float]] = {}
+        if args.probe:
+            print("\nlaunch probe: request -> registered, one worker at a time", flush=True)
+            for system, how in PROBE_KINDS:
+                probes[(system, how)] = probe_launches(system, how, args.probe)
+                print(f"  {system:8} {how:14} " + ", ".join(f"{x * 1000:.0f}" for x in probes[(system, how)])
+                      + " ms", flush=True)  # fmt: skip
     os.environ.pop(TASK_LOG_ENV, None)
     results = {k: median_run(v) for k, v in runs.items()}
     rows = table(results, workloads)
@@ -1129,6 +1299,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(gpu_rows := gpu_ideal_rows(runs)) > 1:  # gpu: makespan / ideal (see ideal_gpu_makespan)
         print(f"\ngpu against its ideal makespan ({ideal_gpu_makespan():.2f} s):")
         print(render_text(gpu_rows))
+    srows = startup_rows(runs, probes)
+    print()
+    print(render_text(srows))
     print(f"\n({wall:.0f}s in all)")
     if args.write_docs:
         write_docs(
@@ -1137,6 +1310,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         print(f"wrote the elastic section of {DOCS.relative_to(ROOT)}")
+        write_section(DOCS, "startup", startup_section(srows, runs, probes, info, command, when, load_end=_load()))
+        print(f"wrote the startup section of {DOCS.relative_to(ROOT)}")
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     return 0

@@ -13,6 +13,15 @@ compares makespan and held worker-seconds.
 - ``sim (measured start-up)``: the start-up distribution replaced by the launch-to-join delays
   measured in these real runs (their mean and spread), to show what is due to the start-up model.
 
+From the journals (issue 34): every real run above also writes its journal, and each journal is
+replayed in the simulator as recorded -- the graph with its dependencies and submit times
+(``tidepool.sim.replay``), the node types of the run, and the run's own measured start-ups and
+message delay (``calibrate``: the journal's ``worker-startup`` records and dispatch gaps) -- and compared with the real
+run's makespan (the ``bench-window`` record) and held worker-seconds (the journal's joins and leaves
+within the makespan).  ``--journals DIR`` replays the journals ``benchmarks/elastic.py
+--journal-dir DIR`` wrote instead of running anything for real; ``--write-docs`` then writes the
+``replay`` section of ``docs/benchmarks.md``.
+
 Run from the repository root::
 
     .venv/bin/python benchmarks/sim_fidelity.py [--repeat 3] [--workloads bursty,chain] [--write-docs]
@@ -108,6 +117,81 @@ def real_runs(workloads: list[str], repeat: int, idle: float) -> dict[str, Any]:
     return out
 
 
+def replay_journal(path: Path, seeds: int) -> dict[str, Any]:
+    """Real and replayed makespan / held worker-seconds of one journal of ``benchmarks/elastic.py``."""
+    from tidepool.scaling.policies import Adaptive, IdleRetire
+    from tidepool.sim import simulate as run
+    from tidepool.sim.replay import calibrate
+    from tidepool.sim.workload import load_workload
+    from tidepool.telemetry.journal import held_worker_seconds
+    from tidepool.telemetry.report import load_records
+
+    records = load_records(str(path))
+    window = next(r for r in records if r["kind"] == "bench-window")
+    t0, t1 = float(window["t0"]), float(window["t1"])
+    workload, mode = str(window.get("workload")), str(window.get("mode", "adaptive"))
+    real_held = held_worker_seconds([r for r in records if r["kind"] != "bench-window"], since=t0, until=t1)
+    startups = [float(r["to_registered"]) for r in records if r["kind"] == "worker-startup"]
+    makespans, helds = [], []
+    for seed in range(seeds):
+        w = load_workload(str(path), seed=seed)
+        w.hold = float(window.get("hold", 0.0))
+        cluster = sim_cluster(workload)
+        calibrate(cluster, records)
+        policy = Adaptive(idle=IdleRetire(cached_idle_timeout=1.0)) if mode.startswith("adaptive-cached") else Adaptive()
+        r = run(w, cluster, policy, seed=seed)
+        assert r.makespan is not None, f"{path.name} did not finish in the simulator: {r.notes}"
+        makespans.append(r.makespan)
+        helds.append(r.held_worker_seconds)
+    return {"journal": path.name, "workload": workload, "mode": mode, "real_makespan": t1 - t0,
+            "real_held": real_held, "sim_makespan": statistics.median(makespans),
+            "sim_held": statistics.median(helds), "startups": startups}  # fmt: skip
+
+
+def replay_rows(replays: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["workload", "run", "workers' start-up median s", "real makespan s", "replay makespan s", "diff",
+             "real held w-s", "replay held w-s", "diff"]]  # fmt: skip
+    for x in sorted(replays, key=lambda x: (WORKLOADS.index(x["workload"]) if x["workload"] in WORKLOADS else 99,
+                                           x["mode"])):  # fmt: skip
+        rows.append([x["workload"], x["mode"], f"{statistics.median(x['startups']):.3f}" if x["startups"] else "-",
+                     f"{x['real_makespan']:.2f}", f"{x['sim_makespan']:.2f}", pct(x["sim_makespan"], x["real_makespan"]),
+                     f"{x['real_held']:.1f}", f"{x['sim_held']:.1f}", pct(x["sim_held"], x["real_held"])])  # fmt: skip
+    return rows
+
+
+def replay_worst(replays: list[dict[str, Any]]) -> float:
+    return max((abs(x[f"sim_{k}"] - x[f"real_{k}"]) / x[f"real_{k}"] for x in replays for k in ("makespan", "held")
+                if x[f"real_{k}"]), default=0.0)  # fmt: skip
+
+
+def replay_section(replays: list[dict[str, Any]], info: dict[str, str], command: str, seeds: int) -> str:
+    from throughput import render_markdown
+
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    worst = replay_worst(replays)
+    within = sum(1 for x in replays if all(abs(x[f"sim_{k}"] - x[f"real_{k}"]) <= 0.1 * x[f"real_{k}"]
+                                           for k in ("makespan", "held")))  # fmt: skip
+    return f"""## Simulator fidelity from the journals of real runs (`benchmarks/sim_fidelity.py`)
+
+Every adaptive tidepool run of the elasticity section (`benchmarks/elastic.py --journal-dir DIR`, the
+same run as the tables above when the sections are written together) wrote its journal; each is replayed in
+the simulator as recorded: the graph with its dependencies and submit times, the run's node types,
+its own measured start-ups (`worker-startup` records, sampled) and message delay (half the mean gap
+between a task's end and the next runnable task's start on a worker: on a loaded machine, stalls of
+the scheduler's process are in it), the default policy (for the `cached-idle` runs
+`IdleRetire(cached_idle_timeout=1)`) and the autoscaler period of `LocalCluster.adapt` (0.05 s).  Goal (issue 34): makespan and held worker-seconds within 10% of
+the real run.
+
+{render_markdown(replay_rows(replays))}
+
+**{within} of {len(replays)}** runs are within 10% on both; the largest difference is {worst:.1%}.  Replayed
+values are medians of {seeds} seeds (start-ups are sampled from the run's own).  Real makespan: the
+benchmark's first submit to the last result (the journal's first `bench-window` record); real held
+worker-seconds: the journal's joins and leaves within it.  Measured {when} with `{command}` on
+{info["nproc"]} CPUs ({info["cpu"]}), load average at start {info["load"]} (a shared machine).
+"""
+
+
 def pct(a: float, b: float) -> str:
     return f"{(a - b) / b * 100:+.1f}%" if b else "-"
 
@@ -136,7 +220,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-json", type=Path, default=None, help="write (or, with --sim-only, read) the real numbers")
     ap.add_argument("--sim-only", action="store_true")
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--journals", type=Path, default=None,
+                    help="replay the journals benchmarks/elastic.py --journal-dir wrote here (nothing runs for real)")
     args = ap.parse_args(argv)
+    if args.journals is not None:
+        paths = sorted(args.journals.glob("*.jsonl"))
+        if not paths:
+            ap.error(f"no journals (*.jsonl) in {args.journals}")
+        replays = []
+        for path in paths:
+            x = replay_journal(path, args.repeat)
+            replays.append(x)
+            print(f"  {x['workload']:10} {x['mode']:24} real {x['real_makespan']:6.2f}s {x['real_held']:6.1f} w-s  "
+                  f"replay {x['sim_makespan']:6.2f}s {x['sim_held']:6.1f} w-s", flush=True)  # fmt: skip
+        print(render_text(replay_rows(replays)))
+        print(f"\nlargest difference: {replay_worst(replays):.1%}")
+        if args.write_docs:
+            import shlex
+
+            command = shlex.join([".venv/bin/python", "benchmarks/sim_fidelity.py", *sys.argv[1:]])
+            write_section(ROOT / "docs" / "benchmarks.md", "replay", replay_section(replays, machine_info(), command,
+                                                                                    args.repeat))  # fmt: skip
+            print("wrote the replay section of docs/benchmarks.md")
+        return 0
     workloads = [w for w in args.workloads.split(",") if w]
     if set(workloads) - set(WORKLOADS):
         ap.error(f"workloads are among {','.join(WORKLOADS)}")

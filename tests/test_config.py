@@ -128,7 +128,7 @@ def test_unknown_keys_list_every_allowed_key(tmp_path: Path) -> None:
         load(write(tmp_path, "[provider]\nkind='local'\nenvv={}\nfoo=1\n" + NT))
     msg = str(info.value)
     assert "unknown keys 'envv' (did you mean 'env'?), 'foo' in [provider]" in msg
-    assert "allowed keys: cwd, env, extra_args, heartbeat_interval, kind, preload" in msg
+    assert "allowed keys: cwd, env, extra_args, fork_server, heartbeat_interval, kind, preload" in msg
 
 
 def test_provider_values_are_checked_without_starting_anything(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from tidepool.scaling.node_types import NodeType
 def test_workers_not_spawned_yet_are_listed_as_starting(monkeypatch: pytest.MonkeyPatch) -> None:
     """The old listing missed them, and the controller gave them up as "not listed by the provider
     any more" 7 ms after the launch, then launched replacements: 5 workers on a maximum of 4."""
-    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32)
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)  # the spawning path
     nt = NodeType("cpu-big", {"cpu": 1})
     ids = provider.worker_ids(nt, 3, "a1")
     seen: list[dict[str, Any]] = []

@@ -381,7 +381,7 @@ def test_cli_simulate_prints_the_table_and_writes_journals_and_plot(tmp_path: Pa
     rc = main(["simulate", "--journal", str(out / "default.jsonl"), "--policy", "hyperqueue", "--out",
                str(tmp_path / "replay"), "--no-plot", "--quiet"])  # fmt: skip
     text = capsys.readouterr().out
-    assert rc == 0 and "hyperqueue" in text and "no dependencies" in text
+    assert rc == 0 and "hyperqueue" in text and "replayed from a journal with its graph" in text  # deps are journaled now
 
 
 def test_cli_simulate_reports_configuration_errors(capsys: pytest.CaptureFixture[str]) -> None:

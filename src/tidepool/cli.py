@@ -278,26 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that joins a scheduler")
-    w.add_argument("address", help="scheduler address, e.g. tcp://10.0.0.5:8786")
-    w.add_argument("--slots", type=int, default=None, help="tasks run at once (default: CPU count)")
-    w.add_argument("--resources", default="", help='JSON, e.g. \'{"cpu": 8, "gpu": 2}\'')
-    w.add_argument("--node-type", default="default")
-    w.add_argument("--name", default=None)
-    w.add_argument("--id", default=None, help="worker id (default: random)")
-    w.add_argument("--memory-limit", default=None,
-                   help="bytes this worker may use, e.g. 4GB (default: its memory resource, else the "
-                        "machine's memory; 'none': no limit); results spill to disk above 60%%, no task "
-                        "starts above 80%%, the worker restarts above 95%% (docs/memory.md)")  # fmt: skip
-    w.add_argument("--spill-dir", default=None, help="directory for spilled results (default: the temp dir)")
-    w.add_argument("--memory-share", type=int, default=1,
-                   help="without a limit or memory resource, use the machine's memory divided by this "
-                        "(workers sharing the machine)")  # fmt: skip
-    w.add_argument("--heartbeat-interval", type=float, default=1.0)
-    w.add_argument("--token-file", default=None, help="file with the scheduler's token")
-    w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")
-    w.add_argument("--env", action="append", default=[], help="set KEY=VALUE in the environment (repeatable)")
-    w.add_argument("--workdir", default=None, help="working directory of the worker process")
-    _tls_flags(w)
+    add_worker_arguments(w)
     w.set_defaults(fn=cmd_worker)
 
     c = sub.add_parser("certs", help="make a self-signed CA and a certificate for a quick TLS start")
@@ -329,6 +310,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_worker_arguments(w: argparse.ArgumentParser) -> None:
+    """The options of ``tidepool worker`` (also parsed by ``python -m tidepool.worker``)."""
+    w.add_argument("address", help="scheduler address, e.g. tcp://10.0.0.5:8786")
+    w.add_argument("--slots", type=int, default=None, help="tasks run at once (default: CPU count)")
+    w.add_argument("--resources", default="", help='JSON, e.g. \'{"cpu": 8, "gpu": 2}\'')
+    w.add_argument("--node-type", default="default")
+    w.add_argument("--name", default=None)
+    w.add_argument("--id", default=None, help="worker id (default: random)")
+    w.add_argument("--memory-limit", default=None,
+                   help="bytes this worker may use, e.g. 4GB (default: its memory resource, else the "
+                        "machine's memory; 'none': no limit); results spill to disk above 60%%, no task "
+                        "starts above 80%%, the worker restarts above 95%% (docs/memory.md)")  # fmt: skip
+    w.add_argument("--spill-dir", default=None, help="directory for spilled results (default: the temp dir)")
+    w.add_argument("--memory-share", type=int, default=1,
+                   help="without a limit or memory resource, use the machine's memory divided by this "
+                        "(workers sharing the machine)")  # fmt: skip
+    w.add_argument("--heartbeat-interval", type=float, default=1.0)
+    w.add_argument("--token-file", default=None, help="file with the scheduler's token")
+    w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")
+    w.add_argument("--env", action="append", default=[], help="set KEY=VALUE in the environment (repeatable)")
+    w.add_argument("--workdir", default=None, help="working directory of the worker process")
+    _tls_flags(w)
+
+
 def _tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca-file", default=None, help="CA certificate (PEM): TLS for every connection (tls://)")
     p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM)")
@@ -336,7 +341,10 @@ def _tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return _run_command(build_parser().parse_args(argv))
+
+
+def _run_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     try:
@@ -347,6 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"tidepool: error: {exc} (is the address right and the port free?)", file=sys.stderr)
         return 2
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """``python -m tidepool.worker ...``: the worker command alone, so a worker imports only what it
+    needs (not the scheduler, the simulator or the client that :func:`build_parser` reaches)."""
+    p = argparse.ArgumentParser(prog="tidepool worker", description="run a worker that joins a scheduler")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_worker_arguments(p)
+    p.set_defaults(fn=cmd_worker)
+    return _run_command(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ class LocalCluster(ClosesOnExit):
     ``memory_limit`` (e.g. ``"1GB"``, ``"none"``) caps each worker: results spill to disk, tasks pause
     and the worker restarts at the levels in docs/memory.md (default: the node type's memory, else
     this machine's memory divided by its cores).
+    ``fork_server`` (default on where the platform forks; ``TIDEPOOL_FORK_SERVER=0`` turns the
+    default off): workers are forked from a pre-imported process and register in about 0.1 s
+    instead of starting a new interpreter (:mod:`tidepool.providers.forkserver`).
     """
 
     MAX_RESTARTS = 20
@@ -68,7 +71,7 @@ class LocalCluster(ClosesOnExit):
                  preload: list[str] | None = None, workdir: str | None = None,
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
                  tls: TLSConfig | None = None, dashboard: bool | str = False,
-                 **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 fork_server: bool | None = None, **scheduler_kwargs: Any) -> None:  # fmt: skip
         if scheduler_kwargs:  # a typo names LocalCluster and the close name, not an internal class
             from tidepool.scheduler.state import SchedulerState
 
@@ -122,7 +125,8 @@ class LocalCluster(ClosesOnExit):
             env = {**(env or {}), **tls.env()}
         self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
                                       heartbeat_interval=heartbeat_interval, preload=preload,
-                                      extra_args=mem_args)  # fmt: skip
+                                      extra_args=mem_args, fork_server=fork_server)  # fmt: skip
+        self.provider.start_fork_server()  # imports the worker code while the cluster is set up
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)

@@ -84,6 +84,16 @@ class ReportsExpiring(Protocol):
 
 
 @runtime_checkable
+class ReportsEvents(Protocol):
+    """An optional capability: records for the run's journal (``kind`` plus fields, no time; the
+    autoscaler stamps and writes them), e.g. how each worker was started (``worker-launch``) or
+    why a launch mechanism was replaced (``fork-server``).  Must be cheap and thread-safe: the
+    autoscaler calls it from the scheduler's event loop."""
+
+    def drain_events(self) -> builtins.list[dict[str, Any]]: ...
+
+
+@runtime_checkable
 class AsyncProvider(Protocol):
     """An optional capability: the calls as coroutines, run in the scheduler's event loop (no
     thread).  The autoscaler prefers these when a provider offers them."""

@@ -12,6 +12,20 @@ processes has exited (``poll_errors``, ``list``, ``terminate``, ``close``) it re
 directory.  Matching by the id is safe because ids are unique on the machine: they carry this
 process's pid and a per-process sequence number (``cpu-a3-7-p4242``), so two clusters here never
 name a worker alike, and a directory is only removed once the one process that could use it is gone.
+
+Fork server (``fork_server``, on by default where :func:`tidepool.providers.forkserver.supported`):
+a worker is forked from a pre-imported process (:mod:`tidepool.providers.forkserver`, which says
+why that is fork-safe) instead of spawned, so it registers in about a tenth of a second.  Its
+handle behaves like the ``Popen`` of a spawned worker, so listing, signals, temp directories and
+kill on close are the same.  A fork server that dies or refuses is replaced (at most
+``FORK_SERVER_RESTARTS`` times; one that refused because of the preload modules is replaced by one
+without them), after which the provider spawns; either way the worker at hand is spawned, and the
+reason is reported through :meth:`LocalProvider.drain_events`, which the autoscaler writes into
+the run's journal (``fork-server`` records), with one ``worker-launch`` record per worker saying how
+it was started.  ``fork_server=False`` or ``TIDEPOOL_FORK_SERVER=0`` turns it off.  Constructing
+the provider starts nothing: :meth:`LocalProvider.start_fork_server` (``LocalCluster`` calls it)
+or the first launch starts the server.  A launch waits at most ``FORK_SERVER_READY_WAIT`` for a
+server still importing, then spawns its worker (a ``not-ready`` record) and keeps the server.
 """
 
 from __future__ import annotations
@@ -25,10 +39,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidepool.providers import forkserver
 from tidepool.providers.base import IdNames, ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
@@ -44,13 +61,22 @@ class LocalWorkerProcess:
     worker_id: str
     node_type: str
     request_id: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | forkserver.ForkedWorker
     started: float = field(default_factory=time.monotonic)
 
 
 #: glibc returns freed heap memory to the system at once instead of keeping it (large results
 #: freed after spilling would otherwise hold a worker's RSS up); the user's environment wins
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": "65536"}
+#: ``TIDEPOOL_FORK_SERVER=0`` (or off/false/no) turns fork servers off where the argument is not given
+FORK_SERVER_ENV = "TIDEPOOL_FORK_SERVER"
+
+
+def fork_server_default() -> bool:
+    """On where the platform supports it, unless ``TIDEPOOL_FORK_SERVER`` says off."""
+    if os.environ.get(FORK_SERVER_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return forkserver.supported()
 
 
 class LocalProvider:
@@ -58,7 +84,8 @@ class LocalProvider:
 
     def __init__(self, scheduler: str, token: str, *, env: dict[str, str] | None = None,
                  cwd: str | None = None, extra_args: list[str] | None = None,
-                 heartbeat_interval: float = 1.0, preload: list[str] | None = None) -> None:  # fmt: skip
+                 heartbeat_interval: float = 1.0, preload: list[str] | None = None,
+                 fork_server: bool | None = None) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.token = token
         self.env = env or {}
@@ -74,6 +101,113 @@ class LocalProvider:
         self._stopped: set[str] = set()
         self._spawning: dict[str, tuple[str, str]] = {}  # named by a launch, not spawned yet: (type, request)
         self._cleaned: set[str] = set()  # workers whose temp directory is gone
+        self.preload = list(preload or [])
+        #: journal records for the autoscaler (``drain_events``); bounded, for clusters that never drain
+        self._events: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self._fork: forkserver.ForkServer | None = None
+        self._fork_restarts = 0
+        self._fork_lock = threading.Lock()
+        self._fork_preload = list(self.preload)
+        self.fork_server = fork_server_default() if fork_server is None else bool(fork_server)
+        if fork_server and not forkserver.supported():
+            self._event("fork-server", event="fallback", reason=f"fork servers are not supported on {sys.platform}")
+            self.fork_server = False
+        self._fork_started = False  # constructing starts nothing (cluster files are checked by building one)
+
+    # ---- the fork server ------------------------------------------------------------------------
+    FORK_SERVER_RESTARTS = 3
+    #: seconds a launch waits for a fork server that is still importing before spawning instead
+    #: (a launch must return promptly; the server stays and serves the launches after)
+    FORK_SERVER_READY_WAIT = 10.0
+
+    def start_fork_server(self) -> None:
+        """Start the fork server now (it imports the worker code in the background), so that the
+        first launch forks at once; otherwise the first launch starts it.  No-op when it is off or
+        already started.  ``LocalCluster`` calls this when it is created."""
+        with self._fork_lock:
+            if self.fork_server and not self._fork_started:
+                self._fork_started = True
+                self._start_fork_server("started")
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the fork server has imported the worker code, so the next launch forks at
+        once (starting it if need be); ``False`` if there is no fork server (or it failed:
+        launches then spawn)."""
+        self.start_fork_server()
+        server = self._fork
+        if server is None:
+            return False
+        try:
+            server.wait_ready(timeout)
+        except forkserver.ForkServerError:
+            return False
+        return True
+
+    def _base_env(self) -> dict[str, str]:
+        return {**MALLOC_ENV, **os.environ, **self.env, "TIDEPOOL_TOKEN": self.token}
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self._events.append({"kind": kind, **fields})
+
+    def drain_events(self) -> builtins.list[dict[str, Any]]:
+        """Records for the run's journal since the last call (``kind`` plus fields; the caller adds
+        the time): ``fork-server`` (started, died, replaced, fallback, with the reason) and one
+        ``worker-launch`` per worker (``how``: fork-server or spawn; ``seconds`` the call took)."""
+        out = []
+        while True:
+            try:
+                out.append(self._events.popleft())
+            except IndexError:  # (deque operations are atomic: safe against a launch thread appending)
+                return out
+
+    def _start_fork_server(self, event: str, reason: str = "") -> None:
+        try:
+            self._fork = forkserver.ForkServer(self._base_env(), self.cwd, self._fork_preload)
+        except OSError as exc:
+            self._fork = None
+            self.fork_server = False
+            self._event("fork-server", event="fallback", reason=f"could not start a fork server: {exc}; "
+                                                                "spawning workers instead")  # fmt: skip
+            return
+        fields: dict[str, Any] = {"pid": self._fork.proc.pid, "preload": list(self._fork_preload)}
+        if reason:
+            fields["reason"] = reason
+        self._event("fork-server", event=event, **fields)
+
+    def _fork_worker(self, wid: str, cmd: builtins.list[str], env: dict[str, str]) -> forkserver.ForkedWorker | None:
+        """Fork ``wid`` from the fork server; ``None`` (spawn it) if the server cannot, after
+        replacing the server or giving up on it with the reason in the journal."""
+        self.start_fork_server()
+        with self._fork_lock:  # launches may run in several threads at once
+            return self._fork_worker_locked(wid, cmd, env)
+
+    def _fork_worker_locked(self, wid: str, cmd: builtins.list[str], env: dict[str, str]) -> forkserver.ForkedWorker | None:
+        server = self._fork
+        if server is None:
+            return None
+        try:  # cmd = [python, -m, tidepool.worker, ...]
+            return server.fork(wid, cmd[3:], env, self.cwd, ready_timeout=self.FORK_SERVER_READY_WAIT)
+        except forkserver.ForkServerError as exc:
+            reason = str(exc)
+        if server.starting:  # slow imports (a loaded machine): spawn this one, keep the server
+            self._event("fork-server", event="not-ready", pid=server.proc.pid, reason=reason, worker=wid)
+            return None
+        server.close(timeout=1.0)
+        self._event("fork-server", event="died", pid=server.proc.pid, reason=reason, worker=wid)
+        if "refused" in reason and self._fork_preload:
+            self._fork_preload = []  # the preload modules made forking unsafe: a server without them
+            self._start_fork_server("replaced", f"{reason}; the new fork server does not import the preload "
+                                                "modules (each worker still imports them)")  # fmt: skip
+        elif self._fork_restarts < self.FORK_SERVER_RESTARTS:
+            self._fork_restarts += 1
+            self._start_fork_server("replaced", f"{reason} (replacement {self._fork_restarts} of "
+                                                f"{self.FORK_SERVER_RESTARTS})")  # fmt: skip
+        else:
+            self._fork = None
+            self.fork_server = False
+            self._event("fork-server", event="fallback", reason=f"{reason}; {self.FORK_SERVER_RESTARTS} "
+                                                                "replacements used up, spawning workers from now on")  # fmt: skip
+        return None
 
     def worker_ids(self, node_type: NodeType, count: int, request_id: str) -> builtins.list[str]:
         return self._names(node_type, count, request_id)
@@ -90,13 +224,19 @@ class LocalProvider:
         for wid in ids:
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
-            env = {**MALLOC_ENV, **os.environ, **self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
-            try:
-                proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
-            except OSError as exc:
-                self._errors.append(ProviderFailure(request_id, wid, f"could not start worker {wid}: {exc}"))
-                self._spawning.pop(wid, None)
-                continue
+            env = {**self._base_env(), "TIDEPOOL_WORKER_ID": wid}
+            t0 = time.monotonic()
+            proc: subprocess.Popen[bytes] | forkserver.ForkedWorker | None = self._fork_worker(wid, cmd, env)
+            how = "fork-server" if proc is not None else "spawn"
+            if proc is None:
+                try:
+                    proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
+                except OSError as exc:
+                    self._errors.append(ProviderFailure(request_id, wid, f"could not start worker {wid}: {exc}"))
+                    self._spawning.pop(wid, None)
+                    continue
+            self._event("worker-launch", worker=wid, request=request_id, node_type=node_type.name, how=how,
+                        seconds=round(time.monotonic() - t0, 6))  # fmt: skip
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
             self._spawning.pop(wid, None)
 
@@ -155,6 +295,9 @@ class LocalProvider:
         for wid in self.procs:
             self._remove_temp_dir(wid)
         self.procs.clear()
+        if self._fork is not None:
+            self._fork.close()
+            self._fork = None
 
     def _temp_roots(self) -> builtins.list[str]:
         """Where this provider's workers make temp directories: ours, or the one their env names."""

@@ -25,11 +25,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import AsyncProvider, ReportsExpiring
+from tidepool.providers.base import AsyncProvider, ReportsEvents, ReportsExpiring
 from tidepool.scaling.controller import ControllerView, ScalingController
 from tidepool.scaling.shell.round import LIST_EVERY, Round
 from tidepool.scheduler import events as ev
 from tidepool.telemetry.journal import Journal
+from tidepool.telemetry.startup import StartupTracker
 
 if TYPE_CHECKING:
     from tidepool.providers.base import Provider
@@ -86,6 +87,10 @@ class AutoScaler:
         self.journal = journal if journal is not None else Journal()
         #: the shared round: the inbox of reports, listing times, the controller's last view
         self.round = Round(controller, self.journal)
+        #: requested -> registered -> ready of every worker launched here (``worker-startup`` records)
+        self.startup = StartupTracker()
+        #: the provider, if it reports journal records of its own (checked once: _observe runs per batch)
+        self._events_source: ReportsEvents | None = provider if isinstance(provider, ReportsEvents) else None
 
     @property
     def view(self) -> ControllerView:
@@ -122,8 +127,34 @@ class AutoScaler:
         return self
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
+        self._provider_events()
+        for e in events:
+            if isinstance(e, ev.WorkerJoin):
+                self.startup.joined(e.worker, e.now)
+                if e.ready:
+                    self._startup_record(e.worker, e.now)
+            elif isinstance(e, ev.WorkerReady):
+                self._startup_record(e.worker, e.now)
+            elif isinstance(e, ev.WorkerRemove):
+                self.startup.forget(e.worker)
         if self.round.scheduler_events(events, bool(self.scheduler.state.pending)):
             self._wake.set()
+
+    def _startup_record(self, wid: str, now: float) -> None:
+        rec = self.startup.ready(wid, now)
+        if rec is not None:
+            self.journal.add(rec)
+
+    def _provider_events(self) -> None:
+        """The provider's own records (how each worker was started, a fork server replaced ...)."""
+        if self._events_source is None:
+            return
+        now = self.scheduler.clock()
+        for rec in self._events_source.drain_events():
+            kind = str(rec.pop("kind", "provider"))
+            if kind == "worker-launch" and rec.get("worker"):
+                self.startup.started_by(str(rec["worker"]), str(rec.get("how")))
+            self.journal.record(kind, now, **rec)
 
     async def _run(self) -> None:
         while not self._closing:
@@ -143,6 +174,7 @@ class AutoScaler:
     async def step(self) -> None:
         rnd = self.round
         now = self.scheduler.clock()
+        self._provider_events()
         rnd.provider_failures(await self._call("poll_errors"), now)
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
@@ -181,11 +213,13 @@ class AutoScaler:
             ids = list(self.provider.worker_ids(nt, n, rid))
             self.scheduler.expect_workers(ids, nt)
             self.round.name(rid, ids, self.scheduler.clock())
+            self.startup.launched(ids, rid, nt.name, self.scheduler.clock())
             if isinstance(self.provider, AsyncProvider):
                 async with asyncio.timeout(timeout):
                     await self.provider.launch_async(nt, n, rid)
             else:
                 await in_daemon_thread(self.provider.launch, nt, n, rid, timeout=timeout)
+            self._provider_events()
         except TimeoutError:
             msg = (f"provider.launch({nt.name!r}, {n}, {rid!r}) did not return within {timeout:g}s; "
                    "a provider's launch must not block (submit the request and return)")  # fmt: skip

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (start-up delays, sampled durations)")
     p.add_argument("--arrival", choices=("start", "zero"), default="start",
                    help="journal replay: submit each task at its recorded start (default) or all at once")
+    p.add_argument("--startup", choices=("journal", "preset"), default="journal",
+                   help="journal replay: worker start-up and message delay as measured in the run "
+                        "(default, when the journal has them) or the cluster's preset")  # fmt: skip
     p.add_argument("--out", default="sim-out", help="directory for the journals and the plot (default sim-out)")
     p.add_argument("--plot", default=None, help="makespan-vs-cost plot file (default OUT/makespan-cost.png)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
@@ -87,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and not args.replay.endswith(".jsonl"):
         raise ConfigError(f"--journal expects a JSON-lines journal (.jsonl), got {args.replay!r}")
     workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival)
+    if source.endswith(".jsonl") and args.startup == "journal":  # the run's own start-ups and delays
+        from tidepool.sim.replay import calibrate
+        from tidepool.telemetry.report import load_records
+
+        workload.notes.extend(calibrate(cluster, load_records(source)))
     names = args.policy or (["cluster"] if cluster.config is not None else ["default"])
     os.makedirs(args.out, exist_ok=True)
     records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)

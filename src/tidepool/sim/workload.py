@@ -9,10 +9,12 @@ measures a real run.
 Where workloads come from (:func:`load_workload`):
 
 - a JSON graph file (format below);
-- a journal of a real run (``.jsonl``; ``task`` records carry key, start, duration, worker).  A
-  journal has **no dependencies**: its tasks are replayed as independent tasks submitted at their
-  recorded start times (``arrival="start"``, which keeps the phases of the original run) or all
-  at once in their start order (``arrival="zero"``);
+- a journal of a real run (``.jsonl``; ``task`` records carry key, start, duration, worker).
+  Journals of this version also record each task's inputs and submit time: those are replayed as
+  the recorded graph (:mod:`tidepool.sim.replay`).  An older journal has **no dependencies**: its
+  tasks are replayed as independent tasks submitted at their recorded start times
+  (``arrival="start"``, which keeps the phases of the original run) or all at once in their start
+  order (``arrival="zero"``, also for new journals);
 - a Python callable ``module:function`` or ``path/to/file.py:function`` (keyword arguments from
   ``params``) returning a :class:`Workload`, a dict in the JSON format, a list of
   :class:`SimTask`, or tidepool ``Delayed`` values (``@tidepool.task`` graphs; durations per
@@ -218,6 +220,11 @@ def from_journal(records: Sequence[Mapping[str, Any]], *, arrival: str = "start"
     """
     if arrival not in ("start", "zero"):
         raise ConfigError(f"arrival must be 'start' or 'zero', got {arrival!r}")
+    if arrival == "start":
+        from tidepool.sim.replay import graph_from_journal, has_graph
+
+        if has_graph(records):  # task records with their inputs: replay the graph (sim/replay.py)
+            return graph_from_journal(records, name=name)
     tasks = [r for r in records if r.get("kind") == "task"]
     if not tasks:
         raise ConfigError("the journal has no 'task' records: record one with tidepool scheduler --journal "

@@ -1,7 +1,12 @@
 """The event journal: one record per thing that happened, with the reason when there is one.
 
 Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``worker-join``,
-``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration), and the
+``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration, and, for
+tasks submitted while the journal listened, ``submitted`` (the time of the graph update), ``deps``
+(the keys it needed, so ``tidepool simulate --journal`` replays the graph's shape), ``nbytes`` of
+its result and its ``resources`` when it asked for any), ``worker-startup`` (requested ->
+registered -> ready of every worker the autoscaler launched, :mod:`tidepool.telemetry.startup`),
+the provider's ``worker-launch`` and ``fork-server`` records, and the
 scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed``, ``backoff``,
 ``infeasible`` and ``decision`` records carrying ``reason``.  The journal lives in memory and,
 given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  The file is
@@ -33,6 +38,8 @@ class Journal:
         # one run per file: reusing a path starts it afresh (worker ids and clock restart per run)
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
+        #: key -> (submitted at, deps, resources) of tasks submitted while listening (task records)
+        self._graph: dict[str, tuple[float, tuple[str, ...], dict[str, float]]] = {}
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
         rec = {"t": round(t, 6), "kind": kind, **fields}
@@ -56,22 +63,36 @@ class Journal:
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         """Scheduler observer: worker joins/leaves and task outcomes."""
         for e in events:
-            if isinstance(e, ev.WorkerJoin):
+            if self.tasks and isinstance(e, ev.UpdateGraph):
+                for spec in e.tasks:
+                    self._graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources))
+            elif isinstance(e, ev.WorkerJoin):
                 self.record("worker-join", e.now, worker=e.worker, node_type=e.node_type,
                             resources=e.resources)  # fmt: skip
             elif isinstance(e, ev.WorkerRemove):
                 self.record("worker-leave", e.now, worker=e.worker, reason=e.reason, graceful=e.graceful)
             elif self.tasks and isinstance(e, ev.TaskFinished):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
-                            duration=round(e.duration, 6), ok=True)  # fmt: skip
+                            duration=round(e.duration, 6), ok=True, nbytes=e.nbytes, **self._shape(e.key))  # fmt: skip
             elif self.tasks and isinstance(e, ev.TaskErred):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
-                            duration=round(e.duration, 6), ok=False)  # fmt: skip
+                            duration=round(e.duration, 6), ok=False, **self._shape(e.key))  # fmt: skip
         for c in cmds:
             if isinstance(c, ev.CloseWorker):
                 self.record("worker-close", max((e.now for e in events), default=0.0), worker=c.worker,
                             reason=c.reason)  # fmt: skip
         self.flush_if_due()  # ticks arrive even when nothing else happens
+
+    def _shape(self, key: str) -> dict[str, Any]:
+        """A task record's graph fields: when it was submitted, its inputs, its resources."""
+        known = self._graph.get(key)
+        if known is None:
+            return {}
+        at, deps, resources = known
+        out: dict[str, Any] = {"submitted": round(at, 6), "deps": list(deps)}
+        if resources:
+            out["resources"] = resources
+        return out
 
     def flush(self) -> None:
         if self._file is not None:
