@@ -314,6 +314,9 @@ class Scheduler:
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
                         await self._dispatch(cmds)
+                elif op == "spill-disabled":  # observed (journal, dashboard), unlike plain heartbeats
+                    log.warning("worker %s stopped spilling to disk: %s", wid, msg.get("reason", ""))
+                    await self.apply([ev.Heartbeat(wid, now, msg.get("metrics") or {})])
                 elif op == "setup-done":
                     for name in msg.get("names", ()):
                         self._resolve_setup(wid, name, "ok")

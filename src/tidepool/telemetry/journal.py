@@ -1,7 +1,7 @@
 """The event journal: one record per thing that happened, with the reason when there is one.
 
 Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``worker-join``,
-``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration), and the
+``worker-leave``, ``spill-disabled`` (a worker stopped spilling to disk, and why), ``task`` (one per finished or failed task: worker, start, duration), and the
 scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed``, ``backoff``,
 ``infeasible`` and ``decision`` records carrying ``reason``.  The journal lives in memory and,
 given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  The file is
@@ -61,6 +61,8 @@ class Journal:
                             resources=e.resources)  # fmt: skip
             elif isinstance(e, ev.WorkerRemove):
                 self.record("worker-leave", e.now, worker=e.worker, reason=e.reason, graceful=e.graceful)
+            elif isinstance(e, ev.Heartbeat) and e.metrics.get("spill_disabled"):  # sent once, at the change
+                self.record("spill-disabled", e.now, worker=e.worker, reason=str(e.metrics["spill_disabled"]))
             elif self.tasks and isinstance(e, ev.TaskFinished):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
                             duration=round(e.duration, 6), ok=True)  # fmt: skip

@@ -64,7 +64,7 @@ from tidepool.worker.memory import (
     trim_memory,
 )
 from tidepool.worker.sizeof import sizeof
-from tidepool.worker.spill import SpillStore
+from tidepool.worker.spill import SpillStore, resolve_spill_limit
 
 log = logging.getLogger("tidepool.worker")
 
@@ -98,6 +98,7 @@ class Worker:
         memory_thresholds: MemoryThresholds | None = None,
         memory_share: int = 1,
         spill_dir: str | None = None,
+        spill_limit: int | str | None = None,
         preload: list[str] | None = None,
         restartable: bool = False,
         tls: TLSConfig | None = None,
@@ -141,7 +142,8 @@ class Worker:
             if spill_dir:
                 spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-", dir=spill_dir))
                 atexit.register(shutil.rmtree, spill, True)
-            self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target)
+            self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target,
+                                   resolve_spill_limit(spill_limit, spill), on_disable=self._spill_disabled)  # fmt: skip
         self.nbytes: dict[str, int] = {}
         self.functions: dict[str, Any] = {}
         self.queue: deque[_Task] = deque()
@@ -223,15 +225,18 @@ class Worker:
         self.pool.stop()
         if self.monitor is not None:
             self.monitor.stop()
-        await self.listener.close()
-        shutil.rmtree(self.setup_dir, ignore_errors=True)
-        if isinstance(self.data, SpillStore):
-            self.data.close()
-        for conn, _ in self._peers.values():
-            conn.close()
-        if self.conn is not None:
-            self.conn.close()
-        self.closed.set()
+        try:
+            await self.listener.close()
+        finally:
+            # the spill store first: its directory may be inside the temp directory removed next
+            if isinstance(self.data, SpillStore):
+                self.data.close()
+            shutil.rmtree(self.setup_dir, ignore_errors=True)
+            for conn, _ in self._peers.values():
+                conn.close()
+            if self.conn is not None:
+                self.conn.close()
+            self.closed.set()
 
     # ---- scheduler messages ----------------------------------------------------------------------
     async def _scheduler_loop(self) -> None:
@@ -670,6 +675,13 @@ class Worker:
             self._send_metrics()
             self._start_ready()
 
+    def _spill_disabled(self, reason: str) -> None:
+        """The spill store turned spilling off (a write failed, or the spill limit was reached):
+        say so in the log (done by the store) and to the scheduler at once (journal, dashboard)."""
+        if self.closed is not None and not self.closed.is_set() and self.conn is not None and not self.conn.closed:
+            msg = {"op": "spill-disabled", "reason": reason, "metrics": self._metrics()}
+            self.loop.create_task(self.conn.send(msg)).add_done_callback(_log_send_error)
+
     async def _memory_terminate(self, rss: int) -> None:
         limit = self.memory_limit
         why = (f"worker {self.name} used {_mb(rss)} of memory, over {round(self.memory_thresholds.terminate * 100)}% "
@@ -689,6 +701,7 @@ class Worker:
         return {"rss": rss, "keys": len(store), "bytes": sum(self.nbytes.values()),
                 "spilled": store.spilled_bytes if isinstance(store, SpillStore) else 0,
                 "spilled_total": store.spilled_total if isinstance(store, SpillStore) else 0,
+                "spill_disabled": store.disabled if isinstance(store, SpillStore) else "",
                 "peak_rss": monitor.peak() if monitor is not None else rss, "memory_limit": self.memory_limit,
                 "paused": self.paused, "running": len(self.running), "queued": len(self.queue),
                 "time": time.time()}  # fmt: skip
