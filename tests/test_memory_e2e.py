@@ -69,3 +69,42 @@ def test_a_task_past_the_terminate_level_restarts_its_worker_and_fails_clearly()
         wait_until(lambda: cluster.workers == [wid], 30)
         assert client.submit(abs, -4).result(timeout=30) == 4
         assert len(cluster.provider.procs) == 1  # restarted itself; the cluster did not add one
+
+
+def creep(step_mb: int = 50, upto_mb: int = 3_000) -> int:
+    """Grows in ``step_mb`` steps towards ``upto_mb`` (issue 29: 50 MB steps to 3 GB on 1 GB workers)."""
+    return hog(step_mb, upto_mb)
+
+
+def test_a_creeping_task_on_workers_holding_spilled_values_ends_in_killed_worker_and_the_pool_stays() -> None:
+    """Before: the restart's close raised (spill directory already removed), the old processes
+    stayed outside the pool, and the task failed after 60 s with InfeasibleTaskError (0 workers)."""
+    with tidepool.LocalCluster(n_workers=2, memory_limit="1GB", allowed_failures=2) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        ids = sorted(cluster.workers)
+        held = client.map(make, range(70))  # 1.4 GB on two workers: each spills past its 600 MB target
+        tidepool.wait(held)
+        state = cluster.scheduler.state
+        wait_until(lambda: all(w.metrics.get("spilled", 0) > 0 for w in state.workers.values()), 30,
+                   what="both workers to hold spilled values")  # fmt: skip
+        with pytest.raises(KilledWorkerError, match="memory") as info:
+            client.submit(creep).result(timeout=120)
+        assert "limit" in str(info.value) and "creep" in str(info.value)
+        wait_until(lambda: sorted(cluster.workers) == ids, 60, what="both workers back under their ids")
+        assert len(cluster.provider.procs) == 2
+        # the held values that went with the restarts are recomputed, the rest read back
+        assert [int(a[0]) for a in client.gather(held, timeout=120)] == [i % 251 for i in range(70)]
+
+
+def test_sigterm_on_a_worker_holding_spilled_values_exits_cleanly() -> None:
+    """Before: close removed the temp directory before the spill store, raised FileNotFoundError,
+    and the worker exited with status 2."""
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", restart_crashed=False) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        held = client.map(make, range(20))  # 400 MB past a 300 MB target
+        tidepool.wait(held)
+        wait_until(lambda: cluster.scheduler.state.workers[wid].metrics.get("spilled", 0) > 0, 30)
+        proc = cluster.provider.procs[wid].proc
+        cluster.provider.terminate([wid])
+        assert proc.wait(60) == 0
