@@ -19,8 +19,9 @@ its resources fit what is free, so slots are never oversubscribed.  Outcomes go 
 
 Blame: the keys of tasks about to enter a slot are written to the scheduler (``started``) *before*
 the slot runs them, so if a task kills the process the scheduler knows it was executing, and tasks
-merely queued here are not suspected.  A value that cannot be served (pickling fails, or it is over
-the frame limit) is reported once as ``unservable`` and dropped: the scheduler fails that task with
+merely queued here are not suspected.  A value that cannot be served (pickling fails, it is over
+the frame limit, or pickling it ran out of memory ``MAX_SERVE_TRIES`` times) is reported once as
+``unservable`` and dropped: the scheduler fails that task with
 the reason instead of recomputing it forever.
 """
 
@@ -67,6 +68,9 @@ from tidepool.worker.sizeof import sizeof
 from tidepool.worker.spill import SpillStore, resolve_spill_limit
 
 log = logging.getLogger("tidepool.worker")
+
+#: times a value may fail to serialise for lack of memory before the futures wanting it fail
+MAX_SERVE_TRIES = 3
 
 
 class _Task:
@@ -162,6 +166,7 @@ class Worker:
         self._seceded: list[str] = []
         self.seceded: set[str] = set()  # running tasks that gave their slot back (worker_client)
         self._unservable: list[list[str]] = []
+        self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
         self._flush_scheduled = False
         self._sends_in_flight = 0  # batches handed to an async send, not written yet
         self.conn: Connection | None = None
@@ -318,6 +323,7 @@ class Worker:
         for k in keys:
             self.data.pop(k, None)
             self.nbytes.pop(k, None)
+            self._serve_failures.pop(k, None)
             if k in self.running:
                 self.cancelled.add(k)
             elif k in self.waiting:
@@ -618,16 +624,22 @@ class Worker:
             else:
                 try:
                     ser = serialize(self.data[k])
-                except MemoryError:
-                    # this process is short of memory now, the value is fine: keep it, and let the
-                    # connection close so the asker tries again or elsewhere at once (no timeout)
-                    log.warning("out of memory serialising %r for a peer; closing that connection", k)
-                    raise
+                except MemoryError as exc:
+                    tries = self._serve_failures[k] = self._serve_failures.get(k, 0) + 1
+                    if tries < MAX_SERVE_TRIES:
+                        # maybe short of memory only now: keep the value, and let the connection
+                        # close so the asker tries again or elsewhere at once (no timeout)
+                        log.warning("out of memory serialising %r for a peer (try %d of %d); closing that "
+                                    "connection", k, tries, MAX_SERVE_TRIES)  # fmt: skip
+                        raise
+                    why = (f"serialising its value ran out of memory {tries} times ({type(exc).__name__}{': ' if str(exc) else ''}{exc}); "
+                           "raise the worker's memory (or address-space) limit, or return something smaller")  # fmt: skip
+                    typ = "SerializationError"
                 except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's
                     why = (f"its value of type {type(self.data[k]).__name__} cannot be pickled: "
                            f"{type(exc).__name__}: {exc}")  # fmt: skip
                     typ = "SerializationError"
-                else:
+                if not why:
                     if ser.nbytes > limit:
                         why = (f"its value pickles to {ser.nbytes:,} bytes, over the {limit:,}-byte frame "
                                "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
@@ -640,6 +652,7 @@ class Worker:
                         budget -= ser.nbytes
                         continue
             message = f"task {k!r} produced a value that cannot be sent: {why}"
+            self._serve_failures.pop(k, None)
             failed[k] = message
             log.warning("%s", message)
             self.data.pop(k, None)
