@@ -83,6 +83,9 @@ class Scheduler:
         self._closed = False
 
     async def start(self) -> Scheduler:
+        from tidepool.comm import accept_errors
+
+        accept_errors.install()  # out of descriptors: one log line per interval, not one per accept
         self.listener = await listen(self.requested_address, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
