@@ -4,7 +4,9 @@ with a clear error after its allowed failures."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,10 +81,10 @@ def creep(step_mb: int = 50, upto_mb: int = 3_000) -> int:
 def test_a_creeping_task_on_workers_holding_spilled_values_ends_in_killed_worker_and_the_pool_stays() -> None:
     """Before: the restart's close raised (spill directory already removed), the old processes
     stayed outside the pool, and the task failed after 60 s with InfeasibleTaskError (0 workers)."""
-    with tidepool.LocalCluster(n_workers=2, memory_limit="1GB", allowed_failures=2) as cluster, \
+    with tidepool.LocalCluster(n_workers=2, memory_limit="500MB", allowed_failures=1) as cluster, \
             tidepool.Client(cluster) as client:  # fmt: skip
         ids = sorted(cluster.workers)
-        held = client.map(make, range(70))  # 1.4 GB on two workers: each spills past its 600 MB target
+        held = client.map(make, range(40))  # 800 MB on two workers: each spills past its 300 MB target
         tidepool.wait(held)
         state = cluster.scheduler.state
         wait_until(lambda: all(w.metrics.get("spilled", 0) > 0 for w in state.workers.values()), 30,
@@ -90,10 +92,10 @@ def test_a_creeping_task_on_workers_holding_spilled_values_ends_in_killed_worker
         with pytest.raises(KilledWorkerError, match="memory") as info:
             client.submit(creep).result(timeout=120)
         assert "limit" in str(info.value) and "creep" in str(info.value)
-        wait_until(lambda: sorted(cluster.workers) == ids, 60, what="both workers back under their ids")
+        wait_until(lambda: sorted(cluster.workers) == ids, 120, what="both workers back under their ids")
         assert len(cluster.provider.procs) == 2
         # the held values that went with the restarts are recomputed, the rest read back
-        assert [int(a[0]) for a in client.gather(held, timeout=120)] == [i % 251 for i in range(70)]
+        assert [int(a[0]) for a in client.gather(held, timeout=120)] == [i % 251 for i in range(40)]
 
 
 def test_sigterm_on_a_worker_holding_spilled_values_exits_cleanly() -> None:
@@ -108,3 +110,28 @@ def test_sigterm_on_a_worker_holding_spilled_values_exits_cleanly() -> None:
         proc = cluster.provider.procs[wid].proc
         cluster.provider.terminate([wid])
         assert proc.wait(60) == 0
+
+
+#: preloaded by the worker below: its first process starts, a re-executed one (a memory restart
+#: keeps the environment) exits at once, as a restart that fails would
+FAIL_ON_RESTART = """
+import os, sys
+if os.environ.get("TIDEPOOL_TEST_STARTED_ONCE"):
+    sys.exit(3)
+os.environ["TIDEPOOL_TEST_STARTED_ONCE"] = "1"
+"""
+
+
+def test_a_fixed_cluster_replaces_a_worker_whose_memory_restart_fails(tmp_path: Path) -> None:
+    """Before: a worker that left to restart over its memory limit was never replaced, so a fixed
+    pool whose restart failed stayed empty."""
+    (tmp_path / "fail_on_restart.py").write_text(FAIL_ON_RESTART)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", allowed_failures=0, env=env,
+                               preload=["fail_on_restart"]) as cluster, tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        with pytest.raises(KilledWorkerError, match="memory"):
+            client.submit(hog).result(timeout=60)
+        wait_until(lambda: len(cluster.workers) == 1 and cluster.workers != [wid], 60,
+                   what="a replacement for the worker that did not come back")  # fmt: skip
+        assert client.submit(abs, -4).result(timeout=30) == 4
