@@ -156,3 +156,30 @@ def test_a_worker_whose_spill_writes_fail_keeps_values_in_memory_and_says_so(tmp
         assert rec["worker"] == info["id"] and "File too large" in rec["reason"]
         (wdir,) = [p for p in tmp_path.iterdir() if p.name.startswith(f"tidepool-{info['id']}-")]
         assert files(wdir / ".spill") == []  # the partial 20 MiB file was removed
+
+
+def test_the_spill_limit_reaches_every_worker(tmp_path: Path) -> None:
+    """``--spill-limit`` / ``LocalCluster(spill_limit=)`` set the worker's cap; the default is a
+    share of the free space (never unlimited)."""
+    import shutil
+
+    from tidepool.cli import build_parser
+    from tidepool.worker.core import Worker
+    from tidepool.worker.spill import DEFAULT_SPILL_FRACTION
+
+    assert build_parser().parse_args(["worker", "tcp://h:1", "--spill-limit", "5GB"]).spill_limit == "5GB"
+    with tidepool.LocalCluster(n_workers=0, spill_limit="10MB") as cluster:
+        args = cluster.provider.extra_args
+        assert args[args.index("--spill-limit") + 1] == "10MB"
+    for given, expect in (("10MB", 10_000_000), (None, None)):
+        w = Worker("tcp://127.0.0.1:1", "token", memory_limit="1GB", spill_limit=given, spill_dir=str(tmp_path))
+        try:
+            assert isinstance(w.data, SpillStore)
+            free = shutil.disk_usage(tmp_path).free
+            if expect is None:  # the default: about half of what is free
+                assert 0.9 * DEFAULT_SPILL_FRACTION * free <= w.data.limit <= 1.1 * DEFAULT_SPILL_FRACTION * free
+            else:
+                assert w.data.limit == expect
+        finally:
+            w.data.close()  # type: ignore[attr-defined]
+            shutil.rmtree(w.setup_dir, ignore_errors=True)
