@@ -183,3 +183,13 @@ def test_the_spill_limit_reaches_every_worker(tmp_path: Path) -> None:
         finally:
             w.data.close()  # type: ignore[attr-defined]
             shutil.rmtree(w.setup_dir, ignore_errors=True)
+
+
+def test_a_file_error_is_not_blamed_on_the_address(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: every OSError, e.g. the missing spill directory at close, ended in '(is the address
+    right and the port free?)'."""
+    from tidepool.cli import main
+
+    assert main(["certs", "/proc/no-such-dir/certs"]) == 2
+    err = capsys.readouterr().err
+    assert "No such file or directory" in err and "address" not in err

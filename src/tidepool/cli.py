@@ -350,7 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidepool: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"tidepool: error: {exc} (is the address right and the port free?)", file=sys.stderr)
+        # the address hint only where an address can be the cause (not, e.g., a missing file)
+        import errno
+        import socket
+
+        networky = isinstance(exc, (ConnectionError, socket.gaierror, TimeoutError)) or exc.errno in (
+            errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENETUNREACH, errno.EHOSTUNREACH)  # fmt: skip
+        hint = " (is the address right and the port free?)" if networky else ""
+        print(f"tidepool: error: {exc}{hint}", file=sys.stderr)
         return 2
 
 
