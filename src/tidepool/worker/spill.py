@@ -269,9 +269,15 @@ class SpillStore(MutableMapping[str, Any]):
 
     def close(self) -> None:
         """Forget every value and remove the spill directory (before whatever contains it goes)."""
+        import zict
+
         self.pinned.clear()
-        with contextlib.suppress(OSError, KeyError):
-            self._buf.fast.d.clear()
+        self.sizes.clear()
+        self.on_disk.clear()
+        self._total = self._disk = 0
+        self.disabled = self.disabled or "the store is closed"
+        # a late write (a task finishing as the worker closes) lands in memory only
+        self._buf = zict.Buffer({}, {}, n=math.inf, weight=self._weight)
         self.slow.files.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
 
