@@ -64,6 +64,44 @@ def test_close_removes_the_temp_dirs_of_every_worker_it_started() -> None:
     assert {w: temp_dirs(root, w) for w in ids} == {w: [] for w in ids}
 
 
+MB = 2**20
+#: preloaded by the workers below: spill files of at most 20 MiB (a real limit, not a mock)
+FSIZE_PRELOAD = "import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, (20 * 2**20, 20 * 2**20))\n"
+
+
+def big(i: int) -> bytes:
+    return bytes([i % 251]) * (60 * MB)
+
+
+def grow() -> int:
+    held = []
+    for _ in range(40):
+        held.append(bytearray(50 * MB))
+    return len(held)
+
+
+def test_nothing_of_a_worker_stays_after_spill_failures_and_memory_restarts(tmp_path: Path) -> None:
+    (tmp_path / "fsize20.py").write_text(FSIZE_PRELOAD)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(tmp_path)}
+    cluster = tidepool.LocalCluster(n_workers=1, memory_limit="600MB", env=env, preload=["fsize20"],
+                                    allowed_failures=0)  # fmt: skip
+    try:
+        (wid,) = cluster.workers
+        with tidepool.Client(cluster) as client:
+            held = client.map(big, range(7))  # 420 MB past the 360 MB target: a spill write fails
+            tidepool.wait(held)
+            state = cluster.scheduler.state
+            wait_until(lambda: bool(state.workers[wid].metrics.get("spill_disabled")), 30,
+                       what="the worker to report that spilling is off")  # fmt: skip
+            with pytest.raises(tidepool.KilledWorkerError, match="memory"):
+                client.submit(grow).result(timeout=120)  # a memory restart, with values held
+            wait_until(lambda: cluster.workers == [wid], 60, what="the worker to come back")
+            assert len(temp_dirs(tmp_path, wid)) == 1  # the restarted process's own, not the old one's
+    finally:
+        cluster.close()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("tidepool-")] == []
+
+
 def test_worker_ids_from_two_clusters_never_collide() -> None:
     """Temp directories are matched by worker id, so ids must be unique on the machine."""
     with tidepool.LocalCluster(n_workers=1) as a, tidepool.LocalCluster(n_workers=1) as b:

@@ -4,7 +4,9 @@ with a clear error after its allowed failures."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,3 +73,66 @@ def test_a_task_past_the_terminate_level_restarts_its_worker_and_fails_clearly()
         wait_until(lambda: cluster.workers == [wid], 30)
         assert client.submit(abs, -4).result(timeout=30) == 4
         assert len(cluster.provider.procs) == 1  # restarted itself; the cluster did not add one
+
+
+def creep(step_mb: int = 50, upto_mb: int = 3_000) -> int:
+    """Grows in ``step_mb`` steps towards ``upto_mb`` (issue 29: 50 MB steps to 3 GB on 1 GB workers)."""
+    return hog(step_mb, upto_mb)
+
+
+def test_a_creeping_task_on_a_worker_holding_spilled_values_ends_in_killed_worker_and_the_pool_stays() -> None:
+    """Before: the restart's close raised (spill directory already removed), the old process
+    stayed outside the pool, and the task failed after 60 s with InfeasibleTaskError (0 workers)."""
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", allowed_failures=1) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        held = client.map(make, range(20))  # 400 MB: spilled past the 300 MB target
+        tidepool.wait(held)
+        state = cluster.scheduler.state
+        wait_until(lambda: state.workers[wid].metrics.get("spilled", 0) > 0, 30, what="spilled values")
+        with pytest.raises(KilledWorkerError, match="memory") as info:
+            client.submit(creep).result(timeout=120)  # two memory restarts, each with values on disk
+        assert "limit" in str(info.value) and "creep" in str(info.value) and "2 workers" in str(info.value)
+        wait_until(lambda: cluster.workers == [wid], 120, what="the worker back under its id")
+        assert len(cluster.provider.procs) == 1
+        # the held values that went with the restarts are recomputed
+        assert [int(a[0]) for a in client.gather(held, timeout=120)] == [i % 251 for i in range(20)]
+
+
+def test_sigterm_on_a_worker_holding_spilled_values_exits_cleanly() -> None:
+    """Before: close removed the temp directory before the spill store, raised FileNotFoundError,
+    and the worker exited with status 2."""
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", restart_crashed=False) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        held = client.map(make, range(20))  # 400 MB past a 300 MB target
+        tidepool.wait(held)
+        wait_until(lambda: cluster.scheduler.state.workers[wid].metrics.get("spilled", 0) > 0, 30)
+        proc = cluster.provider.procs[wid].proc
+        cluster.provider.terminate([wid])
+        assert proc.wait(60) == 0
+
+
+#: preloaded by the worker below: its first process starts, a re-executed one (a memory restart
+#: keeps the environment) exits at once, as a restart that fails would
+FAIL_ON_RESTART = """
+import os, sys
+if os.environ.get("TIDEPOOL_TEST_STARTED_ONCE"):
+    sys.exit(3)
+os.environ["TIDEPOOL_TEST_STARTED_ONCE"] = "1"
+"""
+
+
+def test_a_fixed_cluster_replaces_a_worker_whose_memory_restart_fails(tmp_path: Path) -> None:
+    """Before: a worker that left to restart over its memory limit was never replaced, so a fixed
+    pool whose restart failed stayed empty."""
+    (tmp_path / "fail_on_restart.py").write_text(FAIL_ON_RESTART)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", allowed_failures=0, env=env,
+                               preload=["fail_on_restart"]) as cluster, tidepool.Client(cluster) as client:  # fmt: skip
+        (wid,) = cluster.workers
+        with pytest.raises(KilledWorkerError, match="memory"):
+            client.submit(hog).result(timeout=60)
+        wait_until(lambda: len(cluster.workers) == 1 and cluster.workers != [wid], 60,
+                   what="a replacement for the worker that did not come back")  # fmt: skip
+        assert client.submit(abs, -4).result(timeout=30) == 4

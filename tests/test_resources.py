@@ -48,8 +48,19 @@ def test_resource_amounts_are_validated_with_clear_messages() -> None:
     assert parse_bytes("1.5 GiB") == int(1.5 * 2**30) and parse_bytes(10) == 10
     assert parse_resources({"cpu": 2, "memory": "4GB"}) == {"cpu": 2.0, "memory": 4e9}
     for bad, msg in [({"cpu": -1}, "must not be negative"), ({"cpu": "two"}, "byte amount"),
-                     ({"": 1}, "non-empty"), ({"gpu": True}, "must be a number")]:  # fmt: skip
+                     ({"": 1}, "non-empty"), ({"gpu": True}, "must be a finite number")]:  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             parse_resources(bad)
     with pytest.raises(ConfigError, match="resources must be"):
         tidepool.task(resources=[1])(span)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_resources_are_rejected_at_submit(value: float) -> None:
+    """Before: NaN was rejected but ``inf`` was accepted (and no worker could ever offer it)."""
+    from tidepool.graph.delayed import TaskOptions
+
+    with pytest.raises(ConfigError, match="'cpu' must be a finite number"):
+        TaskOptions({"cpu": value})
+    with pytest.raises(ConfigError, match="finite"):
+        parse_resources({"memory": value})

@@ -212,7 +212,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,
-                   memory_share=args.memory_share, spill_dir=args.spill_dir, tls=_tls(args))  # fmt: skip
+                   memory_share=args.memory_share, spill_dir=args.spill_dir, spill_limit=args.spill_limit,
+                   tls=_tls(args))  # fmt: skip
         await w.start()
         try:
             await w.finished()
@@ -323,6 +324,10 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> None:
                         "machine's memory; 'none': no limit); results spill to disk above 60%%, no task "
                         "starts above 80%%, the worker restarts above 95%% (docs/memory.md)")  # fmt: skip
     w.add_argument("--spill-dir", default=None, help="directory for spilled results (default: the temp dir)")
+    w.add_argument("--spill-limit", default=None,
+                   help="most bytes of spilled results on disk, e.g. 20GB or 25%% (of the free space); "
+                        "default 50%% of the free space; past it (or when the disk refuses a write) the "
+                        "worker stops spilling and keeps results in memory (docs/memory.md)")  # fmt: skip
     w.add_argument("--memory-share", type=int, default=1,
                    help="without a limit or memory resource, use the machine's memory divided by this "
                         "(workers sharing the machine)")  # fmt: skip
@@ -353,7 +358,14 @@ def _run_command(args: argparse.Namespace) -> int:
         print(f"tidepool: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"tidepool: error: {exc} (is the address right and the port free?)", file=sys.stderr)
+        # the address hint only where an address can be the cause (not, e.g., a missing file)
+        import errno
+        import socket
+
+        networky = isinstance(exc, (ConnectionError, socket.gaierror, TimeoutError)) or exc.errno in (
+            errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENETUNREACH, errno.EHOSTUNREACH)  # fmt: skip
+        hint = " (is the address right and the port free?)" if networky else ""
+        print(f"tidepool: error: {exc}{hint}", file=sys.stderr)
         return 2
 
 

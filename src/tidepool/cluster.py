@@ -10,7 +10,10 @@ itself (a crash, ``os._exit``, the OOM killer, a missed heartbeat) is replaced, 
 does, unless an autoscaler manages the pool, the death was asked for (``kill_worker``), or
 replacements keep dying (at most ``MAX_RESTARTS`` in ``RESTART_WINDOW`` seconds).  So a task that
 crashes every worker it touches ends in ``KilledWorkerError`` after its allowed failures instead
-of leaving an empty pool behind.
+of leaving an empty pool behind.  A worker that left to restart over its memory limit re-executes
+itself under the same id; if its process exits instead, or it is not back within
+``MEMORY_RESTART_GRACE`` seconds, it is replaced like a crashed one (``_memory_restarts``, checked
+on every scheduler tick).
 """
 
 from __future__ import annotations
@@ -59,10 +62,14 @@ class LocalCluster(ClosesOnExit):
     ``fork_server`` (default on where the platform forks; ``TIDEPOOL_FORK_SERVER=0`` turns the
     default off): workers are forked from a pre-imported process and register in about 0.1 s
     instead of starting a new interpreter (:mod:`tidepool.providers.forkserver`).
+    ``spill_limit`` (e.g. ``"20GB"``, ``"25%"`` of
+    the free disk, ``"none"``) caps the disk each may spill to (default: half the free space).
     """
 
     MAX_RESTARTS = 20
     RESTART_WINDOW = 60.0
+    #: seconds a worker restarting over its memory limit may take to register again
+    MEMORY_RESTART_GRACE = 60.0
 
     def __init__(self, n_workers: int | None = None, *, slots: int = 1,
                  resources: dict[str, Any] | None = None, node_type: str = "default",
@@ -70,8 +77,9 @@ class LocalCluster(ClosesOnExit):
                  timeout: float = 30.0, env: dict[str, str] | None = None,
                  preload: list[str] | None = None, workdir: str | None = None,
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
-                 tls: TLSConfig | None = None, dashboard: bool | str = False,
-                 fork_server: bool | None = None, **scheduler_kwargs: Any) -> None:  # fmt: skip
+                 spill_limit: int | str | None = None, tls: TLSConfig | None = None,
+                 dashboard: bool | str = False, fork_server: bool | None = None,
+                 **scheduler_kwargs: Any) -> None:  # fmt: skip
         if scheduler_kwargs:  # a typo names LocalCluster and the close name, not an internal class
             from tidepool.scheduler.state import SchedulerState
 
@@ -89,6 +97,7 @@ class LocalCluster(ClosesOnExit):
         self._own: dict[str, NodeType] = {}  # workers this cluster started, with their node type
         self._killed: set[str] = set()  # deaths that were asked for: not replaced
         self._restarts: collections.deque[float] = collections.deque()
+        self._memory_restarts: dict[str, float] = {}  # worker -> when it left to restart (memory)
         self.restart_crashed = restart_crashed
         #: with ``tls``, every connection (scheduler, workers, clients, worker to worker) is TLS
         self.tls = tls
@@ -121,6 +130,11 @@ class LocalCluster(ClosesOnExit):
 
             resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
             mem_args += ["--memory-limit", str(memory_limit)]
+        if spill_limit is not None:
+            from tidepool.worker.spill import resolve_spill_limit
+
+            resolve_spill_limit(spill_limit, ".")  # a typo fails here, not in every worker
+            mem_args += ["--spill-limit", str(spill_limit)]
         if tls is not None:
             env = {**(env or {}), **tls.env()}
         self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
@@ -144,9 +158,28 @@ class LocalCluster(ClosesOnExit):
                     and e.worker not in self._killed and self.restart_crashed and self.autoscaler is None
                     and not self.closed):  # fmt: skip
                 asyncio.get_running_loop().call_soon(self._replace, e.worker, e.reason)
+            elif (isinstance(e, ev.WorkerRemove) and e.cause is ev.RemoveCause.MEMORY and e.worker in self._own
+                    and self.restart_crashed and self.autoscaler is None and not self.closed):  # fmt: skip
+                self._memory_restarts[e.worker] = time.monotonic()
+            elif isinstance(e, ev.WorkerJoin):
+                self._memory_restarts.pop(e.worker, None)
+            elif isinstance(e, ev.Tick) and self._memory_restarts:
+                self._check_memory_restarts()
         if any(isinstance(e, (ev.WorkerJoin, ev.WorkerRemove, ev.Tick)) for e in events):
             with self._cond:
                 self._cond.notify_all()
+
+    def _check_memory_restarts(self) -> None:
+        """Replace workers that left to restart over their memory limit and did not come back."""
+        now = time.monotonic()
+        for wid, left in list(self._memory_restarts.items()):
+            p = self.provider.procs.get(wid)
+            exited = p is None or p.proc.poll() is not None
+            if exited or now - left > self.MEMORY_RESTART_GRACE or self.closed:
+                del self._memory_restarts[wid]
+                if not self.closed and wid in self._own:
+                    why = "its process exited" if exited else f"not back after {self.MEMORY_RESTART_GRACE:g}s"
+                    asyncio.get_running_loop().call_soon(self._replace, wid, f"memory restart failed: {why}")
 
     def _replace(self, wid: str, reason: str) -> None:
         if self.closed:

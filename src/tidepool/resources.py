@@ -7,6 +7,7 @@ same way everywhere.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,8 @@ _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: str | int | float) -> int:
     """``"4GB"`` -> 4_000_000_000; numbers pass through."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"byte amount must be a finite number, got {value}")
         if value < 0:
             raise ConfigError(f"byte amount must not be negative, got {value}")
         return int(value)
@@ -46,8 +49,8 @@ def parse_resources(resources: Mapping[str, Any]) -> dict[str, float]:
         if name == "memory" or isinstance(value, str):
             out[name] = float(parse_bytes(value))
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ConfigError(f"resource {name!r} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"resource {name!r} must be a finite number, got {value!r}")
         if value < 0:
             raise ConfigError(f"resource {name!r} must not be negative, got {value}")
         out[name] = float(value)

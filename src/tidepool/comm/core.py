@@ -24,6 +24,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tidepool.comm import accept_errors
 from tidepool.comm.admission import PLAIN_PREAMBLE, TLS_HANDSHAKE_RECORD, PendingTable
 from tidepool.comm.auth import HANDSHAKE_TIMEOUT, client_handshake, server_handshake
 from tidepool.comm.frames import (
@@ -362,8 +363,6 @@ MAX_PENDING_TLS = 64
 PRESSURE_DEADLINE = 2.0
 #: refused connections logged one by one per minute; the rest are counted in one line
 REJECT_LOG_BURST = 10
-#: seconds between two log lines about failing accepts (e.g. "Too many open files")
-ACCEPT_ERROR_LOG_INTERVAL = 10.0
 
 
 class Listener:
@@ -396,8 +395,6 @@ class Listener:
         self._reject_window = -1e9
         self._reject_logged = 0
         self._reject_quiet = 0
-        self._accept_errors = 0
-        self._accept_error_logged = -1e9
 
     @property
     def refused(self) -> int:
@@ -440,22 +437,14 @@ class Listener:
             except OSError as exc:
                 if lsock.fileno() < 0:
                     return
-                self._note_accept_error(loop.time(), exc)
-                await asyncio.sleep(0.1)  # out of file descriptors: give closes a chance
+                # out of file descriptors: one line per interval with counts, shared with asyncio's
+                # own accept paths (comm/accept_errors.py); give closes a chance before trying again
+                accept_errors.install(loop).note(exc)
+                await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
             source = str(addr[0]) if isinstance(addr, tuple) else str(addr)
             self._spawn_tcp(sock, source)
-
-    def _note_accept_error(self, now: float, exc: OSError) -> None:
-        """One line per interval with a count, never one traceback per failed accept."""
-        self._accept_errors += 1
-        if now - self._accept_error_logged >= ACCEPT_ERROR_LOG_INTERVAL:
-            log.error("accepting connections on %s fails: %s (%d times since the last report); new "
-                      "peers wait until it recovers (raise `ulimit -n` if it is out of file descriptors)",
-                      self.address, exc, self._accept_errors)  # fmt: skip
-            self._accept_errors = 0
-            self._accept_error_logged = now
 
     def _spawn_tcp(self, sock: socket.socket, source: str) -> None:
         key = next(self._keys)

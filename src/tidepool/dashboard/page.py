@@ -96,7 +96,7 @@ function render(){
     return `<li class="decision ${cls}">t=${(Number(d.t) - last.t0).toFixed(1)}s <b>${esc(d.kind)}</b>${what}: ${esc(d.reason||d.outcome||"")}</li>`;
   }).join("");
   const ws = last.workers;
-  document.querySelector("#workers tbody").innerHTML = ws.map(w => `<tr class="worker-row"><td>${esc(w.name||w.id)}</td><td>${esc(w.node_type)}</td><td>${esc(w.state)}</td><td>${esc(Object.entries(w.resources).map(([k,v]) => k+"="+v).join(", "))}</td><td>${w.running}</td><td>${w.held_keys}</td><td>${fmtBytes(w.held_bytes)}</td><td>${fmtBytes(w.spilled_bytes)}</td><td>${w.idle_for==null?"-":w.idle_for+" s"}</td><td>${w.idle_and_empty?"yes":""}</td></tr>`).join("");
+  document.querySelector("#workers tbody").innerHTML = ws.map(w => `<tr class="worker-row"><td>${esc(w.name||w.id)}</td><td>${esc(w.node_type)}</td><td>${esc(w.state)}</td><td>${esc(Object.entries(w.resources).map(([k,v]) => k+"="+v).join(", "))}</td><td>${w.running}</td><td>${w.held_keys}</td><td>${fmtBytes(w.held_bytes)}</td><td${w.spill_disabled?` title="${esc(w.spill_disabled)}"`:""}>${fmtBytes(w.spilled_bytes)}${w.spill_disabled?" (spilling off)":""}</td><td>${w.idle_for==null?"-":w.idle_for+" s"}</td><td>${w.idle_and_empty?"yes":""}</td></tr>`).join("");
   const svg = document.getElementById("stream"), W = svg.clientWidth||900, H = svg.clientHeight||180;
   const t1 = last.now, t0 = t1 - 60, rowsOf = {}; let nrow = 0;
   const recent = stream.filter(s => s.start + s.duration >= t0);

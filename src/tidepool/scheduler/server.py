@@ -85,6 +85,9 @@ class Scheduler:
         self._closed = False
 
     async def start(self) -> Scheduler:
+        from tidepool.comm import accept_errors
+
+        accept_errors.install()  # out of descriptors: one log line per interval, not one per accept
         self.listener = await listen(self.requested_address, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
@@ -316,6 +319,9 @@ class Scheduler:
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
                         await self._dispatch(cmds)
+                elif op == "spill-disabled":  # observed (journal, dashboard), unlike plain heartbeats
+                    log.warning("worker %s stopped spilling to disk: %s", wid, msg.get("reason", ""))
+                    await self.apply([ev.Heartbeat(wid, now, msg.get("metrics") or {})])
                 elif op == "setup-done":
                     for name in msg.get("names", ()):
                         self._resolve_setup(wid, name, "ok")

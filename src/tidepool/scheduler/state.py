@@ -1219,6 +1219,7 @@ class SchedulerState:
                 "rss": w.metrics.get("rss", 0), "peak_rss": w.metrics.get("peak_rss", 0),
                 "spilled_bytes": w.metrics.get("spilled", 0), "spilled_total": w.metrics.get("spilled_total", 0),
                 "paused": bool(w.metrics.get("paused")),
+                "spill_disabled": str(w.metrics.get("spill_disabled") or ""),
             }
             for w in self.workers.values()
         ]  # fmt: skip

@@ -1,9 +1,11 @@
 """``tidepool simulate``: run a workload under one or more policies and compare them.
 
 The CLI's only edit is a subparser that calls :func:`add_arguments` and :func:`run`; everything
-else lives here.  Output: per policy the makespan, held worker-seconds, cost by node type,
-launches and retirements (and how fast the simulation ran), a makespan-versus-cost plot and the
-decision journal of every run (``OUT/<policy>.jsonl``, which ``tidepool report`` draws).
+else lives here.  Output: per policy the makespan, held and busy worker-seconds (one definition,
+shared with ``tidepool report``: docs/simulation.md), cost by node type, launches and retirements
+done, a makespan-versus-cost plot and the decision journal of every run (``OUT/<policy>.jsonl``,
+which ``tidepool report`` draws).  How fast the simulation itself ran is printed with ``-v``.
+Input is checked first (``sim/validate.py``): every problem is a ConfigError naming its field.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from typing import Any
 
 from tidepool.errors import ConfigError
+from tidepool.sim import validate
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -61,7 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a run may go on after the results while the policy retires workers (default 900)")
     p.add_argument("--until", type=float, default=30 * 86400.0, help="stop every run at this simulated time")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
+    p.add_argument("--max-tasks", type=int, default=None,
+                   help="refuse graphs of more tasks than this (default 2,000,000; about 1-2 KB of memory each)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-v", "--verbose", dest="sim_verbose", action="store_true",
+                   help="also print how fast each simulation ran (progress, events/s, controller time)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,19 +84,27 @@ def run(args: argparse.Namespace) -> int:
                           "tidepool simulate bursty --cluster local:4 --policy default --policy dask")  # fmt: skip
     if args.replay and args.graph:
         raise ConfigError("give either GRAPH or --journal, not both")
+    validate.seconds(args.until, "--until", positive=True)
+    validate.seconds(args.tail, "--tail")
+    if args.max_tasks is not None and args.max_tasks < 1:
+        raise ConfigError(f"--max-tasks must be at least 1, got {args.max_tasks}")
     cluster = load_cluster(args.cluster)
     if args.interval is not None:
-        if not args.interval > 0:
-            raise ConfigError(f"--interval must be positive, got {args.interval}")
+        validate.seconds(args.interval, "--interval", positive=True)
         cluster.interval = args.interval
     if args.forecast_budget is not None:
-        if not 0 < args.forecast_budget <= 1:
+        if not 0 < args.forecast_budget <= 1:  # NaN fails this too
             raise ConfigError(f"--forecast-budget must be a fraction 0 < f <= 1, got {args.forecast_budget}")
         cluster.forecast_budget = args.forecast_budget
     seed = args.seed if args.seed is not None else (cluster.seed if cluster.seed is not None else 0)
     if args.replay and not args.replay.endswith(".jsonl"):
         raise ConfigError(f"--journal expects a JSON-lines journal (.jsonl), got {args.replay!r}")
-    workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival)
+    workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival,
+                             max_tasks=args.max_tasks)  # fmt: skip
+    longest = max(workload.tasks(), key=lambda t: t.duration, default=None)
+    if longest is not None and longest.duration > args.until:
+        raise ConfigError(f"task {longest.key!r} lasts {longest.duration:g}s, longer than --until {args.until:g}s: "
+                          "the run could never finish; raise --until or fix the duration")  # fmt: skip
     if source.endswith(".jsonl") and args.startup == "journal":  # the run's own start-ups and delays
         from tidepool.sim.replay import calibrate
         from tidepool.telemetry.report import load_records
@@ -99,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)
     say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    # how fast the simulator itself ran is for its developers: only with -v
+    verbose = bool(getattr(args, "sim_verbose", False) or getattr(args, "verbose", False)) and not args.quiet
+    detail = say if verbose else (lambda s: None)
     say(f"workload {workload.name}: {workload.n_tasks:,} tasks, {workload.total_seconds():,.1f} task-seconds; "
         f"cluster {cluster.describe()}; seed {seed}")  # fmt: skip
     for note in workload.notes:
@@ -108,12 +126,12 @@ def run(args: argparse.Namespace) -> int:
         policy = make_policy(name, cluster.make_policy() if cluster.config is not None else None)
         path = default_journal_name(args.out, name)
         sim = Simulation(workload, cluster, policy, seed=seed, policy_name=name, journal=path,
-                         task_records=records, tail=args.tail, until=args.until, progress=say)  # fmt: skip
+                         task_records=records, tail=args.tail, until=args.until, progress=detail)  # fmt: skip
         r = sim.run()
         results.append(r)
         say(f"{name}: done; journal {path}")
         for line in perf_lines(r):
-            say(f"  {line}")
+            detail(f"  {line}")
     print(render_text(table_rows(results)))
     for note in workload.notes:
         print(f"note: {note}")

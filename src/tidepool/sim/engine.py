@@ -47,6 +47,7 @@ from tidepool.sim.provider import SimProvider
 from tidepool.sim.shell import SimAutoScaler, StepCost
 from tidepool.sim.workload import SimTask, Workload
 from tidepool.telemetry.journal import Journal
+from tidepool.telemetry.report import count_retirements
 
 CLIENT = "sim-client"
 
@@ -108,9 +109,12 @@ class SimResult:
     seed: int
     completed: bool
     makespan: float | None  # first submit -> results gathered
-    held_worker_seconds: float  # registered worker time within the makespan
-    held_worker_seconds_total: float  # ... until the run ended (the tail after the results too)
-    busy_worker_seconds: float  # sum of task durations executed
+    # one definition everywhere, as ``tidepool report`` reads the journal (telemetry/report.py):
+    # held = a worker registered (join to close or leave); busy = a worker running at least one
+    # task (counted once however many of its slots run); task-seconds = the sum of task durations
+    held_worker_seconds: float  # held worker time within the makespan (first submit to results)
+    held_worker_seconds_total: float  # ... over the whole run (the tail after the results too)
+    busy_worker_seconds: float  # busy worker time over the whole run (<= held)
     cost: dict[str, float]  # node type -> cost (billed node-hours x NodeType.cost)
     node_seconds: dict[str, float]  # node type -> billed node-seconds
     launches: int
@@ -126,6 +130,8 @@ class SimResult:
     stats: SimStats = field(default_factory=SimStats)
     notes: list[str] = field(default_factory=list)
     journal: str | None = None
+    task_seconds: float = 0.0  # sum of the durations of the task executions
+    retire_refused: int = 0  # retirements asked for and refused (``retirements`` counts done ones)
 
     @property
     def total_cost(self) -> float:
@@ -135,11 +141,25 @@ class SimResult:
         return {
             "policy": self.policy, "makespan": self.makespan, "held_w_s": self.held_worker_seconds,
             "held_w_s_total": self.held_worker_seconds_total, "busy_w_s": self.busy_worker_seconds,
+            "task_s": self.task_seconds, "retire_refused": self.retire_refused,
             "cost": self.total_cost, "cost_by_type": dict(self.cost), "launches": self.launches,
             "launched_nodes": self.launched_nodes, "retirements": self.retirements,
             "launch_failures": self.launch_failures, "workers": self.workers, "peak_workers": self.peak_workers,
             "recomputed": self.recomputed, "completed": self.completed,
         }  # fmt: skip
+
+
+def _add_interval(ivs: list[tuple[float, float]], a: float, b: float) -> None:
+    """Add [a, b] to the sorted disjoint intervals ``ivs``, merging; finishes come in time order,
+    so it usually touches only the last ones."""
+    i = len(ivs)
+    while i and ivs[i - 1][1] >= a:
+        i -= 1
+    j = i
+    while j < len(ivs) and ivs[j][0] <= b:
+        a, b = min(a, ivs[j][0]), max(b, ivs[j][1])
+        j += 1
+    ivs[i:j] = [(a, b)]
 
 
 def _rss() -> int:
@@ -226,7 +246,8 @@ class Simulation:
         self._spans: list[tuple[float, float]] = []
         self._live = 0
         self._peak = 0
-        self._busy = 0.0
+        self._busy: dict[str, list[tuple[float, float]]] = {}  # worker -> disjoint busy intervals, in order
+        self._task_seconds = 0.0
         self._executions = 0
         self._last_event = 0.0
         self._stopped = ""
@@ -262,6 +283,11 @@ class Simulation:
         self.stats.commands += len(cmds)
         self.stats.batches += 1
         self._account(events)
+        closed = [c.worker for c in cmds if type(c) is ev.CloseWorker]  # type: ignore[attr-defined]
+        if closed:  # held ends when the worker is told to close, as the report reads the journal
+            at = max((e.now for e in events), default=self.now)
+            for w in closed:
+                self._held_end(w, at)
         self.journal.observe(events, cmds)
         self.shell.observe(events, cmds)
         if cmds:
@@ -269,22 +295,27 @@ class Simulation:
         return cmds
 
     def _account(self, events: list[ev.Event]) -> None:
-        now = self.now
+        # times as the journal stamps them (the event's own), so `tidepool report` agrees
         for e in events:
             t = type(e)
             if t is ev.TaskFinished:
-                self._busy += e.duration  # type: ignore[union-attr]
+                d = e.duration  # type: ignore[union-attr]
+                self._task_seconds += d
                 self._executions += 1
+                _add_interval(self._busy.setdefault(e.worker, []), e.now - d, e.now)  # type: ignore[union-attr]
             elif t is ev.WorkerJoin:
-                self._last_event = now
-                self._joined[e.worker] = now  # type: ignore[union-attr]
+                self._last_event = self.now
+                self._joined[e.worker] = e.now  # type: ignore[union-attr]
                 self._live += 1
                 self._peak = max(self._peak, self._live)
             elif t is ev.WorkerRemove:
-                t0 = self._joined.pop(e.worker, None)  # type: ignore[union-attr]
-                if t0 is not None:
-                    self._spans.append((t0, now))
-                    self._live -= 1
+                self._held_end(e.worker, e.now)  # type: ignore[union-attr]
+
+    def _held_end(self, worker: str, t: float) -> None:
+        t0 = self._joined.pop(worker, None)
+        if t0 is not None:
+            self._spans.append((t0, t))
+            self._live -= 1
 
     def _dispatch(self, cmds: list[ev.Command]) -> None:
         tasks = self.state.tasks
@@ -696,12 +727,14 @@ class Simulation:
         stop = self._gathered_at if self._gathered_at is not None else end
         start = self._first_submit or 0.0
         held_in = sum(max(0.0, min(b, stop) - max(a, start)) for a, b in self._spans)
-        held_all = sum(max(0.0, b - max(a, start)) for a, b in self._spans)
+        held_all = sum(b - a for a, b in self._spans)
+        busy = sum(b - a for ivs in self._busy.values() for a, b in ivs)
         node_s = self.provider.billed_node_seconds(end)
         cost = {name: node_s.get(name, 0.0) / 3600.0 * nt.cost for name, nt in self.node_types.items()
                 if name in node_s}  # fmt: skip
         recs = self.journal.records
         launches = [r for r in recs if r["kind"] == "launch"]
+        retirements, retire_refused = count_retirements(recs)
         st = self.stats
         st.wall = wall
         st.steps = self.shell.steps
@@ -723,10 +756,11 @@ class Simulation:
         return SimResult(
             policy=self.policy_name, workload=self.workload.name, seed=self.seed, completed=completed,
             makespan=(self._gathered_at - start) if completed else None,  # type: ignore[operator]
-            held_worker_seconds=held_in, held_worker_seconds_total=held_all, busy_worker_seconds=self._busy,
+            held_worker_seconds=held_in, held_worker_seconds_total=held_all, busy_worker_seconds=busy,
+            task_seconds=self._task_seconds, retire_refused=retire_refused,
             cost=cost, node_seconds=node_s, launches=len(launches),
             launched_nodes=sum(int(r.get("nodes", 1)) for r in launches),
-            retirements=sum(1 for r in recs if r["kind"] == "retire"),
+            retirements=retirements,
             launch_failures=sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")),
             workers=self.state.counters["workers_joined"], peak_workers=self._peak, tasks=len(self.tasks),
             executions=self._executions, recomputed=self.state.counters["recomputed"], end=end, stats=st,

@@ -22,19 +22,29 @@ def _s(v: float | None, digits: int = 1) -> str:
 
 
 def table_rows(results: Sequence[SimResult]) -> list[list[str]]:
-    """Header plus one row per result: makespan, held worker-seconds, cost by node type, actions."""
+    """Header plus one row per result: makespan, worker-seconds, cost by node type, actions.
+
+    Worker-seconds as ``tidepool report`` counts them (docs/simulation.md): *held* a worker was
+    registered, in the makespan and over the whole run (with the tail after the results); *busy*
+    it ran at least one task (once however many slots); *task-s* the sum of task durations.
+    Cost is billed node-hours times each node type's ``cost`` (its price per node-hour)."""
     types = sorted({k for r in results for k in r.cost})
-    head = ["policy", "makespan s", "held w-s", "held w-s (with tail)", "busy w-s", "cost",
-            *[f"cost {t}" for t in types], "launches (nodes)", "retirements", "failed launches", "peak workers"]  # fmt: skip
+    head = ["policy", "makespan s", "held w-s", "held w-s (whole run)", "busy w-s", "task-s",
+            COST_HEADER, *[f"cost {t}" for t in types], "launches (nodes)", "retirements done",
+            "failed launches", "peak workers"]  # fmt: skip
     rows = [head]
     for r in results:
         rows.append([
             r.policy + ("" if r.completed else " (did not finish)"), _s(r.makespan, 2), _s(r.held_worker_seconds),
-            _s(r.held_worker_seconds_total), _s(r.busy_worker_seconds), _s(r.total_cost, 2),
+            _s(r.held_worker_seconds_total), _s(r.busy_worker_seconds), _s(r.task_seconds), _s(r.total_cost, 2),
             *[_s(r.cost.get(t, 0.0), 2) for t in types], f"{r.launches} ({r.launched_nodes})", str(r.retirements),
             str(r.launch_failures), str(r.peak_workers),
         ])  # fmt: skip
     return rows
+
+
+#: the cost column: billed node-hours times each node type's ``cost`` per node-hour
+COST_HEADER = "cost (node-h x cost/node-h)"
 
 
 def render_text(rows: list[list[str]]) -> str:

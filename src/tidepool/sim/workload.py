@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -55,6 +56,7 @@ from typing import Any
 
 from tidepool.errors import ConfigError
 from tidepool.scheduler import events as ev
+from tidepool.sim import validate
 from tidepool.sim.dists import Dist, parse_dist, stream
 
 _HEXISH = re.compile(r"^[0-9a-f]{6,}$|^[0-9]+$")
@@ -69,13 +71,19 @@ class SimTask:
                  resources: Mapping[str, float] | None = None, nbytes: int = 8, priority: int = 0,
                  retries: int = 0) -> None:  # fmt: skip
         self.key = key
-        self.duration = float(duration)
+        # checked here, so every reader of graphs is held to the same rules (sim/validate.py); the
+        # plain case is one comparison (a million tasks are built at once)
+        if type(duration) is float and 0.0 <= duration <= validate.MAX_DURATION:
+            self.duration = duration
+        else:
+            self.duration = validate.duration(duration, f"task {key!r}: duration")
         self.deps = tuple(deps)
         self.group = group or group_of(key)
         self.resources = dict(resources) if resources else None
-        self.nbytes = int(nbytes)
-        self.priority = int(priority)
-        self.retries = int(retries)
+        self.nbytes = nbytes if type(nbytes) is int and 0 <= nbytes <= validate.MAX_NBYTES else \
+            validate.nbytes(nbytes, f"task {key!r}: nbytes")  # fmt: skip
+        self.priority = int(validate.number(priority, f"task {key!r}: priority", lo=-math.inf, integer=True))
+        self.retries = int(validate.number(retries, f"task {key!r}: retries", integer=True))
 
     def spec(self) -> ev.TaskSpec:
         return ev.TaskSpec(self.key, self.group, None, self.deps, self.resources or {}, self.retries,
@@ -132,10 +140,12 @@ def sinks(tasks: Sequence[SimTask]) -> list[str]:
 
 
 # ---- JSON graphs ---------------------------------------------------------------------------------
-def from_dict(data: Mapping[str, Any], *, seed: int = 0, source: str = "<graph>") -> Workload:
+def from_dict(data: Mapping[str, Any], *, seed: int = 0, source: str = "<graph>",
+              max_tasks: int | None = None) -> Workload:  # fmt: skip
     """A workload from the JSON graph format (see the module docstring)."""
     if not isinstance(data, Mapping) or not isinstance(data.get("tasks"), list):
         raise ConfigError(f"{source}: a graph is an object with a 'tasks' list (see docs/simulation.md)")
+    validate.graph_size(len(data["tasks"]), source, max_tasks)
     unknown = set(data) - {"name", "tasks", "wanted", "hold", "gather", "notes"}
     if unknown:
         raise ConfigError(f"{source}: unknown graph fields {sorted(unknown)}; allowed: name, tasks, wanted, "
@@ -166,9 +176,9 @@ def from_dict(data: Mapping[str, Any], *, seed: int = 0, source: str = "<graph>"
         dist = dists.get(text)
         if dist is None:
             dist = dists[text] = parse_dist(dur, f"{where} ({key!r}) duration")
-        submit = float(raw.get("submit", 0.0))
+        submit = float(validate.duration(raw.get("submit", 0.0), f"{where} ({key!r}): submit"))
         task = SimTask(key, dist.sample(rng), deps, str(raw.get("group", "")), raw.get("resources"),
-                       int(raw.get("nbytes", 8)), int(raw.get("priority", 0)), int(raw.get("retries", 0)))  # fmt: skip
+                       raw.get("nbytes", 8), raw.get("priority", 0), raw.get("retries", 0))  # fmt: skip
         seen.add(key)
         by_time.setdefault(submit, []).append(task)
     all_tasks = [t for ts in by_time.values() for t in ts]
@@ -180,8 +190,9 @@ def from_dict(data: Mapping[str, Any], *, seed: int = 0, source: str = "<graph>"
         raise ConfigError(f"{source}: wanted keys {missing[:5]} are not tasks of the graph")
     want = set(wanted)
     stages = [Stage(ts, [t.key for t in ts if t.key in want], at) for at, ts in sorted(by_time.items())]
-    return Workload(str(data.get("name", "graph")), stages, float(data.get("hold", 0.0)),
-                    bool(data.get("gather", True)), list(data.get("notes", [])))  # fmt: skip
+    hold = validate.duration(data.get("hold", 0.0), f"{source}: hold")
+    return Workload(str(data.get("name", "graph")), stages, hold, bool(data.get("gather", True)),
+                    list(data.get("notes", [])))  # fmt: skip
 
 
 def to_dict(w: Workload) -> dict[str, Any]:
@@ -234,6 +245,12 @@ def from_journal(records: Sequence[Mapping[str, Any]], *, arrival: str = "start"
         if r.get("kind") == "worker-join":
             res = r.get("resources") or {}
             special[str(r.get("worker"))] = {k: 1.0 for k, v in res.items() if k not in ("cpu", "memory") and v}
+    for i, r in enumerate(tasks):  # the times must be numbers before anything is computed from them
+        where = f"journal task record #{i + 1} ({str(r.get('key', '?'))[:80]!r})"
+        validate.number(r["t"], f"{where}: t", lo=-math.inf)
+        validate.duration(r.get("duration", 0.0), f"{where}: duration")
+        if "start" in r:
+            validate.number(r["start"], f"{where}: start", lo=-math.inf)
     starts = [float(r.get("start", float(r["t"]) - float(r.get("duration", 0.0)))) for r in tasks]
     launches = [float(r["t"]) for r in records if r.get("kind") == "launch"]
     t0 = min(launches) if launches else min(starts)
@@ -339,15 +356,25 @@ def as_workload(value: Any, *, seed: int = 0, name: str = "graph", durations: Ma
 
 
 def load_workload(source: str, *, seed: int = 0, params: Mapping[str, Any] | None = None,
-                  arrival: str = "start") -> Workload:  # fmt: skip
-    """A workload from a built-in name, a ``.json`` graph, a ``.jsonl`` journal or ``module:function``."""
+                  arrival: str = "start", max_tasks: int | None = None) -> Workload:  # fmt: skip
+    """A workload from a built-in name, a ``.json`` graph, a ``.jsonl`` journal or ``module:function``;
+    more than ``max_tasks`` tasks (default :data:`~tidepool.sim.validate.MAX_TASKS`) is refused."""
+    w = _load_workload(source, seed=seed, params=params, arrival=arrival, max_tasks=max_tasks)
+    validate.graph_size(w.n_tasks, source, max_tasks)
+    return w
+
+
+def _load_workload(source: str, *, seed: int, params: Mapping[str, Any] | None, arrival: str,
+                   max_tasks: int | None) -> Workload:  # fmt: skip
     from tidepool.sim import workloads as builtin
 
     params = dict(params or {})
     if source.endswith(".jsonl"):
         from tidepool.telemetry.report import load_records
 
-        return from_journal(load_records(source), arrival=arrival, name=os.path.basename(source))
+        records = load_records(source)
+        validate.graph_size(sum(1 for r in records if r.get("kind") == "task"), source, max_tasks)
+        return from_journal(records, arrival=arrival, name=os.path.basename(source))
     if source.endswith(".json"):
         try:
             with open(source) as f:
@@ -356,12 +383,17 @@ def load_workload(source: str, *, seed: int = 0, params: Mapping[str, Any] | Non
             raise ConfigError(f"cannot read graph {source}: {exc.strerror or exc}") from exc
         except ValueError as exc:
             raise ConfigError(f"{source}: not JSON: {exc}") from exc
-        return from_dict(data, seed=seed, source=source)
+        return from_dict(data, seed=seed, source=source, max_tasks=max_tasks)
     if source in builtin.BUILTIN:
-        return builtin.BUILTIN[source](seed=seed, **params)
+        fn = builtin.BUILTIN[source]
+        params = validate.params(fn, params, source)
+        validate.graph_size(validate.BUILTIN_SIZE[source](**params), source, max_tasks)
+        return fn(seed=seed, **params)  # type: ignore[no-any-return]
     if ":" in source:
         fn = _load_callable(source)
         durations = params.pop("durations", None)
+        if callable(fn):
+            params = validate.params(fn, params, source)
         value = fn(**params) if callable(fn) else fn
         return as_workload(value, seed=seed, name=source.rpartition(":")[2], durations=durations)
     raise ConfigError(f"graph {source!r}: expected a built-in workload ({', '.join(sorted(builtin.BUILTIN))}), "

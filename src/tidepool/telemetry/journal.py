@@ -1,7 +1,7 @@
 """The event journal: one record per thing that happened, with the reason when there is one.
 
 Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``worker-join``,
-``worker-leave``, ``task`` (one per finished or failed task: worker, start, duration, and, for
+``worker-leave``, ``spill-disabled`` (a worker stopped spilling to disk, and why), ``task`` (one per finished or failed task: worker, start, duration, and, for
 tasks submitted while the journal listened, ``submitted`` (the time of the graph update), ``deps``
 (the keys it needed, so ``tidepool simulate --journal`` replays the graph's shape), ``nbytes`` of
 its result and its ``resources`` when it asked for any), ``worker-startup`` (requested ->
@@ -71,6 +71,8 @@ class Journal:
                             resources=e.resources)  # fmt: skip
             elif isinstance(e, ev.WorkerRemove):
                 self.record("worker-leave", e.now, worker=e.worker, reason=e.reason, graceful=e.graceful)
+            elif isinstance(e, ev.Heartbeat) and e.metrics.get("spill_disabled"):  # sent once, at the change
+                self.record("spill-disabled", e.now, worker=e.worker, reason=str(e.metrics["spill_disabled"]))
             elif self.tasks and isinstance(e, ev.TaskFinished):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
                             duration=round(e.duration, 6), ok=True, nbytes=e.nbytes, **self._shape(e.key))  # fmt: skip

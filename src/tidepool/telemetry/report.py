@@ -16,7 +16,10 @@ origin; workers still present at the end are held until the last record.  Busy t
 held time, so ``busy <= held`` always and efficiency is at most 1.
 
 "Busy" counts a worker once however many of its slots run tasks; the sum of task durations is
-reported separately as ``task_seconds`` (it exceeds busy time on multi-slot workers).
+reported separately as ``task_seconds`` (it exceeds busy time on multi-slot workers).  These are
+the definitions everywhere: ``tidepool simulate`` computes held and busy worker-seconds the same
+way (its whole-run columns equal this summary of its journal).  Retirements count those done
+(``retire-done`` records with outcome ``retired``), not the attempts (``retire`` records).
 
 matplotlib is an optional dependency (``pip install tidepool[plot]``), imported only by
 :func:`plot_timeline`, which draws on a bare Agg canvas (no pyplot, no global figure state).
@@ -181,14 +184,33 @@ def busy_series(busy: dict[str, list[tuple[float, float]]], start: float, end: f
     return step_series(changes, start, end)
 
 
+def count_retirements(records: Iterable[Record]) -> tuple[int, int]:
+    """(retirements done, refused): from ``retire-done`` outcomes; a journal without them (written
+    before they existed) counts its ``retire`` decisions as done."""
+    done = refused = decided = 0
+    seen = False
+    for r in records:
+        kind = r["kind"]
+        if kind == "retire-done":
+            seen = True
+            if r.get("outcome") == "retired":
+                done += 1
+            else:
+                refused += 1
+        elif kind in RETIRE_KINDS:
+            decided += 1
+    return (done, refused) if seen else (decided, 0)
+
+
 def summary(records: Iterable[Record]) -> dict[str, Any]:
     """What the run cost and how well the pool was used.
 
     Times in seconds.  ``makespan``: origin to the end of the last task.  ``held_worker_seconds``:
     registered worker time; ``busy_worker_seconds``: time workers ran at least one task;
     ``efficiency``: busy / held (None when nothing was held).  ``time_to_first_worker``: origin to
-    the first ``worker-join`` (None without one).  ``launches``/``retirements`` count the
-    autoscaler's decisions; ``launched_nodes`` sums the nodes asked for.
+    the first ``worker-join`` (None without one).  ``launches`` counts the autoscaler's launch
+    decisions (``launched_nodes`` sums the nodes asked for); ``retirements`` those done and
+    ``retire_refused`` those the scheduler refused (:func:`count_retirements`).
     """
     recs = list(records)
     t0, t_end = origin(recs), end_time(recs)
@@ -202,6 +224,7 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
     total_changes = [(t, d) for s in spans for t, d in ((s.start, 1), (s.end, -1))]
     peak = max(step_series(total_changes, t0, t_end)[1])
     node_types = Counter(s.node_type for s in {s.worker: s for s in spans}.values())
+    retired, refused = count_retirements(recs)
     return {
         "start": t0,
         "duration": t_end - t0,
@@ -218,7 +241,8 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
         "time_to_first_worker": min(joins) - t0 if joins else None,
         "launches": len(launches),
         "launched_nodes": sum(int(r.get("nodes", 1)) for r in launches),
-        "retirements": sum(1 for r in recs if r["kind"] in RETIRE_KINDS),
+        "retirements": retired,
+        "retire_refused": refused,
         "launch_failures": sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")),
     }
 
@@ -240,7 +264,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("busy worker-seconds", f"{s['busy_worker_seconds']:.2f}"),
         ("efficiency", "-" if eff is None else f"{eff:.1%} (busy / held)"),
         ("launches", f"{s['launches']} ({s['launched_nodes']} nodes, {s['launch_failures']} failed)"),
-        ("retirements", str(s["retirements"])),
+        ("retirements", f"{s['retirements']} done ({s.get('retire_refused', 0)} refused)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -256,6 +280,8 @@ def load_records(path: str) -> list[Record]:
             lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     except OSError as exc:
         raise ConfigError(f"cannot read journal {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a journal (JSON lines of text): {exc}") from exc
     out: list[Record] = []
     for i, (n, line) in enumerate(lines):
         try:

@@ -19,8 +19,9 @@ its resources fit what is free, so slots are never oversubscribed.  Outcomes go 
 
 Blame: the keys of tasks about to enter a slot are written to the scheduler (``started``) *before*
 the slot runs them, so if a task kills the process the scheduler knows it was executing, and tasks
-merely queued here are not suspected.  A value that cannot be served (pickling fails, or it is over
-the frame limit) is reported once as ``unservable`` and dropped: the scheduler fails that task with
+merely queued here are not suspected.  A value that cannot be served (pickling fails, it is over
+the frame limit, or pickling it ran out of memory ``MAX_SERVE_TRIES`` times) is reported once as
+``unservable`` and dropped: the scheduler fails that task with
 the reason instead of recomputing it forever.
 """
 
@@ -70,9 +71,12 @@ from tidepool.worker.memory import (
     trim_memory,
 )
 from tidepool.worker.sizeof import sizeof
-from tidepool.worker.spill import SpillStore
+from tidepool.worker.spill import SpillStore, resolve_spill_limit
 
 log = logging.getLogger("tidepool.worker")
+
+#: times a value may fail to serialise for lack of memory before the futures wanting it fail
+MAX_SERVE_TRIES = 3
 
 
 class _Task:
@@ -104,6 +108,7 @@ class Worker:
         memory_thresholds: MemoryThresholds | None = None,
         memory_share: int = 1,
         spill_dir: str | None = None,
+        spill_limit: int | str | None = None,
         preload: list[str] | None = None,
         restartable: bool = False,
         tls: TLSConfig | None = None,
@@ -150,7 +155,8 @@ class Worker:
             if spill_dir:
                 spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-", dir=spill_dir))
                 atexit.register(shutil.rmtree, spill, True)
-            self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target)
+            self.data = SpillStore(spill, self.memory_limit * self.memory_thresholds.target,
+                                   resolve_spill_limit(spill_limit, spill), on_disable=self._spill_disabled)  # fmt: skip
         self.nbytes: dict[str, int] = {}
         self.functions: dict[str, Any] = {}
         self.queue: deque[_Task] = deque()
@@ -169,6 +175,7 @@ class Worker:
         self._seceded: list[str] = []
         self.seceded: set[str] = set()  # running tasks that gave their slot back (worker_client)
         self._unservable: list[list[str]] = []
+        self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
         self._flush_scheduled = False
         self._sends_in_flight = 0  # batches handed to an async send, not written yet
         self.conn: Connection | None = None
@@ -232,15 +239,18 @@ class Worker:
         self.pool.stop()
         if self.monitor is not None:
             self.monitor.stop()
-        await self.listener.close()
-        shutil.rmtree(self.setup_dir, ignore_errors=True)
-        if isinstance(self.data, SpillStore):
-            self.data.close()
-        for conn, _ in self._peers.values():
-            conn.close()
-        if self.conn is not None:
-            self.conn.close()
-        self.closed.set()
+        try:
+            await self.listener.close()
+        finally:
+            # the spill store first: its directory may be inside the temp directory removed next
+            if isinstance(self.data, SpillStore):
+                self.data.close()
+            shutil.rmtree(self.setup_dir, ignore_errors=True)
+            for conn, _ in self._peers.values():
+                conn.close()
+            if self.conn is not None:
+                self.conn.close()
+            self.closed.set()
 
     # ---- scheduler messages ----------------------------------------------------------------------
     async def _scheduler_loop(self) -> None:
@@ -322,6 +332,7 @@ class Worker:
         for k in keys:
             self.data.pop(k, None)
             self.nbytes.pop(k, None)
+            self._serve_failures.pop(k, None)
             if k in self.running:
                 self.cancelled.add(k)
             elif k in self.waiting:
@@ -632,16 +643,22 @@ class Worker:
             else:
                 try:
                     ser = serialize(self.data[k])
-                except MemoryError:
-                    # this process is short of memory now, the value is fine: keep it, and let the
-                    # connection close so the asker tries again or elsewhere at once (no timeout)
-                    log.warning("out of memory serialising %r for a peer; closing that connection", k)
-                    raise
+                except MemoryError as exc:
+                    tries = self._serve_failures[k] = self._serve_failures.get(k, 0) + 1
+                    if tries < MAX_SERVE_TRIES:
+                        # maybe short of memory only now: keep the value, and let the connection
+                        # close so the asker tries again or elsewhere at once (no timeout)
+                        log.warning("out of memory serialising %r for a peer (try %d of %d); closing that "
+                                    "connection", k, tries, MAX_SERVE_TRIES)  # fmt: skip
+                        raise
+                    why = (f"serialising its value ran out of memory {tries} times ({type(exc).__name__}{': ' if str(exc) else ''}{exc}); "
+                           "raise the worker's memory (or address-space) limit, or return something smaller")  # fmt: skip
+                    typ = "SerializationError"
                 except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's
                     why = (f"its value of type {type(self.data[k]).__name__} cannot be pickled: "
                            f"{type(exc).__name__}: {exc}")  # fmt: skip
                     typ = "SerializationError"
-                else:
+                if not why:
                     if ser.nbytes > limit:
                         why = (f"its value pickles to {ser.nbytes:,} bytes, over the {limit:,}-byte frame "
                                "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
@@ -654,6 +671,7 @@ class Worker:
                         budget -= ser.nbytes
                         continue
             message = f"task {k!r} produced a value that cannot be sent: {why}"
+            self._serve_failures.pop(k, None)
             failed[k] = message
             log.warning("%s", message)
             self.data.pop(k, None)
@@ -689,6 +707,13 @@ class Worker:
             self._send_metrics()
             self._start_ready()
 
+    def _spill_disabled(self, reason: str) -> None:
+        """The spill store turned spilling off (a write failed, or the spill limit was reached):
+        say so in the log (done by the store) and to the scheduler at once (journal, dashboard)."""
+        if self.closed is not None and not self.closed.is_set() and self.conn is not None and not self.conn.closed:
+            msg = {"op": "spill-disabled", "reason": reason, "metrics": self._metrics()}
+            self.loop.create_task(self.conn.send(msg)).add_done_callback(_log_send_error)
+
     async def _memory_terminate(self, rss: int) -> None:
         limit = self.memory_limit
         why = (f"worker {self.name} used {_mb(rss)} of memory, over {round(self.memory_thresholds.terminate * 100)}% "
@@ -708,6 +733,7 @@ class Worker:
         return {"rss": rss, "keys": len(store), "bytes": sum(self.nbytes.values()),
                 "spilled": store.spilled_bytes if isinstance(store, SpillStore) else 0,
                 "spilled_total": store.spilled_total if isinstance(store, SpillStore) else 0,
+                "spill_disabled": store.disabled if isinstance(store, SpillStore) else "",
                 "peak_rss": monitor.peak() if monitor is not None else rss, "memory_limit": self.memory_limit,
                 "paused": self.paused, "running": len(self.running), "queued": len(self.queue),
                 "time": time.time()}  # fmt: skip

@@ -9,18 +9,32 @@ that push the in-memory total over ``target`` spill the least recently used valu
 monitor asks for more (:meth:`evict`) when the process as a whole is over its spill level.  A value
 larger than the target goes straight to disk.  Spilled values still count as held data: the
 scheduler sees every key, wherever it is kept.
+
+Failures: a write the disk refuses (ENOSPC, EFBIG past ``RLIMIT_FSIZE``, EIO) or one that would pass
+``limit`` (the bytes this worker may spill) deletes its partial file and turns spilling off for good
+(``disabled`` says why, ``on_disable`` tells the worker once): every value then stays in memory and
+the memory monitor's pause and restart levels take over.  A value that cannot be pickled is kept in
+memory (``pinned``) and never tried again; neither case ever retries the same key.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
+import logging
+import math
+import os
 import shutil
 import struct
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from tidepool.comm.serialize import Serialized, deserialize, serialize
 from tidepool.worker.sizeof import sizeof
+
+log = logging.getLogger("tidepool.worker")
 
 _HEADER = struct.Struct("!I")  # number of frames, then one length per frame
 
@@ -44,11 +58,82 @@ def _load(blob: bytes | bytearray | memoryview) -> Any:
     return deserialize(Serialized(bytes(frames[0]), frames[1:]))
 
 
+class Unspillable(Exception):
+    """``key``'s value cannot be pickled: it stays in memory."""
+
+    def __init__(self, key: str, cause: BaseException) -> None:
+        super().__init__(f"{key!r} cannot be pickled for spilling: {type(cause).__name__}: {cause}")
+        self.key = key
+
+
+class Disk(MutableMapping[str, Any]):
+    """Pickled values, one file each, in ``directory``; at most ``limit`` bytes in all (0: no
+    limit).  A write that fails or would pass the limit removes its partial file and raises
+    ``OSError``; a value that does not pickle raises :class:`Unspillable`."""
+
+    def __init__(self, directory: Path, limit: int = 0) -> None:
+        self.directory = directory
+        self.limit = limit
+        self.files: dict[str, tuple[str, int]] = {}  # key -> (file name, bytes)
+        self.used = 0
+        self._names = itertools.count()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.discard(key)
+        try:
+            frames = _dump(value)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever pickling raised: the value's own problem
+            raise Unspillable(key, exc) from exc
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        if self.limit and self.used + nbytes > self.limit:
+            raise OSError(errno.ENOSPC, f"the spill limit of {self.limit:,} bytes would be passed "
+                                        f"({self.used:,} used, {nbytes:,} more asked); raise --spill-limit")  # fmt: skip
+        path = self.directory / f"{next(self._names)}.spill"
+        try:
+            with open(path, "wb") as fh:
+                fh.writelines(frames)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()  # never leave a partial file behind
+            raise
+        self.files[key] = (path.name, nbytes)
+        self.used += nbytes
+
+    def __getitem__(self, key: str) -> Any:
+        name, _ = self.files[key]
+        with open(self.directory / name, "rb") as fh:
+            buf = bytearray(os.fstat(fh.fileno()).st_size)  # writable: arrays load without a copy
+            fh.readinto(buf)
+        return _load(buf)
+
+    def __delitem__(self, key: str) -> None:
+        name, nbytes = self.files.pop(key)
+        self.used -= nbytes
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.directory / name)
+
+    def discard(self, key: str) -> None:
+        if key in self.files:
+            del self[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.files))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
 class SpillStore(MutableMapping[str, Any]):
     """``store[key] = value`` keeps values in memory up to ``target`` bytes, the rest on disk in
-    ``directory`` (removed by :meth:`close`)."""
+    ``directory`` (removed by :meth:`close`), at most ``limit`` bytes of it (0: no limit)."""
 
-    def __init__(self, directory: str | Path, target: float) -> None:
+    def __init__(self, directory: str | Path, target: float, limit: int = 0,
+                 on_disable: Callable[[str], Any] | None = None) -> None:  # fmt: skip
         import zict
 
         self.directory = Path(directory)
@@ -58,8 +143,13 @@ class SpillStore(MutableMapping[str, Any]):
         self._total = 0  # sum of sizes
         self._disk = 0  # sum of on_disk
         self.spilled_total = 0  # bytes ever written to disk (for reports)
-        slow = zict.Func(_dump, _load, zict.File(str(self.directory)))  # type: ignore[arg-type]
-        self._buf: Any = zict.Buffer({}, slow, n=target, weight=self._weight,
+        self.disabled = ""  # why spilling is off for good ("" while it is on)
+        self.on_disable = on_disable
+        #: values that cannot be pickled: kept in memory, never offered to the disk again
+        self.pinned: dict[str, Any] = {}
+        self.slow = Disk(self.directory, limit)
+        self._target = target
+        self._buf: Any = zict.Buffer({}, self.slow, n=target, weight=self._weight,
                                      fast_to_slow_callbacks=[self._spilled],
                                      slow_to_fast_callbacks=[self._unspilled])  # fmt: skip
 
@@ -77,7 +167,7 @@ class SpillStore(MutableMapping[str, Any]):
 
     @property
     def target(self) -> float:
-        return float(self._buf.n)
+        return float(self._target)
 
     @property
     def memory_bytes(self) -> int:
@@ -88,14 +178,60 @@ class SpillStore(MutableMapping[str, Any]):
     def spilled_bytes(self) -> int:
         return self._disk
 
+    @property
+    def limit(self) -> int:
+        return self.slow.limit
+
     def __setitem__(self, key: str, value: Any) -> None:
         if key in self.sizes:
             del self[key]
         nb = self.sizes[key] = sizeof(value)
         self._total += nb
-        self._buf[key] = value
+        if self.disabled:
+            self._buf.fast.set_noevict(key, value)
+            return
+        try:
+            self._buf[key] = value
+        except Exception as exc:  # noqa: BLE001 - every key is still held (in memory): see _failed
+            self._failed(exc)
+            self._spill_to(self._buf.n)
+
+    def _spill_to(self, n: float) -> None:
+        """Spill least recently used values until those in memory weigh at most ``n`` (or spilling
+        is off); a value that cannot be pickled is pinned in memory, so no key is tried twice."""
+        while not self.disabled and self._buf.fast.total_weight > n and len(self._buf.fast):
+            try:
+                self._buf.fast.evict_until_below_target(n)
+                return
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A spill failed; the key it was for is in memory still (zict guarantees it)."""
+        if isinstance(exc, Unspillable):
+            value = self._buf.fast.d[exc.key]
+            del self._buf[exc.key]
+            self.pinned[exc.key] = value
+            log.warning("%s; it stays in memory", exc)
+        elif isinstance(exc, (OSError, MemoryError)):
+            self.disable(f"writing to {self.directory} failed: {exc}")
+        else:
+            raise exc
+
+    def disable(self, reason: str) -> None:
+        """Spill no more (values on disk stay there and are read back as before)."""
+        if self.disabled:
+            return
+        self.disabled = reason
+        self._buf.n = math.inf
+        log.warning("spilling to disk is off: %s; values stay in memory, and the worker pauses and "
+                    "restarts at its memory levels", reason)  # fmt: skip
+        if self.on_disable is not None:
+            self.on_disable(reason)
 
     def __getitem__(self, key: str) -> Any:
+        if key in self.pinned:
+            return self.pinned[key]
         if key in self.on_disk and self.memory_bytes + self.on_disk[key] > self.target:
             # reading it back would only spill others (and write it again later): read it from disk
             # and leave it there; the caller's copy lives as long as the caller needs it
@@ -103,7 +239,8 @@ class SpillStore(MutableMapping[str, Any]):
         return self._buf[key]
 
     def __delitem__(self, key: str) -> None:
-        del self._buf[key]
+        if self.pinned.pop(key, _NONE) is _NONE:
+            del self._buf[key]
         self._total -= self.sizes.pop(key, 0)
         self._disk -= self.on_disk.pop(key, 0)
 
@@ -121,17 +258,61 @@ class SpillStore(MutableMapping[str, Any]):
         are left in memory); returns the bytes spilled."""
         done = 0
         fast = self._buf.fast
-        while done < nbytes and len(fast):
+        while done < nbytes and len(fast) and not self.disabled:
             try:
                 _, _, weight = fast.evict()
-            except Exception:  # noqa: BLE001 - the disk refused (full?): keep the rest in memory
-                break
+            except Exception as exc:  # noqa: BLE001 - the disk refused, or the value does not pickle
+                self._failed(exc)
+                continue
             done += int(weight)
         return done
 
     def close(self) -> None:
-        self._buf.clear()
+        """Forget every value and remove the spill directory (before whatever contains it goes)."""
+        import zict
+
+        self.pinned.clear()
+        self.sizes.clear()
+        self.on_disk.clear()
+        self._total = self._disk = 0
+        self.disabled = self.disabled or "the store is closed"
+        # a late write (a task finishing as the worker closes) lands in memory only
+        self._buf = zict.Buffer({}, {}, n=math.inf, weight=self._weight)
+        self.slow.files.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+_NONE = object()
+
+
 __all__ = ["SpillStore"]
+
+
+#: without ``--spill-limit``, a worker may spill up to this fraction of the space free on its spill
+#: directory's disk when it starts (workers sharing a disk each take a part of what is left)
+DEFAULT_SPILL_FRACTION = 0.5
+
+
+def resolve_spill_limit(value: int | str | None, directory: str | Path) -> int:
+    """Bytes a worker may spill: ``None``/``"auto"`` -> :data:`DEFAULT_SPILL_FRACTION` of the free
+    space, ``"25%"`` -> that share of it, ``"10GB"`` -> that many bytes, ``"none"`` or 0 -> no cap."""
+    from tidepool.errors import ConfigError
+    from tidepool.resources import parse_bytes
+
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text in ("none", "0", 0):
+        return 0
+    fraction = DEFAULT_SPILL_FRACTION
+    if isinstance(text, str) and text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100
+        except ValueError:
+            fraction = math.nan
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"--spill-limit {value!r}: a share of the free disk must be within (0%, 100%]")
+    elif text not in (None, "auto"):
+        return parse_bytes(text)  # type: ignore[arg-type]
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return max(1, int(shutil.disk_usage(path).free * fraction))

@@ -1,0 +1,154 @@
+"""``tidepool simulate`` with bad input ends in one clear ConfigError line naming the field, never a
+traceback or a run that spins; and what it prints agrees with ``tidepool report``.
+
+Each case was a traceback, a silent acceptance or an endless run before (issue 32, issue 33's views).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tidepool.cli import main
+from tidepool.errors import ConfigError
+from tidepool.sim import validate
+from tidepool.sim.workload import SimTask, from_dict, load_workload
+from tidepool.telemetry.report import count_retirements, format_summary, load_records, summary
+
+
+def simulate_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    rc = main(["simulate", *argv, "--no-plot", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+# ---- parameters --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bag", "--param", "n=abc"], "bag: --param n must be a number, got 'abc'"),
+    (["bag", "--param", "nn=3"], "unknown --param 'nn' (did you mean 'n'?); it takes n, duration, nbytes"),
+    (["layers", "--param", "width=-5"], "--param width must be >= 0, got -5"),
+    (["layers", "--param", "width=1.5"], "--param width must be a whole number"),
+    (["bag", "--param", "n=NaN"], "--param n must be a finite number"),
+    (["layers", "--param", "width=1e12"], "more than the simulator's limit of 2,000,000"),
+    (["bag", "--until", "nan"], "--until must be a finite number, got nan"),
+    (["bag", "--until", "0"], "--until must be a positive number of seconds"),
+    (["bag", "--tail", "-5"], "--tail must be >= 0, got -5"),
+    (["bag", "--interval", "inf"], "--interval must be a finite number"),
+    (["bag", "--max-tasks", "0"], "--max-tasks must be at least 1"),
+])  # fmt: skip
+def test_bad_parameters_and_flags_are_config_errors_naming_the_field(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert message in simulate_error(capsys, *argv)
+
+
+def test_the_graph_size_limit_is_documented_and_can_be_raised() -> None:
+    with pytest.raises(ConfigError, match=r"raise it with --max-tasks 3000"):
+        load_workload("bag", params={"n": 3000}, max_tasks=2500)
+    assert load_workload("bag", params={"n": 3000}, max_tasks=3000).n_tasks == 3000
+    assert f"{validate.MAX_TASKS:,}" in Path(__file__).parents[1].joinpath("docs/simulation.md").read_text()
+
+
+# ---- graphs and journals -----------------------------------------------------------------------
+def test_random_bytes_are_a_clear_error_for_every_kind_of_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    noise = os.urandom(4096)
+    for name in ("noise.jsonl", "noise.json"):
+        (tmp_path / name).write_bytes(noise)
+        err = simulate_error(capsys, str(tmp_path / name))
+        assert name in err and ("not a journal" in err or "not JSON" in err), err
+    assert "not a journal" in simulate_error(capsys, "--journal", str(tmp_path / "noise.jsonl"))
+
+
+@pytest.mark.parametrize(("duration", "message"), [
+    ("NaN", "duration must be a finite number, got nan"),
+    ("1e300", "duration must be between 0 and 1e+09"),
+    ('"abc"', "duration must be a number, got 'abc'"),
+    ("-1", "duration must be between 0"),
+])  # fmt: skip
+def test_a_journal_task_with_a_bad_duration_is_refused_not_simulated_forever(
+        tmp_path: Path, duration: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"t": 1, "kind": "task", "key": "a", "worker": "w", "start": 0, "duration": 1}\n'
+                    f'{{"t": 2, "kind": "task", "key": "b", "worker": "w", "start": 1, "duration": {duration}}}\n')  # fmt: skip
+    err = simulate_error(capsys, str(path))
+    assert "task record #2 ('b')" in err and message in err, err
+
+
+def test_a_task_longer_than_until_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"tasks": [{"key": "a", "duration": 5e8}]}))
+    assert "lasts 5e+08s, longer than --until" in simulate_error(capsys, str(path))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("nbytes", "lots", "nbytes must be a whole number, got 'lots'"),
+    ("nbytes", 1e300, "nbytes must be between 0 and"),
+    ("nbytes", -1, "nbytes must be between 0 and"),
+    ("priority", "high", "priority must be a whole number"),
+    ("retries", -2, "retries must be >= 0"),
+    ("submit", math.inf, "submit must be a finite number"),
+    ("duration", "expo(nan)", "parameters must be finite numbers"),
+])  # fmt: skip
+def test_json_graph_fields_are_checked_and_named(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_dict({"tasks": [{"key": "a", field: value}]}, source="g.json")
+    assert message in str(info.value) and "'a'" in str(info.value)
+
+
+def test_every_reader_builds_tasks_through_the_same_checks() -> None:
+    """A reader added later (WfFormat, a user's callable) cannot skip them: SimTask checks itself."""
+    with pytest.raises(ConfigError, match="task 'x': duration must be a finite number"):
+        SimTask("x", float("inf"))
+    with pytest.raises(ConfigError, match="task 'x': nbytes"):
+        SimTask("x", 1.0, nbytes=2**60)
+    assert SimTask("x", 2, nbytes=5.0).nbytes == 5
+
+
+# ---- what it prints --------------------------------------------------------------------------
+def run_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str, dict]:  # type: ignore[type-arg]
+    out = tmp_path / "out"
+    rc = main(["simulate", *argv, "--out", str(out), "--json", str(tmp_path / "r.json"), "--no-plot"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    return cap.out, cap.err, json.loads((tmp_path / "r.json").read_text())[0]
+
+
+def test_simulate_and_report_agree_on_held_and_busy_worker_seconds_with_multi_core_nodes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Before: with 32-core nodes "busy w-s" (task-seconds) read 22x "held w-s", and tidepool
+    report gave a third number for the same journal."""
+    out, _, row = run_simulate(tmp_path, capsys, "bag", "--param", "n=300", "--cluster", "slurm:2:32",
+                               "--seed", "3")  # fmt: skip
+    s = summary(load_records(str(tmp_path / "out" / "default.jsonl")))
+    assert row["held_w_s_total"] == pytest.approx(s["held_worker_seconds"], abs=1e-3)
+    assert row["busy_w_s"] == pytest.approx(s["busy_worker_seconds"], abs=1e-3)
+    assert row["task_s"] == pytest.approx(s["task_seconds"], abs=1e-3)
+    assert row["busy_w_s"] <= row["held_w_s_total"] + 1e-6 < row["task_s"]  # 32 slots a worker
+    assert re.search(r"held w-s \(whole run\)\s+busy w-s\s+task-s", out)
+
+
+def test_retirements_count_those_done_not_refused_attempts() -> None:
+    recs = [
+        {"t": 1.0, "kind": "retire", "worker": "a"}, {"t": 1.0, "kind": "retire-done", "worker": "a", "outcome": "refused: holds data"},
+        {"t": 2.0, "kind": "retire", "worker": "a"}, {"t": 2.0, "kind": "retire-done", "worker": "a", "outcome": "refused: busy"},
+        {"t": 3.0, "kind": "retire", "worker": "a"}, {"t": 3.0, "kind": "retire-done", "worker": "a", "outcome": "retired"},
+    ]  # fmt: skip
+    assert count_retirements(recs) == (1, 2)
+    s = summary(recs)
+    assert (s["retirements"], s["retire_refused"]) == (1, 2)
+    assert "1 done (2 refused)" in format_summary(s)
+
+
+def test_the_table_says_its_units_and_speed_lines_need_v(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, err, row = run_simulate(tmp_path, capsys, "bursty", "--cluster", "local:4")
+    assert "cost (node-h x cost/node-h)" in out and "retirements done" in out
+    assert "events/s" not in err and "wall time" not in err and "controller:" not in err
+    assert row["retirements"] == count_retirements(load_records(str(tmp_path / "out" / "default.jsonl")))[0]
+    _, err_v, _ = run_simulate(tmp_path, capsys, "bursty", "--cluster", "local:4", "-v")
+    assert "events/s" in err_v and "wall time" in err_v
