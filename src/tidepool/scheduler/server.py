@@ -67,6 +67,10 @@ class Scheduler:
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
         self.observers: list[Observer] = []
+        self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
+        self.batches = 0
+        self.tick_seconds = 0.0  # how long the last tick's batch took
+        self.dashboard_link = ""  # set by the dashboard serving this scheduler (clients show it)
         #: extra slots expected to arrive (seconds from now), e.g. launches in flight
         self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
@@ -109,6 +113,7 @@ class Scheduler:
 
     # ---- applying events ----------------------------------------------------------------------
     async def apply(self, events: list[ev.Event]) -> list[ev.Command]:
+        began = time.perf_counter()
         cmds = self.state.handle_many(events)
         for obs in self.observers:
             try:
@@ -116,6 +121,11 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler observer failed")
         await self._dispatch(cmds)
+        took = time.perf_counter() - began  # the loop's time spent on this batch (for /metrics)
+        self.busy_seconds += took
+        self.batches += 1
+        if events and isinstance(events[0], ev.Tick):
+            self.tick_seconds = took
         return cmds
 
     async def _dispatch(self, cmds: list[ev.Command]) -> None:
@@ -529,7 +539,8 @@ class Scheduler:
     def info(self) -> dict[str, Any]:
         st = self.state
         return {"address": self.address, "workers": st.worker_info(), "tasks": st.task_counts(),
-                "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty()}  # fmt: skip
+                "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty(),
+                "dashboard": self.dashboard_link}  # fmt: skip
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()

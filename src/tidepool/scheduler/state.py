@@ -162,6 +162,8 @@ class SchedulerState:
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
         #: tasks per state
         self.counts: dict[str, int] = {TS.RELEASED: 0}
+        #: task records by group and state, kept up to date by ``_move`` (what the dashboard shows)
+        self.group_counts: dict[str, dict[str, int]] = {}
         #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
         self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
@@ -253,6 +255,9 @@ class SchedulerState:
         counts = self.counts
         counts[old] -= 1
         counts[new] = counts.get(new, 0) + 1
+        g = self.group_counts[ts.group]  # per task group, for the dashboard (O(1), never a scan)
+        g[old] -= 1
+        g[new] = g.get(new, 0) + 1
         ts.state = new
 
     def _move_worker(self, ws: WorkerRecord, new: WS) -> None:
@@ -281,6 +286,8 @@ class SchedulerState:
             self._priority += 1
             self.tasks[spec.key] = ts
             self.counts["released"] += 1
+            g = self.group_counts.setdefault(ts.group, {TS.RELEASED: 0})
+            g[TS.RELEASED] = g.get(TS.RELEASED, 0) + 1
             new.append(ts)
             for dk in spec.deps:
                 dep = self.tasks.get(dk)
@@ -794,6 +801,7 @@ class SchedulerState:
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
                 self.counts[ts.state] -= 1
+                self.group_counts[ts.group][ts.state] -= 1
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
                     dep.dependents.discard(ts)
@@ -1141,6 +1149,7 @@ class SchedulerState:
                     out.append(ev.Report(c, ts.key, RK.ERRED, error={**error, "origin": ts.key}))
         self.tasks.clear()
         self.counts = {TS.RELEASED: 0}
+        self.group_counts.clear()
         self.pending.clear()
         self._ready.clear()
         self._restricted.clear()
@@ -1243,6 +1252,12 @@ class SchedulerState:
         for ts in self.tasks.values():
             counts[ts.state] = counts.get(ts.state, 0) + 1
         assert counts == self.task_counts(), (counts, self.counts)
+        groups: dict[str, dict[str, int]] = {}
+        for ts in self.tasks.values():
+            gc = groups.setdefault(ts.group, {})
+            gc[ts.state] = gc.get(ts.state, 0) + 1
+        kept = {g: {k: n for k, n in c.items() if n} for g, c in self.group_counts.items()}
+        assert groups == {g: c for g, c in kept.items() if c}, (groups, self.group_counts)
         for w, ws in self.workers.items():
             for ts in ws.has_what:
                 assert w in ts.who_has
