@@ -48,9 +48,13 @@ def test_metrics_parse_with_the_prometheus_parser_and_match_the_scheduler() -> N
         assert workers == len(cluster.workers) == 2
         finished = fams["tidepool_tasks_finished"].samples[0].value
         assert finished == cluster.scheduler.state.counters["finished"] >= 6
-        state = json.loads(fetch(cluster.dashboard_link + "api/state"))
-        assert {w["id"] for w in state["workers"]} == set(cluster.workers)
-        assert state["counters"]["finished"] >= 6 and "work" in state["groups"]
+        def state() -> dict[str, Any]:  # the shared snapshot is at most one interval old
+            return json.loads(fetch(cluster.dashboard_link + "api/state"))  # type: ignore[no-any-return]
+
+        wait_until(lambda: state()["counters"]["finished"] >= 6, 10, "/api/state to show the finished tasks")
+        view = state()
+        assert {w["id"] for w in view["workers"]} == set(cluster.workers)
+        assert view["groups"]["work"]["memory"] == 6
 
 
 def test_a_dashboard_that_needs_the_token_refuses_requests_without_it() -> None:

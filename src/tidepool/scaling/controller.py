@@ -36,6 +36,7 @@ from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.planner import describe_types, rank_types
 from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
     PendingLaunch,
@@ -130,7 +131,10 @@ class ScalingController:
         self.startup: dict[str, float] = {}
         self.backlog_since: float | None = None
         self.retiring: set[str] = set()
-        self.refused_until: dict[str, float] = {}
+        #: refused retirements: worker -> what the pool looked like then (:func:`shrink_signature`);
+        #: asked again only once that changes (a worker joined, data was released), never on a timer
+        self.refused: dict[str, ShrinkSignature] = {}
+        self._asked: dict[str, ShrinkSignature] = {}
         self.joined: set[str] = set()
         self.worker_request: dict[str, str] = {}
         #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
@@ -260,8 +264,9 @@ class ScalingController:
 
     def retire_done(self, wid: str, outcome: str, now: float) -> None:
         self.retiring.discard(wid)
-        if outcome != "retired":
-            self.refused_until[wid] = now + 10.0  # do not ask again at every step
+        sig = self._asked.pop(wid, None)
+        if outcome != "retired" and sig is not None:
+            self.refused[wid] = sig  # not again until the pool changes (see step)
         self.journal.record("retire-done", now, worker=wid, outcome=outcome)
 
     def _type_of_request(self, rid: str) -> str | None:
@@ -398,8 +403,11 @@ class ScalingController:
                         "not retired: the autoscaler did not launch it (started by hand?); "
                         "adapt(manage_foreign=True) lets it retire such workers"))  # fmt: skip
                 continue
-            if self.refused_until.get(wid, -1e9) > now:
-                continue
+            sig = shrink_signature(obs.workers, wid)
+            if wid in self.refused:
+                if not self.refused[wid].changed(sig):
+                    continue  # the same refusal again: said once already
+                del self.refused[wid]
             wt = self.node_types.get(ws.node_type)
             if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
                 continue
@@ -407,6 +415,7 @@ class ScalingController:
                 continue  # anti-flap: never launch and retire the same type at once
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self.retiring.add(wid)
+            self._asked[wid] = sig
             actions.retire.append(wid)
             why = dict(decision.why).get(wid, "the policy asked (no reason given)")
             self.journal.record("retire", now, worker=wid, node_type=ws.node_type, reason=why)
