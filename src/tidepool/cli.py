@@ -240,8 +240,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        server = asyncio.ensure_future(serve_replay(args.journal, args.address, ready))
-        await asyncio.wait([server, asyncio.ensure_future(asyncio.shield(ready))], return_when=asyncio.FIRST_COMPLETED)
+        server: asyncio.Future[Any] = asyncio.ensure_future(serve_replay(args.journal, args.address, ready))
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(ready))
+        await asyncio.wait([server, waiter], return_when=asyncio.FIRST_COMPLETED)
         if server.done():
             server.result()  # raises what stopped it (a bad journal, a busy port)
         print(f"tidepool post-mortem dashboard for {args.journal} at {ready.result()} (Ctrl-C to stop)", flush=True)

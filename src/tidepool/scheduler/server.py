@@ -260,6 +260,7 @@ class Scheduler:
         advertise ``{"cpu": 1e6}`` and draw all the work)."""
         for wid in worker_ids:
             self.launched_as[wid] = node_type
+        self.state.offered_resources.update(node_type.resources)
 
     def _overclaim(self, wid: str, msg: dict[str, Any]) -> str:
         nt = self.launched_as.get(wid)

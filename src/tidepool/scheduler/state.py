@@ -48,6 +48,7 @@ from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
 from tidepool.scheduler.placement import choose_worker, fits
 from tidepool.scheduler.records import TaskRecord, WorkerRecord
+from tidepool.scheduler.resource_names import typo_reason
 
 #: Every legal task-state change, with the reason it happens.  Anything else raises.
 TASK_TRANSITIONS: dict[tuple[TS, TS], str] = {
@@ -164,6 +165,8 @@ class SchedulerState:
         self.counts: dict[str, int] = {TS.RELEASED: 0}
         #: task records by group and state, kept up to date by ``_move`` (what the dashboard shows)
         self.group_counts: dict[str, dict[str, int]] = {}
+        #: every resource name a worker or a known node type ever offered (typos fail at submit)
+        self.offered_resources: set[str] = set()
         #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
         self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
@@ -401,6 +404,10 @@ class SchedulerState:
             if ts.exc_type in ("DependencyError", "CycleError") and ts.message and not ts.exception:
                 self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
+                continue
+            typo = typo_reason((name for name, _ in ts.shape), self.offered_resources) if ts.shape else None
+            if typo is not None:
+                self._fail(ts, "InfeasibleTaskError", f"task {ts.key!r} can never run: {typo}", out)
                 continue
             waiting: set[TaskRecord] = set()
             failed: TaskRecord | None = None
@@ -826,6 +833,7 @@ class SchedulerState:
                           self._worker_seq, e.memory_limit)  # fmt: skip
         ws.state = "running" if e.ready else "starting"
         self.workers[e.worker] = ws
+        self.offered_resources.update(e.resources)
         self.counters["workers_joined"] += 1
         if ws.state == "running":
             self._worker_running(ws, out)
