@@ -38,7 +38,7 @@ td,th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left;white-space:n
 <section><h2>Task groups</h2><table id="groups"><thead><tr><th>group</th><th>progress</th><th>waiting</th><th>ready</th><th>running</th><th>done</th><th>erred</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Scaling decisions, newest first</h2><ol id="decisions" reversed></ol></section>
 <section class="wide"><h2>Task stream (last 60 s)</h2><svg id="stream"></svg></section>
-<section class="wide"><h2>Workers</h2><table id="workers"><thead><tr><th>id</th><th>node type</th><th>state</th><th>resources</th><th>running</th><th>held</th><th>held bytes</th><th>spilled</th><th>memory (held / spilled / unmanaged, limit in red)</th><th>idle for</th><th>idle and empty</th></tr></thead><tbody></tbody></table></section>
+<section class="wide"><h2>Workers</h2><table id="workers"><thead><tr><th>id</th><th>node type</th><th>state</th><th>resources</th><th>running</th><th>held</th><th>held bytes</th><th>spilled</th><th>memory: held, unmanaged, spilled (limit in red)</th><th>idle for</th><th>idle and empty</th></tr></thead><tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
