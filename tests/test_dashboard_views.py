@@ -153,3 +153,25 @@ def test_a_name_a_node_type_offers_waits_for_its_worker() -> None:
     d.state.offered_resources.update({"GPU"})  # a node type offers it (the scheduler adds these)
     d.submit([("t", [], {"GPU": 1})], ["t"])
     assert d.state.tasks["t"].state == "no-worker"
+
+
+def test_the_grafana_dashboard_only_queries_metrics_that_exist() -> None:
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tidepool.dashboard.metrics import registry_for, render
+
+    d = StateDriver()
+    d.add_worker("a")
+    now: list[float] = [0.0]
+    m = _model(d, now, [])
+    m.group_of("square").add(0.1, 8, True)  # a finished task, so its group's series exist
+    names = set()
+    for fam in text_string_to_metric_families(render(registry_for(m)).decode()):
+        names.update(s.name for s in fam.samples)
+        names.add(fam.name)
+    doc = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    used = {n for p in doc["panels"] for t in p["targets"] for n in re.findall(r"tidepool_[a-z_]+", t["expr"])}
+    assert len(used) >= 15 and used <= names, used - names
