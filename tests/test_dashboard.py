@@ -183,11 +183,17 @@ def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
                        "a scaling decision on the page")  # fmt: skip
             assert "launch" in text("decisions")
             assert len(browser.find_elements(By.CSS_SELECTOR, "#workers .worker-row")) >= 2
+            # each worker's memory bar, against its limit (the red line)
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#workers .worker-row .mem .lim")) >= 2
             browser.save_screenshot(str(ARTIFACTS / "growing.png"))
             assert client.gather(futs) == list(range(30))
             del futs  # nothing held any more: every worker may go
             wait_until(lambda: text("workers-count") == "0", 40, "the page to show the pool shrinking to zero")
             assert "retire" in text("decisions")
+            metrics = fetch(cluster.dashboard_link + "metrics").decode()
+            started = [ln for ln in metrics.splitlines() if ln.startswith('tidepool_worker_startup_seconds_count{node_type="default"}')]
+            assert started and float(started[0].split()[-1]) >= 1, started  # the launch's measured start-up
+            assert 'tidepool_workers{node_type="default",state="idle"} 0.0' in metrics  # 0 reads 0
             assert int(text("tasks-done")) >= 30
             assert browser.find_elements(By.CSS_SELECTOR, "#stream rect")  # the task stream drew the tasks
             browser.save_screenshot(str(ARTIFACTS / "after.png"))

@@ -141,14 +141,15 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.dashboard import start_dashboard
 
             dash = await start_dashboard(s, args.dashboard, lambda: scaler)
-            print(f"tidepool dashboard at {dash.link}", flush=True)
         if args.token_file:
             write_token_file(args.token_file, token)
-        print(f"tidepool scheduler at {s.address}", flush=True)
+        print(f"tidepool scheduler at {s.address}", flush=True)  # the first line (scripts read it)
         if args.token_file:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
         else:
             print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
+        if dash is not None:
+            print(f"tidepool dashboard at {dash.link}", flush=True)
         scaler = None
         plain_journal = None
         if cfg is None and args.journal:  # no autoscaling: still journal workers and tasks
