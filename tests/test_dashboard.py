@@ -212,9 +212,15 @@ def test_without_the_extra_the_error_says_how_to_get_it(monkeypatch: pytest.Monk
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     threads = threading.active_count()
-    with pytest.raises(ConfigError, match=r"pip install 'tidepool\[dashboard\]'"):
+    with pytest.raises(ConfigError, match=r"pip install aiohttp prometheus_client, or pass dashboard=False"):
         tidepool.LocalCluster(n_workers=0, dashboard=True)
     assert threading.active_count() == threads  # no scheduler loop left running
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prometheus_client" else real(name, *a))
+    with tidepool.LocalCluster(n_workers=0) as cluster:  # on by default, but never what stops a cluster
+        assert cluster.dashboard is None and cluster.dashboard_link == ""
 
 
 def _coloured_pixels(png: Path, rect: dict[str, float]) -> int:
@@ -223,7 +229,8 @@ def _coloured_pixels(png: Path, rect: dict[str, float]) -> int:
     with image.open(png) as im:
         box = im.convert("RGB").crop((int(rect["x"]), int(rect["y"]), int(rect["x"] + rect["width"]),
                                       int(rect["y"] + rect["height"])))  # fmt: skip
-        return sum(1 for r, g, b in box.get_flattened_data() if hasattr(box, "get_flattened_data") else box.getdata() if max(r, g, b) - min(r, g, b) > 60)
+        pixels = box.get_flattened_data() if hasattr(box, "get_flattened_data") else box.getdata()
+        return sum(1 for r, g, b in pixels if max(r, g, b) - min(r, g, b) > 60)
 
 
 def test_the_post_mortem_page_renders_a_finished_run_from_its_journal(tmp_path: Path) -> None:

@@ -175,3 +175,15 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist() -> None:
     doc = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
     used = {n for p in doc["panels"] for t in p["targets"] for n in re.findall(r"tidepool_[a-z_]+", t["expr"])}
     assert len(used) >= 15 and used <= names, used - names
+
+
+def test_per_worker_series_only_below_the_label_limit() -> None:
+    from tidepool.dashboard.metrics import registry_for, render
+
+    d = StateDriver()
+    for w in ("a", "b", "c"):
+        d.add_worker(w)
+    m = _model(d, [0.0], [])
+    assert 'tidepool_worker_tasks{worker="a"}' in render(registry_for(m, 3)).decode()
+    few = render(registry_for(m, 2)).decode()
+    assert "worker=" not in few and 'tidepool_workers{node_type="default",state="idle"} 3.0' in few

@@ -94,6 +94,12 @@ class LocalCluster(ClosesOnExit):
         #: the live dashboard (on unless ``dashboard=False``); its link is kept (and printed if asked)
         self.dashboard: Any = None
         self.dashboard_link = ""
+        if dashboard is None:
+            from tidepool.dashboard.server import available
+
+            if not available():  # on by default, but never the reason a cluster cannot start
+                log.warning("no dashboard: aiohttp or prometheus_client is not installed")
+                dashboard = False
         if dashboard is not False:
             from tidepool.dashboard import start_dashboard
 

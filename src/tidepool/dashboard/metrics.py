@@ -7,11 +7,12 @@ series of a family is present with 0 rather than missing (a node type with no id
 ``tidepool_workers{state="idle"} 0``).  Labels stay bounded: node type, state and task group
 (at most ``MAX_GROUPS`` groups, the rest as one ``(other groups)``), never a task key; per-worker
 series only while the pool has at most ``worker_label_limit`` workers (default
-:data:`WORKER_LABEL_LIMIT`; 0 turns them off).
+:data:`WORKER_LABEL_LIMIT`, 64 or ``TIDEPOOL_METRICS_WORKER_LABELS``; 0 turns them off).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +32,9 @@ from tidepool.dashboard.model import (
     activity,
 )
 
-#: per-worker series are exported only while the pool is at most this large (cardinality bound)
-WORKER_LABEL_LIMIT = 64
+#: per-worker series are exported only while the pool is at most this large (cardinality bound);
+#: ``TIDEPOOL_METRICS_WORKER_LABELS`` changes it (0: never)
+WORKER_LABEL_LIMIT = int(os.environ.get("TIDEPOOL_METRICS_WORKER_LABELS", "64"))
 
 
 def _histogram(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:

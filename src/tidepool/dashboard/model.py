@@ -205,6 +205,12 @@ class DashboardModel:
         self.series.append(point)
         return point
 
+    def point(self, now: float) -> dict[str, Any]:
+        """The latest point of the time series, sampled anew only when it is an interval old."""
+        if self.series and 0 <= now - self.series[-1]["t"] < self.interval:
+            return self.series[-1]
+        return self.sample(now)
+
     def groups(self) -> dict[str, dict[str, int]]:
         """Per task group: unfinished task records by state, and done / failed so far."""
         out: dict[str, dict[str, int]] = {}
@@ -235,7 +241,7 @@ class DashboardModel:
             st = self.scheduler.state
             self.tally.read(self.journal_records())
             snap = {
-                "now": round(now, 3), "t0": round(self.t0, 3), "point": self.sample(now),
+                "now": round(now, 3), "t0": round(self.t0, 3), "point": self.point(now),
                 "counts": st.task_counts(), "counters": dict(st.counters), "groups": self.groups(),
                 "workers": self.workers(), "loop_lag": round(self.loop_lag, 4),
             }  # fmt: skip

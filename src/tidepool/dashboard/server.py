@@ -36,12 +36,21 @@ DEFAULT_PORT = 8787
 PORT_TRIES = 50
 
 
+def available() -> bool:
+    """Are the dashboard's dependencies importable (they are core dependencies, but a trimmed
+    environment may lack them)?"""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("aiohttp", "prometheus_client"))
+
+
 def _require_aiohttp() -> Any:
     try:
         import prometheus_client  # noqa: F401 - only checked here; metrics.py uses it
         from aiohttp import web
     except ImportError:
-        raise ConfigError("the dashboard needs aiohttp and prometheus_client: pip install 'tidepool[dashboard]'") from None
+        raise ConfigError("the dashboard needs aiohttp and prometheus_client (tidepool's own dependencies): "
+                          "pip install aiohttp prometheus_client, or pass dashboard=False") from None
     return web
 
 
@@ -128,7 +137,7 @@ class Dashboard:
             if loop.time() >= next_sample:
                 next_sample = loop.time() + self.interval
                 try:
-                    self.model.snapshot(self.scheduler.clock())  # keeps the time series going
+                    self.model.point(self.scheduler.clock())  # keeps the time series going
                 except Exception:  # noqa: BLE001 - a chart point is never worth the probe
                     log.exception("dashboard sample failed")
 
