@@ -125,6 +125,15 @@ def run_dask(tasks: int, seconds: float) -> dict[str, dict[str, float]]:
     from distributed import Client, LocalCluster
 
     out: dict[str, dict[str, float]] = {}
+    try:
+        _run_dask(tasks, seconds, out, Client, LocalCluster)
+    except TimeoutError:  # closing a client with 30,000 queued futures can time out under load
+        if len(out) < 2:
+            raise
+    return out
+
+
+def _run_dask(tasks: int, seconds: float, out: dict[str, dict[str, float]], Client: Any, LocalCluster: Any) -> None:
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:  # fmt: skip
         futs = client.map(slow, range(tasks), pure=False)
@@ -147,8 +156,7 @@ def run_dask(tasks: int, seconds: float) -> dict[str, dict[str, float]]:
                 return list(dask_scheduler._bench_lag)
 
             out[name] = {**_stats(client.run_on_scheduler(finish)), "served": served}
-        client.cancel(futs)
-    return out
+        del futs
 
 
 def start_cost(starts: int) -> dict[str, float]:

@@ -145,6 +145,7 @@ def test_a_resource_name_nobody_offers_fails_at_submit_with_the_close_name() -> 
     assert d.state.tasks["new"].state == "no-worker"  # an unknown name with no close match still waits
     assert d.state.tasks["ok"].state == "running"
     assert suggestion("cpus", {"cpu", "gpu"}) == "cpu" and suggestion("gpu", {"cpu"}) is None
+    assert suggestion("gpu1", {"gpu0", "cpu"}) is None  # a family of names, not a typo
 
 
 def test_a_name_a_node_type_offers_waits_for_its_worker() -> None:

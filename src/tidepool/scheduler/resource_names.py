@@ -11,7 +11,10 @@ nothing is judged before anything has been offered at all.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
+
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def suggestion(name: str, offered: Iterable[str]) -> str | None:
@@ -20,7 +23,9 @@ def suggestion(name: str, offered: Iterable[str]) -> str | None:
     for n in names:
         if n.lower() == name.lower():
             return n
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+    # names that differ only in digits are a family (gpu0, gpu1: one may be on its way), not a typo
+    family = _DIGITS.sub("", name)
+    close = [n for n in difflib.get_close_matches(name, names, n=3, cutoff=0.75) if _DIGITS.sub("", n) != family]
     return close[0] if close else None
 
 
