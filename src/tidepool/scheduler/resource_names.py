@@ -4,8 +4,9 @@ State (on :class:`SchedulerState`): ``offered_resources``, every resource name a
 or a known node type (expected workers, the autoscaler's node types) has ever offered.  A task
 asking for a name outside that set that is *close* to one inside it (another case, or a one-letter
 slip) is a typo: it fails at once with the suggestion, instead of waiting out the no-worker
-timeout.  A new name with no close match still waits (a worker offering it may be on its way), and
-nothing is judged before anything has been offered at all.
+timeout.  A new name with no close match still waits (a worker offering it may be on its way), as
+does one that differs from an offered name only in its digits (``gpu1`` beside ``gpu0``); nothing
+is judged before anything has been offered at all.
 """
 
 from __future__ import annotations
