@@ -106,6 +106,11 @@ def test_the_dashboard_is_on_by_default_at_8787_or_the_next_free_port_and_off_on
         with tidepool.Client(one) as client:
             assert one.dashboard_link in repr(client) and "default: 1" in repr(client)
             assert one.dashboard_link in client._repr_html_()
+            # a resource typo fails at submit, naming the close name (not after the 60 s no-worker wait)
+            from tidepool.errors import InfeasibleTaskError
+
+            with pytest.raises(InfeasibleTaskError, match="did you mean 'cpu'"):
+                client.submit(abs, -1, resources={"CPU": 1}).result(timeout=30)
         assert "closed" in repr(client)
     with tidepool.LocalCluster(n_workers=0, dashboard=False) as off:
         assert off.dashboard is None and off.dashboard_link == "" and "dashboard" not in repr(off)
