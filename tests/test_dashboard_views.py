@@ -78,8 +78,9 @@ def test_a_view_never_walks_the_task_table_and_pollers_share_one_snapshot() -> N
     first = m.view_json(now[0])[0]
     for _ in range(100):  # four pollers and a hundred pages within one interval
         assert m.view_json(now[0])[0] == first
-    assert len(eta_calls) == 1
+    assert eta_calls == []  # a full forecast of 30,000 tasks would stall the loop: the work bound instead
     view = json.loads(first)
+    assert view["point"]["eta"] is not None
     assert view["groups"]["inc"] == {"ready": 29_999, "running": 1}
     now[0] = 1.6  # the next interval: a new snapshot, the forecast only at its budgeted rate
     m.view_json(now[0])

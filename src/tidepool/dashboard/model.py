@@ -12,7 +12,8 @@ once per ``interval`` into one shared :meth:`snapshot` (its JSON made once too) 
 page and scrape reuses, so four pollers and a hundred pages cost what one does.  Task groups come
 from the state's own per-group counts (kept by its transitions, never a scan); the forecast, the
 one part that scans the remaining work, is recomputed at most at the rate that keeps it under
-``FORECAST_SHARE`` of the loop.  Decisions and the task stream are sent by cursor (only what is new).
+``FORECAST_SHARE`` of the loop, and above ``FORECAST_SCAN_LIMIT`` tasks replaced by the work
+bound (from the per-group counts).  Decisions and the task stream are sent by cursor (only what is new).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ DECISIONS = ("launch", "retire", "cancel-launch", "launch-failed", "backoff", "i
 #: task groups tracked by name; later groups are counted together as ``OTHER`` (bounded labels)
 MAX_GROUPS = 200
 OTHER = "(other groups)"
-#: the forecast scans the remaining work: it may use at most this share of the scheduler's loop
+#: the forecast scans the remaining work: it may use at most this share of the scheduler's loop,
+#: and beyond this many tasks (where one scan would stall the loop for tens of ms) the page shows
+#: the work bound instead (estimated work of the unfinished tasks / slots; O(task groups))
 FORECAST_SHARE = 0.05
+FORECAST_SCAN_LIMIT = 2_000
+UNFINISHED = ("waiting", "ready", "no-worker", "running")
 #: task-duration histogram buckets (seconds), as Prometheus expects them (upper bounds)
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 #: worker start-up latency buckets (seconds)
@@ -175,10 +180,26 @@ class DashboardModel:
         names.update(nt.name for nt in getattr(self.scheduler, "launched_as", {}).values())
         return sorted(names)
 
+    def _work_bound(self) -> float | None:
+        """Seconds left if the estimated work of every unfinished task spread evenly over the slots
+        there are: O(task groups), from the state's per-group counts."""
+        st = self.scheduler.state
+        slots = sum(w.slots for w in st.workers.values() if w.state in ("running", "starting"))
+        if not slots:
+            return None
+        total = 0.0
+        for group, counts in st.group_counts.items():
+            n = sum(counts.get(s, 0) for s in UNFINISHED)
+            if n:
+                total += n * st.estimates.estimate(group)
+        return round(total / slots, 2)
+
     def _forecast(self, now: float) -> float | None:
         st = self.scheduler.state
         if not st.tasks:
             return 0.0
+        if len(st.tasks) > FORECAST_SCAN_LIMIT:  # a full forecast would stall the loop in one piece
+            return self._work_bound()
         if now < self._eta_next:
             return self._eta
         t = time.perf_counter()
