@@ -808,7 +808,10 @@ class SchedulerState:
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
                 self.counts[ts.state] -= 1
-                self.group_counts[ts.group][ts.state] -= 1
+                gc = self.group_counts[ts.group]
+                gc[ts.state] -= 1
+                if not any(gc.values()):  # the group's last record is gone: forget the group too
+                    del self.group_counts[ts.group]
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
                     dep.dependents.discard(ts)
