@@ -120,7 +120,9 @@ function render(){
 }
 function schedule(){ if (!dirty){ dirty = true; requestAnimationFrame(render); } }
 function connect(){
-  const es = new EventSource(api("api/stream"));
+  // continue from what the first response carried: no decision or task drawn twice
+  const from = last ? "stream_after=" + last.stream_next + "&decisions_after=" + last.decisions_next : "";
+  const es = new EventSource(api("api/stream") + (from ? (tok ? "&" : "?") + from : ""));
   es.addEventListener("history", ev => { series = JSON.parse(ev.data).history; schedule(); });
   es.onopen = () => { document.getElementById("status").textContent = "live"; };
   es.onmessage = ev => {

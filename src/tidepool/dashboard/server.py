@@ -182,14 +182,22 @@ class Dashboard:
         from tidepool.dashboard.metrics import render
 
         web = self._web()
-        return web.Response(body=render(self.registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        now = self.scheduler.clock()
+        cached = self.model.metrics_cache
+        if cached is None or not 0 <= now - cached[0] < self.interval:  # one render per interval, shared
+            cached = self.model.metrics_cache = (now, render(self.registry))
+        return web.Response(body=cached[1], headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _stream(self, request: Any) -> Any:
         web = self._web()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         self.streams += 1
-        stream_after = decisions_after = 0
+        try:  # a page that drew its first response continues from there
+            stream_after = int(request.query.get("stream_after", 0))
+            decisions_after = int(request.query.get("decisions_after", 0))
+        except ValueError:
+            stream_after = decisions_after = 0
         try:
             history = json.dumps({"history": self.model.history()}, default=str)
             await resp.write(f"event: history\ndata: {history}\n\n".encode())
