@@ -199,7 +199,8 @@ def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
             assert len(numbers) == len(set(numbers)), numbers  # the first response and the stream do not overlap
             metrics = fetch(cluster.dashboard_link + "metrics").decode()
             started = [ln for ln in metrics.splitlines() if ln.startswith('tidepool_worker_startup_seconds_count{node_type="default"}')]
-            assert started and float(started[0].split()[-1]) >= 1, started  # the launch's measured start-up
+            arrived = [r for r in cluster.journal.records if r["kind"] == "launch-arrived"] if cluster.journal else []
+            assert started and float(started[0].split()[-1]) == len(arrived), (started, arrived)  # measured start-ups
             assert 'tidepool_workers{node_type="default",state="idle"} 0.0' in metrics  # 0 reads 0
             assert int(text("tasks-done")) >= 30
             assert browser.find_elements(By.CSS_SELECTOR, "#stream rect")  # the task stream drew the tasks

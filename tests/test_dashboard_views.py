@@ -179,13 +179,22 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist() -> None:
     assert len(used) >= 15 and used <= names, used - names
 
 
-def test_per_worker_series_only_below_the_label_limit() -> None:
+def test_per_worker_series_only_below_the_label_limit_and_the_start_up_histogram() -> None:
     from tidepool.dashboard.metrics import registry_for, render
 
     d = StateDriver()
     for w in ("a", "b", "c"):
         d.add_worker(w)
     m = _model(d, [0.0], [])
-    assert 'tidepool_worker_tasks{worker="a"}' in render(registry_for(m, 3)).decode()
+    journal = [{"t": 0.0, "kind": "launch", "request": "r1", "node_type": "default", "nodes": 1},
+               {"t": 3.0, "kind": "launch-arrived", "request": "r1", "node_type": "default", "seconds": 3.0}]
+    m.autoscaler = lambda: SimpleNamespace(journal=SimpleNamespace(records=journal),
+                                           controller=SimpleNamespace(launches={}, node_types={}))
+    text = render(registry_for(m, 3)).decode()
+    assert 'tidepool_worker_tasks{worker="a"}' in text
+    assert 'tidepool_worker_startup_seconds_bucket{le="5.0",node_type="default"} 1.0' in text
+    assert 'tidepool_worker_startup_seconds_bucket{le="2.0",node_type="default"} 0.0' in text
+    assert 'tidepool_worker_startup_seconds_sum{node_type="default"} 3.0' in text
+    assert "tidepool_launches_total 1.0" in text
     few = render(registry_for(m, 2)).decode()
     assert "worker=" not in few and 'tidepool_workers{node_type="default",state="idle"} 3.0' in few

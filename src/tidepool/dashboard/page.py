@@ -132,7 +132,8 @@ function connect(){
     stream.push(...v.stream); if (stream.length > 4000) stream = stream.slice(-4000);
     schedule();
   };
-  es.onerror = () => { document.getElementById("status").textContent = "reconnecting"; };
+  // reconnect by hand, from the cursors reached (the browser's own retry would replay from the first)
+  es.onerror = () => { document.getElementById("status").textContent = "reconnecting"; es.close(); setTimeout(connect, 1000); };
 }
 function fromInitial(init){
   last = init.view; series = init.history || []; decisions = (last.decisions || []).slice(); stream = (last.stream || []).slice();
