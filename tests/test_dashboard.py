@@ -195,7 +195,8 @@ def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
             del futs  # nothing held any more: every worker may go
             wait_until(lambda: text("workers-count") == "0", 40, "the page to show the pool shrinking to zero")
             assert "retire" in text("decisions")
-            numbers = [li.text.split()[0] for li in browser.find_elements(By.CSS_SELECTOR, "#decisions li")]
+            numbers = browser.execute_script(  # read in one go: the list is redrawn as updates arrive
+                "return [...document.querySelectorAll('#decisions li .n')].map(e => e.textContent)")
             assert len(numbers) == len(set(numbers)), numbers  # the first response and the stream do not overlap
             metrics = fetch(cluster.dashboard_link + "metrics").decode()
             started = [ln for ln in metrics.splitlines() if ln.startswith('tidepool_worker_startup_seconds_count{node_type="default"}')]
