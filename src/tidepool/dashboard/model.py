@@ -131,7 +131,8 @@ class DashboardModel:
         self._eta: float | None = 0.0
         self._eta_next = -1e18
         self.node_types_seen: set[str] = set()
-        self._full: tuple[tuple[float, int, int], tuple[str, int, int]] | None = None
+        self._answers_key: tuple[float, int, int] | None = None
+        self._answers: dict[tuple[int, int], tuple[str, int, int]] = {}
         #: ``/metrics`` text, rendered at most once per interval for every scraper: (time, bytes)
         self.metrics_cache: tuple[float, bytes] | None = None
 
@@ -294,20 +295,23 @@ class DashboardModel:
 
     def view_json(self, now: float, stream_after: int = 0, decisions_after: int = 0) -> tuple[str, int, int]:
         """:meth:`view` as JSON, the shared part serialised once for every page; and the cursors.
-        A request from the start (``/api/state``, a new page) is answered from a cache until the
-        snapshot, the task stream or the journal moves on, so pollers cost a lookup."""
+        Answers are cached per pair of cursors until the snapshot, the task stream or the journal
+        moves on: pollers, and the pages that follow along (they all hold the same cursors), share
+        one answer."""
         _, shared = self.snapshot(now)
-        fresh = not stream_after and not decisions_after
         key = (self._snap_t, self.stream_seq, len(self.journal_records()))
-        if fresh and self._full is not None and self._full[0] == key:
-            return self._full[1]
+        if self._answers_key != key:
+            self._answers_key, self._answers = key, {}
+        hit = self._answers.get((stream_after, decisions_after))
+        if hit is not None:
+            return hit
         decisions, nxt = self.decisions_since(decisions_after)
         extra = json.dumps({"decisions": decisions, "decisions_next": nxt,
                             "stream": self.stream_since(stream_after), "stream_next": self.stream_seq},
                            default=str)  # fmt: skip
         out = (shared[:-1] + ", " + extra[1:], self.stream_seq, nxt)
-        if fresh:
-            self._full = (key, out)
+        if len(self._answers) < 64:
+            self._answers[(stream_after, decisions_after)] = out
         return out
 
     def history(self) -> list[dict[str, Any]]:

@@ -204,7 +204,7 @@ class Dashboard:
             while True:
                 text, stream_after, decisions_after = self.model.view_json(self.scheduler.clock(), stream_after,
                                                                            decisions_after)  # fmt: skip
-                await resp.write(f"data: {text}\n\n".encode())
+                await resp.write(b"data: " + text.encode() + b"\n\n")
                 await asyncio.sleep(self.interval)
         except (ConnectionError, asyncio.CancelledError):
             pass
