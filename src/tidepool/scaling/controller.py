@@ -331,6 +331,8 @@ class ScalingController:
                 self.journal.record("cancel-launch", now, request=rid, node_type=rec.node_type, reason=msg)
                 self._type_failed(rec.node_type, msg, now)
         self.retiring &= set(by_id)
+        for gone in [w for w in self.refused if w not in by_id]:
+            del self.refused[gone]
         if obs.demand:
             if self.backlog_since is None:
                 self.backlog_since = now

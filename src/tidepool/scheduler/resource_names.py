@@ -12,6 +12,7 @@ is judged before anything has been offered at all.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Iterable
 
@@ -30,6 +31,11 @@ def suggestion(name: str, offered: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
+@functools.lru_cache(maxsize=1024)
+def _suggestion(name: str, offered: frozenset[str]) -> str | None:
+    return suggestion(name, offered)
+
+
 def typo_reason(needed: Iterable[str], offered: set[str]) -> str | None:
     """Why a task asking for ``needed`` names can never run, if one is a typo; else None."""
     if not offered:
@@ -37,7 +43,7 @@ def typo_reason(needed: Iterable[str], offered: set[str]) -> str | None:
     for name in needed:
         if name in offered:
             continue
-        near = suggestion(name, offered)
+        near = _suggestion(name, frozenset(offered))  # cached: many tasks share a shape
         if near is not None:
             return (f"it asks for resource {name!r}, which no worker or node type has ever offered; "
                     f"did you mean {near!r}? (offered: {', '.join(sorted(offered))})")  # fmt: skip
