@@ -107,6 +107,8 @@ def test_the_post_mortem_model_rebuilds_the_run_at_any_moment() -> None:
     assert mid["view"]["point"]["workers"]["cpu"]["busy"] == 1 and mid["view"]["point"]["workers"]["cpu"]["idle"] == 1
     assert mid["view"]["groups"]["work"] == {"memory": 2, "erred": 0, "running": 1}
     assert all(p["t"] <= 3.5 for p in mid["history"])
+    sweep = m._sweep([0.5, 1.1, 3.5, 7.6, 100.0])  # the time series, made in one pass, agrees point by point
+    assert sweep == [m._point(t) for t in (0.5, 1.1, 3.5, 7.6, 100.0)]
     end = m.view(100.0)["view"]
     assert end["counters"] == {"finished": 4, "erred": 1}
     assert [w["id"] for w in end["workers"]] == ["w1"]

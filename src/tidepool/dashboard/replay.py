@@ -40,7 +40,49 @@ class ReplayModel:
         self.node_types = sorted({str(r.get("node_type")) for r in recs
                                   if r.get("kind") in ("worker-join", "launch") and r.get("node_type")})  # fmt: skip
         step = (self.t1 - self.t0) / (POINTS - 1)
-        self.series = [self._point(self.t0 + i * step) for i in range(POINTS)]
+        self.series = self._sweep([self.t0 + i * step for i in range(POINTS)])
+
+    def _sweep(self, times: list[float]) -> list[dict[str, Any]]:
+        """The points at ``times`` (ascending) in one pass over the run (as :meth:`_point` each)."""
+        member = [r for r in self.records if r.get("kind") in ("worker-join", "worker-leave", "launch",
+                                                               "launch-arrived", "launch-failed", "cancel-launch")]
+        starts = sorted(self.tasks, key=lambda r: float(r.get("start", r["t"])))
+        ends = self.tasks  # sorted by end already
+        present: dict[str, str] = {}
+        open_: dict[str, tuple[str, int]] = {}
+        running: dict[str, int] = {}
+        i = j = k = 0
+        out = []
+        for t in times:
+            while i < len(member) and float(member[i]["t"]) <= t:
+                r = member[i]
+                kind, rid = r.get("kind"), str(r.get("request"))
+                if kind == "worker-join":
+                    present[str(r["worker"])] = str(r.get("node_type", "default"))
+                elif kind == "worker-leave":
+                    present.pop(str(r["worker"]), None)
+                elif kind == "launch" and r.get("request"):
+                    open_[rid] = (str(r.get("node_type")), int(r.get("nodes", 1)))
+                elif r.get("request"):
+                    open_.pop(rid, None)
+                i += 1
+            while j < len(starts) and float(starts[j].get("start", starts[j]["t"])) <= t:
+                w = str(starts[j]["worker"])
+                running[w] = running.get(w, 0) + 1
+                j += 1
+            while k < len(ends) and float(ends[k]["t"]) < t:
+                w = str(ends[k]["worker"])
+                running[w] = running.get(w, 0) - 1
+                k += 1
+            by_type: dict[str, dict[str, int]] = {nt: dict.fromkeys(ACTIVITIES, 0) for nt in self.node_types}
+            for wid, nt in present.items():
+                c = by_type.setdefault(nt, dict.fromkeys(ACTIVITIES, 0))
+                c["busy" if running.get(wid, 0) > 0 else "idle"] += 1
+            pending: dict[str, int] = dict.fromkeys(self.node_types, 0)
+            for nt, n in open_.values():
+                pending[nt] = pending.get(nt, 0) + n
+            out.append({"t": round(t, 3), "workers": by_type, "pending": pending, "eta": None, "tasks": 0})
+        return out
 
     # ---- the run at a moment ----------------------------------------------------------------------
     def _upto(self, t: float) -> list[dict[str, Any]]:
