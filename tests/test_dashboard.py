@@ -298,3 +298,21 @@ def test_the_post_mortem_page_renders_a_finished_run_from_its_journal(tmp_path: 
             browser.quit()
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_tidepool_scheduler_serves_the_dashboard_by_default(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "scheduler", "--port", "0", "--token-file",
+                             str(tmp_path / "token")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("tidepool scheduler at tcp://"), lines  # scripts read the first line
+        assert lines[2].startswith("tidepool dashboard at http://127.0.0.1:"), lines
+        link = lines[2].split(" at ", 1)[1].strip()
+        assert b"tidepool_workers" in fetch(link + "metrics")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
