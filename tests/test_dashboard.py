@@ -48,9 +48,88 @@ def test_metrics_parse_with_the_prometheus_parser_and_match_the_scheduler() -> N
         assert workers == len(cluster.workers) == 2
         finished = fams["tidepool_tasks_finished"].samples[0].value
         assert finished == cluster.scheduler.state.counters["finished"] >= 6
-        state = json.loads(fetch(cluster.dashboard_link + "api/state"))
-        assert {w["id"] for w in state["workers"]} == set(cluster.workers)
-        assert state["counters"]["finished"] >= 6 and "work" in state["groups"]
+        def state() -> dict[str, Any]:  # the shared snapshot is at most one interval old
+            return json.loads(fetch(cluster.dashboard_link + "api/state"))  # type: ignore[no-any-return]
+
+        wait_until(lambda: state()["counters"]["finished"] >= 6, 10, "/api/state to show the finished tasks")
+        view = state()
+        assert {w["id"] for w in view["workers"]} == set(cluster.workers)
+        assert view["groups"]["work"]["memory"] == 6
+        text = fetch(cluster.dashboard_link + "metrics").decode()
+        check_metric_names(text)
+        # series with value 0 read 0 instead of vanishing
+        assert 'tidepool_workers{node_type="default",state="busy"} 0.0' in text
+        assert 'tidepool_pending_workers{node_type="default"} 0.0' in text
+        assert 'tidepool_task_duration_seconds_count{group="work"} 6.0' in text
+        assert 'tidepool_task_compute_seconds_total{group="work"}' in text
+        assert "tidepool_tick_duration_seconds" in text and "tidepool_worker_held_bytes" in text
+        assert 'tidepool_worker_memory_bytes{kind="limit",worker="' in text  # 2 workers: below the limit
+        # the page's first response carries the state: it draws before any live update
+        page = fetch(cluster.dashboard_link).decode()
+        initial = json.loads(page.split("const INITIAL = ", 1)[1].split(";\nlet series", 1)[0])
+        assert {w["id"] for w in initial["view"]["workers"]} == set(cluster.workers)
+        assert initial["live"] is True
+
+
+def check_metric_names(text: str) -> None:
+    """Prometheus' naming rules, by the client's own parser (and promtool when installed)."""
+    import re
+    import subprocess
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        assert re.fullmatch(r"tidepool_[a-z][a-z0-9_]*", fam.name), fam.name
+        if fam.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
+        assert not fam.name.endswith("_total") or fam.type == "counter", fam.name
+        for unit in ("_ms", "_milliseconds", "_kb", "_mb", "_minutes"):
+            assert unit not in fam.name, f"{fam.name}: use base units (seconds, bytes)"
+        labels = {k for s in fam.samples for k in s.labels} - {"le"}
+        assert labels <= {"node_type", "state", "group", "worker", "kind"}, (fam.name, labels)  # never a task key
+    promtool = shutil.which("promtool")
+    if promtool:
+        out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_dashboard_is_on_by_default_at_8787_or_the_next_free_port_and_off_on_request() -> None:
+    with tidepool.LocalCluster(n_workers=1) as one, tidepool.LocalCluster(n_workers=0) as two:
+        links = {one.dashboard_link, two.dashboard_link}
+        assert len(links) == 2 and all(link.startswith("http://127.0.0.1:") for link in links)
+        ports = sorted(int(link.rsplit(":", 1)[1].strip("/")) for link in links)
+        assert all(p >= 8787 for p in ports)  # 8787 and up (an ephemeral port once that range is busy)
+        for link in links:
+            assert b"tidepool_workers" in fetch(link + "metrics")
+        assert one.dashboard_link in repr(one) and "1 worker (default: 1)" in repr(one)
+        assert one.dashboard_link in one._repr_html_() and "<td>default</td><td>1</td>" in one._repr_html_()
+        with tidepool.Client(one) as client:
+            assert one.dashboard_link in repr(client) and "default: 1" in repr(client)
+            assert one.dashboard_link in client._repr_html_()
+            # a resource typo fails at submit, naming the close name (not after the 60 s no-worker wait)
+            from tidepool.errors import InfeasibleTaskError
+
+            with pytest.raises(InfeasibleTaskError, match="did you mean 'cpu'"):
+                client.submit(abs, -1, resources={"CPU": 1}).result(timeout=30)
+        assert "closed" in repr(client)
+    with tidepool.LocalCluster(n_workers=0, dashboard=False) as off:
+        assert off.dashboard is None and off.dashboard_link == "" and "dashboard" not in repr(off)
+
+
+def test_with_tls_the_dashboard_is_https_with_the_same_certificate(tmp_path: Path) -> None:
+    import ssl
+
+    from tidepool.comm.tls import make_certs
+
+    tls = make_certs(tmp_path)
+    with tidepool.LocalCluster(n_workers=0, tls=tls) as cluster:
+        assert cluster.dashboard_link.startswith("https://127.0.0.1:")
+        ctx = ssl.create_default_context(cafile=tls.ca)
+        ctx.check_hostname = False
+        with urllib.request.urlopen(cluster.dashboard_link + "metrics", timeout=10, context=ctx) as r:  # noqa: S310
+            assert b"tidepool_workers" in r.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP on that port
+            fetch(cluster.dashboard_link.replace("https://", "http://") + "metrics")
 
 
 def test_a_dashboard_that_needs_the_token_refuses_requests_without_it() -> None:
@@ -109,11 +188,21 @@ def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
                        "a scaling decision on the page")  # fmt: skip
             assert "launch" in text("decisions")
             assert len(browser.find_elements(By.CSS_SELECTOR, "#workers .worker-row")) >= 2
+            # each worker's memory bar, against its limit (the red line)
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#workers .worker-row .mem .lim")) >= 2
             browser.save_screenshot(str(ARTIFACTS / "growing.png"))
             assert client.gather(futs) == list(range(30))
             del futs  # nothing held any more: every worker may go
             wait_until(lambda: text("workers-count") == "0", 40, "the page to show the pool shrinking to zero")
             assert "retire" in text("decisions")
+            numbers = browser.execute_script(  # read in one go: the list is redrawn as updates arrive
+                "return [...document.querySelectorAll('#decisions li .n')].map(e => e.textContent)")
+            assert len(numbers) == len(set(numbers)), numbers  # the first response and the stream do not overlap
+            metrics = fetch(cluster.dashboard_link + "metrics").decode()
+            started = [ln for ln in metrics.splitlines() if ln.startswith('tidepool_worker_startup_seconds_count{node_type="default"}')]
+            arrived = [r for r in cluster.journal.records if r["kind"] == "launch-arrived"] if cluster.journal else []
+            assert started and float(started[0].split()[-1]) == len(arrived), (started, arrived)  # measured start-ups
+            assert 'tidepool_workers{node_type="default",state="idle"} 0.0' in metrics  # 0 reads 0
             assert int(text("tasks-done")) >= 30
             assert browser.find_elements(By.CSS_SELECTOR, "#stream rect")  # the task stream drew the tasks
             browser.save_screenshot(str(ARTIFACTS / "after.png"))
@@ -132,6 +221,98 @@ def test_without_the_extra_the_error_says_how_to_get_it(monkeypatch: pytest.Monk
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     threads = threading.active_count()
-    with pytest.raises(ConfigError, match=r"pip install 'tidepool\[dashboard\]'"):
+    with pytest.raises(ConfigError, match=r"pip install aiohttp prometheus_client, or pass dashboard=False"):
         tidepool.LocalCluster(n_workers=0, dashboard=True)
     assert threading.active_count() == threads  # no scheduler loop left running
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prometheus_client" else real(name, *a))
+    with tidepool.LocalCluster(n_workers=0) as cluster:  # on by default, but never what stops a cluster
+        assert cluster.dashboard is None and cluster.dashboard_link == ""
+
+
+def _coloured_pixels(png: Path, rect: dict[str, float]) -> int:
+    """Pixels inside ``rect`` of a screenshot that are clearly coloured (not white, grey or black)."""
+    image = pytest.importorskip("PIL.Image")
+    with image.open(png) as im:
+        box = im.convert("RGB").crop((int(rect["x"]), int(rect["y"]), int(rect["x"] + rect["width"]),
+                                      int(rect["y"] + rect["height"])))  # fmt: skip
+        pixels = box.get_flattened_data() if hasattr(box, "get_flattened_data") else box.getdata()
+        return sum(1 for r, g, b in pixels if max(r, g, b) - min(r, g, b) > 60)
+
+
+def test_the_post_mortem_page_renders_a_finished_run_from_its_journal(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from selenium.webdriver.common.by import By
+
+    recs: list[dict[str, Any]] = [{"t": 0.0, "kind": "journal-start"},
+                                  {"t": 0.1, "kind": "launch", "request": "a1", "node_type": "cpu", "nodes": 3,
+                                   "reason": "40 tasks waiting"}]  # fmt: skip
+    for w in range(3):
+        recs.append({"t": 1.0 + w * 0.2, "kind": "worker-join", "worker": f"w{w}", "node_type": "cpu",
+                     "resources": {"cpu": 1}})  # fmt: skip
+    recs.append({"t": 1.4, "kind": "launch-arrived", "request": "a1", "node_type": "cpu", "seconds": 1.3})
+    for i in range(60):
+        start = 1.5 + (i // 3) * 0.5
+        recs.append({"t": start + 0.45, "kind": "task", "key": f"square-{i:08x}", "worker": f"w{i % 3}",
+                     "start": start, "duration": 0.45, "ok": True})  # fmt: skip
+    for w in range(3):
+        recs.append({"t": 13.0 + w, "kind": "retire", "worker": f"w{w}", "node_type": "cpu", "reason": "idle 2s"})
+        recs.append({"t": 13.5 + w, "kind": "worker-leave", "worker": f"w{w}", "reason": "retired", "graceful": True})
+    journal = tmp_path / "run.jsonl"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "dashboard", str(journal)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    browser = None
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the CLI prints the link once it serves
+        assert " at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        link = line.split(" at ", 1)[1].split()[0]
+        browser = _browser()
+        browser.get(link)
+
+        def text(elem_id: str) -> str:
+            return str(browser.find_element(By.ID, elem_id).text)
+
+        # no cluster and no stream: everything comes from the first response
+        wait_until(lambda: text("tasks-done") == "60", 10, "the page to show the finished run")
+        assert text("status") == "post-mortem" and "square" in text("groups")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#decisions li")) == 5  # launch, arrived, 3 retires
+        assert text("decisions").startswith("#71 t=15.0s retire")  # decision numbers shown whole
+        slider = browser.find_element(By.ID, "slider")
+        browser.execute_script("arguments[0].value = 250; arguments[0].dispatchEvent(new Event('input'))", slider)
+        wait_until(lambda: text("workers-count") == "3", 10, "the slider to show the run at its busiest")
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#stream rect"), 10, "the task stream")
+        shot = ARTIFACTS / "post-mortem.png"
+        browser.save_screenshot(str(shot))
+        for chart in ("chart-workers", "stream"):
+            rect = browser.find_element(By.ID, chart).rect
+            assert _coloured_pixels(shot, rect) > 200, f"{chart} looks empty in {shot}"
+    finally:
+        if browser is not None:
+            browser.quit()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_tidepool_scheduler_serves_the_dashboard_by_default(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.cli", "scheduler", "--port", "0", "--token-file",
+                             str(tmp_path / "token")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("tidepool scheduler at tcp://"), lines  # scripts read the first line
+        assert lines[2].startswith("tidepool dashboard at http://127.0.0.1:"), lines
+        link = lines[2].split(" at ", 1)[1].strip()
+        assert b"tidepool_workers" in fetch(link + "metrics")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -137,18 +137,19 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
                             tls=tls, **extra).start()  # fmt: skip
         dash = None
-        if args.dashboard:
+        if args.dashboard and not args.no_dashboard:
             from tidepool.dashboard import start_dashboard
 
             dash = await start_dashboard(s, args.dashboard, lambda: scaler)
-            print(f"tidepool dashboard at {dash.link}", flush=True)
         if args.token_file:
             write_token_file(args.token_file, token)
-        print(f"tidepool scheduler at {s.address}", flush=True)
+        print(f"tidepool scheduler at {s.address}", flush=True)  # the first line (scripts read it)
         if args.token_file:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
         else:
             print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
+        if dash is not None:
+            print(f"tidepool dashboard at {dash.link}", flush=True)
         scaler = None
         plain_journal = None
         if cfg is None and args.journal:  # no autoscaling: still journal workers and tasks
@@ -235,6 +236,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     hold=args.hold)  # fmt: skip
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """``tidepool dashboard run.jsonl``: the post-mortem page of a finished run (no cluster)."""
+    from tidepool.dashboard.replay import serve_replay
+
+    async def main() -> None:
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        server: asyncio.Future[Any] = asyncio.ensure_future(serve_replay(args.journal, args.address, ready))
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(ready))
+        await asyncio.wait([server, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if server.done():
+            server.result()  # raises what stopped it (a bad journal, a busy port)
+        print(f"tidepool post-mortem dashboard for {args.journal} at {ready.result()} (Ctrl-C to stop)", flush=True)
+        await server
+
+    _run_until_signal(main())
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from tidepool.telemetry.report import format_summary, load_records, plot_timeline, summary
     from tidepool.telemetry.trace import write_chrome_trace
@@ -267,9 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
-    s.add_argument("--dashboard", nargs="?", const="127.0.0.1:8787", default=None, metavar="HOST:PORT",
-                   help="serve the live dashboard and /metrics (default 127.0.0.1:8787; any other host "
-                        "needs the token in the link)")  # fmt: skip
+    s.add_argument("--dashboard", nargs="?", const="127.0.0.1:", default="127.0.0.1:", metavar="HOST:PORT",
+                   help="where to serve the live dashboard and /metrics (on by default: 127.0.0.1, port "
+                        "8787 or the next free one; any other host needs the token in the link)")  # fmt: skip
+    s.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
     s.add_argument("--heartbeat-timeout", type=_positive, default=None,
                    help="seconds a connected worker may stay silent before it is removed (default 300)")
     s.add_argument("--no-worker-timeout", type=float, default=None,
@@ -295,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hold", type=float, default=0.0,
                    help="with --dashboard: seconds to wait before the run (to open the page) and after it")
     d.set_defaults(fn=cmd_demo)
+
+    db = sub.add_parser("dashboard", help="serve the dashboard of a finished run from its journal (post-mortem)")
+    db.add_argument("journal", help="journal file, e.g. from cluster.adapt(journal='run.jsonl')")
+    db.add_argument("--address", default="127.0.0.1:", metavar="HOST:PORT",
+                    help="where to serve it (default 127.0.0.1, port 8787 or the next free one)")
+    db.set_defaults(fn=cmd_dashboard)
 
     r = sub.add_parser("report", help="plot a scaling journal (JSON lines) and print its summary")
     r.add_argument("journal", help="journal file, e.g. from cluster.adapt(journal='run.jsonl')")

@@ -270,7 +270,14 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         self.close()
 
     def __repr__(self) -> str:
-        return f"<tidepool.Client {self.address} {'closed' if self.closed else 'open'}>"
+        from tidepool.dashboard.links import client_repr
+
+        return client_repr(self)
+
+    def _repr_html_(self) -> str:
+        from tidepool.dashboard.links import client_repr
+
+        return client_repr(self, html=True)
 
     # ---- building tasks --------------------------------------------------------------------------
     def _function(self, fn: Callable[..., Any]) -> tuple[str, bytes | None]:

@@ -54,8 +54,10 @@ class LocalCluster(ClosesOnExit):
 
     Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
     ``restart_crashed=False`` leaves dead workers dead (see the module docstring).
-    ``dashboard=True`` (or ``"host:port"``) serves the live dashboard and ``/metrics`` and prints
-    the link (``cluster.dashboard_link``); docs/dashboard.md.
+    The live dashboard and ``/metrics`` are served by default on this host at 8787 or the next free
+    port (``cluster.dashboard_link``; token-protected off localhost; HTTPS with ``tls``);
+    ``dashboard=False`` turns it off, ``"host:port"`` chooses where, ``True`` also prints the link;
+    docs/dashboard.md.
     ``memory_limit`` (e.g. ``"1GB"``, ``"none"``) caps each worker: results spill to disk, tasks pause
     and the worker restarts at the levels in docs/memory.md (default: the node type's memory, else
     this machine's memory divided by its cores).
@@ -78,7 +80,7 @@ class LocalCluster(ClosesOnExit):
                  preload: list[str] | None = None, workdir: str | None = None,
                  restart_crashed: bool = True, memory_limit: int | str | None = None,
                  spill_limit: int | str | None = None, tls: TLSConfig | None = None,
-                 dashboard: bool | str = False, fork_server: bool | None = None,
+                 dashboard: bool | str | None = None, fork_server: bool | None = None,
                  **scheduler_kwargs: Any) -> None:  # fmt: skip
         if scheduler_kwargs:  # a typo names LocalCluster and the close name, not an internal class
             from tidepool.scheduler.state import SchedulerState
@@ -107,13 +109,19 @@ class LocalCluster(ClosesOnExit):
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
         self.token = self.scheduler.token
-        #: the live dashboard (``dashboard=True`` or ``"host:port"``); its link is printed and kept
+        #: the live dashboard (on unless ``dashboard=False``); its link is kept (and printed if asked)
         self.dashboard: Any = None
         self.dashboard_link = ""
-        if dashboard:
+        if dashboard is None:
+            from tidepool.dashboard.server import available
+
+            if not available():  # on by default, but never the reason a cluster cannot start
+                log.warning("no dashboard: aiohttp or prometheus_client is not installed")
+                dashboard = False
+        if dashboard is not False:
             from tidepool.dashboard import start_dashboard
 
-            where = dashboard if isinstance(dashboard, str) else f"{host}:0"
+            where = dashboard if isinstance(dashboard, str) else f"{host}:"
             try:
                 self.dashboard = self._loop.run(start_dashboard(self.scheduler, where, lambda: self.autoscaler))
             except BaseException:  # e.g. the extra is not installed: leave no scheduler running
@@ -121,7 +129,8 @@ class LocalCluster(ClosesOnExit):
                 self._loop.stop()
                 raise
             self.dashboard_link = self.dashboard.link
-            print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
+            if dashboard is not None:  # asked for by name: say where it is
+                print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
         # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
         # memory shared by as many workers as it has cores (docs/memory.md)
         mem_args = ["--memory-share", str(os.cpu_count() or 1)]
@@ -349,8 +358,23 @@ class LocalCluster(ClosesOnExit):
             self._extra_provider.close()
         self._loop.stop()
 
+    def workers_by_type(self) -> dict[str, int]:
+        """Registered workers per node type."""
+        out: dict[str, int] = {}
+        for w in list(self.scheduler.state.workers.values()):
+            out[w.node_type] = out.get(w.node_type, 0) + 1
+        return out
+
     def __repr__(self) -> str:
-        return f"<LocalCluster {self.address} workers={len(self.workers)}>"
+        from tidepool.dashboard.links import describe
+
+        return describe("LocalCluster", self.address, self.workers_by_type(), self.dashboard_link, self.closed)
+
+    def _repr_html_(self) -> str:
+        from tidepool.dashboard.links import describe_html
+
+        return describe_html("LocalCluster", self.address, self.workers_by_type(), self.dashboard_link,
+                             self.closed)  # fmt: skip
 
 
 def _whole(value: Any) -> bool:

@@ -43,7 +43,7 @@ def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill
     def say(msg: str) -> None:
         con.print(f"[dim]{time.monotonic() - t0:6.2f}s[/dim] {msg}")
 
-    with LocalCluster(n_workers=0, dashboard=dashboard) as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=0, dashboard=True if dashboard else None) as cluster, Client(cluster) as client:
         scaler = cluster.adapt(maximum=workers)
         if dashboard and hold:
             say(f"open {cluster.dashboard_link} now: the run starts in {hold:g}s")

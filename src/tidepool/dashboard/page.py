@@ -1,6 +1,9 @@
 """The dashboard page: one HTML document with its script and styles (no external files or CDNs, so
-it works offline and behind firewalls).  It opens ``api/stream`` (server-sent events), keeps the
-time series, decisions and task stream it is sent, and redraws at most once per animation frame."""
+it works offline and behind firewalls).  The server puts the current state into the page itself
+(``/*INITIAL*/``), so it draws at once; a live page then opens ``api/stream`` (server-sent events),
+keeps the time series, decisions and task stream it is sent, and redraws at most once per animation
+frame.  A post-mortem page (``tidepool dashboard run.jsonl``) has no stream: a time slider asks
+``api/state?t=`` for the run as it was at that moment."""
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>tidepool dashboard</title>
@@ -14,8 +17,10 @@ section{background:#fff;border-radius:6px;padding:10px;box-shadow:0 1px 2px #000
 section.wide{grid-column:1/3}h2{font-size:13px;margin:0 0 6px}
 svg{width:100%;height:180px;display:block}table{border-collapse:collapse;width:100%}
 td,th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left;white-space:nowrap}
-#decisions{max-height:220px;overflow:auto;margin:0;padding-left:18px}
-#decisions li{margin:2px 0}.bar{display:flex;height:10px;width:220px;background:#eee}
+#decisions{max-height:220px;overflow:auto;margin:0;padding-left:0;list-style:none}
+#decisions li{margin:2px 0}#decisions .n{display:inline-block;min-width:4.5em;color:#667;font-variant-numeric:tabular-nums}
+.mem{display:flex;height:10px;width:160px;background:#eee;position:relative}.mem .lim{position:absolute;top:-2px;bottom:-2px;width:2px;background:#c00}
+#replay{display:none;grid-column:1/3}#replay input{width:100%}.bar{display:flex;height:10px;width:220px;background:#eee}
 .legend span{margin-right:10px}.k-launch{color:#0a7}.k-retire{color:#c60}.k-fail{color:#c00}
 </style></head><body>
 <header><h1>tidepool</h1>
@@ -26,19 +31,21 @@ td,th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left;white-space:n
 <div>forecast <span class="big" id="eta">-</span></div>
 <div id="status">connecting</div></header>
 <main>
+<section id="replay"><h2>Post-mortem: the run at <span id="replay-t">-</span></h2><input type="range" id="slider" min="0" max="1000" value="1000" step="1"></section>
 <section><h2>Workers over time, by node type (and pending launches)</h2><svg id="chart-workers"></svg><div class="legend" id="legend-workers"></div>
 <table id="types-now"><thead><tr><th>node type</th><th>busy</th><th>holding data</th><th>idle</th><th>starting</th><th>retiring</th><th>pending</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Completion forecast (seconds left)</h2><svg id="chart-eta"></svg></section>
 <section><h2>Task groups</h2><table id="groups"><thead><tr><th>group</th><th>progress</th><th>waiting</th><th>ready</th><th>running</th><th>done</th><th>erred</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Scaling decisions, newest first</h2><ol id="decisions" reversed></ol></section>
 <section class="wide"><h2>Task stream (last 60 s)</h2><svg id="stream"></svg></section>
-<section class="wide"><h2>Workers</h2><table id="workers"><thead><tr><th>id</th><th>node type</th><th>state</th><th>resources</th><th>running</th><th>held</th><th>held bytes</th><th>spilled</th><th>idle for</th><th>idle and empty</th></tr></thead><tbody></tbody></table></section>
+<section class="wide"><h2>Workers</h2><table id="workers"><thead><tr><th>id</th><th>node type</th><th>state</th><th>resources</th><th>running</th><th>held</th><th>held bytes</th><th>spilled</th><th>memory: held, unmanaged, spilled (limit in red)</th><th>idle for</th><th>idle and empty</th></tr></thead><tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
 const q = new URLSearchParams(location.search); const tok = q.get("token");
 const api = p => p + (tok ? "?token=" + encodeURIComponent(tok) : "");
 const COLORS = ["#1f77b4","#d62728","#2ca02c","#9467bd","#ff7f0e","#17becf","#8c564b","#e377c2"];
+const INITIAL = /*INITIAL*/null;
 let series = [], decisions = [], stream = [], last = null, dirty = false;
 const colorOf = {}; let nColors = 0;
 function color(name){ if(!(name in colorOf)) colorOf[name] = COLORS[nColors++ % COLORS.length]; return colorOf[name]; }
@@ -47,6 +54,12 @@ const groupOf = {}; let nGroups = 0;
 function groupColor(name){ if(!(name in groupOf)) groupOf[name] = GROUP_COLORS[nGroups++ % GROUP_COLORS.length]; return groupOf[name]; }
 function esc(s){ return String(s).replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c])); }
 function fmtBytes(n){ n = n||0; const u=["B","KiB","MiB","GiB","TiB"]; let i=0; while(n>=1024&&i<4){n/=1024;i++;} return n.toFixed(i?1:0)+" "+u[i]; }
+function memBar(w){
+  const spilled = w.spilled_bytes||0, inMem = Math.max(0, (w.held_bytes||0) - spilled), unmanaged = Math.max(0, (w.rss||0) - inMem);
+  const lim = w.memory_limit||0, scale = Math.max(lim, inMem + unmanaged + spilled, 1), px = v => (v/scale*160).toFixed(1);
+  const title = `held ${fmtBytes(inMem)}, spilled ${fmtBytes(spilled)}, unmanaged ${fmtBytes(unmanaged)}, limit ${lim ? fmtBytes(lim) : "none"}`;
+  return `<div class="mem" title="${title}"><div class="m-held" style="width:${px(inMem)}px;background:#1f77b4"></div><div class="m-unmanaged" style="width:${px(unmanaged)}px;background:#aec7e8"></div><div class="m-spilled" style="width:${px(spilled)}px;background:#ff7f0e"></div>${lim ? `<div class="lim" style="left:${px(lim)}px"></div>` : ""}</div>`;
+}
 function total(p, nt){ const c = p.workers[nt]; return c ? c.busy+c.held+c.idle+c.starting+c.retiring : 0; }
 function lines(svg, xs, sets, ymax){
   const W = svg.clientWidth||600, H = svg.clientHeight||180, pad = 28;
@@ -93,10 +106,10 @@ function render(){
   document.getElementById("decisions").innerHTML = decisions.slice(-200).reverse().map(d => {
     const cls = d.kind.startsWith("launch") ? "k-launch" : d.kind.startsWith("retire") ? "k-retire" : d.kind.includes("fail") ? "k-fail" : "";
     const what = d.node_type ? ` ${esc(d.node_type)}${d.nodes ? " x"+d.nodes : ""}` : d.worker ? " "+esc(d.worker) : "";
-    return `<li class="decision ${cls}">t=${(Number(d.t) - last.t0).toFixed(1)}s <b>${esc(d.kind)}</b>${what}: ${esc(d.reason||d.outcome||"")}</li>`;
+    return `<li class="decision ${cls}"><span class="n">#${d.i + 1}</span> t=${(Number(d.t) - last.t0).toFixed(1)}s <b>${esc(d.kind)}</b>${what}: ${esc(d.reason||d.outcome||"")}</li>`;
   }).join("");
   const ws = last.workers;
-  document.querySelector("#workers tbody").innerHTML = ws.map(w => `<tr class="worker-row"><td>${esc(w.name||w.id)}</td><td>${esc(w.node_type)}</td><td>${esc(w.state)}</td><td>${esc(Object.entries(w.resources).map(([k,v]) => k+"="+v).join(", "))}</td><td>${w.running}</td><td>${w.held_keys}</td><td>${fmtBytes(w.held_bytes)}</td><td${w.spill_disabled?` title="${esc(w.spill_disabled)}"`:""}>${fmtBytes(w.spilled_bytes)}${w.spill_disabled?" (spilling off)":""}</td><td>${w.idle_for==null?"-":w.idle_for+" s"}</td><td>${w.idle_and_empty?"yes":""}</td></tr>`).join("");
+  document.querySelector("#workers tbody").innerHTML = ws.map(w => `<tr class="worker-row"><td>${esc(w.name||w.id)}</td><td>${esc(w.node_type)}</td><td>${esc(w.state)}</td><td>${esc(Object.entries(w.resources).map(([k,v]) => k+"="+v).join(", "))}</td><td>${w.running}</td><td>${w.held_keys}</td><td>${fmtBytes(w.held_bytes)}</td><td${w.spill_disabled?` title="${esc(w.spill_disabled)}"`:""}>${fmtBytes(w.spilled_bytes)}${w.spill_disabled?" (spilling off)":""}</td><td>${memBar(w)}</td><td>${w.idle_for==null?"-":w.idle_for+" s"}</td><td>${w.idle_and_empty?"yes":""}</td></tr>`).join("");
   const svg = document.getElementById("stream"), W = svg.clientWidth||900, H = svg.clientHeight||180;
   const t1 = last.now, t0 = t1 - 60, rowsOf = {}; let nrow = 0;
   const recent = stream.filter(s => s.start + s.duration >= t0);
@@ -107,7 +120,9 @@ function render(){
 }
 function schedule(){ if (!dirty){ dirty = true; requestAnimationFrame(render); } }
 function connect(){
-  const es = new EventSource(api("api/stream"));
+  // continue from what the first response carried: no decision or task drawn twice
+  const from = last ? "stream_after=" + last.stream_next + "&decisions_after=" + last.decisions_next : "";
+  const es = new EventSource(api("api/stream") + (from ? (tok ? "&" : "?") + from : ""));
   es.addEventListener("history", ev => { series = JSON.parse(ev.data).history; schedule(); });
   es.onopen = () => { document.getElementById("status").textContent = "live"; };
   es.onmessage = ev => {
@@ -117,8 +132,25 @@ function connect(){
     stream.push(...v.stream); if (stream.length > 4000) stream = stream.slice(-4000);
     schedule();
   };
-  es.onerror = () => { document.getElementById("status").textContent = "reconnecting"; };
+  // reconnect by hand, from the cursors reached (the browser's own retry would replay from the first)
+  es.onerror = () => { document.getElementById("status").textContent = "reconnecting"; es.close(); setTimeout(connect, 1000); };
 }
-connect();
+function fromInitial(init){
+  last = init.view; series = init.history || []; decisions = (last.decisions || []).slice(); stream = (last.stream || []).slice();
+  render();
+}
+function replay(init){
+  const box = document.getElementById("replay"), slider = document.getElementById("slider"), label = document.getElementById("replay-t");
+  box.style.display = "block"; document.getElementById("status").textContent = "post-mortem";
+  const [a, b] = init.range, at = v => a + (b - a) * v / 1000;
+  const show = () => { label.textContent = "t=" + (at(+slider.value) - a).toFixed(1) + " s of " + (b - a).toFixed(1) + " s"; };
+  let seq = 0;
+  slider.addEventListener("input", () => { show(); const mine = ++seq;
+    fetch(api("api/state") + (tok ? "&" : "?") + "t=" + at(+slider.value)).then(r => r.json()).then(v => {
+      if (mine !== seq) return; fromInitial(v); }); });
+  show();
+}
+if (INITIAL){ fromInitial(INITIAL); }
+if (INITIAL && INITIAL.live === false){ replay(INITIAL); } else { connect(); }
 </script></body></html>
 """

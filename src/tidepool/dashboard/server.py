@@ -5,16 +5,24 @@ loop-lag probe task.  Routes: ``/`` (the page), ``/api/state`` and ``/api/histor
 ``/api/stream`` (server-sent events: one batched update per ``interval``, whatever the task rate),
 ``/metrics`` (Prometheus text).  Bound to localhost by default; bound anywhere else every request
 must carry the scheduler's token (``?token=`` or ``Authorization: Bearer``), compared in constant
-time.
+time.  When the scheduler uses TLS the page is served over HTTPS with the same certificate and key
+(browsers bring no client certificate, so the token is what admits them).  The page's first
+response carries the current state, so it draws before the first live update.
+
+Port: ``port=None`` takes 8787 or the next free port above it (up to ``PORT_TRIES``, then any free
+port), as Dask does; a port taken by someone else is skipped by the bind itself (no probe-then-bind
+race), so two schedulers never collide and a busy range never fails a start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +32,16 @@ from tidepool.errors import ConfigError
 
 log = logging.getLogger("tidepool.dashboard")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PORT = 8787
+PORT_TRIES = 50
+
+
+def available() -> bool:
+    """Are the dashboard's dependencies importable (they are core dependencies, but a trimmed
+    environment may lack them)?"""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("aiohttp", "prometheus_client"))
 
 
 def _require_aiohttp() -> Any:
@@ -31,21 +49,39 @@ def _require_aiohttp() -> Any:
         import prometheus_client  # noqa: F401 - only checked here; metrics.py uses it
         from aiohttp import web
     except ImportError:
-        raise ConfigError("the dashboard needs aiohttp and prometheus_client: pip install 'tidepool[dashboard]'") from None
+        raise ConfigError("the dashboard needs aiohttp and prometheus_client (tidepool's own dependencies): "
+                          "pip install aiohttp prometheus_client, or pass dashboard=False") from None
     return web
 
 
+def ssl_context_for(tls: Any) -> ssl.SSLContext | None:
+    """The dashboard's HTTPS context from the cluster's TLS config: same certificate and key; no
+    client certificate asked (a browser has none: the token admits it)."""
+    if tls is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"the dashboard cannot load TLS certificate {tls.cert!r}: {exc}") from exc
+    return ctx
+
+
 class Dashboard:
-    def __init__(self, scheduler: Any, autoscaler: Callable[[], Any], host: str = "127.0.0.1", port: int = 0,
-                 interval: float = 0.5, require_token: bool | None = None) -> None:  # fmt: skip
+    def __init__(self, scheduler: Any, autoscaler: Callable[[], Any], host: str = "127.0.0.1",
+                 port: int | None = 0, interval: float = 0.5, require_token: bool | None = None,
+                 worker_label_limit: int | None = None) -> None:  # fmt: skip
         _require_aiohttp()
-        from tidepool.dashboard.metrics import registry_for
+        from tidepool.dashboard.metrics import WORKER_LABEL_LIMIT, registry_for
 
         self.scheduler = scheduler
-        self.model = DashboardModel(scheduler, autoscaler)
-        self.registry = registry_for(self.model)
+        self.model = DashboardModel(scheduler, autoscaler, interval)
+        limit = WORKER_LABEL_LIMIT if worker_label_limit is None else worker_label_limit
+        self.registry = registry_for(self.model, limit)
         self.host, self.port, self.interval = host, port, interval
         self.require_token = host not in LOOPBACK if require_token is None else require_token
+        self.ssl = ssl_context_for(getattr(scheduler, "tls", None))
         self.address = ""
         self._runner: Any = None
         self._probe: asyncio.Task[None] | None = None
@@ -63,12 +99,23 @@ class Dashboard:
                         web.get("/metrics", self._metrics)])  # fmt: skip
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        # 8787 and up, then any free port: a busy range never fails a cluster's start
+        ports = [self.port] if self.port is not None else [*range(DEFAULT_PORT, DEFAULT_PORT + PORT_TRIES), 0]
+        for i, port in enumerate(ports):
+            site = web.TCPSite(self._runner, self.host, port, ssl_context=self.ssl)
+            try:
+                await site.start()
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or i == len(ports) - 1:
+                    await self._runner.cleanup()
+                    raise ConfigError(f"the dashboard cannot listen on {self.host}:{port}: {exc}; pass "
+                                      "dashboard='host:port' with a free port, or dashboard=False") from exc  # fmt: skip
         sock = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
         host = self.host if self.host not in ("0.0.0.0", "") else sock[0]
-        self.address = f"http://{host}:{sock[1]}/"
+        self.address = f"{'https' if self.ssl else 'http'}://{host}:{sock[1]}/"
         self.scheduler.subscribe(self.model.observe)
+        self.scheduler.dashboard_link = self.link
         self._probe = asyncio.get_running_loop().create_task(self._lag_probe())
         return self
 
@@ -85,11 +132,12 @@ class Dashboard:
         while True:
             t = loop.time()
             await asyncio.sleep(0.1)
-            self.model.loop_lag = max(0.0, loop.time() - t - 0.1)
-            if not self.streams and loop.time() >= next_sample:
+            self.model.loop_lag = lag = max(0.0, loop.time() - t - 0.1)
+            self.model.loop_lag_max = max(self.model.loop_lag_max, lag)
+            if loop.time() >= next_sample:
                 next_sample = loop.time() + self.interval
                 try:
-                    self.model.sample(self.scheduler.clock())
+                    self.model.point(self.scheduler.clock())  # keeps the time series going
                 except Exception:  # noqa: BLE001 - a chart point is never worth the probe
                     log.exception("dashboard sample failed")
 
@@ -119,10 +167,13 @@ class Dashboard:
         return auth
 
     async def _page(self, request: Any) -> Any:
-        return self._web().Response(text=PAGE, content_type="text/html")
+        view, _, _ = self.model.view_json(self.scheduler.clock())
+        initial = '{"live": true, "view": ' + view + ', "history": ' + _dumps(self.model.history()) + "}"
+        return self._web().Response(text=page_with(initial), content_type="text/html")
 
     async def _state(self, request: Any) -> Any:
-        return self._web().json_response(self.model.view(self.scheduler.clock()), dumps=_dumps)
+        text, _, _ = self.model.view_json(self.scheduler.clock())
+        return self._web().Response(text=text, content_type="application/json")
 
     async def _history(self, request: Any) -> Any:
         return self._web().json_response(self.model.history(), dumps=_dumps)
@@ -131,21 +182,29 @@ class Dashboard:
         from tidepool.dashboard.metrics import render
 
         web = self._web()
-        return web.Response(body=render(self.registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        now = self.scheduler.clock()
+        cached = self.model.metrics_cache
+        if cached is None or not 0 <= now - cached[0] < self.interval:  # one render per interval, shared
+            cached = self.model.metrics_cache = (now, render(self.registry))
+        return web.Response(body=cached[1], headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _stream(self, request: Any) -> Any:
         web = self._web()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         self.streams += 1
-        stream_after = decisions_after = 0
+        try:  # a page that drew its first response continues from there
+            stream_after = int(request.query.get("stream_after", 0))
+            decisions_after = int(request.query.get("decisions_after", 0))
+        except ValueError:
+            stream_after = decisions_after = 0
         try:
             history = json.dumps({"history": self.model.history()}, default=str)
             await resp.write(f"event: history\ndata: {history}\n\n".encode())
             while True:
-                view = self.model.view(self.scheduler.clock(), stream_after, decisions_after)
-                stream_after, decisions_after = view["stream_next"], view["decisions_next"]
-                await resp.write(f"data: {_dumps(view)}\n\n".encode())
+                text, stream_after, decisions_after = self.model.view_json(self.scheduler.clock(), stream_after,
+                                                                           decisions_after)  # fmt: skip
+                await resp.write(b"data: " + text.encode() + b"\n\n")
                 await asyncio.sleep(self.interval)
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -160,13 +219,27 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)
 
 
+def page_with(initial_json: str) -> str:
+    """The page with ``initial_json`` inside it (``</`` escaped so no value can end the script)."""
+    return PAGE.replace("/*INITIAL*/null", initial_json.replace("</", "<\\/"), 1)
+
+
+def parse_address(address: str) -> tuple[str, int | None]:
+    """``"host:port"`` -> (host, port); ``"host"`` or ``"host:"`` -> (host, None): 8787 or the next free."""
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        host, port = address, ""
+    if port and not port.isdigit():
+        raise ConfigError(f"dashboard address {address!r} needs host:port, e.g. 127.0.0.1:8787")
+    return host or "127.0.0.1", int(port) if port else None
+
+
 async def start_dashboard(scheduler: Any, address: str = "127.0.0.1:0", autoscaler: Callable[[], Any] | None = None,
                           interval: float = 0.5) -> Dashboard:  # fmt: skip
-    """Serve the dashboard for ``scheduler`` at ``host:port`` (in the running loop)."""
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise ConfigError(f"dashboard address {address!r} needs host:port, e.g. 127.0.0.1:8787")
-    return await Dashboard(scheduler, autoscaler or (lambda: None), host or "127.0.0.1", int(port), interval).start()
+    """Serve the dashboard for ``scheduler`` at ``host:port`` (in the running loop); ``host`` alone
+    (or ``host:``) takes 8787 or the next free port."""
+    host, port = parse_address(address)
+    return await Dashboard(scheduler, autoscaler or (lambda: None), host, port, interval).start()
 
 
 __all__ = ["Dashboard", "start_dashboard"]

@@ -122,6 +122,8 @@ class AutoScaler:
                            resources=dict(ws.resources))  # fmt: skip
         self.scheduler.subscribe(journal.observe)
         await self.scheduler.apply([ev.CheckFeasible(now, self.round.view.feasibility)])
+        for nt in self.controller.node_types.values():  # names these may offer are no typos
+            self.scheduler.state.offered_resources.update(nt.resources)
         self.scheduler.eta_hooks.append(self.round.arrivals)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self

@@ -61,6 +61,7 @@ from tidepool.scaling.observation import (
     WorkerFailed,
 )
 from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
     PendingLaunch,
@@ -83,8 +84,6 @@ FORECAST_MIN_INTERVAL = 0.25
 FORECAST_MAX_INTERVAL = 30.0
 #: forecasts per start-up time of the quickest node type (VMs that boot in 90 s: every 4.5 s)
 FORECAST_PER_STARTUP = 20.0
-#: seconds a worker that refused to retire is not asked again
-REFUSED_PAUSE = 10.0
 #: seconds between asks to retire a worker whose allocation ends soon
 EXPIRY_RETRY = 5.0
 
@@ -244,7 +243,10 @@ class ScalingController:
         self._failed_requests: set[str] = set()  # each failed launch is counted once
         self.startup: dict[str, float] = {}
         self.backlog_since: float | None = None
-        self.refused_until: dict[str, float] = {}
+        #: refused retirements: worker -> what the pool looked like then (:func:`shrink_signature`);
+        #: asked again only once that changes (a worker joined, data was released), never on a timer
+        self.refused: dict[str, ShrinkSignature] = {}
+        self._asked: dict[str, ShrinkSignature] = {}
         self._foreign_noted: set[str] = set()
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
         self._fallback = Adaptive()
@@ -430,8 +432,9 @@ class ScalingController:
                 self.instances.move(inst, IS.GONE, r.at, "retired")
             else:
                 self.instances.move(inst, IS.READY, r.at, r.outcome or "refused")
-        if r.outcome != "retired":
-            self.refused_until[r.worker] = r.at + REFUSED_PAUSE  # do not ask again at every step
+        sig = self._asked.pop(r.worker, None)
+        if r.outcome != "retired" and sig is not None:
+            self.refused[r.worker] = sig  # not again until the pool changes (see _retirements)
         self.journal.record("retire-done", r.at, worker=r.worker, outcome=r.outcome)
 
     def _adopted(self, r: Adopted) -> None:
@@ -475,6 +478,8 @@ class ScalingController:
         table = self.instances
         for inst in [i for i in table.live.values() if i.worker not in by_id]:
             table.move(inst, IS.GONE, now, "it left the scheduler")
+        for gone in [w for w in self.refused if w not in by_id]:
+            del self.refused[gone]
         if len(by_id) != len(table.live):
             for wid, ws in by_id.items():
                 named = table.get(wid)
@@ -602,7 +607,7 @@ class ScalingController:
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
                      planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
-        """Retire what the policy asked, if known, running, ours, not refused lately, not below
+        """Retire what the policy asked, if known, running, ours, not refused with the pool unchanged since, not below
         ``min_nodes`` (nodes being retired already do not count) and not of a type launched this
         step (anti-flap)."""
         now = snap.now
@@ -612,12 +617,18 @@ class ScalingController:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or not self._ours(ws, now):
                 continue
-            if self.refused_until.get(wid, -1e9) > now or planned.get(ws.node_type):
+            if planned.get(ws.node_type):
                 continue
+            sig = shrink_signature(by_id.values(), wid)
+            if wid in self.refused:
+                if not self.refused[wid].changed(sig):
+                    continue  # the same refusal again: said once already
+                del self.refused[wid]
             wt = self.node_types.get(ws.node_type)
             if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
                 continue
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
+            self._asked[wid] = sig
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
 
     def _ours(self, ws: WorkerView, now: float) -> bool:

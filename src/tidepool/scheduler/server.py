@@ -69,6 +69,10 @@ class Scheduler:
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
         self.observers: list[Observer] = []
+        self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
+        self.batches = 0
+        self.tick_seconds = 0.0  # how long the last tick's batch took
+        self.dashboard_link = ""  # set by the dashboard serving this scheduler (clients show it)
         #: extra slots expected to arrive (seconds from now), e.g. launches in flight
         self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
@@ -114,6 +118,7 @@ class Scheduler:
 
     # ---- applying events ----------------------------------------------------------------------
     async def apply(self, events: list[ev.Event]) -> list[ev.Command]:
+        began = time.perf_counter()
         cmds = self.state.handle_many(events)
         for obs in self.observers:
             try:
@@ -121,6 +126,11 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler observer failed")
         await self._dispatch(cmds)
+        took = time.perf_counter() - began  # the loop's time spent on this batch (for /metrics)
+        self.busy_seconds += took
+        self.batches += 1
+        if events and isinstance(events[0], ev.Tick):
+            self.tick_seconds = took
         return cmds
 
     async def _dispatch(self, cmds: list[ev.Command]) -> None:
@@ -255,6 +265,7 @@ class Scheduler:
         advertise ``{"cpu": 1e6}`` and draw all the work)."""
         for wid in worker_ids:
             self.launched_as[wid] = node_type
+        self.state.offered_resources.update(node_type.resources)
 
     def _overclaim(self, wid: str, msg: dict[str, Any]) -> str:
         nt = self.launched_as.get(wid)
@@ -540,7 +551,8 @@ class Scheduler:
     def info(self) -> dict[str, Any]:
         st = self.state
         return {"address": self.address, "workers": st.worker_info(), "tasks": st.task_counts(),
-                "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty()}  # fmt: skip
+                "counters": dict(st.counters), "idle_and_empty": st.idle_and_empty(),
+                "dashboard": self.dashboard_link}  # fmt: skip
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()

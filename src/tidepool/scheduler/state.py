@@ -48,6 +48,7 @@ from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
 from tidepool.scheduler.placement import choose_worker, fits
 from tidepool.scheduler.records import TaskRecord, WorkerRecord
+from tidepool.scheduler.resource_names import typo_reason
 
 #: Every legal task-state change, with the reason it happens.  Anything else raises.
 TASK_TRANSITIONS: dict[tuple[TS, TS], str] = {
@@ -162,6 +163,10 @@ class SchedulerState:
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
         #: tasks per state
         self.counts: dict[str, int] = {TS.RELEASED: 0}
+        #: task records by group and state, kept up to date by ``_move`` (what the dashboard shows)
+        self.group_counts: dict[str, dict[str, int]] = {}
+        #: every resource name a worker or a known node type ever offered (typos fail at submit)
+        self.offered_resources: set[str] = set()
         #: (shape, group) -> number of tasks in ready/no-worker: the demand scaling looks at
         self.pending: dict[tuple[ev.Shape, str], int] = {}
         self._room: set[str] = set()
@@ -254,6 +259,9 @@ class SchedulerState:
         counts = self.counts
         counts[old] -= 1
         counts[new] = counts.get(new, 0) + 1
+        g = self.group_counts[ts.group]  # per task group, for the dashboard (O(1), never a scan)
+        g[old] -= 1
+        g[new] = g.get(new, 0) + 1
         ts.state = new
 
     def _move_worker(self, ws: WorkerRecord, new: WS) -> None:
@@ -282,6 +290,8 @@ class SchedulerState:
             self._priority += 1
             self.tasks[spec.key] = ts
             self.counts["released"] += 1
+            g = self.group_counts.setdefault(ts.group, {TS.RELEASED: 0})
+            g[TS.RELEASED] = g.get(TS.RELEASED, 0) + 1
             new.append(ts)
             for dk in spec.deps:
                 dep = self.tasks.get(dk)
@@ -395,6 +405,10 @@ class SchedulerState:
             if ts.exc_type in ("DependencyError", "CycleError") and ts.message and not ts.exception:
                 self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
+                continue
+            typo = typo_reason((name for name, _ in ts.shape), self.offered_resources) if ts.shape else None
+            if typo is not None:
+                self._fail(ts, "InfeasibleTaskError", f"task {ts.key!r} can never run: {typo}", out)
                 continue
             waiting: set[TaskRecord] = set()
             failed: TaskRecord | None = None
@@ -800,6 +814,10 @@ class SchedulerState:
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
                 self.counts[ts.state] -= 1
+                gc = self.group_counts[ts.group]
+                gc[ts.state] -= 1
+                if not any(gc.values()):  # the group's last record is gone: forget the group too
+                    del self.group_counts[ts.group]
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
                     dep.dependents.discard(ts)
@@ -824,6 +842,7 @@ class SchedulerState:
                           self._worker_seq, e.memory_limit)  # fmt: skip
         ws.state = "running" if e.ready else "starting"
         self.workers[e.worker] = ws
+        self.offered_resources.update(e.resources)
         self.counters["workers_joined"] += 1
         if ws.state == "running":
             self._worker_running(ws, out)
@@ -1158,6 +1177,7 @@ class SchedulerState:
                     out.append(ev.Report(c, ts.key, RK.ERRED, error={**error, "origin": ts.key}))
         self.tasks.clear()
         self.counts = {TS.RELEASED: 0}
+        self.group_counts.clear()
         self.pending.clear()
         self._ready.clear()
         self._restricted.clear()
@@ -1261,6 +1281,12 @@ class SchedulerState:
         for ts in self.tasks.values():
             counts[ts.state] = counts.get(ts.state, 0) + 1
         assert counts == self.task_counts(), (counts, self.counts)
+        groups: dict[str, dict[str, int]] = {}
+        for ts in self.tasks.values():
+            gc = groups.setdefault(ts.group, {})
+            gc[ts.state] = gc.get(ts.state, 0) + 1
+        kept = {g: {k: n for k, n in c.items() if n} for g, c in self.group_counts.items()}
+        assert groups == {g: c for g, c in kept.items() if c}, (groups, self.group_counts)
         for w, ws in self.workers.items():
             for ts in ws.has_what:
                 assert w in ts.who_has

@@ -1,0 +1,202 @@
+"""What the dashboard shows and what it costs, without a browser: the model's counts (recomputed
+values are not done twice), its bounded cost (no scan of the task table per request, one snapshot
+shared by every reader), the post-mortem model, retirement that asks again only when the pool
+changes, and resource-name typos failing at submit."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tidepool.dashboard.model import DashboardModel
+from tidepool.dashboard.replay import ReplayModel
+from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import step_with_state
+from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.resource_names import suggestion
+from tidepool.testing import StateDriver
+
+
+class NoScan(dict):  # type: ignore[type-arg]
+    """A task table that fails the test if anybody walks it."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("the dashboard walked the whole task table")
+
+    def values(self) -> Any:
+        raise AssertionError("the dashboard walked the whole task table")
+
+    def items(self) -> Any:
+        raise AssertionError("the dashboard walked the whole task table")
+
+
+def _model(d: StateDriver, now: list[float], eta_calls: list[int]) -> DashboardModel:
+    def eta() -> dict[str, Any]:
+        eta_calls.append(1)
+        return {"eta": 1.0}
+
+    sched = SimpleNamespace(state=d.state, clock=lambda: now[0], eta=eta, launched_as={})
+    return DashboardModel(sched, lambda: None, interval=0.5)
+
+
+def test_a_recomputed_value_is_not_one_more_task_done() -> None:
+    d = StateDriver()
+    d.add_worker("a")
+    now, calls = [0.0], []
+    m = _model(d, now, calls)
+    keys = [f"square-{i}" for i in range(4)]
+
+    def send(*events: ev.Event) -> None:
+        m.observe(list(events), d.send(*events))
+
+    for k in keys:
+        send(ev.UpdateGraph("c", [ev.TaskSpec(k, "f", None, group="square")], [k], 0.0))
+    for k in keys:
+        send(ev.TaskFinished("a", k, 8, 0.01, 0.1))
+    d.add_worker("b")
+    send(ev.WorkerRemove("a", 0.2, "died", graceful=False))  # the values are lost: recomputed on b
+    for k in keys:
+        send(ev.TaskFinished("b", k, 8, 0.01, 0.3))
+    assert d.state.counters["recomputed"] == 4
+    assert m.groups()["square"]["memory"] == 4  # 4 submitted, 4 done (not 8)
+    assert m.group_stats["square"].seconds == pytest.approx(0.08)  # compute time counts both runs
+
+
+def test_a_view_never_walks_the_task_table_and_pollers_share_one_snapshot() -> None:
+    d = StateDriver()
+    d.add_worker("a")
+    specs = [ev.TaskSpec(f"inc-{i}", "f", None, group="inc") for i in range(30_000)]
+    d.send(ev.UpdateGraph("c", specs, [s.key for s in specs], 0.0))
+    d.state.tasks = NoScan(d.state.tasks)
+    now, eta_calls = [1.0], []
+    m = _model(d, now, eta_calls)
+    first = m.view_json(now[0])[0]
+    for _ in range(100):  # four pollers and a hundred pages within one interval
+        assert m.view_json(now[0])[0] == first
+    assert eta_calls == []  # a full forecast of 30,000 tasks would stall the loop: the work bound instead
+    view = json.loads(first)
+    assert view["point"]["eta"] is not None
+    assert view["groups"]["inc"] == {"ready": 29_999, "running": 1}
+    now[0] = 1.6  # the next interval: a new snapshot, the forecast only at its budgeted rate
+    m.view_json(now[0])
+    assert len(m.series) == 2
+
+
+def test_the_post_mortem_model_rebuilds_the_run_at_any_moment() -> None:
+    recs = [
+        {"t": 0.0, "kind": "journal-start"},
+        {"t": 0.1, "kind": "launch", "request": "a1", "node_type": "cpu", "nodes": 2, "reason": "backlog"},
+        {"t": 1.0, "kind": "worker-join", "worker": "w1", "node_type": "cpu", "resources": {"cpu": 1}},
+        {"t": 1.2, "kind": "worker-join", "worker": "w2", "node_type": "cpu", "resources": {"cpu": 1}},
+        {"t": 1.2, "kind": "launch-arrived", "request": "a1", "node_type": "cpu", "seconds": 1.1},
+        *[{"t": 2.0 + i, "kind": "task", "key": f"work-{i:08x}", "worker": "w1", "start": 1.0 + i,
+           "duration": 1.0, "ok": i != 3} for i in range(5)],
+        {"t": 7.0, "kind": "retire", "worker": "w2", "node_type": "cpu", "reason": "idle"},
+        {"t": 7.5, "kind": "worker-leave", "worker": "w2", "reason": "retired", "graceful": True},
+    ]  # fmt: skip
+    m = ReplayModel(recs)
+    early = m.view(0.5)["view"]
+    assert early["point"]["pending"] == {"cpu": 2} and early["workers"] == []
+    mid = m.view(3.5)
+    assert mid["view"]["counters"] == {"finished": 2, "erred": 0}
+    assert mid["view"]["point"]["workers"]["cpu"]["busy"] == 1 and mid["view"]["point"]["workers"]["cpu"]["idle"] == 1
+    assert mid["view"]["groups"]["work"] == {"memory": 2, "erred": 0, "running": 1}
+    assert all(p["t"] <= 3.5 for p in mid["history"])
+    sweep = m._sweep([0.5, 1.1, 3.5, 7.6, 100.0])  # the time series, made in one pass, agrees point by point
+    assert sweep == [m._point(t) for t in (0.5, 1.1, 3.5, 7.6, 100.0)]
+    end = m.view(100.0)["view"]
+    assert end["counters"] == {"finished": 4, "erred": 1}
+    assert [w["id"] for w in end["workers"]] == ["w1"]
+    assert [d["kind"] for d in end["decisions"]] == ["launch", "launch-arrived", "retire"]
+
+
+CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
+
+
+def test_a_refused_retirement_is_asked_again_only_when_the_pool_changes() -> None:
+    d = StateDriver()
+    d.add_worker("a", node_type="cpu")
+    d.submit([("x", [])], ["x"])
+    d.step()  # a holds x, which the client still wants
+
+    def policy(snap: ClusterSnapshot) -> ScaleDecision:
+        return ScaleDecision(retire=("a",), why=(("a", "idle"),))
+
+    c = ScalingController((CPU,), policy, forecast_interval=0.25, manage_foreign=True)
+    assert step_with_state(c, d.state, 1.0).retire == ["a"]
+    c.retire_done("a", "refused: it holds 1 needed values and no other running worker can take them", 1.1)
+    for t in (2.0, 15.0, 60.0, 600.0):  # nothing changed: no timer asks the same question again
+        assert step_with_state(c, d.state, t).retire == []
+    refusals = [r for r in c.journal.records if r["kind"] == "retire-done"]
+    assert len(refusals) == 1  # said once
+    d.add_worker("b", node_type="cpu")  # somebody who could take x joined
+    assert step_with_state(c, d.state, 601.0).retire == ["a"]
+
+
+def test_a_resource_name_nobody_offers_fails_at_submit_with_the_close_name() -> None:
+    d = StateDriver()
+    d.add_worker("a", {"cpu": 2.0, "gpu": 1.0})
+    d.submit([("typo", [], {"CPU": 1}), ("new", [], {"fpga": 1}), ("ok", [], {"gpu": 1})], ["typo", "new", "ok"])
+    typo = d.state.tasks["typo"]
+    assert typo.state == "erred" and typo.exc_type == "InfeasibleTaskError"
+    assert "'CPU'" in typo.message and "did you mean 'cpu'" in typo.message
+    assert d.state.tasks["new"].state == "no-worker"  # an unknown name with no close match still waits
+    assert d.state.tasks["ok"].state == "running"
+    assert suggestion("cpus", {"cpu", "gpu"}) == "cpu" and suggestion("gpu", {"cpu"}) is None
+    assert suggestion("gpu1", {"gpu0", "cpu"}) is None  # a family of names, not a typo
+
+
+def test_a_name_a_node_type_offers_waits_for_its_worker() -> None:
+    d = StateDriver()
+    d.add_worker("a", {"cpu": 1.0})
+    d.state.offered_resources.update({"GPU"})  # a node type offers it (the scheduler adds these)
+    d.submit([("t", [], {"GPU": 1})], ["t"])
+    assert d.state.tasks["t"].state == "no-worker"
+
+
+def test_the_grafana_dashboard_only_queries_metrics_that_exist() -> None:
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tidepool.dashboard.metrics import registry_for, render
+
+    d = StateDriver()
+    d.add_worker("a")
+    now: list[float] = [0.0]
+    m = _model(d, now, [])
+    m.group_of("square").add(0.1, 8, True)  # a finished task, so its group's series exist
+    names = set()
+    for fam in text_string_to_metric_families(render(registry_for(m)).decode()):
+        names.update(s.name for s in fam.samples)
+        names.add(fam.name)
+    doc = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    used = {n for p in doc["panels"] for t in p["targets"] for n in re.findall(r"tidepool_[a-z_]+", t["expr"])}
+    assert len(used) >= 15 and used <= names, used - names
+
+
+def test_per_worker_series_only_below_the_label_limit_and_the_start_up_histogram() -> None:
+    from tidepool.dashboard.metrics import registry_for, render
+
+    d = StateDriver()
+    for w in ("a", "b", "c"):
+        d.add_worker(w)
+    m = _model(d, [0.0], [])
+    journal = [{"t": 0.0, "kind": "launch", "request": "r1", "node_type": "default", "nodes": 1},
+               {"t": 3.0, "kind": "launch-arrived", "request": "r1", "node_type": "default", "seconds": 3.0}]
+    m.autoscaler = lambda: SimpleNamespace(journal=SimpleNamespace(records=journal),
+                                           controller=SimpleNamespace(launches={}, node_types={}))
+    text = render(registry_for(m, 3)).decode()
+    assert 'tidepool_worker_tasks{worker="a"}' in text
+    assert 'tidepool_worker_startup_seconds_bucket{le="5.0",node_type="default"} 1.0' in text
+    assert 'tidepool_worker_startup_seconds_bucket{le="2.0",node_type="default"} 0.0' in text
+    assert 'tidepool_worker_startup_seconds_sum{node_type="default"} 3.0' in text
+    assert "tidepool_launches_total 1.0" in text
+    few = render(registry_for(m, 2)).decode()
+    assert "worker=" not in few and 'tidepool_workers{node_type="default",state="idle"} 3.0' in few
