@@ -13,9 +13,9 @@ import pytest
 
 from tidepool.dashboard.model import DashboardModel
 from tidepool.dashboard.replay import ReplayModel
-from tidepool.scaling.controller import ScalingController
+from tidepool.scaling.controller import ControllerView, ScalingController
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.observation import step_with_state
+from tidepool.scaling.observation import Retired, step_with_state
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.resource_names import suggestion
@@ -129,8 +129,9 @@ def test_a_refused_retirement_is_asked_again_only_when_the_pool_changes() -> Non
 
     c = ScalingController((CPU,), policy, forecast_interval=0.25, manage_foreign=True)
     assert step_with_state(c, d.state, 1.0).retire == ["a"]
-    c.retire_done("a", "refused: it holds 1 needed values and no other running worker can take them", 1.1)
-    for t in (2.0, 15.0, 60.0, 600.0):  # nothing changed: no timer asks the same question again
+    refusal = Retired("a", "refused: it holds 1 needed values and no other running worker can take them", 1.1)
+    assert step_with_state(c, d.state, 2.0, reports=[refusal]).retire == []
+    for t in (15.0, 60.0, 600.0):  # nothing changed: no timer asks the same question again
         assert step_with_state(c, d.state, t).retire == []
     refusals = [r for r in c.journal.records if r["kind"] == "retire-done"]
     assert len(refusals) == 1  # said once
@@ -190,8 +191,8 @@ def test_per_worker_series_only_below_the_label_limit_and_the_start_up_histogram
     m = _model(d, [0.0], [])
     journal = [{"t": 0.0, "kind": "launch", "request": "r1", "node_type": "default", "nodes": 1},
                {"t": 3.0, "kind": "launch-arrived", "request": "r1", "node_type": "default", "seconds": 3.0}]
-    m.autoscaler = lambda: SimpleNamespace(journal=SimpleNamespace(records=journal),
-                                           controller=SimpleNamespace(launches={}, node_types={}))
+    m.autoscaler = lambda: SimpleNamespace(journal=SimpleNamespace(records=journal), view=ControllerView(),
+                                           controller=SimpleNamespace(node_types={}))
     text = render(registry_for(m, 3)).decode()
     assert 'tidepool_worker_tasks{worker="a"}' in text
     assert 'tidepool_worker_startup_seconds_bucket{le="5.0",node_type="default"} 1.0' in text
