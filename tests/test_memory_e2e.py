@@ -113,13 +113,12 @@ def test_sigterm_on_a_worker_holding_spilled_values_exits_cleanly() -> None:
         assert proc.wait(60) == 0
 
 
-#: preloaded by the worker below: its first process starts, a re-executed one (a memory restart
-#: keeps the environment) exits at once, as a restart that fails would
+#: preloaded by the worker below: a worker process that re-executed itself over its memory limit
+#: (it says so in TIDEPOOL_WORKER_RESTARTS) exits at once, as a restart that fails would
 FAIL_ON_RESTART = """
 import os, sys
-if os.environ.get("TIDEPOOL_TEST_STARTED_ONCE"):
+if os.environ.get("TIDEPOOL_WORKER_RESTARTS"):
     sys.exit(3)
-os.environ["TIDEPOOL_TEST_STARTED_ONCE"] = "1"
 """
 
 

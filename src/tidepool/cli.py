@@ -28,6 +28,8 @@ def _token(args: argparse.Namespace) -> str:
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: set in a worker process that re-executed itself over its memory limit: how many times it did
+RESTARTS_ENV = "TIDEPOOL_WORKER_RESTARTS"
 
 
 def _ignore_late_signal(signum: int, frame: Any) -> None:
@@ -221,6 +223,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         finally:
             await w.close("stopped")
         if w.exit_reason == "memory":  # over its memory limit: come back as a fresh process
+            # the new process can tell it is a restart (and how many came before it)
+            os.environ[RESTARTS_ENV] = str(int(os.environ.get(RESTARTS_ENV) or 0) + 1)
             sys.stdout.flush()
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
