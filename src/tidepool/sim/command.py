@@ -30,7 +30,7 @@ def _param(text: str) -> tuple[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", nargs="?", default=None,
                    help="a built-in workload (bursty, chain, wide, gpu, scale-down, layers, bag), a JSON graph "
-                        "(.json), a journal of a real run (.jsonl), or module:function")  # fmt: skip
+                        "or a WfCommons WfFormat trace (.json), a journal of a real run (.jsonl), or module:function")  # fmt: skip
     p.add_argument("--journal", dest="replay", default=None,
                    help="replay the tasks of this recorded run (JSON lines) instead of GRAPH")
     p.add_argument("--cluster", default="local:4",
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from tidepool.sim.engine import Simulation, default_journal_name
     from tidepool.sim.policies import make_policy
     from tidepool.sim.report import perf_lines, plot_cost, render_text, result_json, table_rows
+    from tidepool.sim.wfformat import fit_memory
     from tidepool.sim.workload import load_workload
 
     source = args.replay or args.graph
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and not args.replay.endswith(".jsonl"):
         raise ConfigError(f"--journal expects a JSON-lines journal (.jsonl), got {args.replay!r}")
     workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival)
+    fit_memory(workload, [nt.resources.get("memory", 0.0) for nt in cluster.node_types])
     names = args.policy or (["cluster"] if cluster.config is not None else ["default"])
     os.makedirs(args.out, exist_ok=True)
     records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)

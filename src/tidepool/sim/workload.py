@@ -8,7 +8,8 @@ measures a real run.
 
 Where workloads come from (:func:`load_workload`):
 
-- a JSON graph file (format below);
+- a JSON graph file (format below), or a WfCommons WfFormat trace (:mod:`tidepool.sim.wfformat`,
+  detected by its ``workflow`` object; ``params`` may give ``scale``);
 - a journal of a real run (``.jsonl``; ``task`` records carry key, start, duration, worker).  A
   journal has **no dependencies**: its tasks are replayed as independent tasks submitted at their
   recorded start times (``arrival="start"``, which keeps the phases of the original run) or all
@@ -349,6 +350,10 @@ def load_workload(source: str, *, seed: int = 0, params: Mapping[str, Any] | Non
             raise ConfigError(f"cannot read graph {source}: {exc.strerror or exc}") from exc
         except ValueError as exc:
             raise ConfigError(f"{source}: not JSON: {exc}") from exc
+        from tidepool.sim.wfformat import from_wfformat, is_wfformat
+
+        if is_wfformat(data):  # a WfCommons trace (WRENCH / WfInstances)
+            return from_wfformat(data, source=source, **params)
         return from_dict(data, seed=seed, source=source)
     if source in builtin.BUILTIN:
         return builtin.BUILTIN[source](seed=seed, **params)
