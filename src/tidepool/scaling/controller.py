@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tidepool.errors import ConfigError
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.planned import default_policy
 from tidepool.scaling.planner import describe_types, rank_types
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.snapshot import (
@@ -112,7 +113,7 @@ class ScalingController:
         if len(set(names)) != len(names):
             raise ConfigError(f"node type names must be unique, got {names}")
         self.node_types = {nt.name: nt for nt in node_types}
-        self.policy = policy if policy is not None else Adaptive()
+        self.policy = policy if policy is not None else default_policy()
         self.launch_timeout = launch_timeout
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
