@@ -41,7 +41,7 @@ from typing import Any
 
 from tidepool.errors import ConfigError
 from tidepool.scaling.forecast import peak_in_use
-from tidepool.scaling.planner import plan
+from tidepool.scaling.planner import PLAIN, plan
 from tidepool.scaling.policies import MemoryPressure, NoProgress, as_decision, keep_young, merge
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision, TypeForecast, WorkerView
 from tidepool.scheduler.placement import fits
@@ -50,7 +50,7 @@ log = logging.getLogger("tidepool.scaling")
 
 OBJECTIVES = ("balanced", "fastest", "cheapest")
 #: objective -> (launch_factor, slack, guess launches before anything finished)
-_RULES = {"balanced": (1.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
+_RULES = {"balanced": (0.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
 
 def check_objective(objective: str, deadline: float | None, budget: float | None) -> None:
@@ -268,6 +268,8 @@ class GraphPlan:
             if snap.next_demand_in is not None and snap.next_demand_in <= horizon:
                 return None
             hold, what = self.min_idle, "no work for it is expected within a start-up"
+        elif _special(w):  # gpu (...) nodes are kept for work that needs them, not held on spec
+            hold, what = self.min_idle, "no known work needs its " + "/".join(sorted(_special(w)))
         elif known:  # work exists, none of it prefers this node type
             hold, what = min(self.hold_cap, startup / 4), "no remaining work prefers its node type"
         else:  # nothing known at all (between two computes): the ski-rental rule
@@ -305,6 +307,11 @@ def default_policy(objective: str = "balanced", deadline: float | None = None, b
         raise ConfigError(f"unknown options {sorted(unknown)} of the default policy; it takes objective, deadline, "
                           "budget, hold_cap, min_idle, min_lifetime")  # fmt: skip
     return Planned(GraphPlan(objective, deadline, budget, **options), **mine)
+
+
+def _special(w: WorkerView) -> set[str]:
+    """The worker's resources beyond cpu and memory (gpu, custom labels)."""
+    return {k for k, v in w.resources.items() if v > 0 and k not in PLAIN}
 
 
 def _fmt(seconds: float) -> str:
