@@ -53,7 +53,6 @@ def sleep_task(seconds: float, *inputs: Any) -> int:
 
 def load(name: str, scale: float) -> Any:
     from sim_workflows import TRACES
-
     from tidepool.sim import load_workload
     from tidepool.sim.wfformat import fit_memory
 

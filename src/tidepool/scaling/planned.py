@@ -49,6 +49,8 @@ from tidepool.scheduler.placement import fits
 log = logging.getLogger("tidepool.scaling")
 
 OBJECTIVES = ("balanced", "fastest", "cheapest")
+#: a budget plans on this share of what is left (forecasts are estimates; nodes retire late)
+BUDGET_MARGIN = 0.8
 #: objective -> (launch_factor, slack, guess launches before anything finished)
 _RULES = {"balanced": (0.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
@@ -131,7 +133,17 @@ class GraphPlan:
             soon = f.startup * (1.0 + slack)
             if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > soon):
                 continue  # nothing can run before a new node would arrive: launch when it can
-            if self.deadline is not None:
+            guessing = snap.finished == 0  # every duration is the scheduler's prior until a task finished
+            if guessing and self.budget is not None:
+                # a budget is not spent on guesses: one node until durations are measured
+                i = 1 if snap.nodes_of(f.node_type) == 0 else 0
+                text = (f"budget {self.budget:g}: durations are guesses until a task finishes: one node"
+                        if i else "")  # fmt: skip
+            elif guessing and self.deadline is not None:
+                # nor is a deadline planned on them: as balanced until durations are measured
+                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]))
+                self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
+            elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
             elif left is not None:
                 i, text = self._for_budget(snap, f, left)
@@ -142,7 +154,8 @@ class GraphPlan:
                 reasons.append(text)
             if i > 0:
                 launch[f.node_type] = f.extra[i]
-        if guess and self.deadline is None and self.budget is None and snap.demand and snap.finished == 0:
+        # durations are guesses until a task finished: a deadline is not planned on them either
+        if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
             p = plan(snap)
             extra = {k: v for k, v in p.nodes.items() if v > launch.get(k, 0)}
             if extra:
@@ -176,6 +189,18 @@ class GraphPlan:
             return float("inf")
         return (snap.nodes_of(f.node_type) + f.extra[i]) * eta * price / 3600.0
 
+    def _deadline_feasible(self, snap: ClusterSnapshot, f: TypeForecast, reasons: list[str]) -> bool:
+        assert self.deadline is not None
+        start = self._start if self._start is not None else snap.now
+        left = start + self.deadline - snap.now
+        i = min(range(len(f.extra)), key=lambda j: (f.etas[j], j))
+        if f.etas[i] <= left:
+            return True
+        self._notice("deadline", f"deadline {self.deadline:g}s cannot be met: {left:.0f}s left and the fastest "
+                     f"forecast is {_fmt(f.etas[i])} (with {f.extra[i]} more {f.node_type} node(s), current "
+                     "estimates); running as fast as possible", reasons)  # fmt: skip
+        return False
+
     def _for_deadline(self, snap: ClusterSnapshot, f: TypeForecast) -> tuple[int, str]:
         assert self.deadline is not None
         start = self._start if self._start is not None else snap.now
@@ -188,16 +213,14 @@ class GraphPlan:
             return i, (f"deadline {self.deadline:g}s ({left:.0f}s left): {f.extra[i]} more {f.node_type} node(s) "
                        f"finish in {_fmt(f.etas[i])}, the least cost that meets it")  # fmt: skip
         i = min(range(len(f.extra)), key=lambda j: (f.etas[j], j))
-        self._notice("deadline", f"deadline {self.deadline:g}s cannot be met: {left:.0f}s left and the fastest "
-                     f"forecast is {_fmt(f.etas[i])} (with {f.extra[i]} more {f.node_type} node(s), current "
-                     "estimates); running as fast as possible", [])  # fmt: skip
+        self._deadline_feasible(snap, f, [])
         return i, (f"deadline {self.deadline:g}s infeasible: fastest forecast {_fmt(f.etas[i])} > {left:.0f}s left; "
                    f"{f.extra[i]} more node(s), as fast as possible")  # fmt: skip
 
     def _for_budget(self, snap: ClusterSnapshot, f: TypeForecast, left: float) -> tuple[int, str]:
         assert self.budget is not None
         costs = [self._cost(snap, f, i) for i in range(len(f.extra))]
-        ok = [i for i, c in enumerate(costs) if c <= 0.95 * left and f.etas[i] < float("inf")]
+        ok = [i for i, c in enumerate(costs) if c <= BUDGET_MARGIN * left and f.etas[i] < float("inf")]
         if ok:
             i = min(ok, key=lambda j: (f.etas[j], j))
             if i == 0:
@@ -212,7 +235,7 @@ class GraphPlan:
     # ---- retirements --------------------------------------------------------------------------
     def _hold_empty(self, startup: float) -> float:
         """How long an idle node is kept when no work is known: its start-up (a relaunch's cost)."""
-        if self.objective == "cheapest" or self.budget is not None:
+        if self.objective == "cheapest" or self.budget is not None or self.deadline is not None:
             return min(self.hold_cap, startup / 4)
         if self.objective == "fastest":
             return min(2 * self.hold_cap, startup)
@@ -220,9 +243,7 @@ class GraphPlan:
 
     def _retire(self, snap: ClusterSnapshot, launch: dict[str, int],
                 reasons: list[str]) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
-        _, slack, _ = _RULES[self.objective]
-        if self.budget is not None:
-            slack = 0.0
+        _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
         by_type = {f.node_type: f for f in snap.forecasts}
         surplus: dict[str, int] = {}
         retire: list[str] = []
