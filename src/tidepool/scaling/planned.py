@@ -10,25 +10,27 @@ would start, and the width the graph uses over time on the pool as it is.
 One model of holding cost decides both ways.  A node costs its start-up ``S`` (billed, idle) plus
 the time it is held.  So:
 
-- **launch** ``k`` more nodes when each would work longer than it costs to start (``busy >=
-  S x launch_factor``) and all of them get work within ``S x (1 + slack)`` of the launch (needed on
-  arrival, not bought early to wait); the largest such ``k`` that still shortens the forecast;
+- **launch** ``k`` more nodes when they shorten the forecast, each works at least ``S x
+  launch_factor``, and all of them get work within ``S x (1 + slack)`` of the launch (needed on
+  arrival, not bought early to wait); the largest such ``k``;
 - **retire** an idle node when the forecast's width within the same ``S x (1 + slack)`` never
   needs it: holding it idle that long costs more than a relaunch just in time, and by the launch
-  rule's own horizon that relaunch is not due now, so a retirement is never undone by the next
-  launch.  With no graph at all (between two computes) an idle node is kept for its start-up
+  rule's own horizon that relaunch is not due now, so a retirement is not undone by the next
+  launch.  With no graph at all (between two computes) an idle node is kept about its start-up
   (what a relaunch would cost; the ski-rental rule), at most ``hold_cap`` seconds;
 - before any task has finished every duration is a guess (the scheduler's 0.5 s prior): under
-  ``balanced`` and ``fastest`` launch for every runnable task, as Dask's and Spark's rules do, and
-  let the forecast take over once durations are measured.
+  ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
+  and Spark's rules do, and let the forecast take over once durations are measured.
 
-Objectives (``adapt(objective=...)``): ``balanced`` (the default: the launch rule above, busy >=
-1 x S), ``fastest`` (every node that shortens the forecast, a longer horizon before retiring),
-``cheapest`` (nodes that work at least 3 x S, no launch on guesses).  ``deadline=`` seconds after
-work first appears: the cheapest pool whose forecast finishes by then (cost = nodes x forecast
-time), and at once a notice when no pool can; ``budget=`` in the node types' ``cost`` units
-(cost per node-hour, as the simulator bills): the fastest pool whose forecast cost fits what is
-left, and at once a notice when even the cheapest does not fit.
+Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0, slack 0.5;
+on real workflows the best makespan needs every node that shortens the run, and the savings come
+from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
+``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
+seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
+x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
+units (cost per node-hour, as the simulator bills): the fastest pool whose forecast cost fits
+``BUDGET_MARGIN`` of what is left, one node while durations are guesses, and a notice as soon as
+even the cheapest does not fit.  Both retire as ``cheapest`` does.
 """
 
 from __future__ import annotations
