@@ -143,7 +143,8 @@ class GraphPlan:
                         if i else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
-                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]))
+                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]),
+                                              True)  # fmt: skip
                 self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
@@ -151,7 +152,7 @@ class GraphPlan:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
             else:
-                i, text = self._for_objective(f, factor, soon)
+                i, text = self._for_objective(f, factor, soon, guessing and guess)
             if text:
                 reasons.append(text)
             if i > 0:
@@ -166,10 +167,11 @@ class GraphPlan:
                                f"the {snap.demand_tasks} runnable tasks ({_counts(extra)})")  # fmt: skip
         return launch
 
-    def _for_objective(self, f: TypeForecast, factor: float, soon: float) -> tuple[int, str]:
+    def _for_objective(self, f: TypeForecast, factor: float, soon: float, guessing: bool = False) -> tuple[int, str]:
         best = 0
         for i in range(1, len(f.extra)):
-            if f.etas[i] >= f.etas[best] * 0.995:
+            # on guessed durations a small gain says nothing: take every node that gets work
+            if f.etas[i] >= (f.etas[0] if guessing else f.etas[best] * 0.995):
                 continue  # does not shorten the run
             busy = f.new_busy[i] if i < len(f.new_busy) else f.etas[i] - f.startup
             start = f.new_start[i] if i < len(f.new_start) else f.startup
