@@ -347,9 +347,15 @@ def test_hyperqueue_like_keeps_a_backlog_and_retires_after_idle_timeout() -> Non
 
 
 def test_policy_names_options_and_errors() -> None:
+    from tidepool.scaling.planned import Planned
     from tidepool.scaling.policies import Adaptive
 
-    assert isinstance(make_policy("default"), Adaptive)
+    assert isinstance(make_policy("default"), Planned)
+    assert isinstance(make_policy("adaptive"), Adaptive)
+    assert make_policy("default(objective='cheapest')").plan.objective == "cheapest"
+    assert make_policy("default(deadline=600)").plan.deadline == 600
+    with pytest.raises(ConfigError, match="did you mean 'fastest'"):
+        make_policy("default(objective='fastets')")
     assert make_policy("backlog").backlog is not None and make_policy("backlog").launcher is None
     assert make_policy("completion").no_progress is None
     assert make_policy("dask(target_duration=10, wait_count=2)").target_duration == 10

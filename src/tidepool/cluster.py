@@ -286,12 +286,17 @@ class LocalCluster(ClosesOnExit):
     def adapt(self, *, minimum: int = 0, maximum: int | None = None,
               node_types: list[NodeType] | None = None, policy: Any = None, interval: float = 0.05,
               journal: str | Journal | None = None, provider: Any = None,
-              config: str | ClusterConfig | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
+              config: str | ClusterConfig | None = None, objective: str = "balanced",
+              deadline: float | None = None, budget: float | None = None,
+              **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
         """Let the scheduler grow and shrink the pool by itself.
 
         Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
         ``maximum`` nodes.  ``policy`` is any callable ``snapshot -> ScaleDecision`` (default:
-        :class:`~tidepool.scaling.policies.Adaptive`).  Returns the running :class:`AutoScaler`;
+        :class:`~tidepool.scaling.planned.Planned`, for ``objective`` "balanced", "fastest" or
+        "cheapest", or to finish ``deadline`` seconds after work first appears at least cost, or to
+        spend at most ``budget`` (node type ``cost`` x node-hours) as fast as possible; see
+        docs/scaling.md).  Returns the running :class:`AutoScaler`;
         its ``journal`` records every decision with its reason.  ``provider`` replaces the
         local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
 
@@ -304,6 +309,15 @@ class LocalCluster(ClosesOnExit):
             raise ConfigError("adapt() was already called on this cluster")
         check_keywords("adapt", controller_kwargs, LocalCluster.adapt, ScalingController.__init__)
         _check_adapt_arguments(minimum, maximum, node_types, config, interval)
+        from tidepool.scaling.planned import check_objective, default_policy
+
+        check_objective(objective, deadline, budget)
+        chosen = objective != "balanced" or deadline is not None or budget is not None
+        if chosen and policy is not None:
+            raise ConfigError("adapt(): objective, deadline and budget set the default policy; a policy= of "
+                              "your own decides by itself (pass one or the other)")  # fmt: skip
+        if policy is None and (config is None or chosen):
+            policy = default_policy(objective, deadline, budget)
         if config is not None:  # a cluster file: its node types, policy and provider
             cfg = config_load(config) if isinstance(config, str) else config
             node_types = node_types or cfg.node_types

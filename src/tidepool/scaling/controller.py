@@ -60,6 +60,7 @@ from tidepool.scaling.observation import (
     Retired,
     WorkerFailed,
 )
+from tidepool.scaling.planned import default_policy
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
@@ -224,7 +225,7 @@ class ScalingController:
         if len(set(names)) != len(names):
             raise ConfigError(f"node type names must be unique, got {names}")
         self.node_types = {nt.name: nt for nt in node_types}
-        self.policy = policy if policy is not None else Adaptive()
+        self.policy = policy if policy is not None else default_policy()
         self.launch_timeout = launch_timeout
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max

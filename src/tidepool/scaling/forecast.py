@@ -119,6 +119,114 @@ def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] =
     return makespan
 
 
+def schedule_detail(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()
+                    ) -> tuple[float, list[float], list[tuple[float, float]], list[float]]:  # fmt: skip
+    """:func:`list_schedule` that also says who worked when: ``(makespan, busy seconds per slot,
+    (start, finish) of every task, first start per slot (inf: never))``.  Slots are numbered ``0 .. slots-1`` (there now), then one per
+    entry of ``arrivals`` in its order; running tasks hold the first slots from t=0."""
+    n = len(work)
+    total = slots + len(arrivals)
+    busy = [0.0] * total
+    first = [float("inf")] * total
+    spans: list[tuple[float, float]] = []
+    if n == 0:
+        return 0.0, busy, spans, first
+    if total == 0:
+        return float("inf"), busy, spans, first
+    free: list[tuple[float, int]] = [(0.0, i) for i in range(slots)]
+    free += [(a, slots + j) for j, a in enumerate(arrivals)]
+    heapq.heapify(free)
+    indeg = [len(d) for d in work.deps]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(work.deps):
+        for j in ds:
+            dependents[j].append(i)
+    ready_at = [0.0] * n
+    finish = [0.0] * n
+    pending: list[tuple[float, int]] = []
+    available: list[int] = []
+    running = sorted(set(work.running), key=lambda i: work.durations[i])
+    makespan = 0.0
+    held: list[tuple[float, int]] = []
+    for i in running:
+        if free:
+            _, sid = heapq.heappop(free)
+        else:  # a running task holds a slot the pool no longer lists (as list_schedule counts it)
+            sid = len(busy)
+            busy.append(0.0)
+            first.append(float("inf"))
+        first[sid] = 0.0
+        finish[i] = work.durations[i]
+        busy[sid] += finish[i]
+        spans.append((0.0, finish[i]))
+        held.append((finish[i], sid))
+        makespan = max(makespan, finish[i])
+    for item in held:
+        heapq.heappush(free, item)
+    run_set = set(work.running)
+
+    def release(i: int) -> None:
+        for k in dependents[i]:
+            indeg[k] -= 1
+            ready_at[k] = max(ready_at[k], finish[i])
+            if indeg[k] == 0:
+                heapq.heappush(pending, (ready_at[k], k))
+
+    for i in range(n):
+        if indeg[i] == 0 and i not in run_set:
+            heapq.heappush(pending, (0.0, i))
+    for i in run_set:
+        release(i)
+    while pending or available:
+        t, sid = heapq.heappop(free)
+        while pending and pending[0][0] <= t:
+            heapq.heappush(available, heapq.heappop(pending)[1])
+        if not available:
+            t = max(t, pending[0][0])
+            while pending and pending[0][0] <= t:
+                heapq.heappush(available, heapq.heappop(pending)[1])
+        i = heapq.heappop(available)
+        start = max(t, ready_at[i])
+        finish[i] = start + work.durations[i]
+        busy[sid] += work.durations[i]
+        first[sid] = min(first[sid], start)
+        spans.append((start, finish[i]))
+        makespan = max(makespan, finish[i])
+        heapq.heappush(free, (finish[i], sid))
+        release(i)
+    return makespan, busy, spans, first
+
+
+def in_use_profile(spans: list[tuple[float, float]], limit: int = 4000) -> tuple[tuple[float, int], ...]:
+    """Step function ``(time, slots in use from then on)`` of a schedule's task spans (at most
+    ``limit`` steps: later ones are merged into the last, which keeps the peak)."""
+    events: dict[float, int] = {}
+    for a, b in spans:
+        if b <= a:
+            continue
+        events[a] = events.get(a, 0) + 1
+        events[b] = events.get(b, 0) - 1
+    out: list[tuple[float, int]] = []
+    level = 0
+    for t in sorted(events):
+        level += events[t]
+        if len(out) < limit:
+            out.append((t, level))
+        elif level > out[-1][1]:
+            out[-1] = (out[-1][0], level)
+    return tuple(out)
+
+
+def peak_in_use(profile: tuple[tuple[float, int], ...], until: float) -> int:
+    """The most slots a profile uses at once in ``[0, until]``."""
+    peak = 0
+    for t, level in profile:
+        if t > until:
+            break
+        peak = max(peak, level)
+    return peak
+
+
 def fill_time(total: float, slots: int, arrivals: tuple[float, ...] = ()) -> float:
     """When ``total`` seconds of perfectly divisible work end on ``slots`` slots now plus one slot
     arriving at each time in ``arrivals`` (the work bound, with start-up delays counted)."""
@@ -260,8 +368,28 @@ def type_forecasts(
         ks = candidates(room, -(-len(work) // spn))
         base = tuple(arrivals)
         sim = len(work) * len(ks) <= SIMULATE_BUDGET  # one kind of estimate for every candidate
-        etas = tuple(forecast(work, slots, base + (nt.startup_estimate,) * (k * spn), bounds, sim) for k in ks)
-        out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work)))
+        etas_l: list[float] = []
+        busy_l: list[float] = []
+        start_l: list[float] = []
+        profile: tuple[tuple[float, int], ...] = ()
+        for k in ks:
+            new = (nt.startup_estimate,) * (k * spn)
+            bound = forecast(work, slots, base + new, bounds, simulate=False)
+            if not sim or len(work) > SIMULATE_MAX_TASKS:
+                etas_l.append(bound)  # divisible work: new slots work from their arrival to the end
+                busy_l.append(max(0.0, bound - nt.startup_estimate) if k else 0.0)
+                start_l.append(nt.startup_estimate if k and bound > nt.startup_estimate else float("inf"))
+                continue
+            ms, busy, spans, first = schedule_detail(work, slots, base + new)
+            etas_l.append(max(bound, ms))
+            first_new = slots + len(base)
+            busy_l.append(sum(busy[first_new:]) / (k * spn) if k else 0.0)
+            start_l.append(max(first[first_new:]) if k else float("inf"))
+            if k == 0:
+                profile = in_use_profile(spans)
+        etas = tuple(etas_l)
+        out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work), tuple(busy_l), profile,
+                                slots + len(base), tuple(start_l)))  # fmt: skip
         eta = etas[0] if eta is None else max(eta, etas[0])
         soon = next_demand_in(work)
         if soon is not None:

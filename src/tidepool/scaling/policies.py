@@ -13,8 +13,9 @@ ramp step of :class:`Backlog`); given the same sequence of snapshots they decide
   cheap to replace when its replacement starts fast, and Slurm-sized startups keep workers longer),
   at once when the forecast says no work can reach them sooner, and idle workers that do hold
   needed data after ``cached_idle_timeout`` (their data moves to survivors first).
-- :class:`Adaptive`: the default; combines the above and keeps workers younger than
-  ``min_lifetime`` (a preference of this policy).
+- :class:`Adaptive`: combines the above and keeps workers younger than ``min_lifetime`` (a
+  preference of this policy); a cluster file's ``kind = "adaptive"``.  The default policy is
+  :class:`~tidepool.scaling.planned.Planned` (launches and retirements planned from the graph).
 
 Limits are not a policy's business: ``min_nodes``/``max_nodes``, ``max_workers``, never launching
 and retiring one node type in the same round, and leaving workers the autoscaler does not manage
@@ -296,8 +297,8 @@ def keep_young(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> 
 
 @dataclass
 class Adaptive:
-    """The default policy: CompletionTarget + NoProgress + IdleRetire + MemoryPressure, with anti-flap
-    rules.
+    """CompletionTarget + NoProgress + IdleRetire + MemoryPressure, with anti-flap rules (the default
+    before :class:`~tidepool.scaling.planned.Planned`; still a cluster file's ``kind = "adaptive"``).
 
     ``launcher`` decides launches from the completion forecast; ``backlog`` (off by default) adds
     Spark-style ramping on queued work; ``no_progress`` is the safety net; ``idle`` retires.

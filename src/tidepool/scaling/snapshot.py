@@ -73,6 +73,16 @@ class TypeForecast:
     extra: tuple[int, ...]
     etas: tuple[float, ...]
     tasks: int = 0
+    #: per ``extra[i]``: seconds of work each new slot would do (mean over the new slots; the
+    #: divisible-work estimate ``eta - startup`` when the graph is too big to play forward)
+    new_busy: tuple[float, ...] = ()
+    #: the pool as it is, played forward: ``(seconds from now, slots in use from then on)`` steps
+    #: (empty when not played forward); the width the graph can use over time
+    profile: tuple[tuple[float, int], ...] = ()
+    #: task slots of the pool as it is (launches in flight included) that this work can use
+    slots: int = 0
+    #: per ``extra[i]``: when the last of the new slots would start its first task (inf: one never does)
+    new_start: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

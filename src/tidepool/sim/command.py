@@ -33,7 +33,7 @@ def _param(text: str) -> tuple[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", nargs="?", default=None,
                    help="a built-in workload (bursty, chain, wide, gpu, scale-down, layers, bag), a JSON graph "
-                        "(.json), a journal of a real run (.jsonl), or module:function")  # fmt: skip
+                        "or a WfCommons WfFormat trace (.json), a journal of a real run (.jsonl), or module:function")  # fmt: skip
     p.add_argument("--journal", dest="replay", default=None,
                    help="replay the tasks of this recorded run (JSON lines) instead of GRAPH")
     p.add_argument("--cluster", default="local:4",
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from tidepool.sim.engine import Simulation, default_journal_name
     from tidepool.sim.policies import make_policy
     from tidepool.sim.report import perf_lines, plot_cost, render_text, result_json, table_rows
+    from tidepool.sim.wfformat import fit_memory
     from tidepool.sim.workload import load_workload
 
     source = args.replay or args.graph
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--journal expects a JSON-lines journal (.jsonl), got {args.replay!r}")
     workload = load_workload(source, seed=seed, params=dict(args.param), arrival=args.arrival,
                              max_tasks=args.max_tasks)  # fmt: skip
+    fit_memory(workload, [nt.resources.get("memory", 0.0) for nt in cluster.node_types])
     longest = max(workload.tasks(), key=lambda t: t.duration, default=None)
     if longest is not None and longest.duration > args.until:
         raise ConfigError(f"task {longest.key!r} lasts {longest.duration:g}s, longer than --until {args.until:g}s: "

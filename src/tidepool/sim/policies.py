@@ -17,8 +17,9 @@ and the names the simulator knows policies by.
 Both keep a little memory between calls (the last evaluation, removal counts), like
 :class:`~tidepool.scaling.policies.Backlog`; given the same snapshots they decide the same things.
 
-Names (:func:`make_policy`): ``default`` (tidepool's :class:`~tidepool.scaling.policies.Adaptive`),
-``backlog`` and ``completion`` (as ``[policy] kind`` in a cluster file), ``dask``, ``hyperqueue``,
+Names (:func:`make_policy`): ``default`` (tidepool's :class:`~tidepool.scaling.planned.Planned`;
+options ``objective``, ``deadline``, ``budget``: ``default(objective='cheapest')``), ``adaptive``
+(the earlier default, :class:`~tidepool.scaling.policies.Adaptive`), ``backlog`` and ``completion`` (as ``[policy] kind`` in a cluster file), ``dask``, ``hyperqueue``,
 ``cluster`` (the cluster file's ``[policy]``), or ``module:function`` / ``module:Class``.
 Options follow the name: ``dask(target_duration=10)``, ``hyperqueue(backlog=4)``,
 ``backlog(idle_timeout=5)``.
@@ -167,7 +168,7 @@ class HyperQueueLike:
 
 
 _NAMED = re.compile(r"^([A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)\s*(?:\((.*)\))?\s*$", re.S)
-NAMES = ("default", "backlog", "completion", "dask", "hyperqueue", "cluster")
+NAMES = ("default", "adaptive", "backlog", "completion", "dask", "hyperqueue", "cluster")
 
 
 def _kwargs(text: str, where: str) -> dict[str, Any]:
@@ -207,8 +208,10 @@ def make_policy(spec: str, cluster_policy: Any = None) -> Any:
         if cluster_policy is None:
             raise ConfigError("policy 'cluster': the cluster has no [policy] table (pass a cluster file)")
         return cluster_policy
-    if name in ("default", "adaptive"):
-        name = "adaptive"
+    if name == "default":
+        from tidepool.scaling.planned import default_policy
+
+        return _build(default_policy, opts, spec)
     if name in ("adaptive", "backlog", "completion") or ":" in name:
         cfg = ClusterConfig([NodeType("x")], policy={"kind": name, **opts}, source=f"policy {spec!r}")
         return cfg.make_policy()

@@ -8,7 +8,8 @@ measures a real run.
 
 Where workloads come from (:func:`load_workload`):
 
-- a JSON graph file (format below);
+- a JSON graph file (format below), or a WfCommons WfFormat trace (:mod:`tidepool.sim.wfformat`,
+  detected by its ``workflow`` object; ``params`` may give ``scale``);
 - a journal of a real run (``.jsonl``; ``task`` records carry key, start, duration, worker).
   Journals of this version also record each task's inputs and submit time: those are replayed as
   the recorded graph (:mod:`tidepool.sim.replay`).  An older journal has **no dependencies**: its
@@ -383,6 +384,10 @@ def _load_workload(source: str, *, seed: int, params: Mapping[str, Any] | None, 
             raise ConfigError(f"cannot read graph {source}: {exc.strerror or exc}") from exc
         except ValueError as exc:
             raise ConfigError(f"{source}: not JSON: {exc}") from exc
+        from tidepool.sim.wfformat import from_wfformat, is_wfformat
+
+        if is_wfformat(data):  # a WfCommons trace (WRENCH / WfInstances)
+            return from_wfformat(data, source=source, **params)
         return from_dict(data, seed=seed, source=source, max_tasks=max_tasks)
     if source in builtin.BUILTIN:
         fn = builtin.BUILTIN[source]

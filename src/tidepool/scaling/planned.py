@@ -1,0 +1,347 @@
+"""The default scaling policy: launches and retirements planned from the graph, for one objective.
+
+State: what the run has cost so far (``spent``, integrated over the snapshots it saw), when work
+first appeared (the deadline's origin), and which notices it already gave (an infeasible deadline
+or budget is said once, at once).  Input: a :class:`ClusterSnapshot` whose per-type forecasts play
+the unfinished graph forward on the pool (:func:`~tidepool.scaling.forecast.type_forecasts`):
+the remaining time with 0, 1, 2, ... extra nodes, how long each new node would work and when it
+would start, and the width the graph uses over time on the pool as it is.
+
+One model of holding cost decides both ways.  A node costs its start-up ``S`` (billed, idle) plus
+the time it is held.  So:
+
+- **launch** ``k`` more nodes when they shorten the forecast, each works at least ``S x
+  launch_factor``, and all of them get work within ``S x (1 + slack)`` of the launch (needed on
+  arrival, not bought early to wait); the largest such ``k``;
+- **retire** an idle node when the forecast's width within the same ``S x (1 + slack)`` never
+  needs it: holding it idle that long costs more than a relaunch just in time, and by the launch
+  rule's own horizon that relaunch is not due now, so a retirement is not undone by the next
+  launch.  With no graph at all (between two computes) an idle node is kept about its start-up
+  (what a relaunch would cost; the ski-rental rule), at most ``hold_cap`` seconds;
+- before any task has finished every duration is a guess (the scheduler's 0.5 s prior): under
+  ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
+  and Spark's rules do, and let the forecast take over once durations are measured.
+
+Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0, slack 0.5;
+on real workflows the best makespan needs every node that shortens the run, and the savings come
+from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
+``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
+seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
+x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
+units (cost per node-hour, as the simulator bills): the fastest pool whose forecast cost fits
+``BUDGET_MARGIN`` of what is left, one node while durations are guesses, and a notice as soon as
+even the cheapest does not fit.  Both retire as ``cheapest`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.errors import ConfigError
+from tidepool.scaling.forecast import peak_in_use
+from tidepool.scaling.planner import PLAIN, plan
+from tidepool.scaling.policies import MemoryPressure, NoProgress, as_decision, keep_young, merge
+from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision, TypeForecast, WorkerView
+from tidepool.scheduler.placement import fits
+
+log = logging.getLogger("tidepool.scaling")
+
+OBJECTIVES = ("balanced", "fastest", "cheapest")
+#: a budget plans on this share of what is left (forecasts are estimates; nodes retire late)
+BUDGET_MARGIN = 0.8
+#: objective -> (launch_factor, slack, guess launches before anything finished)
+_RULES = {"balanced": (0.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
+
+
+def check_objective(objective: str, deadline: float | None, budget: float | None) -> None:
+    """Refuse an unknown objective or a deadline/budget that is not a positive number."""
+    if objective not in OBJECTIVES:
+        from difflib import get_close_matches
+
+        close = get_close_matches(str(objective), OBJECTIVES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}{hint}")
+    for name, value in (("deadline", deadline), ("budget", budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):  # fmt: skip
+            unit = "seconds after work first appears" if name == "deadline" else "cost units (node type cost x node-hours)"
+            raise ConfigError(f"{name} must be a positive number of {unit}, got {value!r}")
+    if deadline is not None and budget is not None:
+        raise ConfigError("give a deadline or a budget, not both (a deadline is met at least cost; a budget "
+                          "is spent as fast as possible)")  # fmt: skip
+
+
+@dataclass
+class GraphPlan:
+    """Launches and retirements from the graph's forecast, for one objective (module docstring)."""
+
+    objective: str = "balanced"
+    deadline: float | None = None
+    budget: float | None = None
+    #: the longest an idle node is kept when no work is known at all (seconds)
+    hold_cap: float = 30.0
+    #: an idle node is never retired sooner than this (a task may be on its way to it)
+    min_idle: float = 0.05
+    spent: float = field(default=0.0, init=False)
+    _last: float | None = field(default=None, init=False)
+    _start: float | None = field(default=None, init=False)
+    _said: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        check_objective(self.objective, self.deadline, self.budget)
+
+    @property
+    def label(self) -> str:
+        if self.deadline is not None:
+            return f"deadline {self.deadline:g}s"
+        if self.budget is not None:
+            return f"budget {self.budget:g}"
+        return self.objective
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def _account(self, snap: ClusterSnapshot) -> None:
+        if self._last is not None and snap.now > self._last:
+            rate = sum(snap.nodes_of(nt.name) * nt.cost for nt in snap.node_types) / 3600.0
+            self.spent += rate * (snap.now - self._last)
+        self._last = snap.now
+        if self._start is None and (snap.demand or snap.forecasts or snap.running):
+            self._start = snap.now
+
+    def _notice(self, key: str, text: str, reasons: list[str]) -> None:
+        reasons.append(text)
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("scaling: %s", text)
+
+    # ---- the decision -------------------------------------------------------------------------
+    def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
+        self._account(snap)
+        reasons: list[str] = []
+        launch = self._launch(snap, reasons)
+        retire, why = self._retire(snap, launch, reasons)
+        return ScaleDecision(launch=launch, retire=tuple(retire), reasons=tuple(reasons), why=tuple(why))
+
+    def _launch(self, snap: ClusterSnapshot, reasons: list[str]) -> dict[str, int]:
+        factor, slack, guess = _RULES[self.objective]
+        launch: dict[str, int] = {}
+        left = None if self.budget is None else self.budget - self.spent
+        for f in snap.forecasts:
+            if len(f.extra) < 2 or snap.blocked(f.node_type):
+                continue
+            soon = f.startup * (1.0 + slack)
+            if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > soon):
+                continue  # nothing can run before a new node would arrive: launch when it can
+            guessing = snap.finished == 0  # every duration is the scheduler's prior until a task finished
+            if guessing and self.budget is not None:
+                # a budget is not spent on guesses: one node until durations are measured
+                i = 1 if snap.nodes_of(f.node_type) == 0 else 0
+                text = (f"budget {self.budget:g}: durations are guesses until a task finishes: one node"
+                        if i else "")  # fmt: skip
+            elif guessing and self.deadline is not None:
+                # nor is a deadline planned on them: as balanced until durations are measured
+                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]),
+                                              True)  # fmt: skip
+                self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
+            elif self.deadline is not None:
+                i, text = self._for_deadline(snap, f)
+            elif left is not None:
+                i, text = self._for_budget(snap, f, left)
+                left -= self._cost(snap, f, i)
+            else:
+                i, text = self._for_objective(f, factor, soon, guessing and guess)
+            if text:
+                reasons.append(text)
+            if i > 0:
+                launch[f.node_type] = f.extra[i]
+        # durations are guesses until a task finished: a deadline is not planned on them either
+        if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
+            p = plan(snap)
+            extra = {k: v for k, v in p.nodes.items() if v > launch.get(k, 0)}
+            if extra:
+                launch.update(extra)
+                reasons.append(f"{self.label}: no task has finished yet, so every duration is a guess: launch for "
+                               f"the {snap.demand_tasks} runnable tasks ({_counts(extra)})")  # fmt: skip
+        return launch
+
+    def _for_objective(self, f: TypeForecast, factor: float, soon: float, guessing: bool = False) -> tuple[int, str]:
+        best = 0
+        for i in range(1, len(f.extra)):
+            # on guessed durations a small gain says nothing: take every node that gets work
+            if f.etas[i] >= (f.etas[0] if guessing else f.etas[best] * 0.995):
+                continue  # does not shorten the run
+            busy = f.new_busy[i] if i < len(f.new_busy) else f.etas[i] - f.startup
+            start = f.new_start[i] if i < len(f.new_start) else f.startup
+            if busy >= factor * f.startup and start <= soon:
+                best = i
+        if best == 0:
+            return 0, ""
+        busy = f.new_busy[best] if best < len(f.new_busy) else 0.0
+        return best, (f"{self.label}: {f.tasks} tasks preferring {f.node_type}: forecast {_fmt(f.etas[0])} now, "
+                      f"{_fmt(f.etas[best])} with {f.extra[best]} more node(s); each would work {busy:.0f}s "
+                      f"for a start-up of {f.startup:.1f}s")  # fmt: skip
+
+    def _cost(self, snap: ClusterSnapshot, f: TypeForecast, i: int) -> float:
+        """Forecast cost of the rest of the run with ``extra[i]`` more nodes (all held to the end)."""
+        nt = snap.node_type(f.node_type)
+        price = nt.cost if nt is not None else 1.0
+        eta = f.etas[i]
+        if eta == float("inf"):
+            return float("inf")
+        return (snap.nodes_of(f.node_type) + f.extra[i]) * eta * price / 3600.0
+
+    def _deadline_feasible(self, snap: ClusterSnapshot, f: TypeForecast, reasons: list[str]) -> bool:
+        assert self.deadline is not None
+        start = self._start if self._start is not None else snap.now
+        left = start + self.deadline - snap.now
+        i = min(range(len(f.extra)), key=lambda j: (f.etas[j], j))
+        if f.etas[i] <= left:
+            return True
+        self._notice("deadline", f"deadline {self.deadline:g}s cannot be met: {left:.0f}s left and the fastest "
+                     f"forecast is {_fmt(f.etas[i])} (with {f.extra[i]} more {f.node_type} node(s), current "
+                     "estimates); running as fast as possible", reasons)  # fmt: skip
+        return False
+
+    def _for_deadline(self, snap: ClusterSnapshot, f: TypeForecast) -> tuple[int, str]:
+        assert self.deadline is not None
+        start = self._start if self._start is not None else snap.now
+        left = start + self.deadline - snap.now
+        meets = [i for i in range(len(f.extra)) if f.etas[i] <= left]
+        if meets:
+            i = min(meets, key=lambda j: (self._cost(snap, f, j), j))
+            if i == 0:
+                return 0, ""
+            return i, (f"deadline {self.deadline:g}s ({left:.0f}s left): {f.extra[i]} more {f.node_type} node(s) "
+                       f"finish in {_fmt(f.etas[i])}, the least cost that meets it")  # fmt: skip
+        i = min(range(len(f.extra)), key=lambda j: (f.etas[j], j))
+        self._deadline_feasible(snap, f, [])
+        return i, (f"deadline {self.deadline:g}s infeasible: fastest forecast {_fmt(f.etas[i])} > {left:.0f}s left; "
+                   f"{f.extra[i]} more node(s), as fast as possible")  # fmt: skip
+
+    def _for_budget(self, snap: ClusterSnapshot, f: TypeForecast, left: float) -> tuple[int, str]:
+        assert self.budget is not None
+        costs = [self._cost(snap, f, i) for i in range(len(f.extra))]
+        ok = [i for i, c in enumerate(costs) if c <= BUDGET_MARGIN * left and f.etas[i] < float("inf")]
+        if ok:
+            i = min(ok, key=lambda j: (f.etas[j], j))
+            if i == 0:
+                return 0, ""
+            return i, (f"budget {self.budget:g} ({left:.3f} left): {f.extra[i]} more {f.node_type} node(s) "
+                       f"finish in {_fmt(f.etas[i])} for a forecast {costs[i]:.3f}, the fastest that fits")  # fmt: skip
+        i = min(range(len(f.extra)), key=lambda j: (costs[j], j))
+        self._notice("budget", f"budget {self.budget:g} cannot cover the rest of the run: {left:.3f} left and the "
+                     f"cheapest forecast costs {costs[i]:.3f} (current estimates); running at least cost", [])  # fmt: skip
+        return i, f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {left:.3f} left"
+
+    # ---- retirements --------------------------------------------------------------------------
+    def _hold_empty(self, startup: float) -> float:
+        """How long an idle node is kept when no work is known: its start-up (a relaunch's cost)."""
+        if self.objective == "cheapest" or self.budget is not None or self.deadline is not None:
+            return min(self.hold_cap, startup / 4)
+        if self.objective == "fastest":
+            return min(2 * self.hold_cap, startup)
+        return min(self.hold_cap, startup if startup <= 10.0 else max(10.0, startup / 4))
+
+    def _retire(self, snap: ClusterSnapshot, launch: dict[str, int],
+                reasons: list[str]) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
+        _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
+        by_type = {f.node_type: f for f in snap.forecasts}
+        surplus: dict[str, int] = {}
+        retire: list[str] = []
+        why: list[tuple[str, str]] = []
+        idle = sorted((w for w in snap.workers if w.idle and w.idle_since is not None),
+                      key=lambda w: (w.unique_bytes, w.idle_since, w.id))  # fmt: skip
+        for w in idle:
+            if launch.get(w.node_type) or any(fits(w.resources, d.shape) for d in snap.demand):
+                continue
+            assert w.idle_since is not None
+            nt = snap.node_type(w.node_type)
+            startup = nt.startup_estimate if nt is not None else 5.0
+            idle_for = snap.now - w.idle_since
+            if idle_for < self.min_idle:
+                continue
+            f = by_type.get(w.node_type)
+            text = self._why_retire(snap, w, f, startup, startup * (1.0 + slack), idle_for, surplus)
+            if text is None:
+                continue
+            retire.append(w.id)
+            why.append((w.id, text))
+            reasons.append(text)
+        return retire, why
+
+    def _why_retire(self, snap: ClusterSnapshot, w: WorkerView, f: TypeForecast | None, startup: float,
+                    horizon: float, idle_for: float, surplus: dict[str, int]) -> str | None:  # fmt: skip
+        label = self.label
+        if f is not None and f.profile:
+            need = -(-peak_in_use(f.profile, horizon) // max(1, f.slots_per_node))
+            if w.node_type not in surplus:
+                surplus[w.node_type] = snap.nodes_of(w.node_type) - need
+            if surplus[w.node_type] <= 0:
+                return None
+            if w.unique_keys and idle_for < self._hold_empty(f.startup):
+                return None  # its data would move: not for a node idle only a moment
+            surplus[w.node_type] -= 1
+            return (f"{label}: {w.id} idle {idle_for:.1f}s: the forecast keeps at most "
+                    f"{need} of {snap.nodes_of(w.node_type)} {w.node_type} node(s) busy within "
+                    f"{horizon:.1f}s (a new one starts in {f.startup:.1f}s), so holding it costs more than a "
+                    "relaunch when needed")  # fmt: skip
+        known = bool(snap.forecasts or snap.waiting or snap.running)
+        if f is not None:  # a graph too big to play forward: only when work next becomes runnable
+            if snap.next_demand_in is not None and snap.next_demand_in <= horizon:
+                return None
+            hold, what = self.min_idle, "no work for it is expected within a start-up"
+        elif _special(w):  # gpu (...) nodes are kept for work that needs them, not held on spec
+            hold, what = self.min_idle, "no known work needs its " + "/".join(sorted(_special(w)))
+        elif known:  # work exists, none of it prefers this node type
+            hold, what = min(self.hold_cap, startup / 4), "no remaining work prefers its node type"
+        else:  # nothing known at all (between two computes): the ski-rental rule
+            hold, what = self._hold_empty(startup), "no work is known"
+        if idle_for < max(hold, self.min_idle):
+            return None
+        held = f" holding {w.unique_keys} needed values (moved to survivors first)" if w.unique_keys else ""
+        return f"{label}: {w.id} idle {idle_for:.1f}s{held}: {what} (kept {hold:.1f}s)"
+
+
+@dataclass
+class Planned:
+    """The default policy: :class:`GraphPlan` (launches and retirements for one objective), the
+    no-progress safety net and memory pressure, and no retirement of workers younger than
+    ``min_lifetime``."""
+
+    plan: GraphPlan = field(default_factory=GraphPlan)
+    no_progress: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=NoProgress)
+    memory: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=MemoryPressure)
+    extra: list[Callable[[ClusterSnapshot], Any]] = field(default_factory=list)
+    min_lifetime: float = 1.0
+
+    def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
+        parts = [p for p in (self.plan, self.no_progress, self.memory, *self.extra) if p is not None]
+        return keep_young(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)
+
+
+def default_policy(objective: str = "balanced", deadline: float | None = None, budget: float | None = None,
+                   **options: Any) -> Planned:  # fmt: skip
+    """The default policy for ``objective`` (or a ``deadline``/``budget``); ``options`` go to
+    :class:`GraphPlan` (``hold_cap``, ``min_idle``) or :class:`Planned` (``min_lifetime``)."""
+    mine = {k: options.pop(k) for k in ("min_lifetime",) if k in options}
+    unknown = set(options) - {"hold_cap", "min_idle"}
+    if unknown:
+        raise ConfigError(f"unknown options {sorted(unknown)} of the default policy; it takes objective, deadline, "
+                          "budget, hold_cap, min_idle, min_lifetime")  # fmt: skip
+    return Planned(GraphPlan(objective, deadline, budget, **options), **mine)
+
+
+def _special(w: WorkerView) -> set[str]:
+    """The worker's resources beyond cpu and memory (gpu, custom labels)."""
+    return {k for k, v in w.resources.items() if v > 0 and k not in PLAIN}
+
+
+def _fmt(seconds: float) -> str:
+    return "never (no worker)" if seconds == float("inf") else f"{seconds:.1f}s"
+
+
+def _counts(launch: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in sorted(launch.items()))

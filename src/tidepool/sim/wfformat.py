@@ -1,0 +1,161 @@
+"""WfCommons WfFormat traces (schema 1.4/1.5) as simulator workloads.
+
+A WfFormat file (https://github.com/wfcommons/wfformat) describes one execution of a real workflow:
+``workflow.specification.tasks`` (id, parents, input and output files), ``workflow.specification
+.files`` (id, ``sizeInBytes``) and ``workflow.execution.tasks`` (what the run measured: id,
+``runtimeInSeconds``, optionally ``memoryInBytes`` and ``coreCount``).  Traces of WRENCH and
+WfCommons users (``wfcommons/WfInstances``) are in this format, so ``tidepool simulate
+TRACE.json`` reads them as they are.
+
+Mapping, per task: key = its id; duration = ``runtimeInSeconds`` (divided by ``scale``, so a trace
+can be replayed faster); inputs = ``parents``; group = the id up to ``_ID`` (``mProject_ID0000001``
+-> ``mProject``: the program); result size = the sum of its output files' sizes; resources =
+``coreCount`` cpus when above 1, and ``memory`` = ``memoryInBytes`` when the trace gives it.
+Tasks are ordered so inputs come first; the wanted results are the tasks nothing depends on.
+
+Pure functions; :func:`is_wfformat` is the detection hook ``load_workload`` calls on a ``.json``
+file, :func:`fit_memory` drops memory needs that no node type of a cluster declares (with a note).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tidepool.errors import ConfigError
+from tidepool.sim.workload import SimTask, Stage, Workload, sinks
+
+_PROGRAM = re.compile(r"^(.*?)_ID\d+$")
+
+
+def is_wfformat(data: Any) -> bool:
+    """True when ``data`` (parsed JSON) is a WfFormat document rather than a tidepool graph."""
+    if not isinstance(data, Mapping):
+        return False
+    wf = data.get("workflow")
+    return isinstance(wf, Mapping) and ("specification" in wf or "tasks" in wf) and "tasks" not in data
+
+
+def _program(task_id: str, name: str) -> str:
+    m = _PROGRAM.match(task_id) or _PROGRAM.match(name)
+    return m.group(1) if m else (name or task_id)
+
+
+def _spec_and_exec(data: Mapping[str, Any], source: str) -> tuple[list[Any], list[Any], list[Any]]:
+    wf = data["workflow"]
+    if "specification" in wf:  # 1.5
+        spec = wf.get("specification") or {}
+        execution = wf.get("execution") or {}
+        tasks, files, runs = spec.get("tasks"), spec.get("files", []), execution.get("tasks", [])
+    else:  # 1.4 and earlier: one task list with runtimes and files inline
+        tasks, files, runs = wf.get("tasks"), [], wf.get("tasks")
+    if not isinstance(tasks, list) or not tasks:
+        raise ConfigError(f"{source}: a WfFormat trace needs workflow.specification.tasks (a non-empty list)")
+    return tasks, list(files or []), list(runs or [])
+
+
+def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale: float = 1.0,
+                  memory: bool = True) -> Workload:  # fmt: skip
+    """A workload from a parsed WfFormat document (see the module docstring)."""
+    if not scale > 0:
+        raise ConfigError(f"{source}: scale must be positive, got {scale!r}")
+    tasks, files, runs = _spec_and_exec(data, source)
+    sizes: dict[str, int] = {}
+    for f in files:
+        if isinstance(f, Mapping) and "id" in f:
+            sizes[str(f["id"])] = int(f.get("sizeInBytes", 0) or 0)
+    measured: dict[str, Mapping[str, Any]] = {}
+    for r in runs:
+        if isinstance(r, Mapping) and "id" in r:
+            measured[str(r["id"])] = r
+    by_id: dict[str, Mapping[str, Any]] = {}
+    for i, t in enumerate(tasks):
+        if not isinstance(t, Mapping) or not isinstance(t.get("id", t.get("name")), str):
+            raise ConfigError(f"{source}: task #{i + 1} has no string 'id'")
+        tid = str(t.get("id", t.get("name")))
+        if tid in by_id:
+            raise ConfigError(f"{source}: task id {tid!r} appears twice")
+        by_id[tid] = t
+    missing_runtime = 0
+    out: dict[str, SimTask] = {}
+    for tid, t in by_id.items():
+        parents = [str(p) for p in t.get("parents", []) or []]
+        unknown = [p for p in parents if p not in by_id]
+        if unknown:
+            raise ConfigError(f"{source}: task {tid!r} names parents that are not tasks: {unknown[:3]}")
+        run = measured.get(tid, t)
+        runtime = run.get("runtimeInSeconds", run.get("runtime"))
+        if runtime is None:
+            missing_runtime += 1
+            runtime = 0.0
+        outputs = t.get("outputFiles")
+        if outputs is None:  # 1.4: files inline with a link direction
+            outputs = [f.get("name") for f in t.get("files", []) or [] if f.get("link") == "output"]
+            for f in t.get("files", []) or []:
+                sizes.setdefault(str(f.get("name")), int(f.get("sizeInBytes", f.get("size", 0)) or 0))
+        nbytes = sum(sizes.get(str(f), 0) for f in outputs or [])
+        res: dict[str, float] = {}
+        cores = run.get("coreCount", t.get("cores"))
+        if isinstance(cores, (int, float)) and cores > 1:
+            res["cpu"] = float(cores)
+        mem = run.get("memoryInBytes")
+        if memory and isinstance(mem, (int, float)) and mem > 0:
+            res["memory"] = float(mem)
+        out[tid] = SimTask(tid, float(runtime) / scale, parents, _program(tid, str(t.get("name", ""))),
+                           res or None, nbytes=max(8, nbytes))  # fmt: skip
+    ordered = _topological(out, source)
+    name = str(data.get("name") or "wfformat")
+    notes = [f"WfFormat trace {source}: {len(ordered)} tasks from {_runtime_system(data)}"
+             + (f", runtimes divided by {scale:g}" if scale != 1 else "")]
+    if missing_runtime:
+        notes.append(f"{missing_runtime} tasks have no runtimeInSeconds: they take 0 s")
+    return Workload(name, [Stage(ordered, sinks(ordered))], notes=notes)
+
+
+def _runtime_system(data: Mapping[str, Any]) -> str:
+    rs = data.get("runtimeSystem") or data.get("wms") or {}
+    return str(rs.get("name", "an unknown system")) if isinstance(rs, Mapping) else "an unknown system"
+
+
+def _topological(tasks: Mapping[str, SimTask], source: str) -> list[SimTask]:
+    """Tasks with every input before its users, keeping the trace's order otherwise."""
+    indeg = {k: len(set(t.deps)) for k, t in tasks.items()}
+    users: dict[str, list[str]] = {k: [] for k in tasks}
+    for k, t in tasks.items():
+        for d in set(t.deps):
+            users[d].append(k)
+    position = {k: i for i, k in enumerate(tasks)}
+    import heapq
+
+    ready = [(position[k], k) for k, n in indeg.items() if n == 0]
+    heapq.heapify(ready)
+    out: list[SimTask] = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        out.append(tasks[k])
+        for u in users[k]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (position[u], u))
+    if len(out) != len(tasks):
+        stuck = sorted(k for k, n in indeg.items() if n > 0)[:3]
+        raise ConfigError(f"{source}: the trace's parents form a cycle (e.g. around {stuck}); a workflow is a DAG")
+    return out
+
+
+def fit_memory(workload: Workload, node_memory: Sequence[float]) -> Workload:
+    """Drop the tasks' ``memory`` needs when no node type declares memory (``node_memory`` all 0),
+    so a trace runs on a cluster given as ``cloud:50:4``; says so in a note.  Unchanged otherwise."""
+    if any(m > 0 for m in node_memory):
+        return workload
+    peak = 0.0
+    for t in workload.tasks():
+        if t.resources and "memory" in t.resources:
+            peak = max(peak, t.resources.pop("memory"))
+            if not t.resources:
+                t.resources = None
+    if peak:
+        workload.notes.append(f"tasks' memoryInBytes (up to {peak / 2**30:.2f} GiB) not placed on: the cluster's "
+                              "node types declare no memory (give them memory= to place by it)")  # fmt: skip
+    return workload

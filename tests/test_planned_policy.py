@@ -1,0 +1,189 @@
+"""The default policy (scaling/planned.py) on hand-made snapshots: launch and retire from one model
+of holding cost, the two retirements of issue 33, objectives, deadlines and budgets."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tidepool.errors import ConfigError
+from tidepool.scaling.forecast import RemainingWork, type_forecasts
+from tidepool.scaling.node_types import NodeType
+from tidepool.scaling.observation import GraphView
+from tidepool.scaling.planned import BUDGET_MARGIN, GraphPlan, default_policy
+from tidepool.scaling.policies import Adaptive
+from tidepool.scaling.snapshot import ClusterSnapshot, Demand, WorkerView
+
+CPU = (("cpu", 1.0),)
+
+
+def worker(wid: str, *, running: int = 0, idle_since: float | None = 0.0, node_type: str = "default",
+           resources: dict[str, float] | None = None) -> WorkerView:  # fmt: skip
+    return WorkerView(wid, node_type, "running", resources or {"cpu": 1.0}, 1, running, 0.0, 0, 0, 0,
+                      None if running else idle_since, joined=-100.0)  # fmt: skip
+
+
+def snapshot(now: float, nt: NodeType, workers: tuple[WorkerView, ...], work: RemainingWork | None,
+             demand: tuple[Demand, ...] = (), finished: int = 10) -> ClusterSnapshot:  # fmt: skip
+    """A snapshot with the controller's forecasts computed from ``work`` (None: no graph at all)."""
+    forecasts: tuple = ()
+    eta = nxt = None
+    if work is not None and len(work):
+        graph = GraphView(work, (CPU,) * len(work))
+        nodes = {nt.name: len(workers)}
+        forecasts, eta, nxt = type_forecasts(graph, workers, (nt,), nodes, (), now, set())
+    return ClusterSnapshot(now=now, node_types=(nt,), demand=demand, workers=workers, finished=finished,
+                           waiting=sum(1 for d in (work.deps if work else ()) if d),
+                           running=sum(w.running for w in workers), forecasts=forecasts, eta=eta,
+                           next_demand_in=nxt)  # fmt: skip
+
+
+def two_phases(reduce_left: float, n: int = 40, work: float = 0.5) -> RemainingWork:
+    """The README demo during its reduce: the reduce runs (``reduce_left`` s to go), then ``n``
+    tasks that need it, then a final reduce."""
+    durations = (reduce_left, *([work] * n), 0.1)
+    deps = ((), *([(0,)] * n), tuple(range(1, n + 1)))
+    return RemainingWork(durations, deps, (0,))
+
+
+# ---- issue 33, bug 4: workers retired just before they are needed -------------------------------
+def test_readme_demo_keeps_its_workers_through_a_reduce_shorter_than_a_start_up() -> None:
+    # measured start-up 2 s (a loaded machine); the reduce has 1.5 s to go; 3 workers idle
+    nt = NodeType("default", max_nodes=4, startup_estimate=2.0)
+    ws = (worker("w0", running=1), worker("w1", idle_since=0.0), worker("w2", idle_since=0.0),
+          worker("w3", idle_since=0.0))  # fmt: skip
+    snap = snapshot(0.5, nt, ws, two_phases(1.5))
+    assert snap.next_demand_in == pytest.approx(1.5)
+    assert default_policy()(snap).retire == ()
+    # the rule it replaces retired all three ("no work expected soon"): the bug of issue 33
+    assert set(Adaptive()(snap).retire) == {"w1", "w2", "w3"}
+
+
+def test_a_gap_longer_than_a_start_up_retires_and_the_next_launch_does_not_undo_it() -> None:
+    nt = NodeType("default", max_nodes=4, startup_estimate=2.0)
+    ws = (worker("w0", running=1), worker("w1"), worker("w2"), worker("w3"))
+    policy = default_policy()
+    d = policy(snapshot(0.5, nt, ws, two_phases(60.0)))  # a minute of reduce: idle nodes cost more
+    assert set(d.retire) == {"w1", "w2", "w3"}
+    assert all("holding it costs more than a relaunch" in text for _, text in d.why)
+    # the same graph on the pool without them: nothing to launch now (they come back just in time)
+    after = policy(snapshot(1.5, nt, ws[:1], two_phases(59.0)))
+    assert after.launch == {}
+    # ... and when the reduce ends within a start-up, the launch for the second phase comes
+    later = policy(snapshot(58.0, nt, ws[:1], two_phases(1.5)))
+    assert later.launch.get("default", 0) >= 1
+
+
+def test_between_gather_and_the_next_compute_idle_workers_wait_a_start_up() -> None:
+    # the mixed pipeline of issue 33: nothing is known between a gather() and the next compute
+    nt = NodeType("default", max_nodes=4, startup_estimate=2.0)
+    ws = tuple(worker(f"w{i}", idle_since=0.0) for i in range(4))
+    policy = default_policy()
+    assert policy(snapshot(1.0, nt, ws, None)).retire == ()  # 1 s idle < the 2 s a relaunch costs
+    assert Adaptive()(snapshot(1.0, nt, ws, None)).retire != ()  # the old rule dropped them at once
+    d = policy(snapshot(2.5, nt, ws, None))
+    assert set(d.retire) == {"w0", "w1", "w2", "w3"}
+    assert "no work is known" in d.why[0][1]
+
+
+def test_gpu_node_is_not_held_for_work_nobody_asked_for() -> None:
+    nt = NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=1, startup_estimate=2.0)
+    ws = (worker("g1", node_type="gpu", resources={"cpu": 1.0, "gpu": 1.0}),)
+    d = default_policy()(snapshot(0.2, nt, ws, None))
+    assert d.retire == ("g1",) and "gpu" in d.why[0][1]
+
+
+# ---- launches ----------------------------------------------------------------------------------
+def wide(n: int, seconds: float) -> RemainingWork:
+    return RemainingWork((seconds,) * n, ((),) * n, ())
+
+
+def test_launch_as_many_nodes_as_the_graph_keeps_busy_longer_than_their_start_up() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=10.0)
+    demand = (Demand(CPU, "work", 20, 100.0),)
+    d = GraphPlan()(snapshot(0.0, nt, (), wide(20, 100.0), demand))
+    assert d.launch == {"default": 20}  # 20 tasks of 100 s: one node each
+    chain = RemainingWork((5.0,) * 10, ((),) + tuple((i,) for i in range(9)), ())
+    d = GraphPlan()(snapshot(0.0, nt, (), chain, (Demand(CPU, "step", 1, 5.0),)))
+    assert d.launch == {"default": 1}  # a chain keeps one node busy
+
+
+def test_cheapest_launches_fewer_nodes_than_fastest() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=30.0)
+    demand = (Demand(CPU, "work", 200, 20.0),)
+    snap = snapshot(0.0, nt, (worker("w0", running=1),), wide(200, 20.0), demand)
+    fast = GraphPlan("fastest")(snap).launch.get("default", 0)
+    cheap = GraphPlan("cheapest")(snap).launch.get("default", 0)
+    assert fast > cheap >= 0
+    assert fast == 99  # every node shortens the run (up to max_nodes)
+
+
+def test_before_anything_finished_it_launches_for_the_runnable_tasks() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=60.0)
+    demand = (Demand(CPU, "work", 12, 0.5),)  # the 0.5 s prior: a guess
+    d = GraphPlan()(snapshot(0.0, nt, (), wide(12, 0.5), demand, finished=0))
+    assert d.launch == {"default": 12}
+    assert GraphPlan("cheapest")(snapshot(0.0, nt, (), wide(12, 0.5), demand, finished=0)).launch.get(
+        "default", 0) < 12  # fmt: skip
+
+
+# ---- objectives, deadline, budget --------------------------------------------------------------
+def test_objective_deadline_and_budget_are_checked() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'cheapest'"):
+        GraphPlan("cheapset")
+    with pytest.raises(ConfigError, match="deadline must be a positive number"):
+        GraphPlan(deadline=-1)
+    with pytest.raises(ConfigError, match="not both"):
+        GraphPlan(deadline=10, budget=1)
+    with pytest.raises(ConfigError, match="unknown options"):
+        default_policy(idle_timeout=3)
+
+
+def test_deadline_takes_the_cheapest_pool_that_meets_it() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=10.0)
+    demand = (Demand(CPU, "work", 100, 60.0),)
+    snap = snapshot(0.0, nt, (), wide(100, 60.0), demand)
+    d = GraphPlan(deadline=400.0)(snap)
+    k = d.launch["default"]
+    f = snap.forecasts[0]
+    i = f.extra.index(k)
+    meets = [j for j in range(len(f.extra)) if f.etas[j] <= 400.0]
+    assert i in meets and f.etas[0] > 400.0
+    assert all(k * f.etas[i] <= f.extra[j] * f.etas[j] for j in meets)  # the least node-seconds that meet it
+    assert "least cost that meets it" in d.reasons[0]
+    assert GraphPlan(deadline=4000.0)(snap).launch["default"] < k  # a later deadline: fewer nodes
+
+
+def test_an_infeasible_deadline_says_so_at_once_and_runs_as_fast_as_it_can(caplog: pytest.LogCaptureFixture) -> None:
+    nt = NodeType("default", max_nodes=10, startup_estimate=10.0)
+    demand = (Demand(CPU, "work", 100, 60.0),)
+    snap = snapshot(0.0, nt, (), wide(100, 60.0), demand)
+    with caplog.at_level(logging.WARNING, "tidepool.scaling"):
+        d = GraphPlan(deadline=100.0)(snap)
+    assert d.launch == {"default": 10}
+    assert any("infeasible" in r for r in d.reasons)
+    assert "cannot be met" in caplog.text
+
+
+def test_budget_buys_the_fastest_pool_it_can_pay_for() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=10.0, cost=3.6)  # 0.001 per node-second
+    demand = (Demand(CPU, "work", 100, 60.0),)
+    snap = snapshot(0.0, nt, (), wide(100, 60.0), demand)
+    f = snap.forecasts[0]
+    budget = 10.0
+    d = GraphPlan(budget=budget)(snap)
+    k = d.launch["default"]
+    cost = k * f.etas[f.extra.index(k)] * 0.001
+    assert cost <= BUDGET_MARGIN * budget
+    faster = [j for j in range(len(f.extra)) if f.etas[j] < f.etas[f.extra.index(k)]]
+    assert all(f.extra[j] * f.etas[j] * 0.001 > BUDGET_MARGIN * budget for j in faster)
+    assert "the fastest that fits" in d.reasons[0]
+
+
+def test_an_infeasible_budget_says_so_at_once() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=10.0, cost=3.6)
+    demand = (Demand(CPU, "work", 100, 60.0),)
+    d = GraphPlan(budget=0.5)(snapshot(0.0, nt, (), wide(100, 60.0), demand))
+    assert any("budget 0.5 infeasible" in r for r in d.reasons)
+    assert d.launch == {"default": 1}  # the least cost: one node

@@ -1,0 +1,114 @@
+"""WfCommons WfFormat traces as simulator inputs (sim/wfformat.py), on the real traces in
+``<repo>/../shared/workloads/wfinstances``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tidepool.errors import ConfigError
+from tidepool.sim.wfformat import fit_memory, from_wfformat, is_wfformat
+from tidepool.sim.workload import load_workload
+
+
+def _traces_dir() -> Path | None:
+    root = Path(__file__).resolve().parents[1]
+    for up in (root.parent, root.parent.parent):
+        cand = up / "shared" / "workloads" / "wfinstances"
+        if cand.is_dir():
+            return cand
+    return None
+
+
+TRACES = _traces_dir()
+needs_traces = pytest.mark.skipif(TRACES is None, reason="no ../shared/workloads/wfinstances beside the repository")
+#: (tasks, sum of runtimes s) per trace, from the README of the traces
+EXPECTED = {
+    "montage-chameleon-2mass-01d-001.json": (103, 363), "montage-chameleon-2mass-05d-001.json": (1738, 8695),
+    "montage-chameleon-dss-15d-001.json": (2122, 78088), "1000genome-chameleon-10ch-250k-001.json": (410, 25978),
+    "1000genome-chameleon-22ch-100k-001.json": (572, 38867), "blast-chameleon-medium-001.json": (303, 31513),
+    "bwa-chameleon-medium-001.json": (1004, 3612),
+}  # fmt: skip
+
+
+@needs_traces
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_trace_reads_with_its_tasks_runtimes_parents_and_sizes(name: str) -> None:
+    assert TRACES is not None
+    path = TRACES / name
+    data = json.loads(path.read_text())
+    assert is_wfformat(data)
+    wl = load_workload(str(path))
+    tasks = list(wl.tasks())
+    n, seconds = EXPECTED[name]
+    assert len(tasks) == n
+    assert wl.total_seconds() == pytest.approx(seconds, abs=1.0)
+    spec = {t["id"]: t for t in data["workflow"]["specification"]["tasks"]}
+    runs = {t["id"]: t for t in data["workflow"]["execution"]["tasks"]}
+    sizes = {f["id"]: f["sizeInBytes"] for f in data["workflow"]["specification"]["files"]}
+    seen: set[str] = set()
+    for t in tasks:
+        assert set(t.deps) <= seen, f"{t.key} comes before an input"  # inputs first
+        seen.add(t.key)
+        assert set(t.deps) == set(spec[t.key]["parents"])
+        assert t.duration == pytest.approx(runs[t.key]["runtimeInSeconds"])
+        assert t.nbytes == max(8, sum(sizes[f] for f in spec[t.key]["outputFiles"]))
+        assert not re.search(r"_ID\d+$", t.group)  # the program, not the task
+        mem = runs[t.key].get("memoryInBytes")
+        assert (t.resources or {}).get("memory") == (float(mem) if mem else None)
+    assert set(wl.stages[0].wanted) == {k for k, t in spec.items() if not t.get("children")}
+
+
+@needs_traces
+def test_simulate_runs_a_trace_and_says_memory_is_not_placed_on(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:  # fmt: skip
+    from tidepool.cli import main
+
+    assert TRACES is not None
+    trace = TRACES / "montage-chameleon-2mass-01d-001.json"
+    rc = main(["simulate", str(trace), "--cluster", "cloud:50:4", "--policy", "default", "--policy", "dask",
+               "--out", str(tmp_path), "--no-plot", "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"^default\s+\d+\.\d\d\s", out, re.M) and re.search(r"^dask\s+\d+\.\d\d\s", out, re.M)
+    assert "memoryInBytes" in out and "declare no memory" in out
+
+
+@needs_traces
+def test_memory_needs_stay_when_node_types_declare_memory() -> None:
+    assert TRACES is not None
+    wl = load_workload(str(TRACES / "blast-chameleon-medium-001.json"))
+    fit_memory(wl, [64e9])
+    assert all(t.resources and t.resources["memory"] > 0 for t in wl.tasks())
+    fit_memory(wl, [0.0])
+    assert all(not t.resources for t in wl.tasks())
+    assert any("declare no memory" in n for n in wl.notes)
+
+
+def _doc(tasks: list[dict[str, object]], runs: list[dict[str, object]]) -> dict[str, object]:
+    return {"name": "t", "schemaVersion": "1.5",
+            "workflow": {"specification": {"tasks": tasks, "files": [{"id": "o", "sizeInBytes": 1000}]},
+                         "execution": {"tasks": runs}}}  # fmt: skip
+
+
+def test_a_trace_out_of_order_is_sorted_and_scale_divides_runtimes() -> None:
+    doc = _doc([{"id": "b_ID2", "parents": ["a_ID1"], "outputFiles": []},
+                {"id": "a_ID1", "parents": [], "outputFiles": ["o"], "coreCount": 1}],
+               [{"id": "a_ID1", "runtimeInSeconds": 10.0, "coreCount": 4}, {"id": "b_ID2", "runtimeInSeconds": 4.0}])  # fmt: skip
+    wl = from_wfformat(doc, scale=2.0)
+    a, b = list(wl.tasks())
+    assert (a.key, a.duration, a.nbytes, a.resources, a.group) == ("a_ID1", 5.0, 1000, {"cpu": 4.0}, "a")
+    assert (b.key, b.deps, b.duration) == ("b_ID2", ("a_ID1",), 2.0)
+
+
+def test_broken_traces_are_refused_with_what_is_wrong() -> None:
+    with pytest.raises(ConfigError, match="cycle"):
+        from_wfformat(_doc([{"id": "a", "parents": ["b"]}, {"id": "b", "parents": ["a"]}], []))
+    with pytest.raises(ConfigError, match="parents that are not tasks"):
+        from_wfformat(_doc([{"id": "a", "parents": ["zz"]}], []))
+    with pytest.raises(ConfigError, match="non-empty list"):
+        from_wfformat({"workflow": {"specification": {"tasks": []}}})
+    assert not is_wfformat({"tasks": [], "workflow": {}})  # a tidepool graph is not a trace
