@@ -453,11 +453,18 @@ class Worker:
         self.executed += 1
         if o.ok:
             nb = sizeof(o.value)
-            self.data[o.key] = o.value
-            self.nbytes[o.key] = nb
+            self._store(o.key, o.value, nb)
             self._finished.append([o.key, nb, o.duration])
         elif t is not None:
             self._fail(t, o.value, o.tb, o.duration)
+
+    def _store(self, key: str, value: Any, nbytes: int) -> None:
+        """Keep ``value`` under ``key``, sized once (the spill store would size it again)."""
+        if isinstance(self.data, SpillStore):
+            self.data.put(key, value, nbytes)
+        else:
+            self.data[key] = value
+        self.nbytes[key] = nbytes
 
     def _fail(self, t: _Task, exc: BaseException, tb: str, duration: float = 0.0) -> None:
         try:
@@ -553,9 +560,7 @@ class Worker:
                     outcome = ("broken", failed[key])
                     break
                 if key in got:
-                    value = got[key]
-                    self.data[key] = value
-                    self.nbytes[key] = sizeof(value)
+                    self._store(key, got[key], sizeof(got[key]))
                     self._replicas.append([key, self.nbytes[key]])
                     self._schedule_flush()  # the scheduler learns of the copy now, not later
                     outcome = True

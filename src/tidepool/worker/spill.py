@@ -89,9 +89,13 @@ class SpillStore(MutableMapping[str, Any]):
         return self._disk
 
     def __setitem__(self, key: str, value: Any) -> None:
+        self.put(key, value, sizeof(value))
+
+    def put(self, key: str, value: Any, nbytes: int) -> None:
+        """Store ``value`` whose size the caller has already estimated (``sizeof`` once)."""
         if key in self.sizes:
             del self[key]
-        nb = self.sizes[key] = sizeof(value)
+        nb = self.sizes[key] = nbytes
         self._total += nb
         self._buf[key] = value
 
