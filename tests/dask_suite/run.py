@@ -52,7 +52,7 @@ def run_backend(backend: str, targets: list[str], timeout: float, extra: list[st
     with tempfile.TemporaryDirectory(prefix="dask-suite-") as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-p", "dask_on_cluster", "-p", "no:cacheprovider", "-q",
-               "--no-header", "-o", "junit_family=xunit1", f"--timeout={timeout}", f"--junitxml={xml}",
+               "--no-header", "--tb=short", "-o", "junit_family=xunit1", f"--timeout={timeout}", f"--junitxml={xml}",
                f"--rootdir={site}", *extra, *[str(site / t) for t in targets]]  # fmt: skip
         subprocess.run(cmd, cwd=tmp, env=env, stdout=sys.stderr, check=False)
         if not xml.exists():
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", help="a file of node ids (relative to the dask package's parent), one a line")
     ap.add_argument("--timeout", type=float, default=120, help="per test, seconds")
     ap.add_argument("--json", help="write the outcomes per backend here")
+    ap.add_argument("--report", action="append", default=[], metavar="BACKEND=JUNIT.xml",
+                    help="read a finished run's JUnit XML instead of running that backend")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '-v -k vindex'")
     args = ap.parse_args(argv)
     targets = args.modules
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         targets = [line.strip() for line in Path(args.tests).read_text().splitlines()
                    if line.strip() and not line.startswith("#")]  # fmt: skip
     backends = args.backends.split(",")
-    results = {b: run_backend(b, targets, args.timeout, shlex.split(args.pytest_args)) for b in backends}
+    given = dict(r.split("=", 1) for r in args.report)
+    results = {b: parse(Path(given[b])) if b in given else run_backend(b, targets, args.timeout,
+                                                                       shlex.split(args.pytest_args))
+               for b in backends}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True))
     for b in backends:

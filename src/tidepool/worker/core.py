@@ -150,6 +150,8 @@ class Worker:
         self.cancelled: set[str] = set()
         self._fetching: dict[str, asyncio.Future[Fetched]] = {}
         self._peers: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        #: keys to ask each peer for in one request, sent on the next loop turn (see _batched_get)
+        self._batches: dict[str, tuple[list[str], asyncio.Future[tuple[dict[str, Any], dict[str, str]]]]] = {}
         self._finished: list[list[Any]] = []
         self._erred: list[dict[str, Any]] = []
         self._missing: list[list[str]] = []
@@ -551,7 +553,7 @@ class Worker:
         try:
             for _wid, addr in holders:
                 try:
-                    got, failed = await self.get_from_peer(addr, [key])
+                    got, failed = await self._batched_get(addr, key)
                 except CommError as exc:
                     log.info("fetching %s from %s failed: %s", key, addr, exc)
                     outcome = ("missing", str(exc))
@@ -580,6 +582,29 @@ class Worker:
             entry = self._peers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys)
+
+    def _batched_get(self, address: str, key: str) -> asyncio.Future[tuple[dict[str, Any], dict[str, str]]]:
+        """``get_from_peer(address, [key, ...])`` for every key asked of that peer in this loop
+        turn: one request and reply for a task's inputs (a shuffle stage reads dozens of small
+        pieces from each peer) instead of a round trip per key."""
+        batch = self._batches.get(address)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._batches[address] = ([], loop.create_future())
+            loop.call_soon(lambda: loop.create_task(self._send_batch(address)))
+        batch[0].append(key)
+        return batch[1]
+
+    async def _send_batch(self, address: str) -> None:
+        keys, fut = self._batches.pop(address)
+        try:
+            fut.set_result(await self.get_from_peer(address, keys))
+        except Exception as exc:  # noqa: BLE001 - every key of the batch sees the peer's failure
+            fut.set_exception(exc)
+            fut.exception()  # retrieved here too: a batch whose askers left logs nothing
+        finally:
+            if not fut.done():  # cancelled (the worker is closing): its askers stop too
+                fut.cancel()
 
     async def _replicate(self, key: str, holders: list[list[str]]) -> None:
         # a value that cannot move is reported by its holder; the retirement waits or is refused
