@@ -22,8 +22,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
+from tidepool.comm.serialize import dumps
 from tidepool.errors import ConfigError
 from tidepool.futures import _INLINE_FUTURES, Future
 from tidepool.graph.delayed import TaskOptions
@@ -212,7 +211,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
             held: tuple[Any, list[str]] = (client, [])
             token = _INLINE_FUTURES.set(held)
             try:
-                blob = cloudpickle.dumps(node, protocol=5)
+                blob = dumps(node)
             finally:
                 _INLINE_FUTURES.reset(token)
             values = {d: Ref(names[d]) for d in deps}
