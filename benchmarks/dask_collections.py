@@ -1,11 +1,15 @@
 """Dask collections on tidepool against Dask's own schedulers, in the same run, on this machine.
 
-Three workloads, each built fresh with the same Dask code and computed on every backend:
+Five workloads, each built fresh with the same Dask code and computed on every backend:
 
 - ``array``: ``(x + x.T).mean(axis=0).sum()`` over a random array of ``--chunks`` x ``--chunks``
   chunks of 50 x 50 (a few thousand chunks; the transpose makes the add read other blocks);
 - ``dataframe``: a groupby-aggregation with a tasks-based shuffle (``split_out=8,
   shuffle_method="tasks"``) over ``--partitions`` pandas partitions;
+- ``merge``: ``--merge-rows`` x a quarter as many rows joined on a key with a task shuffle of
+  both sides (partitions made on the workers with ``from_map``), then summed;
+- ``groupby-apply``: a Python function per group over ``--days`` days of ``dask.datasets.timeseries``
+  (task shuffle);
 - ``bag``: a word count (``str.split().flatten().frequencies()``) over ``--partitions`` partitions.
 
 Backends, fixed pools (2 worker processes, 1 task at a time each, started before timing):
@@ -233,7 +237,8 @@ def docs_section(fixed: list[list[str]], elastic: list[list[str]], args: argpars
     info = machine_info()
     return f"""## Dask collections: tidepool as Dask's scheduler (`benchmarks/dask_collections.py`)
 
-Measured {datetime.date.today().isoformat()} on {info["cpu"]} ({info["nproc"]} cores, load {info["load"]}),
+Measured {datetime.date.today().isoformat()} on {info["cpu"]} ({info["nproc"]} cores, load {info["load"]}; the machine
+is shared with other engineers' runs, so compare the ratios, measured in the same run, not seconds),
 Python {info["python"]}, {info["dask"]}, {info["tidepool"]}; {args.repeat} repetitions, medians;
 the same Dask code computed on each backend, every result compared with Dask's synchronous
 scheduler (all identical).  Ratios above 1x mean tidepool is faster.
@@ -250,8 +255,12 @@ per workload):
 
 Workloads: `array` is `(x + x.T).mean(axis=0).sum()` over {args.chunks}x{args.chunks} chunks of 50x50;
 `dataframe` a groupby-aggregation with `split_out=8, shuffle_method="tasks"` over {args.partitions}
-partitions; `bag` a word count over {args.partitions} partitions.  tidepool runs the graph Dask
-optimised, one tidepool task per Dask task, through `compute(scheduler=client.get)`.
+`from_pandas` partitions; `merge` joins {args.merge_rows:,} x {args.merge_rows // 4:,} rows (20 and 5
+partitions made on the workers) on a key with a task shuffle of both sides; `groupby-apply` runs a
+Python function per group (`groupby("name").apply`, task shuffle) over {args.days} days of Dask's
+`timeseries` data (a row a second, a partition a day); `bag` a word count over {args.partitions}
+partitions.  tidepool runs the graph Dask optimised, one tidepool task per Dask task, through
+`compute(scheduler=client.get)`.
 
 Command: `{command}`
 """
