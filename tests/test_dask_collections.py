@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -285,3 +286,17 @@ def test_without_dask_installed_the_client_says_how_to_get_it(tmp_path: Path) ->
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ}, cwd=tmp_path)  # fmt: skip
     assert "pip install 'tidepool[dask]'" in r.stdout, r.stderr
+
+
+def test_a_weak_proxy_result_stays_valid_while_it_is_held(client: tidepool.Client) -> None:
+    # Dask's test_use_of_weakref_proxy: a task returns a weak proxy to a partition its own
+    # closure keeps alive, and the next task reads it
+    def keep(part: Any, seen: list[Any] = []) -> Any:  # noqa: B006 - the closure that keeps it
+        seen.append(part)
+        return weakref.proxy(part)
+
+    pdf = pd.DataFrame({"g": [0, 0, 1] * 3, "b": [1, 2, 3] * 3})
+    ddf = dd.from_pandas(pdf, npartitions=1)
+    proxied = ddf.map_partitions(keep, meta=ddf._meta)
+    got = proxied["b"].groupby(proxied["g"]).sum().compute(scheduler=client.get)
+    pd.testing.assert_series_equal(got.sort_index(), pdf.groupby("g").b.sum())
