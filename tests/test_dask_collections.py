@@ -5,7 +5,9 @@ written as our own checks of its contract."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,7 +78,22 @@ CASES: dict[str, Callable[[], Any]] = {
     "bag distinct and pluck": lambda: db.from_sequence([{"a": i % 5} for i in range(40)], npartitions=4
                                                         ).pluck("a").distinct(),
     "delayed graph": lambda: dask.delayed(sum)([dask.delayed(pow)(i, 2) for i in range(10)]),
+    # issue 35: metadata that raises when evaluated, and keys holding numpy integers
+    "dataframe from_delayed": lambda: _from_delayed().a.sum(),
+    "dataframe groupby cov": lambda: _frame().groupby("k").cov(),
+    "dataframe groupby corr": lambda: _frame().groupby("k")[["v", "w"]].corr(),
+    "array vindex (numpy integer keys)": lambda: da.from_array(np.arange(56).reshape((7, 8)), chunks=(3, 4)
+                                                               ).vindex[[0, 1, 6], ::-1],
 }
+
+
+def _part(i: int) -> Any:
+    return pd.DataFrame({"a": [i, i + 1, i + 2], "b": [0.5 * i] * 3})
+
+
+def _from_delayed() -> Any:
+    # Dask's from_delayed: an expression whose _meta raises NotImplementedError when evaluated
+    return dd.from_delayed([dask.delayed(_part)(i) for i in range(4)], meta={"a": "i8", "b": "f8"})
 
 
 def _same(got: Any, want: Any) -> None:
@@ -165,11 +182,42 @@ def test_a_failing_block_raises_its_own_exception(client: tidepool.Client) -> No
     assert int(da.ones(10, chunks=5).sum().compute(scheduler=client.get)) == 10
 
 
-def test_options_apply_to_every_task_and_unknown_ones_are_refused(client: tidepool.Client) -> None:
+def test_from_delayed_computes_every_way_as_on_dasks_synchronous_scheduler(client: tidepool.Client) -> None:
+    want = _from_delayed().a.sum().compute(scheduler="sync")
+    assert want == 30
+    assert _from_delayed().a.sum().compute(scheduler=client.get) == want
+    with client.as_dask_scheduler():
+        assert _from_delayed().a.sum().compute() == want
+        pd.testing.assert_frame_equal(_from_delayed().compute(), _from_delayed().compute(scheduler="sync"))
+    assert client.compute(_from_delayed().a.sum()).result() == want
+    persisted = client.persist(_from_delayed())
+    assert persisted.b.max().compute(scheduler=client.get) == 1.5
+
+
+def test_numpy_integer_keys_name_the_same_task_as_python_integers(client: tidepool.Client) -> None:
+    dsk = {("x", np.int64(0)): 5, ("y", 0): (add_two, ("x", 0), 1), "z": (add_two, ("y", np.int32(0)), 10)}
+    assert client.get(dsk, [("y", np.int64(0)), "z"]) == (6, 16)
+    assert client.submit(abs, -2, key=("n", np.int64(3))).key == "('n', 3)"
+    # vindex's unoptimised graph keys its merge blocks ("vindex-merge-...", np.int64(0), 0)
+    x = np.arange(56).reshape((7, 8))
+    picked = da.from_array(x, chunks=(3, 4)).vindex[[0, 1, 6], ::-1]
+    (got,) = dask.compute(picked, scheduler=client.get, optimize_graph=False)
+    np.testing.assert_array_equal(got, x[[0, 1, 6], ::-1])
+
+
+def test_options_apply_to_every_task_and_unknown_ones_are_ignored(client: tidepool.Client,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     x = da.ones(10, chunks=5).sum()
     assert int(x.compute(scheduler=client.get, retries=2, priority=3)) == 10
-    with pytest.raises(ConfigError, match="unknown option"):
-        x.compute(scheduler=client.get, num_workers=4)
+    with caplog.at_level(logging.DEBUG, logger="tidepool.dask.client"):
+        # Dask forwards compute() keywords to the scheduler; like Dask's own, tidepool ignores unknown ones
+        assert int(x.compute(scheduler=client.get, num_workers=4)) == 10
+        assert int(dask.compute(x, scheduler=client.get, num_workers=4, bogus_keyword=1)[0]) == 10
+        assert int(client.compute(x, num_workers=4, retries=1).result()) == 10
+    ignored = [r.getMessage() for r in caplog.records if "ignores option" in r.getMessage()]
+    assert sum("num_workers" in m for m in ignored) <= 1  # once per process, not per call
+    with pytest.raises(ConfigError, match="retries must be"):  # known options are still applied
+        x.compute(scheduler=client.get, retries="many")
     with pytest.raises(ConfigError, match="apply to Dask collections only"):
         client.persist(tidepool.task(abs)(-1), resources={"gpu": 1})
 
@@ -238,3 +286,17 @@ def test_without_dask_installed_the_client_says_how_to_get_it(tmp_path: Path) ->
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ}, cwd=tmp_path)  # fmt: skip
     assert "pip install 'tidepool[dask]'" in r.stdout, r.stderr
+
+
+def test_a_weak_proxy_result_stays_valid_while_it_is_held(client: tidepool.Client) -> None:
+    # Dask's test_use_of_weakref_proxy: a task returns a weak proxy to a partition its own
+    # closure keeps alive, and the next task reads it
+    def keep(part: Any, seen: list[Any] = []) -> Any:  # noqa: B006 - the closure that keeps it
+        seen.append(part)
+        return weakref.proxy(part)
+
+    pdf = pd.DataFrame({"g": [0, 0, 1] * 3, "b": [1, 2, 3] * 3})
+    ddf = dd.from_pandas(pdf, npartitions=1)
+    proxied = ddf.map_partitions(keep, meta=ddf._meta)
+    got = proxied["b"].groupby(proxied["g"]).sum().compute(scheduler=client.get)
+    pd.testing.assert_series_equal(got.sort_index(), pdf.groupby("g").b.sum())

@@ -145,7 +145,12 @@ def test_key_names() -> None:
     assert key_name("x") == "x"
     assert key_name(("x-1", 0, 2)) == "('x-1', 0, 2)"
     assert key_name(3) == "3"
-    for bad in (None, ["x"], {"x": 1}, (), ("x", [1])):
+    np = pytest.importorskip("numpy")
+    # numpy scalars name the same task as the Python numbers they equal (Dask's vindex keys)
+    assert key_name(("x-1", np.int64(0), np.uint8(2))) == key_name(("x-1", 0, 2))
+    assert key_name(("x", np.float64(1.5), (np.str_("y"), np.int32(4)))) == "('x', 1.5, ('y', 4))"
+    assert key_name(np.int16(7)) == "7"
+    for bad in (None, ["x"], {"x": 1}, (), ("x", [1]), True, ("x", np.bool_(True)), ("x", None)):
         with pytest.raises(ConfigError, match="task key"):
             key_name(bad)
 

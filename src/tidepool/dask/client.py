@@ -11,6 +11,7 @@ plain ``x.compute()`` / ``x.persist()`` / ``dask.compute(...)`` run on tidepool.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +29,21 @@ if TYPE_CHECKING:
     from tidepool.futures import Future
 
 
+_log = logging.getLogger(__name__)
+#: option names already reported as ignored (each is logged once per process)
+_IGNORED: set[str] = set()
+
+
 def _check_options(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
-    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    """The options tidepool applies to Dask tasks (``OPTION_NAMES``, None dropped).  Others are
+    ignored, as Dask's own schedulers and distributed ignore what they do not use (Dask forwards
+    ``compute(num_workers=4, ...)`` to every scheduler); each is logged once at debug level."""
+    unknown = sorted(set(kwargs) - set(OPTION_NAMES) - _IGNORED)
     if unknown:
-        raise ConfigError(f"{where} got unknown option(s) {', '.join(unknown)}; tidepool takes "
-                          f"{', '.join(OPTION_NAMES)} (and progress=True)")  # fmt: skip
-    return {k: v for k, v in kwargs.items() if v is not None}
+        _IGNORED.update(unknown)
+        _log.debug("%s ignores option(s) %s; tidepool applies %s to Dask tasks", where, ", ".join(unknown),
+                   ", ".join(OPTION_NAMES))  # fmt: skip
+    return {k: v for k, v in kwargs.items() if k in OPTION_NAMES and v is not None}
 
 
 def dask_call(collection: Any, options: dict[str, Any], where: str

@@ -22,8 +22,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
+from tidepool.comm.serialize import dumps
 from tidepool.errors import ConfigError
 from tidepool.futures import _INLINE_FUTURES, Future
 from tidepool.graph.delayed import TaskOptions
@@ -63,7 +62,14 @@ def require_dask() -> Any:
 
 
 def _has_layer_annotations(expr: Any) -> bool:
-    """True if any high-level layer under ``expr`` carries annotations (``dask.annotate``)."""
+    """True if any high-level layer under ``expr`` carries annotations (``dask.annotate``).
+
+    Looks only at types and raw operands: an expression's other attributes may compute its
+    metadata (a dataframe's ``_meta``), which can raise or be slow, and must not run here."""
+    from dask._expr import Expr
+    from dask.delayed import Delayed
+    from dask.highlevelgraph import HighLevelGraph
+
     stack = [expr]
     seen: set[int] = set()
     while stack:
@@ -71,12 +77,15 @@ def _has_layer_annotations(expr: Any) -> bool:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        hlg = getattr(e, "hlg", None) if hasattr(type(e), "hlg") else None
-        if hlg is None and hasattr(e, "layers"):
-            hlg = e
-        if hlg is not None and any(getattr(layer, "annotations", None) for layer in hlg.layers.values()):
-            return True
-        stack.extend(op for op in getattr(e, "operands", ()) if hasattr(op, "operands") or hasattr(op, "layers"))
+        if isinstance(e, HighLevelGraph):
+            if any(layer.annotations for layer in e.layers.values()):
+                return True
+        elif isinstance(e, Expr):
+            stack.extend(e.operands)
+        elif isinstance(e, Delayed):
+            stack.append(e.__dask_graph__())
+        elif isinstance(e, (list, tuple)):
+            stack.extend(e)
     return False
 
 
@@ -202,7 +211,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
             held: tuple[Any, list[str]] = (client, [])
             token = _INLINE_FUTURES.set(held)
             try:
-                blob = cloudpickle.dumps(node, protocol=5)
+                blob = dumps(node)
             finally:
                 _INLINE_FUTURES.reset(token)
             values = {d: Ref(names[d]) for d in deps}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import pickle
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +36,35 @@ def run_node(blob: bytes, values: Mapping[Any, Any], inline: Mapping[str, Any]) 
         node = pickle.loads(blob)
     finally:
         _INLINE.reset(token)
-    return node(values)
+    value = node(values)
+    if isinstance(value, weakref.ProxyTypes):
+        _keep_alive(node)
+    return value
+
+
+#: task key -> the unpickled node of a task whose result is a weak proxy (see _keep_alive)
+_KEPT: dict[str, Any] = {}
+
+
+def _keep_alive(node: Any) -> None:
+    """Keep ``node`` (its function and closure) while its result is held on this worker.
+
+    A task may return ``weakref.proxy(x)`` with ``x`` kept alive only by its own closure (Dask's
+    ``test_use_of_weakref_proxy``); the node would be dropped after the call and the proxy die
+    before the next task reads it.  Entries of results this worker no longer holds are dropped."""
+    from tidepool.worker.context import current_task, get_worker
+
+    key = current_task()
+    if key is None:
+        return
+    try:
+        held = get_worker().data
+    except Exception:  # noqa: BLE001 - not on a worker (a test calling run_node directly)
+        held = None
+    if held is not None:
+        for k in [k for k in _KEPT if k not in held]:
+            del _KEPT[k]
+    _KEPT[key] = node
 
 
 def data_value(value: Any) -> Any:

@@ -165,6 +165,8 @@ class Worker:
         self.cancelled: set[str] = set()
         self._fetching: dict[str, asyncio.Future[Fetched]] = {}
         self._peers: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        #: keys to ask each peer for in one request, sent on the next loop turn (see _batched_get)
+        self._batches: dict[str, tuple[list[str], asyncio.Future[tuple[dict[str, Any], dict[str, str]]]]] = {}
         self._finished: list[list[Any]] = []
         self._erred: list[dict[str, Any]] = []
         self._missing: list[list[str | bool]] = []  # [key, dep, holder, why, holder went silent]
@@ -473,11 +475,18 @@ class Worker:
         self.executed += 1
         if o.ok:
             nb = sizeof(o.value)
-            self.data[o.key] = o.value
-            self.nbytes[o.key] = nb
+            self._store(o.key, o.value, nb)
             self._finished.append([o.key, nb, o.duration])
         elif t is not None:
             self._fail(t, o.value, o.tb, o.duration)
+
+    def _store(self, key: str, value: Any, nbytes: int) -> None:
+        """Keep ``value`` under ``key``, sized once (the spill store would size it again)."""
+        if isinstance(self.data, SpillStore):
+            self.data.put(key, value, nbytes)
+        else:
+            self.data[key] = value
+        self.nbytes[key] = nbytes
 
     def _fail(self, t: _Task, exc: BaseException, tb: str, duration: float = 0.0) -> None:
         try:
@@ -564,7 +573,7 @@ class Worker:
         try:
             for _wid, addr in holders:
                 try:
-                    got, failed = await self.get_from_peer(addr, [key])
+                    got, failed = await self._batched_get(addr, key)
                 except PeerSilentError as exc:
                     log.warning("fetching %s from %s stalled: %s", key, addr, exc)
                     outcome = ("silent", str(exc))
@@ -577,9 +586,7 @@ class Worker:
                     outcome = ("broken", failed[key])
                     break
                 if key in got:
-                    value = got[key]
-                    self.data[key] = value
-                    self.nbytes[key] = sizeof(value)
+                    self._store(key, got[key], sizeof(got[key]))
                     self._replicas.append([key, self.nbytes[key]])
                     self._schedule_flush()  # the scheduler learns of the copy now, not later
                     outcome = True
@@ -605,6 +612,29 @@ class Worker:
             entry = self._peers[address] = (conn, asyncio.Lock())
         conn, lock = entry
         return await request_data(conn, lock, keys, self.fetch_timeout)
+
+    def _batched_get(self, address: str, key: str) -> asyncio.Future[tuple[dict[str, Any], dict[str, str]]]:
+        """``get_from_peer(address, [key, ...])`` for every key asked of that peer in this loop
+        turn: one request and reply for a task's inputs (a shuffle stage reads dozens of small
+        pieces from each peer) instead of a round trip per key."""
+        batch = self._batches.get(address)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._batches[address] = ([], loop.create_future())
+            loop.call_soon(lambda: loop.create_task(self._send_batch(address)))
+        batch[0].append(key)
+        return batch[1]
+
+    async def _send_batch(self, address: str) -> None:
+        keys, fut = self._batches.pop(address)
+        try:
+            fut.set_result(await self.get_from_peer(address, keys))
+        except Exception as exc:  # noqa: BLE001 - every key of the batch sees the peer's failure
+            fut.set_exception(exc)
+            fut.exception()  # retrieved here too: a batch whose askers left logs nothing
+        finally:
+            if not fut.done():  # cancelled (the worker is closing): its askers stop too
+                fut.cancel()
 
     async def _replicate(self, key: str, holders: list[list[str]]) -> None:
         # a value that cannot move is reported by its holder; the retirement waits or is refused

@@ -1,4 +1,10 @@
-"""Cheap size estimates of results (bytes), for locality and memory accounting."""
+"""Cheap size estimates of results (bytes), for locality and memory accounting.
+
+Objects of other libraries (a pandas ``DataFrame`` has no ``nbytes``) go to Dask's ``sizeof`` when
+Dask is already loaded in this process (it is on any worker that ran a Dask task): it samples
+object columns, while ``sys.getsizeof`` on a frame measures every string (``deep=True``), which
+cost more than the task itself on small pandas partitions.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,12 @@ def sizeof(obj: Any, _depth: int = 0) -> int:
             return sys.getsizeof(obj)
         per = sum(sizeof(k, _depth + 1) + sizeof(v, _depth + 1) for k, v in items2) / len(items2)
         return int(sys.getsizeof(obj) + per * len(obj))
+    dask_sizeof = sys.modules.get("dask.sizeof")
+    if dask_sizeof is not None and type(obj).__module__.partition(".")[0] not in ("builtins", "tidepool"):
+        try:
+            return int(dask_sizeof.sizeof(obj))
+        except Exception:  # noqa: BLE001 - a size estimate must never fail a task
+            pass
     try:
         return sys.getsizeof(obj)
     except Exception:

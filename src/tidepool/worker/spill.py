@@ -183,9 +183,13 @@ class SpillStore(MutableMapping[str, Any]):
         return self.slow.limit
 
     def __setitem__(self, key: str, value: Any) -> None:
+        self.put(key, value, sizeof(value))
+
+    def put(self, key: str, value: Any, nbytes: int) -> None:
+        """Store ``value`` whose size the caller has already estimated (``sizeof`` once)."""
         if key in self.sizes:
             del self[key]
-        nb = self.sizes[key] = sizeof(value)
+        nb = self.sizes[key] = nbytes
         self._total += nb
         if self.disabled:
             self._buf.fast.set_noevict(key, value)
