@@ -187,3 +187,18 @@ def test_an_infeasible_budget_says_so_at_once() -> None:
     d = GraphPlan(budget=0.5)(snapshot(0.0, nt, (), wide(100, 60.0), demand))
     assert any("budget 0.5 infeasible" in r for r in d.reasons)
     assert d.launch == {"default": 1}  # the least cost: one node
+
+
+def test_plain_work_beyond_the_plain_types_never_launches_a_gpu_node() -> None:
+    """Before anything finished the policy launches for every runnable task; the plan it asks then
+    overflowed plain work onto the gpu type once the cpu type was full (found by Dask's annotated
+    blocks test: CPU blocks launched a GPU node)."""
+    cpu = NodeType("cpu", {"cpu": 1}, max_nodes=2, startup_estimate=0.5)
+    gpu = NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=1, startup_estimate=0.5, cost=4.0)
+    work = wide(16, 1.0)
+    graph = GraphView(work, (CPU,) * len(work))
+    forecasts, eta, nxt = type_forecasts(graph, (), (cpu, gpu), {"cpu": 0, "gpu": 0}, (), 0.0, set())
+    snap = ClusterSnapshot(now=0.0, node_types=(cpu, gpu), demand=(Demand(CPU, "work", 16, 1.0),), workers=(), finished=0,
+                           waiting=0, running=0, forecasts=forecasts, eta=eta, next_demand_in=nxt)  # fmt: skip
+    d = default_policy()(snap)
+    assert dict(d.launch) == {"cpu": 2}, d

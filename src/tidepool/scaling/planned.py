@@ -160,7 +160,10 @@ class GraphPlan:
         # durations are guesses until a task finished: a deadline is not planned on them either
         if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
             p = plan(snap)
-            extra = {k: v for k, v in p.nodes.items() if v > launch.get(k, 0)}
+            # the plan overflows plain work onto gpu (...) types when the plain ones are full; those
+            # are kept for work that needs what they have (their nodes cost more and idle otherwise)
+            needed = {name for d in snap.demand for name, _ in d.shape if name not in PLAIN}
+            extra = {k: v for k, v in p.nodes.items() if v > launch.get(k, 0) and not _wasted(snap, k, needed)}
             if extra:
                 launch.update(extra)
                 reasons.append(f"{self.label}: no task has finished yet, so every duration is a guess: launch for "
@@ -332,6 +335,14 @@ def default_policy(objective: str = "balanced", deadline: float | None = None, b
         raise ConfigError(f"unknown options {sorted(unknown)} of the default policy; it takes objective, deadline, "
                           "budget, hold_cap, min_idle, min_lifetime")  # fmt: skip
     return Planned(GraphPlan(objective, deadline, budget, **options), **mine)
+
+
+def _wasted(snap: ClusterSnapshot, node_type: str, needed: set[str]) -> bool:
+    """Would a node of ``node_type`` bring scarce resources (gpu, ...) no runnable task needs?"""
+    nt = snap.node_type(node_type)
+    if nt is None:
+        return False
+    return bool({k for k, v in nt.resources.items() if v > 0 and k not in PLAIN} - needed)
 
 
 def _special(w: WorkerView) -> set[str]:
