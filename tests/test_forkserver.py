@@ -164,6 +164,22 @@ def test_constructing_a_provider_starts_no_process() -> None:
         provider.close()
 
 
+def test_a_launch_of_several_workers_waits_for_a_starting_server_once_not_once_per_worker(tmp_path: Path) -> None:
+    """The wait for a fork server still importing is one per launch: the first worker waits, the
+    others spawn at once (before, each waited the whole wait again: n workers, n waits)."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["slowmod"], fork_server=True)
+    provider.FORK_SERVER_READY_WAIT = 0.5
+    try:
+        provider.launch(NT, 3, "r1")
+        waits = [e["reason"] for e in provider.drain_events() if e.get("event") == "not-ready"]
+        assert len(waits) == 3 and sum("not ready after 0.5 s" in w for w in waits) == 1, waits
+        assert all(isinstance(p.proc, subprocess.Popen) for p in provider.procs.values())
+    finally:
+        provider.close()
+
+
 def test_a_launch_does_not_wait_long_for_a_server_still_importing(tmp_path: Path) -> None:
     """A launch must return promptly: past the wait it spawns, and the server stays for later."""
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
@@ -181,3 +197,19 @@ def test_a_launch_does_not_wait_long_for_a_server_still_importing(tmp_path: Path
         assert provider._fork is not None and provider._fork.starting  # kept: it serves later launches
     finally:
         provider.close()
+
+
+def test_a_local_cluster_that_fails_to_start_leaves_no_fork_server_or_thread_behind() -> None:
+    import threading
+
+    import psutil
+
+    import tidepool
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises((TimeoutError, tidepool.TidepoolError)):
+        tidepool.LocalCluster(n_workers=1, workdir="/nonexistent/dir", fork_server=True, dashboard=False)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert not left, [p.cmdline() for p in left]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tidepool-")]

@@ -157,7 +157,11 @@ class LocalCluster(ClosesOnExit):
         self.autoscaler: AutoScaler | None = None
         self._extra_provider: Any = None
         if n_workers:
-            self.add_workers(n_workers, wait=True)
+            try:
+                self.add_workers(n_workers, wait=True)
+            except BaseException:  # no scheduler thread, fork server or worker left behind
+                self.close()
+                raise
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         self._joined.update(e.worker for e in events if isinstance(e, ev.WorkerJoin))

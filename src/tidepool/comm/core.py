@@ -359,6 +359,8 @@ MAX_PENDING_HANDSHAKES = 1024
 MAX_PENDING_PER_SOURCE = 256
 #: connections allowed to be inside a TLS handshake at once (each costs asyncio ~256 KiB of buffers)
 MAX_PENDING_TLS = 64
+#: ... and from one source address, so one source's ClientHellos cannot push out everyone else's
+MAX_PENDING_TLS_PER_SOURCE = 16
 #: seconds a pending connection may take once the table is half full (else the handshake timeout)
 PRESSURE_DEADLINE = 2.0
 #: refused connections logged one by one per minute; the rest are counted in one line
@@ -390,7 +392,8 @@ class Listener:
         self._keys = itertools.count()
         self._pending = PendingTable(MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE,
                                      HANDSHAKE_TIMEOUT, PRESSURE_DEADLINE)  # fmt: skip
-        self._pending_tls = PendingTable(MAX_PENDING_TLS, MAX_PENDING_TLS, HANDSHAKE_TIMEOUT, PRESSURE_DEADLINE)
+        self._pending_tls = PendingTable(MAX_PENDING_TLS, MAX_PENDING_TLS_PER_SOURCE, HANDSHAKE_TIMEOUT,
+                                         PRESSURE_DEADLINE)  # fmt: skip
         self._refused_other = 0  # refused for what they sent, or because nothing may be pending
         self._reject_window = -1e9
         self._reject_logged = 0

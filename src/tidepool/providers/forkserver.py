@@ -378,7 +378,7 @@ class ForkServer:
                 raise ForkServerError(self.dead)
             if not self._ready:
                 raise ForkServerError(f"the fork server (pid {self.proc.pid}) was not ready after "
-                                      f"{self.READY_TIMEOUT if timeout is None else timeout:g} s")  # fmt: skip
+                                      f"{round(self.READY_TIMEOUT if timeout is None else timeout, 1):g} s")  # fmt: skip
 
     def fork(self, worker_id: str, argv: list[str], env: dict[str, str], cwd: str | None,
              ready_timeout: float | None = None) -> ForkedWorker:  # fmt: skip

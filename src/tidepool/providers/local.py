@@ -174,19 +174,22 @@ class LocalProvider:
             fields["reason"] = reason
         self._event("fork-server", event=event, **fields)
 
-    def _fork_worker(self, wid: str, cmd: builtins.list[str], env: dict[str, str]) -> forkserver.ForkedWorker | None:
+    def _fork_worker(self, wid: str, cmd: builtins.list[str], env: dict[str, str],
+                     ready_timeout: float) -> forkserver.ForkedWorker | None:  # fmt: skip
         """Fork ``wid`` from the fork server; ``None`` (spawn it) if the server cannot, after
-        replacing the server or giving up on it with the reason in the journal."""
+        replacing the server or giving up on it with the reason in the journal.  A server still
+        importing is waited for at most ``ready_timeout`` seconds."""
         self.start_fork_server()
         with self._fork_lock:  # launches may run in several threads at once
-            return self._fork_worker_locked(wid, cmd, env)
+            return self._fork_worker_locked(wid, cmd, env, ready_timeout)
 
-    def _fork_worker_locked(self, wid: str, cmd: builtins.list[str], env: dict[str, str]) -> forkserver.ForkedWorker | None:
+    def _fork_worker_locked(self, wid: str, cmd: builtins.list[str], env: dict[str, str],
+                            ready_timeout: float) -> forkserver.ForkedWorker | None:  # fmt: skip
         server = self._fork
         if server is None:
             return None
         try:  # cmd = [python, -m, tidepool.worker, ...]
-            return server.fork(wid, cmd[3:], env, self.cwd, ready_timeout=self.FORK_SERVER_READY_WAIT)
+            return server.fork(wid, cmd[3:], env, self.cwd, ready_timeout=ready_timeout)
         except forkserver.ForkServerError as exc:
             reason = str(exc)
         if server.starting:  # slow imports (a loaded machine): spawn this one, keep the server
@@ -221,12 +224,15 @@ class LocalProvider:
         self._requests[request_id] = ids
         self._spawning.update({w: (node_type.name, request_id) for w in ids})  # listed as starting until
         # spawned: the autoscaler may call launch in a thread while it lists
+        # one wait for a fork server still importing per launch, not per worker: the rest spawn
+        ready_by = time.monotonic() + self.FORK_SERVER_READY_WAIT
         for wid in ids:
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
             env = {**self._base_env(), "TIDEPOOL_WORKER_ID": wid}
             t0 = time.monotonic()
-            proc: subprocess.Popen[bytes] | forkserver.ForkedWorker | None = self._fork_worker(wid, cmd, env)
+            proc: subprocess.Popen[bytes] | forkserver.ForkedWorker | None = self._fork_worker(
+                wid, cmd, env, max(0.0, ready_by - t0))
             how = "fork-server" if proc is not None else "spawn"
             if proc is None:
                 try:

@@ -1252,6 +1252,9 @@ class SchedulerState:
         for wid, wrec in self.workers.items():
             assert (wid in self._overloaded) == (len(wrec.processing) - wrec.seceded > wrec.slots), ("overloaded", wid)
         assert self._overloaded <= set(self.workers), ("overloaded", self._overloaded - set(self.workers))
+        for wid in self._room:  # new work goes only to running workers that answer
+            assert wid in self.workers and self.workers[wid].state == "running", ("room", wid)
+            assert not self.workers[wid].suspect, ("room for a suspect worker", wid)
         for key, ts in self.tasks.items():
             assert ts.key == key
             for w in ts.who_has:
