@@ -62,8 +62,14 @@ def test_bursty_graph_grows_the_pool_and_shrinks_it_back_with_reasons() -> None:
         clock = cluster.scheduler.clock
         t0 = clock()
         assert bursty(client).result(timeout=120) == expected
-        # idle workers go; at most the one holding the result (still wanted by our future) stays
-        wait_until(lambda: len(cluster.workers) <= 1, timeout=60, what="the pool to shrink back")
+        # idle workers go; at most the one holding the result (still wanted by our future) stays.
+        # A retirement's outcome is journaled when the autoscaler hears it back, which may be a
+        # moment after the worker left: wait for both
+        def shrunk() -> bool:
+            done = [r for r in cluster.journal.records if r["kind"] == "retire-done"]  # type: ignore[union-attr]
+            return len(cluster.workers) <= 1 and any(r["outcome"] == "retired" for r in done)
+
+        wait_until(shrunk, timeout=60, what="the pool to shrink back by graceful retirements")
         records = cluster.journal.records  # type: ignore[union-attr]
         peak = max_concurrent(records, t0, clock())
     assert 1 < peak <= 4  # it grew for the wide phases, within the limit

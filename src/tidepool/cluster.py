@@ -111,6 +111,7 @@ class LocalCluster(ClosesOnExit):
         self.token = self.scheduler.token
         #: the live dashboard (on unless ``dashboard=False``); its link is kept (and printed if asked)
         self.dashboard: Any = None
+        self.autoscaler: AutoScaler | None = None  # before the dashboard, which asks for it
         self.dashboard_link = ""
         if dashboard is None:
             from tidepool.dashboard.server import available
@@ -154,7 +155,6 @@ class LocalCluster(ClosesOnExit):
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)
         self.closed = False
-        self.autoscaler: AutoScaler | None = None
         self._extra_provider: Any = None
         if n_workers:
             try:
