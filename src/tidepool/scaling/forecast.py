@@ -62,61 +62,9 @@ def critical_path(work: RemainingWork) -> float:
 
 
 def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()) -> float:
-    """Makespan of greedy list scheduling on ``slots`` slots now plus slots arriving at ``arrivals``."""
-    n = len(work)
-    if n == 0:
-        return 0.0
-    free: list[float] = [0.0] * slots + list(arrivals)
-    if not free:
-        return float("inf")
-    heapq.heapify(free)
-    indeg = [len(d) for d in work.deps]
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for i, ds in enumerate(work.deps):
-        for j in ds:
-            dependents[j].append(i)
-    ready_at = [0.0] * n
-    finish = [0.0] * n
-    pending: list[tuple[float, int]] = []  # (ready time, index)
-    available: list[int] = []  # by priority (= index order)
-    running = set(work.running)
-    # running tasks keep their slots: they finish after their remaining time
-    busy = sorted(work.durations[i] for i in running)
-    for _ in busy:
-        if free:
-            heapq.heappop(free)
-    for i in running:
-        finish[i] = work.durations[i]
-    for r in busy[: len(busy)]:
-        heapq.heappush(free, r)
-    makespan = max(busy, default=0.0)
-
-    def release(i: int) -> None:
-        for k in dependents[i]:
-            indeg[k] -= 1
-            ready_at[k] = max(ready_at[k], finish[i])
-            if indeg[k] == 0:
-                heapq.heappush(pending, (ready_at[k], k))
-
-    for i in range(n):  # ready now (before running tasks release their dependents)
-        if indeg[i] == 0 and i not in running:
-            heapq.heappush(pending, (0.0, i))
-    for i in running:
-        release(i)
-    while pending or available:
-        t = heapq.heappop(free)
-        while pending and pending[0][0] <= t:
-            heapq.heappush(available, heapq.heappop(pending)[1])
-        if not available:
-            t = max(t, pending[0][0])
-            while pending and pending[0][0] <= t:
-                heapq.heappush(available, heapq.heappop(pending)[1])
-        i = heapq.heappop(available)
-        finish[i] = max(t, ready_at[i]) + work.durations[i]
-        makespan = max(makespan, finish[i])
-        heapq.heappush(free, finish[i])
-        release(i)
-    return makespan
+    """Makespan of greedy list scheduling on ``slots`` slots now plus slots arriving at ``arrivals``
+    (:func:`schedule_detail`'s makespan: one scheduler serves both)."""
+    return schedule_detail(work, slots, arrivals)[0]
 
 
 def schedule_detail(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()
