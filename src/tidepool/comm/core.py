@@ -471,11 +471,8 @@ class Listener:
                     return
                 self._conns.add(conn)
                 conn.info = await server_handshake(conn, self.token)
-        except asyncio.CancelledError:
-            if conn is not None:
-                conn.close()
-            with contextlib.suppress(OSError):
-                sock.close()
+        except asyncio.CancelledError:  # evicted, or the listener closes
+            self._close(conn, sock)
             raise
         except TimeoutError:
             self._note_rejected(source, "no handshake in time")
@@ -491,6 +488,10 @@ class Listener:
             return
         finally:
             self._pending.remove(key)
+        await self._run_handler(conn)
+
+    async def _run_handler(self, conn: Connection) -> None:
+        """Hand an authenticated connection to the handler; close it when the handler is done."""
         try:
             await self.handler(conn)
         except ConnectionLostError:
@@ -585,12 +586,7 @@ class Listener:
             except (CommError, OSError) as exc:
                 self._note_rejected(conn.peer, exc)
                 return
-            try:
-                await self.handler(conn)
-            except ConnectionLostError:
-                pass
-            except Exception:
-                log.exception("handler for %s failed", conn.peer)
+            await self._run_handler(conn)
         finally:
             self._conns.discard(conn)
             conn.close()
