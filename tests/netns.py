@@ -50,13 +50,23 @@ def netem_unavailable() -> str | None:
         _ip("link", "del", probe, check=False)
 
 
+def _free_octet() -> int:
+    """A second octet ``x`` with no ``10.x.*`` address on this machine (several test runs, or a
+    leftover namespace, must not share subnets)."""
+    used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+    for x in [*range(200 + os.getpid() % 50, 250), *range(200, 250)]:
+        if f"10.{x}." not in used:
+            return x
+    raise RuntimeError("no free 10.x.0.0/16 range (x in 200..249) for test hosts")
+
+
 @dataclass
 class Hosts:
     """Named hosts, each a namespace with one address; the root namespace is their router."""
 
     names: list[str]
     tag: str = field(default_factory=lambda: str(os.getpid() % 10000))
-    octet: int = field(default_factory=lambda: 200 + os.getpid() % 50)
+    octet: int = field(default_factory=lambda: _free_octet())
     _rules: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     _next_pref: int = 1000
     _forward: str = "0"
@@ -66,6 +76,10 @@ class Hosts:
 
     def addr(self, name: str) -> str:
         return f"10.{self.octet}.{self.names.index(name) + 1}.2"
+
+    def router_addr(self, name: str) -> str:
+        """The root namespace's address on ``name``'s link (what ``name`` reaches it by)."""
+        return f"10.{self.octet}.{self.names.index(name) + 1}.1"
 
     def _subnet(self, name: str) -> str:
         return f"10.{self.octet}.{self.names.index(name) + 1}.0/24"
@@ -97,6 +111,8 @@ class Hosts:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
             _ip("netns", "del", ns, check=False)
+        for i in range(1, len(self.names) + 1):  # gone with their namespace, unless something holds it
+            _ip("link", "del", f"tpr{self.tag}{i}", check=False)
         with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
             f.write(self._forward)
 

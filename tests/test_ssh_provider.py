@@ -41,6 +41,8 @@ pytestmark = pytest.mark.integration
 
 SSHD = "/usr/sbin/sshd"
 NS_HOSTNAME = "tp-netns-host"
+sys.path.insert(0, str(Path(__file__).parent))
+import netns  # noqa: E402
 
 
 def whereami(i: int, delay: float = 0.3) -> tuple[int, str, int, str]:
@@ -527,54 +529,29 @@ class NetnsHost:
     sshd: Sshd
 
 
-def _free_subnet() -> int:
-    used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
-    for x in [*range(100 + os.getpid() % 100, 250), *range(100, 250)]:
-        if f"10.200.{x}." not in used:
-            return x
-    raise RuntimeError("no free 10.200.x.0/24 subnet for the test namespace")
-
-
 @pytest.fixture(scope="session")
 def netns_host(keys: Keys, sshd: Sshd) -> Iterator[NetnsHost]:
     if not shutil.which("ip") or not shutil.which("unshare"):
         pytest.skip("needs iproute2 (ip) and util-linux (unshare) for the namespace host")
-    tag = f"{os.getpid() % 100000}"
-    ns, veth_root, veth_ns = f"tp-h{tag}", f"tpv{tag}a", f"tpv{tag}b"
-    x = _free_subnet()
-    root_ip, ns_ip = f"10.200.{x}.1", f"10.200.{x}.2"
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"no namespace host: {why}")
     proc = None
-    try:
-        ip("netns", "add", ns)
-        ip("link", "add", veth_root, "type", "veth", "peer", "name", veth_ns)
-        ip("link", "set", veth_ns, "netns", ns)
-        ip("addr", "add", f"{root_ip}/24", "dev", veth_root)
-        ip("link", "set", veth_root, "up")
-        ip("-n", ns, "addr", "add", f"{ns_ip}/24", "dev", veth_ns)
-        ip("-n", ns, "link", "set", veth_ns, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
-        cfg = write_sshd_config(keys.dir, "ns", ns_ip, keys.host_key)
-        # own UTS namespace too, so tasks there see their own hostname
-        cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-               f"hostname {NS_HOSTNAME} && exec {SSHD} -D -e -f {cfg} -p 22"]  # fmt: skip
-        proc = start_sshd(cmd, ns_ip, 22, os.path.join(keys.dir, "ns.log"))
-        kh = os.path.join(keys.dir, "known_hosts_ns")
-        with open(kh, "w") as out:
-            out.write(f"{ns_ip} {keys.host_pub}\n")
-        yield NetnsHost(ns, root_ip, ns_ip, Sshd(ns_ip, 22, sshd.client_key, kh, proc, ""))
-    finally:
-        if proc is not None:
-            stop(proc)
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for p in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(p), 9)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", veth_root], capture_output=True)  # gone with the ns, normally
+    with netns.hosts("h") as h:
+        ns, root_ip, ns_ip = h.ns("h"), h.router_addr("h"), h.addr("h")
+        try:
+            cfg = write_sshd_config(keys.dir, "ns", ns_ip, keys.host_key)
+            # own UTS namespace too, so tasks there see their own hostname
+            cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                   f"hostname {NS_HOSTNAME} && exec {SSHD} -D -e -f {cfg} -p 22"]  # fmt: skip
+            proc = start_sshd(cmd, ns_ip, 22, os.path.join(keys.dir, "ns.log"))
+            kh = os.path.join(keys.dir, "known_hosts_ns")
+            with open(kh, "w") as out:
+                out.write(f"{ns_ip} {keys.host_pub}\n")
+            yield NetnsHost(ns, root_ip, ns_ip, Sshd(ns_ip, 22, sshd.client_key, kh, proc, ""))
+        finally:
+            if proc is not None:
+                stop(proc)
 
 
 def test_worker_in_a_network_namespace_host_runs_a_task(netns_host: NetnsHost) -> None:
