@@ -1083,6 +1083,22 @@ def _load() -> str:
         return "?"
 
 
+def time_registrations(k: int, ask: Callable[[int], object], registered: Callable[[], int], name: str,
+                       timeout: float) -> list[float]:  # fmt: skip
+    """For n = 1..k: ``ask(n)`` for the n-th worker, then poll ``registered()`` every 5 ms until it
+    lists n; the seconds each took (one loop for both schedulers, so both are timed alike)."""
+    out: list[float] = []
+    for n in range(1, k + 1):
+        t0 = time.monotonic()
+        ask(n)
+        while registered() < n:
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{name} worker {n} not registered after {timeout:.0f}s")
+            time.sleep(0.005)
+        out.append(time.monotonic() - t0)
+    return out
+
+
 def probe_launches(system: str, how: str, k: int, timeout: float = 60.0) -> list[float]:
     """Start ``k`` workers one after another on a fresh cluster with none; for each, seconds from
     asking for it to the scheduler listing it (polled from the client every 5 ms, the same for
@@ -1095,14 +1111,8 @@ def probe_launches(system: str, how: str, k: int, timeout: float = 60.0) -> list
         client = tidepool.Client(cluster)
         try:
             cluster.provider.wait_ready()  # cluster start-up: the fork server has imported the worker
-            for n in range(1, k + 1):
-                t0 = time.monotonic()
-                cluster.add_workers(1, wait=False)
-                while len(client.scheduler_info()["workers"]) < n:
-                    if time.monotonic() - t0 > timeout:
-                        raise TimeoutError(f"tidepool worker {n} not registered after {timeout:.0f}s")
-                    time.sleep(0.005)
-                out.append(time.monotonic() - t0)
+            out = time_registrations(k, lambda n: cluster.add_workers(1, wait=False),
+                                     lambda: len(client.scheduler_info()["workers"]), "tidepool", timeout)  # fmt: skip
         finally:
             client.close()
             cluster.close()
@@ -1115,14 +1125,8 @@ def probe_launches(system: str, how: str, k: int, timeout: float = 60.0) -> list
         try:
             rpc = dclient.scheduler
             assert rpc is not None
-            for n in range(1, k + 1):
-                t0 = time.monotonic()
-                dcluster.scale(n)
-                while len(dclient.sync(rpc.identity, n_workers=-1)["workers"]) < n:
-                    if time.monotonic() - t0 > timeout:
-                        raise TimeoutError(f"Dask worker {n} not registered after {timeout:.0f}s")
-                    time.sleep(0.005)
-                out.append(time.monotonic() - t0)
+            out = time_registrations(k, dcluster.scale, lambda: len(dclient.sync(rpc.identity, n_workers=-1)["workers"]),
+                                     "Dask", timeout)  # fmt: skip
         finally:
             dclient.close()
             dcluster.close()
