@@ -164,13 +164,20 @@ def test_constructing_a_provider_starts_no_process() -> None:
         provider.close()
 
 
+def slow_server_provider(tmp_path: Path, imports_for: float, wait: float) -> LocalProvider:
+    """A provider whose fork server spends ``imports_for`` s importing a preload module, and whose
+    launches wait ``wait`` s for it."""
+    (tmp_path / "slowmod.py").write_text(f"import time\ntime.sleep({imports_for})\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["slowmod"], fork_server=True)
+    provider.FORK_SERVER_READY_WAIT = wait
+    return provider
+
+
 def test_a_launch_of_several_workers_waits_for_a_starting_server_once_not_once_per_worker(tmp_path: Path) -> None:
     """The wait for a fork server still importing is one per launch: the first worker waits, the
     others spawn at once (before, each waited the whole wait again: n workers, n waits)."""
-    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["slowmod"], fork_server=True)
-    provider.FORK_SERVER_READY_WAIT = 0.5
+    provider = slow_server_provider(tmp_path, imports_for=30, wait=0.5)
     try:
         provider.launch(NT, 3, "r1")
         waits = [e["reason"] for e in provider.drain_events() if e.get("event") == "not-ready"]
@@ -182,10 +189,7 @@ def test_a_launch_of_several_workers_waits_for_a_starting_server_once_not_once_p
 
 def test_a_launch_does_not_wait_long_for_a_server_still_importing(tmp_path: Path) -> None:
     """A launch must return promptly: past the wait it spawns, and the server stays for later."""
-    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, env=env, preload=["slowmod"], fork_server=True)
-    provider.FORK_SERVER_READY_WAIT = 0.2
+    provider = slow_server_provider(tmp_path, imports_for=3, wait=0.2)
     try:
         provider.launch(NT, 1, "r1")
         [wid] = provider.procs
