@@ -168,6 +168,7 @@ class LocalCluster(ClosesOnExit):
         for e in events:
             if (isinstance(e, ev.WorkerRemove) and not e.graceful and e.worker in self._own
                     and e.cause is not ev.RemoveCause.MEMORY  # it restarts itself
+                    and e.cause is not ev.RemoveCause.SETUP_FAILED  # a new one would fail the same setup
                     and e.worker not in self._killed and self.restart_crashed and self.autoscaler is None
                     and not self.closed):  # fmt: skip
                 asyncio.get_running_loop().call_soon(self._replace, e.worker, e.reason)
