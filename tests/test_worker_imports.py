@@ -56,3 +56,18 @@ def test_import_tidepool_is_lazy_and_keeps_every_public_name() -> None:
     ns: dict[str, object] = {}
     exec("from tidepool import *", ns)  # noqa: S102
     assert set(tidepool.__all__) <= set(ns)
+
+
+def test_every_documented_error_is_a_public_name() -> None:
+    """Each class of the error tree (errors.py, docs/errors.md) can be caught as ``tidepool.X``."""
+    import inspect
+
+    from tidepool import errors
+
+    tree = {name for name, obj in vars(errors).items()
+            if inspect.isclass(obj) and issubclass(obj, errors.TidepoolError) and obj.__module__ == errors.__name__}
+    assert "PeerSilentError" in tree
+    missing = sorted(tree - set(tidepool.__all__))
+    assert not missing, f"errors not exported from tidepool: {missing}"
+    for name in tree:
+        assert getattr(tidepool, name) is getattr(errors, name)

@@ -48,8 +48,8 @@ _LAZY: dict[str, str] = {
     **{name: "tidepool.errors" for name in (
         "AuthenticationError", "CommError", "ConfigError", "ConnectionLostError", "CycleError",
         "DependencyError", "FrameTooLargeError", "InfeasibleTaskError", "KeyCollisionError",
-        "KilledWorkerError", "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback",
-        "ResultTooLargeError", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
+        "KilledWorkerError", "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError",
+        "RemoteTraceback", "ResultTooLargeError", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
         "TidepoolError", "TransferError", "WorkerSetupError",
     )},
 }  # fmt: skip
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
         InfeasibleTaskError,
         KeyCollisionError,
         KilledWorkerError,
+        PeerSilentError,
         ProtocolError,
         ProviderError,
         RemoteTaskError,
@@ -118,7 +119,7 @@ __all__ = [
     "AuthenticationError", "Client", "ClientExecutor", "CommError", "ConfigError",
     "ConnectionLostError", "CycleError", "Delayed", "DependencyError", "FrameTooLargeError", "Future",
     "InfeasibleTaskError", "KeyCollisionError", "KilledWorkerError", "LocalCluster", "NodeType",
-    "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
+    "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
     "Scheduler", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
     "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
