@@ -41,6 +41,18 @@ class RemainingWork:
     running: tuple[int, ...]  # indices already running (they hold a slot from t=0)
     keys: tuple[str, ...] = ()
     unknown: frozenset[int] = frozenset()  # running tasks of groups with no finished sample yet
+    #: the same durations as a launch should see them: a waiting task of a kind that never finished
+    #: at the scheduler's prior, not the mean of the other kinds (None: the same as ``durations``)
+    for_launch: tuple[float, ...] | None = None
+    #: ... and as holding an idle node should see them: a running task of a kind that never finished
+    #: has at least as long to go as it ran (None: the same as ``durations``)
+    for_hold: tuple[float, ...] | None = None
+
+    def variant(self, durations: tuple[float, ...] | None) -> RemainingWork:
+        """This work with other durations (``None``: itself)."""
+        if durations is None or durations == self.durations:
+            return self
+        return RemainingWork(durations, self.deps, self.running, self.keys, self.unknown)
 
     @property
     def total(self) -> float:
@@ -255,6 +267,8 @@ def restrict(work: RemainingWork, keep: list[int]) -> RemainingWork:
         tuple(pos[i] for i in work.running if i in pos),
         tuple(work.keys[i] for i in keep),
         frozenset(pos[i] for i in work.unknown if i in pos),
+        None if work.for_launch is None else tuple(work.for_launch[i] for i in keep),
+        None if work.for_hold is None else tuple(work.for_hold[i] for i in keep),
     )
 
 
@@ -300,8 +314,12 @@ def type_forecasts(
     nxt: float | None = None
     for name, cls in sorted(classes.items()):
         nt = by_name[name]
-        work = graph.work if len(classes) == 1 else restrict(
+        whole = graph.work if len(classes) == 1 else restrict(
             graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])  # fmt: skip
+        # launches are planned on the durations as a launch sees them, the width an idle node is
+        # held for on those as holding sees them (RemainingWork.for_launch / for_hold)
+        work = whole.variant(whole.for_launch)
+        hold = whole.variant(whole.for_hold)
         bounds = (critical_path(work), work.total)
         dom = max(cls, key=lambda s: (cls[s], s))
         spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
@@ -334,12 +352,12 @@ def type_forecasts(
             busy_l.append(sum(busy[first_new:]) / (k * spn) if k else 0.0)
             start_l.append(max(first[first_new:]) if k else float("inf"))
             if k == 0:
-                profile = in_use_profile(spans)
+                profile = in_use_profile(spans if hold is work else schedule_detail(hold, slots, base)[2])
         etas = tuple(etas_l)
         out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work), tuple(busy_l), profile,
                                 slots + len(base), tuple(start_l)))  # fmt: skip
         eta = etas[0] if eta is None else max(eta, etas[0])
-        soon = next_demand_in(work)
+        soon = next_demand_in(hold)
         if soon is not None:
             nxt = soon if nxt is None else min(nxt, soon)
     return tuple(out), eta, nxt

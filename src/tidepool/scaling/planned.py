@@ -54,7 +54,7 @@ OBJECTIVES = ("balanced", "fastest", "cheapest")
 #: a budget plans on this share of what is left (forecasts are estimates; nodes retire late)
 BUDGET_MARGIN = 0.8
 #: objective -> (launch_factor, slack, guess launches before anything finished)
-_RULES = {"balanced": (0.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
+_RULES = {"balanced": (0.1, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
 
 def check_objective(objective: str, deadline: float | None, budget: float | None) -> None:
@@ -152,7 +152,8 @@ class GraphPlan:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
             else:
-                i, text = self._for_objective(f, factor, soon, guessing and guess)
+                # on guessed durations every node that gets work (how long it works is a guess too)
+                i, text = self._for_objective(f, 0.0 if guessing and guess else factor, soon, guessing and guess)
             if text:
                 reasons.append(text)
             if i > 0:
