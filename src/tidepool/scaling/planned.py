@@ -143,8 +143,7 @@ class GraphPlan:
                         if i else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
-                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]),
-                                              True)  # fmt: skip
+                i, text = self._for_objective(f, 0.0, f.startup * (1.0 + _RULES["balanced"][1]), True)
                 self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
@@ -153,7 +152,8 @@ class GraphPlan:
                 left -= self._cost(snap, f, i)
             else:
                 # on guessed durations every node that gets work (how long it works is a guess too)
-                i, text = self._for_objective(f, 0.0 if guessing and guess else factor, soon, guessing and guess)
+                i, text = self._for_objective(f.for_launch, 0.0 if guessing and guess else factor, soon,
+                                              guessing and guess)  # fmt: skip
             if text:
                 reasons.append(text)
             if i > 0:
