@@ -10,6 +10,11 @@ arrive later (new nodes after their startup time), greedily by priority, like th
 Estimates: a group's duration is its measured mean; a group never seen uses the adaptive prior; a
 task running longer than that is evidence, so the estimate is at least the longest elapsed time of
 its running tasks, and a running task is expected to need ``max(est - elapsed, elapsed / 4)`` more.
+Two views of the same work (``RemainingWork.for_launch``, ``for_hold``): a launch sees a waiting
+task of a kind that never finished at the scheduler's prior (buy nodes on evidence only), holding
+an idle node sees a running task of such a kind needing at least as long again as it ran (hold
+nodes on evidence only); :func:`type_forecasts` gives the launch view as ``TypeForecast.evidence``
+and builds the width profile on the holding view.
 """
 
 from __future__ import annotations

@@ -22,9 +22,14 @@ the time it is held.  So:
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
   and Spark's rules do, and let the forecast take over once durations are measured.
 
-Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0, slack 0.5;
-on real workflows the best makespan needs every node that shortens the run, and the savings come
-from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
+Spend on evidence, not on guesses: the objective rules launch on the forecast's ``evidence`` view
+(a kind that never finished at the scheduler's prior until its running tasks show it is long), and
+retirements read a width in which a running task of such a kind has at least as long to go as it
+ran (``RemainingWork.for_launch`` / ``for_hold``); a deadline or budget plans on the mean.
+
+Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0.1 on measured
+durations, 0 on guesses, slack 0.5; on real workflows the best makespan needs nearly every node that
+shortens the run, and the savings come from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
 seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
 x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
