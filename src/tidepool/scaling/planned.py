@@ -243,7 +243,8 @@ class GraphPlan:
         i = min(range(len(f.extra)), key=lambda j: (costs[j], j))
         self._notice("budget", f"budget {self.budget:g} cannot cover the rest of the run: {left:.3f} left and the "
                      f"cheapest forecast costs {costs[i]:.3f} (current estimates); running at least cost", [])  # fmt: skip
-        return i, f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {left:.3f} left"
+        return i, (f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {BUDGET_MARGIN:.0%} of "
+                   f"{left:.3f} left")  # fmt: skip
 
     # ---- retirements --------------------------------------------------------------------------
     def _hold_empty(self, startup: float) -> float:
