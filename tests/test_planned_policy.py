@@ -185,7 +185,7 @@ def test_an_infeasible_budget_says_so_at_once() -> None:
     nt = NodeType("default", max_nodes=100, startup_estimate=10.0, cost=3.6)
     demand = (Demand(CPU, "work", 100, 60.0),)
     d = GraphPlan(budget=0.5)(snapshot(0.0, nt, (), wide(100, 60.0), demand))
-    assert any("budget 0.5 infeasible" in r for r in d.reasons)
+    assert any("budget 0.5 infeasible" in r and "> 80% of 0.500 left" in r for r in d.reasons)
     assert d.launch == {"default": 1}  # the least cost: one node
 
 
@@ -202,3 +202,45 @@ def test_plain_work_beyond_the_plain_types_never_launches_a_gpu_node() -> None:
                            waiting=0, running=0, forecasts=forecasts, eta=eta, next_demand_in=nxt)  # fmt: skip
     d = default_policy()(snap)
     assert dict(d.launch) == {"cpu": 2}, d
+
+
+# ---- spending on evidence, not on guesses (issue 24, the remainder) ----------------------------
+def behind_one_running(now_left: float, hold_left: float, n: int = 8) -> RemainingWork:
+    """A running task of a kind that never finished, then ``n`` short tasks that need it: the
+    forecast gives it ``now_left`` to go (elapsed / 4), holding sees ``hold_left`` (as long as it ran)."""
+    durations = (now_left, *([0.5] * n))
+    hold = (hold_left, *([0.5] * n))
+    return RemainingWork(durations, ((), *([(0,)] * n)), (0,), unknown=frozenset({0}), for_hold=hold)
+
+
+def test_idle_nodes_are_not_held_for_work_behind_a_task_of_a_kind_never_seen() -> None:
+    nt = NodeType("default", max_nodes=4, startup_estimate=10.0)  # balanced's horizon: 15 s
+    ws = (worker("w0", running=1), worker("w1"), worker("w2"), worker("w3"))
+    # it ran 40 s: elapsed / 4 says 10 s to go (within the horizon), as long as it ran says 40 s
+    d = default_policy()(snapshot(5.0, nt, ws, behind_one_running(10.0, 40.0)))
+    assert set(d.retire) == {"w1", "w2", "w3"}
+    # after 8 s of running it may well end within the horizon: the nodes stay
+    assert default_policy()(snapshot(5.0, nt, ws, behind_one_running(2.0, 8.0))).retire == ()
+
+
+def test_a_launch_sees_a_kind_never_seen_at_the_prior_and_a_deadline_at_the_mean() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=60.0)
+    # 40 waiting tasks of a kind never finished: the mean of the other kinds says 60 s, the prior 0.5 s
+    work = RemainingWork((60.0,) * 40, ((),) * 40, (), for_launch=(0.5,) * 40)
+    snap = snapshot(0.0, nt, (worker("w0", idle_since=None),), work, (Demand(CPU, "new", 40, 60.0),))
+    f = snap.forecasts[0]
+    assert f.evidence is not None and f.evidence.etas[0] < f.etas[0]
+    assert GraphPlan()(snap).launch == {}  # 40 x 0.5 s: done on the pool as it is before a node boots
+    assert GraphPlan(deadline=400.0)(snap).launch.get("default", 0) >= 5  # the deadline plans on the mean
+
+
+def test_balanced_does_not_buy_a_node_that_would_barely_work() -> None:
+    nt = NodeType("default", max_nodes=4, startup_estimate=100.0)
+    # a running task with 100.5 s to go, then two 5 s tasks that need it: a new node (up at 100 s)
+    # takes one of them and saves 5 s, working 5 s for a 100 s start-up
+    work = RemainingWork((100.5, 5.0, 5.0), ((), (0,), (0,)), (0,))
+    snap = snapshot(0.0, nt, (worker("w0", running=1),), work)
+    f = snap.forecasts[0]
+    assert f.etas[1] < f.etas[0] * 0.995 and f.new_busy[1] < 0.1 * f.startup
+    assert GraphPlan("fastest")(snap).launch == {"default": 1}  # fastest takes every node that shortens
+    assert GraphPlan()(snap).launch == {}

@@ -256,6 +256,18 @@ def test_remaining_work_uses_elapsed_time_of_running_tasks() -> None:
     assert work.unknown == frozenset({0})
 
 
+def test_remaining_work_as_a_launch_and_as_holding_see_kinds_never_seen() -> None:
+    d = driver_with([("slow-1", []), ("after-1", ["slow-1"])], {"fast": 10.0})
+    d.add_worker("w0")
+    d.state.now = 30.0
+    work = remaining_work(d.state, 30.0)
+    assert work.durations == pytest.approx((7.5, 10.0))  # the forecast: a quarter more; the mean of known kinds
+    assert work.for_hold == pytest.approx((30.0, 10.0))  # holding: at least as long again as it ran
+    assert work.for_launch == pytest.approx((7.5, 0.5))  # a launch: the scheduler's prior until one finishes
+    d.state.estimates.observe("after", 10.0)
+    assert remaining_work(d.state, 30.0).for_launch is None  # nothing unseen waits: one view
+
+
 # ---- controller --------------------------------------------------------------------------------
 def test_controller_tracks_arrivals_and_learns_startup() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(8)], {"w": 10.0})

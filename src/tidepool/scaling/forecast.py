@@ -10,6 +10,11 @@ arrive later (new nodes after their startup time), greedily by priority, like th
 Estimates: a group's duration is its measured mean; a group never seen uses the adaptive prior; a
 task running longer than that is evidence, so the estimate is at least the longest elapsed time of
 its running tasks, and a running task is expected to need ``max(est - elapsed, elapsed / 4)`` more.
+Two views of the same work (``RemainingWork.for_launch``, ``for_hold``): a launch sees a waiting
+task of a kind that never finished at the scheduler's prior (buy nodes on evidence only), holding
+an idle node sees a running task of such a kind needing at least as long again as it ran (hold
+nodes on evidence only); :func:`type_forecasts` gives the launch view as ``TypeForecast.evidence``
+and builds the width profile on the holding view.
 """
 
 from __future__ import annotations
@@ -41,6 +46,18 @@ class RemainingWork:
     running: tuple[int, ...]  # indices already running (they hold a slot from t=0)
     keys: tuple[str, ...] = ()
     unknown: frozenset[int] = frozenset()  # running tasks of groups with no finished sample yet
+    #: the same durations as a launch should see them: a waiting task of a kind that never finished
+    #: at the scheduler's prior, not the mean of the other kinds (None: the same as ``durations``)
+    for_launch: tuple[float, ...] | None = None
+    #: ... and as holding an idle node should see them: a running task of a kind that never finished
+    #: has at least as long to go as it ran (None: the same as ``durations``)
+    for_hold: tuple[float, ...] | None = None
+
+    def variant(self, durations: tuple[float, ...] | None) -> RemainingWork:
+        """This work with other durations (``None``: itself)."""
+        if durations is None or durations == self.durations:
+            return self
+        return RemainingWork(durations, self.deps, self.running, self.keys, self.unknown)
 
     @property
     def total(self) -> float:
@@ -255,6 +272,8 @@ def restrict(work: RemainingWork, keep: list[int]) -> RemainingWork:
         tuple(pos[i] for i in work.running if i in pos),
         tuple(work.keys[i] for i in keep),
         frozenset(pos[i] for i in work.unknown if i in pos),
+        None if work.for_launch is None else tuple(work.for_launch[i] for i in keep),
+        None if work.for_hold is None else tuple(work.for_hold[i] for i in keep),
     )
 
 
@@ -300,11 +319,12 @@ def type_forecasts(
     nxt: float | None = None
     for name, cls in sorted(classes.items()):
         nt = by_name[name]
-        work = graph.work if len(classes) == 1 else restrict(
+        whole = graph.work if len(classes) == 1 else restrict(
             graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])  # fmt: skip
-        bounds = (critical_path(work), work.total)
+        hold = whole.variant(whole.for_hold)
         dom = max(cls, key=lambda s: (cls[s], s))
         spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
+        room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
         slots = sum(capacity(w.resources, dom) for w in workers
                     if w.state in ("running", "starting") and counts_for(w, dom))  # fmt: skip
         slots = min(slots, 100_000)
@@ -312,34 +332,47 @@ def type_forecasts(
         for ptype, nodes, since in pending:
             if ptype == name:
                 arrivals.extend([max(0.0, since + nt.startup_estimate - now)] * (nodes * spn))
-        room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
-        ks = candidates(room, -(-len(work) // spn))
         base = tuple(arrivals)
-        sim = len(work) * len(ks) <= SIMULATE_BUDGET  # one kind of estimate for every candidate
-        etas_l: list[float] = []
-        busy_l: list[float] = []
-        start_l: list[float] = []
+        # the pool as it is, played forward on the durations holding sees (RemainingWork.for_hold)
         profile: tuple[tuple[float, int], ...] = ()
-        for k in ks:
-            new = (nt.startup_estimate,) * (k * spn)
-            bound = forecast(work, slots, base + new, bounds, simulate=False)
-            if not sim or len(work) > SIMULATE_MAX_TASKS:
-                etas_l.append(bound)  # divisible work: new slots work from their arrival to the end
-                busy_l.append(max(0.0, bound - nt.startup_estimate) if k else 0.0)
-                start_l.append(nt.startup_estimate if k and bound > nt.startup_estimate else float("inf"))
-                continue
-            ms, busy, spans, first = schedule_detail(work, slots, base + new)
-            etas_l.append(max(bound, ms))
-            first_new = slots + len(base)
-            busy_l.append(sum(busy[first_new:]) / (k * spn) if k else 0.0)
-            start_l.append(max(first[first_new:]) if k else float("inf"))
-            if k == 0:
-                profile = in_use_profile(spans)
-        etas = tuple(etas_l)
-        out.append(TypeForecast(name, nt.startup_estimate, spn, ks, etas, len(work), tuple(busy_l), profile,
-                                slots + len(base), tuple(start_l)))  # fmt: skip
+        if len(hold) <= SIMULATE_MAX_TASKS and len(hold) * len(candidates(room, -(-len(hold) // spn))) <= SIMULATE_BUDGET:
+            profile = in_use_profile(schedule_detail(hold, slots, base)[2])
+        mean = _with_extra(name, nt.startup_estimate, spn, whole, slots, base, room, profile)
+        evidence = None
+        if whole.for_launch is not None:  # launches by evidence see unseen kinds at the prior
+            evidence = _with_extra(name, nt.startup_estimate, spn, whole.variant(whole.for_launch), slots, base,
+                                   room, profile)  # fmt: skip
+        out.append(TypeForecast(name, nt.startup_estimate, spn, mean.extra, mean.etas, len(whole), mean.new_busy,
+                                profile, slots + len(base), mean.new_start, evidence))  # fmt: skip
+        etas = mean.etas
         eta = etas[0] if eta is None else max(eta, etas[0])
-        soon = next_demand_in(work)
+        soon = next_demand_in(hold)
         if soon is not None:
             nxt = soon if nxt is None else min(nxt, soon)
     return tuple(out), eta, nxt
+
+
+def _with_extra(name: str, startup: float, spn: int, work: RemainingWork, slots: int, base: tuple[float, ...],
+                room: int, profile: tuple[tuple[float, int], ...]) -> TypeForecast:  # fmt: skip
+    """``work``'s forecast on ``slots`` slots (plus ``base`` arriving) with 0 .. ``room`` extra nodes."""
+    bounds = (critical_path(work), work.total)
+    ks = candidates(room, -(-len(work) // spn))
+    sim = len(work) * len(ks) <= SIMULATE_BUDGET  # one kind of estimate for every candidate
+    etas_l: list[float] = []
+    busy_l: list[float] = []
+    start_l: list[float] = []
+    for k in ks:
+        new = (startup,) * (k * spn)
+        bound = forecast(work, slots, base + new, bounds, simulate=False)
+        if not sim or len(work) > SIMULATE_MAX_TASKS:
+            etas_l.append(bound)  # divisible work: new slots work from their arrival to the end
+            busy_l.append(max(0.0, bound - startup) if k else 0.0)
+            start_l.append(startup if k and bound > startup else float("inf"))
+            continue
+        ms, busy, _, first = schedule_detail(work, slots, base + new)
+        etas_l.append(max(bound, ms))
+        first_new = slots + len(base)
+        busy_l.append(sum(busy[first_new:]) / (k * spn) if k else 0.0)
+        start_l.append(max(first[first_new:]) if k else float("inf"))
+    return TypeForecast(name, startup, spn, ks, tuple(etas_l), len(work), tuple(busy_l), profile,
+                        slots + len(base), tuple(start_l))

@@ -174,22 +174,34 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
     deps: list[tuple[int, ...]] = []
     running: list[int] = []
     unknown: list[int] = []
+    # spend on evidence, not on guesses: a launch is bought for a kind never seen only once its
+    # running tasks show it is long (its elapsed time raises the prior), and an idle node is held
+    # for work behind such a task only once it ran long enough to be nearly done
+    launch: list[float] = []
+    hold: list[float] = []
     for i, ts in enumerate(tasks):
         e = raised.get(ts.group)
         if e is None:
             e = est.estimate(ts.group)
+        st = est.groups.get(ts.group)
+        seen = st is not None and st.count > 0
         if ts.key in running_now:
             elapsed = max(0.0, now - running_now[ts.key])
             durations.append(max(e - elapsed, elapsed / 4))
             running.append(i)
-            st = est.groups.get(ts.group)
-            if st is None or st.count == 0:
+            launch.append(durations[-1])
+            hold.append(durations[-1] if seen else max(e - elapsed, elapsed))
+            if not seen:
                 unknown.append(i)
         else:
             durations.append(e)
+            launch.append(e if seen or ts.group in raised else min(e, est.default_prior))
+            hold.append(e)
         deps.append(tuple(index[d.key] for d in ts.deps if d.key in index))
-    return RemainingWork(tuple(durations), tuple(deps), tuple(running), tuple(t.key for t in tasks),
-                         frozenset(unknown))  # fmt: skip
+    as_tuple = tuple(durations)
+    return RemainingWork(as_tuple, tuple(deps), tuple(running), tuple(t.key for t in tasks), frozenset(unknown),
+                         None if tuple(launch) == as_tuple else tuple(launch),
+                         None if tuple(hold) == as_tuple else tuple(hold))  # fmt: skip
 
 
 def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:

@@ -22,9 +22,14 @@ the time it is held.  So:
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
   and Spark's rules do, and let the forecast take over once durations are measured.
 
-Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0, slack 0.5;
-on real workflows the best makespan needs every node that shortens the run, and the savings come
-from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
+Spend on evidence, not on guesses: the objective rules launch on the forecast's ``evidence`` view
+(a kind that never finished at the scheduler's prior until its running tasks show it is long), and
+retirements read a width in which a running task of such a kind has at least as long to go as it
+ran (``RemainingWork.for_launch`` / ``for_hold``); a deadline or budget plans on the mean.
+
+Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0.1 on measured
+durations, 0 on guesses, slack 0.5; on real workflows the best makespan needs nearly every node that
+shortens the run, and the savings come from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
 seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
 x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
@@ -54,7 +59,7 @@ OBJECTIVES = ("balanced", "fastest", "cheapest")
 #: a budget plans on this share of what is left (forecasts are estimates; nodes retire late)
 BUDGET_MARGIN = 0.8
 #: objective -> (launch_factor, slack, guess launches before anything finished)
-_RULES = {"balanced": (0.0, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
+_RULES = {"balanced": (0.1, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
 
 def check_objective(objective: str, deadline: float | None, budget: float | None) -> None:
@@ -143,8 +148,7 @@ class GraphPlan:
                         if i else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
-                i, text = self._for_objective(f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]),
-                                              True)  # fmt: skip
+                i, text = self._for_objective(f, 0.0, f.startup * (1.0 + _RULES["balanced"][1]), True)
                 self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
@@ -152,7 +156,9 @@ class GraphPlan:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
             else:
-                i, text = self._for_objective(f, factor, soon, guessing and guess)
+                # on guessed durations every node that gets work (how long it works is a guess too)
+                i, text = self._for_objective(f.for_launch, 0.0 if guessing and guess else factor, soon,
+                                              guessing and guess)  # fmt: skip
             if text:
                 reasons.append(text)
             if i > 0:
@@ -237,7 +243,8 @@ class GraphPlan:
         i = min(range(len(f.extra)), key=lambda j: (costs[j], j))
         self._notice("budget", f"budget {self.budget:g} cannot cover the rest of the run: {left:.3f} left and the "
                      f"cheapest forecast costs {costs[i]:.3f} (current estimates); running at least cost", [])  # fmt: skip
-        return i, f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {left:.3f} left"
+        return i, (f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {BUDGET_MARGIN:.0%} of "
+                   f"{left:.3f} left")  # fmt: skip
 
     # ---- retirements --------------------------------------------------------------------------
     def _hold_empty(self, startup: float) -> float:

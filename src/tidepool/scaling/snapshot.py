@@ -83,6 +83,15 @@ class TypeForecast:
     slots: int = 0
     #: per ``extra[i]``: when the last of the new slots would start its first task (inf: one never does)
     new_start: tuple[float, ...] = ()
+    #: the same forecast with kinds that never finished at the scheduler's prior instead of the mean
+    #: of the other kinds (None: no such kind waits; see ``RemainingWork.for_launch``): what the
+    #: default's objective rules launch on, while a deadline or budget plans on the mean
+    evidence: TypeForecast | None = None
+
+    @property
+    def for_launch(self) -> TypeForecast:
+        """The forecast a launch by evidence reads (:attr:`evidence`, or this one)."""
+        return self.evidence if self.evidence is not None else self
 
 
 @dataclass(frozen=True)
