@@ -165,7 +165,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.scaling.controller import ScalingController
             from tidepool.telemetry.journal import Journal
 
-            controller = ScalingController(cfg.node_types, cfg.make_policy())
+            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler)
             scaler = await AutoScaler(s, cfg.make_provider(s.address, token, tls), controller,
                                       journal=Journal(args.journal)).start()  # fmt: skip
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "

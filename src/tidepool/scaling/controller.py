@@ -18,8 +18,11 @@ Each :meth:`ScalingController.step` observes first, then acts:
    raises is logged once, then at most once a minute, journaled as ``policy-error`` and replaced
    for that step by the default policy, so the pool keeps serving waiting tasks);
 3. act: clamp launches to ``min_nodes``/``max_nodes`` per type and ``max_workers`` overall
-   (:func:`wanted_launches`, :func:`clamp_launches`), filter retirements (:meth:`_retirements`:
-   ours, running, not refused lately, not below ``min_nodes``, never a type launched this step).
+   (:func:`wanted_launches`, :func:`clamp_launches`), then to the cost limits
+   (``max_cost_per_hour``, ``budget``: ``limits.py``, journaled as ``cost-limit``; the
+   ``CostMeter`` in ``self.cost`` bills from launch to release), filter retirements
+   (:meth:`_retirements`: ours, running, not refused lately, not below ``min_nodes``, never a type
+   launched this step).
 
 ``Actions`` carries what the shell must do (launch, retire, terminate), the journal records, a new
 :class:`~tidepool.scaling.feasibility.Feasibility` when a node type got disabled (the shell sends it
@@ -50,6 +53,7 @@ from tidepool.errors import ConfigError
 from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
+from tidepool.scaling.limits import CostLimits, CostMeter, CostView, cap_launches, over_budget
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import (
     Adopted,
@@ -138,6 +142,8 @@ class ControllerView:
     forecast: ForecastDue = ForecastDue()
     #: the node types and the disabled ones: the rule the scheduler state gets (``CheckFeasible``)
     feasibility: Feasibility = Feasibility(())
+    #: the pool's cost as of the step: spent so far, rate now, the limits (``limits.py``)
+    cost: CostView = CostView()
 
 
 @dataclass
@@ -218,7 +224,8 @@ class ScalingController:
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
                  backoff_max: float = 120.0, max_type_failures: int = 3,
                  max_workers: int | None = None,
-                 forecast_interval: float | None = None, manage_foreign: bool = False) -> None:  # fmt: skip
+                 forecast_interval: float | None = None, manage_foreign: bool = False,
+                 max_cost_per_hour: float | None = None, budget: float | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -234,6 +241,10 @@ class ScalingController:
         #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
         self.manage_foreign = manage_foreign
         self.journal = Journal()  # in memory only: the controller writes no file
+        #: hard cost ceilings applied after any policy, and the meter they are checked against
+        self.limits = CostLimits(max_cost_per_hour, budget)
+        self.cost = CostMeter(self.node_types)
+        self._cost_said: dict[str, tuple[str, float]] = {}  # node type -> (last cut said, when)
         self._drained = 0
         self.instances = InstanceTable()
         self.failures: dict[str, int] = {}
@@ -291,6 +302,7 @@ class ScalingController:
         actions = Actions()
         by_id = {w.id: w for w in obs.workers}
         self._observe(obs, by_id, actions)
+        self.cost.settle(self.instances)
         types = self._types_now()
         if obs.graph is not None:
             self._refresh_forecast(obs, obs.graph, types)
@@ -305,8 +317,10 @@ class ScalingController:
         planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
                                  max_workers=self.max_workers, workers=workers, reasons=reasons,
                                  retiring=retiring)  # fmt: skip
+        planned = self._cost_cap(planned, obs.now)
         self._launch(planned, "; ".join(reasons), obs.now, actions)
         self._retirements(decision, snap, by_id, planned, retiring, actions)
+        self._budget_spent(snap, by_id, planned, actions)
         if not actions.launch and not actions.retire and decision.reasons:
             self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
         return self._finish(actions)
@@ -604,7 +618,33 @@ class ScalingController:
             actions.launch.append((rid, nt, n))
             actions.launch_timeouts[rid] = timeout
             self._stale_types.add(name)
+            self.cost.launched(rid, name, n, now)
             self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=why)
+
+    def _cost_cap(self, planned: dict[str, int], now: float) -> dict[str, int]:
+        """The launches cut to ``max_cost_per_hour`` and ``budget``; each cut journaled
+        (``cost-limit``), once per node type until its answer changes or 10 s passed."""
+        if not self.limits.any or not planned:
+            return planned
+        types = {nt.name: nt for nt in self._types_now()}  # measured start-up: the least a node is held
+        out, cuts = cap_launches(planned, types, self.limits, rate=self.cost.rate, spent=self.cost.spent(now))
+        for name, asked, allowed, why in cuts:
+            text = f"{name}: asked for {asked} nodes, launching {allowed}: {why}"
+            said = self._cost_said.get(name)
+            if said is None or said[0] != quiet_decision(text) or now - said[1] > 10.0:
+                self._cost_said[name] = (quiet_decision(text), now)
+                self.journal.record("cost-limit", now, node_type=name, asked=asked, allowed=allowed, reason=text)
+        return out
+
+    def _budget_spent(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], planned: Mapping[str, int],
+                      actions: Actions) -> None:  # fmt: skip
+        """The budget is spent: retire idle workers that hold nothing needed (min_nodes too)."""
+        if not over_budget(self.limits, self.cost.spent(snap.now)):
+            return
+        for ws in by_id.values():
+            if (ws.idle and ws.unique_keys == 0 and not self._is_retiring(ws.id) and self._manages(ws.id)
+                    and not planned.get(ws.node_type)):  # fmt: skip
+                self._begin_retire(ws, snap.now, f"budget {self.limits.budget:g} spent: an idle worker costs", actions)
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
                      planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
@@ -694,6 +734,7 @@ class ScalingController:
             backlog_since=self.backlog_since, pending=pending, failures=_frozen(self.failures),
             unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
             feasibility=self._feasibility,
+            cost=self.cost.view(snap.now, self.limits) if snap is not None else self.view.cost,
         )  # fmt: skip
         actions.view = self.view
         return actions
