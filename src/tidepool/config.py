@@ -355,6 +355,10 @@ def _node_types(source: str, raw: Any) -> list[NodeType]:
     names = [t.name for t in types_]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: node type names must be unique, got {names}")
+    for t in types_:
+        if t.fallback is not None and t.fallback not in names:
+            raise ConfigError(f"{source}: [[node_types]] {t.name!r}: fallback {t.fallback!r} is not one of the node "
+                              f"types {names}; add it or fix the name")  # fmt: skip
     return types_
 
 

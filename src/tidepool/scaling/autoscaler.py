@@ -25,7 +25,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import AsyncProvider, ReportsEvents, ReportsExpiring
+from tidepool.providers.base import (
+    AsyncProvider,
+    ReportsEnds,
+    ReportsEvents,
+    ReportsExpiring,
+    ReportsPreemption,
+)
 from tidepool.scaling.controller import ControllerView, ScalingController
 from tidepool.scaling.shell.round import LIST_EVERY, Round
 from tidepool.scheduler import events as ev
@@ -68,6 +74,12 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | No
     threading.Thread(target=run, name=f"tidepool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     async with asyncio.timeout(timeout):  # (3.11's wait_for can swallow a cancel that races the result)
         return await asyncio.shield(fut)
+
+
+def on_clock(wall_times: dict[str, float], now: float) -> dict[str, float]:
+    """Epoch-second times (a provider's) as times on the scheduler's clock, which reads ``now``."""
+    offset = now - time.time()
+    return {k: t + offset for k, t in wall_times.items()}
 
 
 class AutoScaler:
@@ -181,6 +193,13 @@ class AutoScaler:
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
+        notices = ends = None  # wall-clock times from the provider, on the scheduler's clock
+        if isinstance(self.provider, ReportsPreemption):
+            notices = on_clock(await in_daemon_thread(self.provider.preemptions, time.time(),
+                                                      timeout=PROVIDER_CALL_TIMEOUT), self.scheduler.clock())  # fmt: skip
+        if isinstance(self.provider, ReportsEnds):
+            ends = on_clock(await in_daemon_thread(self.provider.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
+                            self.scheduler.clock())  # fmt: skip
         listing = None
         if rnd.listing_due(now):  # reconcile launches
             try:
@@ -188,7 +207,8 @@ class AutoScaler:
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
         now = self.scheduler.clock()
-        actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing)
+        actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing, notices=notices,
+                              ends=ends)  # fmt: skip
         self.steps += 1
         if actions.feasibility is not None:
             await self.scheduler.apply([ev.CheckFeasible(now, actions.feasibility)])

@@ -66,6 +66,7 @@ from tidepool.scaling.observation import (
 )
 from tidepool.scaling.planned import default_policy
 from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.preemption import FallbackTracker
 from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
@@ -91,6 +92,8 @@ FORECAST_MAX_INTERVAL = 30.0
 FORECAST_PER_STARTUP = 20.0
 #: seconds between asks to retire a worker whose allocation ends soon
 EXPIRY_RETRY = 5.0
+#: ``replace_before``: launch this many measured start-ups before a known end (a loaded machine starts slower)
+REPLACE_SLACK = 1.5
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,10 @@ class ScalingController:
         names = [nt.name for nt in node_types]
         if len(set(names)) != len(names):
             raise ConfigError(f"node type names must be unique, got {names}")
+        for nt in node_types:
+            if nt.fallback is not None and nt.fallback not in names:
+                raise ConfigError(f"node type {nt.name!r}: fallback {nt.fallback!r} is not one of the node types "
+                                  f"{names}; add it or fix the name")  # fmt: skip
         self.node_types = {nt.name: nt for nt in node_types}
         self.policy = policy if policy is not None else default_policy()
         self.launch_timeout = launch_timeout
@@ -245,6 +252,12 @@ class ScalingController:
         self.limits = CostLimits(max_cost_per_hour, budget)
         self.cost = CostMeter(self.node_types)
         self._cost_said: dict[str, tuple[str, float]] = {}  # node type -> (last cut said, when)
+        #: preemptible types whose launches go to their fallback now (``preemption.py``)
+        self.fallbacks = FallbackTracker(self.node_types)
+        self._noticed: dict[str, float] = {}  # worker -> its preemption deadline
+        #: workers a replacement was launched for (known end: preemption notice, walltime)
+        self._replaced: set[str] = set()
+        self._replace: list[tuple[str, str, str]] = []  # (worker, node type, why) to replace this step
         self._drained = 0
         self.instances = InstanceTable()
         self.failures: dict[str, int] = {}
@@ -312,12 +325,12 @@ class ScalingController:
         decision = self._decide(snap)
         reasons = list(decision.reasons)
         retiring = self._retiring_by_type()
-        wanted = wanted_launches(decision, snap, reasons, retiring)
+        wanted = self._routed(wanted_launches(decision, snap, reasons, retiring), reasons)
         workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
         planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
                                  max_workers=self.max_workers, workers=workers, reasons=reasons,
                                  retiring=retiring)  # fmt: skip
-        planned = self._cost_cap(planned, obs.now)
+        planned = self._cost_cap(self._with_replacements(planned, snap, reasons), obs.now)
         self._launch(planned, "; ".join(reasons), obs.now, actions)
         self._retirements(decision, snap, by_id, planned, retiring, actions)
         self._budget_spent(snap, by_id, planned, actions)
@@ -332,7 +345,14 @@ class ScalingController:
         if obs.listing is not None:
             self._reconcile(obs.listing, obs.now)
         self._sync_live(by_id, obs.now)
-        self._expiring(obs.expiring, by_id, obs.now, actions)
+        self._notices(obs, by_id, actions)
+        self._expiring([(w, "provider: walltime ends soon") for w in obs.expiring]
+                       + [(w, f"preemption notice: the provider takes it back in {d - obs.now:.1f}s")
+                          for w, d in self._noticed.items()],
+                       by_id, obs.now, actions)  # fmt: skip
+        self._replace_before(obs, by_id)
+        for rec in self.fallbacks.recover(obs.now):
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         self._timeouts(obs.now, actions)
         if obs.demand:
             if self.backlog_since is None:
@@ -501,16 +521,101 @@ class ScalingController:
                 if named is not None and named.state is IS.NAMED:
                     self._joined(Joined(wid, ws.joined, ready=ws.state == "running"))
 
-    def _expiring(self, expiring: tuple[str, ...], by_id: Mapping[str, WorkerView], now: float,
+    def _expiring(self, expiring: list[tuple[str, str]], by_id: Mapping[str, WorkerView], now: float,
                   actions: Actions) -> None:  # fmt: skip
-        for wid in expiring:
+        """Workers whose end is known (walltime, preemption notice): retired gracefully now (their
+        needed data moves to survivors), asked again every ``EXPIRY_RETRY`` s while refused."""
+        for wid, why in expiring:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid):
                 continue
             if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
                 continue
             self._expiry_tried[wid] = now
-            self._begin_retire(ws, now, "provider: walltime ends soon", actions)
+            self._begin_retire(ws, now, why, actions)
+            nt = self.node_types.get(ws.node_type)
+            if nt is not None and nt.replace_before:
+                self._want_replacement(ws, why)
+
+    def _notices(self, obs: Observation, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
+        """Preemption notices: journaled once, counted against the type (fallback), and the
+        worker replaced at once while the pool has work (it is retired like an expiring one)."""
+        for gone in [w for w in self._noticed if w not in by_id]:
+            del self._noticed[gone]
+        self._replaced.intersection_update(by_id)
+        for wid, deadline in obs.notices:
+            ws = by_id.get(wid)
+            if ws is None or wid in self._noticed:
+                continue
+            self._noticed[wid] = deadline
+            left = deadline - obs.now
+            self.journal.record("preemption-notice", obs.now, worker=wid, node_type=ws.node_type,
+                                seconds=round(left, 3), reason=f"the provider takes {wid} back in {left:.1f}s")  # fmt: skip
+            rec = self.fallbacks.trouble(ws.node_type, obs.now, f"preemption notice for {wid}")
+            if rec is not None:
+                self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
+            if obs.demand or obs.running or obs.waiting:
+                self._want_replacement(ws, f"preemption notice: it ends in {left:.1f}s")
+
+    def _replace_before(self, obs: Observation, by_id: Mapping[str, WorkerView]) -> None:
+        """``replace_before`` types: a worker whose end is known gets a replacement its type's
+        measured start-up (``REPLACE_SLACK`` times) before that end, so it is ready in time."""
+        for wid, end in obs.ends:
+            ws = by_id.get(wid)
+            nt = self.node_types.get(ws.node_type) if ws is not None else None
+            if ws is None or nt is None or not nt.replace_before or wid in self._replaced:
+                continue
+            lead = REPLACE_SLACK * self.startup.get(nt.name, nt.startup_estimate)
+            if end - obs.now <= lead:
+                self._want_replacement(ws, f"it ends in {end - obs.now:.1f}s and {nt.name} takes ~{lead:.1f}s "
+                                           "to start (replace_before)")  # fmt: skip
+
+    def _want_replacement(self, ws: WorkerView, why: str) -> None:
+        if ws.id in self._replaced or not self._manages(ws.id):
+            return
+        self._replaced.add(ws.id)
+        self._replace.append((ws.id, ws.node_type, why))
+
+    def _with_replacements(self, planned: dict[str, int], snap: ClusterSnapshot, reasons: list[str]) -> dict[str, int]:
+        """Add this step's replacements (routed to a fallback when switched): launches of that type
+        made anyway this step (``min_nodes``, the policy) count as replacements; the rest may go
+        above ``max_nodes`` by the workers of that type being replaced, which are leaving."""
+        if not self._replace:
+            return planned
+        out = dict(planned)
+        leaving: dict[str, int] = {}
+        for w in snap.workers:
+            if w.id in self._replaced:
+                leaving[w.node_type] = leaving.get(w.node_type, 0) + 1
+        wanted: dict[str, int] = {}
+        for wid, name, why in self._replace:
+            to = self.fallbacks.route(name)
+            if to not in self.node_types or to in self.unusable:
+                reasons.append(f"no replacement for {wid}: {to} cannot be launched")
+                continue
+            wanted[to] = wanted.get(to, 0) + 1
+            reasons.append(f"replacement for {wid} ({why})" + (f" as {to} (fallback of {name})" if to != name else ""))
+        for to, k in wanted.items():
+            extra = k - out.get(to, 0)
+            room = self.node_types[to].max_nodes - snap.nodes_of(to) - out.get(to, 0) + leaving.get(to, 0)
+            if min(extra, room) > 0:
+                out[to] = out.get(to, 0) + min(extra, room)
+            if extra > room:
+                reasons.append(f"{extra - max(0, room)} replacements not launched: {to} at max_nodes")
+        self._replace.clear()
+        return out
+
+    def _routed(self, wanted: dict[str, int], reasons: list[str]) -> dict[str, int]:
+        """Launches of a type whose fallback is on go to the fallback."""
+        if not self.fallbacks.switched:
+            return wanted
+        out: dict[str, int] = {}
+        for name, n in wanted.items():
+            to = self.fallbacks.route(name)
+            if to != name and n > 0:
+                reasons.append(f"{n} {name} launches go to its fallback {to} ({self.fallbacks.switched[name][1]})")
+            out[to] = out.get(to, 0) + n
+        return out
 
     def _timeouts(self, now: float, actions: Actions) -> None:
         """Launches that never arrived: given up, their workers terminated, their type backs off."""
@@ -527,6 +632,9 @@ class ScalingController:
         wait = min(self.backoff_max, self.backoff_base * 2 ** (n - 1))
         self.backoff_until[nt] = now + wait
         self.journal.record("backoff", now, node_type=nt, seconds=wait, failures=n, reason=message)
+        rec = self.fallbacks.trouble(nt, now, f"capacity error: {message}")
+        if rec is not None:
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         if n >= self.max_type_failures and nt not in self.unusable:
             why = f"{n} launches of {nt!r} failed in a row (last: {message}); not launching it again"
             self.unusable[nt] = why
@@ -549,7 +657,8 @@ class ScalingController:
             now=obs.now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
             last_progress=obs.last_progress, finished=obs.finished, waiting=obs.waiting,
             running=obs.running, backlog_since=self.backlog_since,
-            backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
+            backoff=tuple(sorted({**self.backoff_until, **self.fallbacks.blocked_until(obs.now)}.items())),
+            unusable=tuple(sorted(self.unusable)),
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
 

@@ -97,15 +97,16 @@ class Round:
         return False
 
     def step(self, state: SchedulerState, now: float, *, expiring: Sequence[str] = (),
-             listing: Mapping[str, Mapping[str, Any]] | None = None,
-             graph_allowed: bool = True) -> tuple[Actions, bool]:  # fmt: skip
+             listing: Mapping[str, Mapping[str, Any]] | None = None, graph_allowed: bool = True,
+             notices: Mapping[str, float] | None = None,
+             ends: Mapping[str, float] | None = None) -> tuple[Actions, bool]:  # fmt: skip
         """Observe ``state`` at ``now`` with the inbox, step the controller, journal its records.
         Returns the actions and whether the unfinished graph went into the observation."""
         want = graph_allowed and self.view.forecast.due(len(state.workers), len(state.tasks),
                                                         state.counters["finished"], now)  # fmt: skip
         reports, self.inbox = self.inbox, []
         actions = self.controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing,
-                                               reports=reports))  # fmt: skip
+                                               reports=reports, notices=notices, ends=ends))  # fmt: skip
         self.view = actions.view
         for rec in actions.records:
             self.journal.add(rec)
