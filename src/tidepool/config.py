@@ -59,7 +59,7 @@ from tidepool.scaling.node_types import NodeType
 _TOP_KEYS = ("scheduler", "provider", "policy", "node_types", "autoscaler")
 #: ``[autoscaler]``: the controller's pool-wide settings (``ScalingController`` keywords), all
 #: finite numbers > 0: cost ceilings (``scaling/limits.py``) and the idle time before scaling to zero
-_AUTOSCALER_KEYS = ("max_cost_per_hour", "budget")
+_AUTOSCALER_KEYS = ("max_cost_per_hour", "budget", "scale_to_zero_after")
 _SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
 _POLICY_KINDS = ("adaptive", "completion", "backlog")

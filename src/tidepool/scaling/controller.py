@@ -75,6 +75,7 @@ from tidepool.scaling.snapshot import (
     TypeForecast,
     WorkerView,
 )
+from tidepool.scaling.warm import Quiet, idle_by_type, warm_launches
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
@@ -228,7 +229,8 @@ class ScalingController:
                  backoff_max: float = 120.0, max_type_failures: int = 3,
                  max_workers: int | None = None,
                  forecast_interval: float | None = None, manage_foreign: bool = False,
-                 max_cost_per_hour: float | None = None, budget: float | None = None) -> None:  # fmt: skip
+                 max_cost_per_hour: float | None = None, budget: float | None = None,
+                 scale_to_zero_after: float | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -254,6 +256,12 @@ class ScalingController:
         self._cost_said: dict[str, tuple[str, float]] = {}  # node type -> (last cut said, when)
         #: preemptible types whose launches go to their fallback now (``preemption.py``)
         self.fallbacks = FallbackTracker(self.node_types)
+        if scale_to_zero_after is not None and (isinstance(scale_to_zero_after, bool) or not isinstance(
+                scale_to_zero_after, (int, float)) or not scale_to_zero_after > 0 or scale_to_zero_after == float("inf")):
+            raise ConfigError(f"scale_to_zero_after must be a finite number of seconds > 0, got {scale_to_zero_after!r}")
+        #: a pool with no work for this long keeps no warm workers and retires its idle ones (warm.py)
+        self.scale_to_zero_after = scale_to_zero_after
+        self._quiet = Quiet()
         self._noticed: dict[str, float] = {}  # worker -> its preemption deadline
         #: workers a replacement was launched for (known end: preemption notice, walltime)
         self._replaced: set[str] = set()
@@ -274,6 +282,7 @@ class ScalingController:
         self._asked: dict[str, ShrinkSignature] = {}
         self._foreign_noted: set[str] = set()
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
+        self._expiry_seen: dict[str, float] = {}  # worker -> first listed as expiring (replace_before waits)
         self._fallback = Adaptive()
         self._policy_error_t = -1e9
         self._policy_error = ""
@@ -325,15 +334,23 @@ class ScalingController:
         decision = self._decide(snap)
         reasons = list(decision.reasons)
         retiring = self._retiring_by_type()
-        wanted = self._routed(wanted_launches(decision, snap, reasons, retiring), reasons)
+        zero = self._quiet.for_at_least(obs.now, self.scale_to_zero_after)
+        wanted = wanted_launches(decision, snap, reasons, retiring)
+        if not zero:  # min_idle: idle workers kept ready, apart from min_nodes
+            for name, n in warm_launches(snap, self.instances.retiring, reasons).items():
+                floor_idle = max(0, wanted.get(name, 0) - decision.launch.get(name, 0))  # min_nodes' come idle
+                wanted[name] = wanted.get(name, 0) + max(0, n - floor_idle)
+        wanted = self._routed(wanted, reasons)
         workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
         planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
                                  max_workers=self.max_workers, workers=workers, reasons=reasons,
                                  retiring=retiring)  # fmt: skip
         planned = self._cost_cap(self._with_replacements(planned, snap, reasons), obs.now)
         self._launch(planned, "; ".join(reasons), obs.now, actions)
-        self._retirements(decision, snap, by_id, planned, retiring, actions)
+        self._retirements(decision, snap, by_id, planned, retiring, actions, keep_idle=not zero)
         self._budget_spent(snap, by_id, planned, actions)
+        if zero:
+            self._to_zero(snap, by_id, planned, actions)
         if not actions.launch and not actions.retire and decision.reasons:
             self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
         return self._finish(actions)
@@ -359,6 +376,7 @@ class ScalingController:
                 self.backlog_since = obs.now
         else:
             self.backlog_since = None
+        self._quiet.update(obs.now, bool(obs.demand or obs.running or obs.waiting or self.instances.open))
 
     def _named(self, r: Named) -> None:
         table = self.instances
@@ -531,11 +549,30 @@ class ScalingController:
                 continue
             if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
                 continue
+            nt = self.node_types.get(ws.node_type)
+            if nt is not None and nt.replace_before and wid not in self._noticed and self._awaits_replacement(ws, now):
+                continue
             self._expiry_tried[wid] = now
             self._begin_retire(ws, now, why, actions)
-            nt = self.node_types.get(ws.node_type)
             if nt is not None and nt.replace_before:
                 self._want_replacement(ws, why)
+
+    def _awaits_replacement(self, ws: WorkerView, now: float) -> bool:
+        """A walltime worker of a ``replace_before`` type stays while its replacement is still
+        coming, for at most ``REPLACE_SLACK`` of its type's start-up (its margin covers that), so
+        the pool has no gap between them."""
+        if ws.id not in self._replaced:
+            return False
+        first = self._expiry_seen.setdefault(ws.id, now)
+        to = self.fallbacks.route(ws.node_type)
+        nt = self.node_types[to]
+        coming = any(r.node_type == to for r in self.instances.open.values())
+        if coming and now - first < REPLACE_SLACK * self.startup.get(to, nt.startup_estimate):
+            if first == now:
+                self.journal.record("decision", now, reason=f"{ws.id}: walltime retirement waits for its replacement "
+                                                            "(replace_before) to join")  # fmt: skip
+            return True
+        return False
 
     def _notices(self, obs: Observation, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
         """Preemption notices: journaled once, counted against the type (fallback), and the
@@ -745,6 +782,23 @@ class ScalingController:
                 self.journal.record("cost-limit", now, node_type=name, asked=asked, allowed=allowed, reason=text)
         return out
 
+    def _to_zero(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], planned: Mapping[str, int],
+                 actions: Actions) -> None:  # fmt: skip
+        """A pool quiet for ``scale_to_zero_after`` s: retire every idle worker that holds nothing
+        needed (``min_nodes`` still holds), so a quiet cluster holds no allocation."""
+        left = {nt.name: standing(snap, nt.name, self._retiring_by_type()) for nt in snap.node_types}
+        assert self._quiet.since is not None
+        why = f"the pool has had no work for {snap.now - self._quiet.since:.0f}s (scale_to_zero_after={self.scale_to_zero_after:g}s)"
+        for ws in by_id.values():
+            nt = self.node_types.get(ws.node_type)
+            if (not ws.idle or ws.unique_keys or self._is_retiring(ws.id) or not self._manages(ws.id)
+                    or planned.get(ws.node_type) or ws.id in self.refused):  # fmt: skip
+                continue
+            if nt is not None and left.get(nt.name, 0) - 1 < nt.min_nodes:
+                continue
+            left[ws.node_type] = left.get(ws.node_type, 0) - 1
+            self._begin_retire(ws, snap.now, why, actions)
+
     def _budget_spent(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], planned: Mapping[str, int],
                       actions: Actions) -> None:  # fmt: skip
         """The budget is spent: retire idle workers that hold nothing needed (min_nodes too)."""
@@ -756,12 +810,14 @@ class ScalingController:
                 self._begin_retire(ws, snap.now, f"budget {self.limits.budget:g} spent: an idle worker costs", actions)
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
-                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
+                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions, *,
+                     keep_idle: bool = True) -> None:  # fmt: skip
         """Retire what the policy asked, if known, running, ours, not refused with the pool unchanged since, not below
-        ``min_nodes`` (nodes being retired already do not count) and not of a type launched this
-        step (anti-flap)."""
+        ``min_nodes`` (nodes being retired already do not count), not below ``min_idle`` idle
+        workers (with ``keep_idle``) and not of a type launched this step (anti-flap)."""
         now = snap.now
         left = {nt.name: standing(snap, nt.name, retiring) for nt in snap.node_types}
+        idle = idle_by_type(snap, self.instances.retiring, coming=False)
         why = dict(decision.why)
         for wid in decision.retire:
             ws = by_id.get(wid)
@@ -777,6 +833,10 @@ class ScalingController:
             wt = self.node_types.get(ws.node_type)
             if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
                 continue
+            if keep_idle and wt is not None and ws.idle and idle.get(wt.name, 0) - 1 < wt.min_idle:
+                continue
+            if ws.idle:
+                idle[ws.node_type] = idle.get(ws.node_type, 0) - 1
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self._asked[wid] = sig
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
