@@ -141,6 +141,28 @@ def test_capacity_errors_count_and_spot_comes_back_after_a_healthy_period() -> N
     assert [nt.name for _, nt, _ in back.launch] == ["spot"]
 
 
+def test_a_noticed_worker_whose_work_cannot_finish_in_time_is_ended_at_once() -> None:
+    d = StateDriver()
+    d.state.estimates.observe("long", 500.0)  # each task takes 500 s: none finishes in a 30 s notice
+    spot = NodeType("spot", {"cpu": 1}, min_nodes=2, max_nodes=2, preemptible=True, startup_estimate=1.0)
+    c = ScalingController((spot,), hold, forecast_interval=0.25)
+    a, b = joined_pool(c, d, 2)
+    d.submit([(f"long-{i}", []) for i in range(2)], [f"long-{i}" for i in range(2)])
+    assert d.state.workers[a].processing and d.state.workers[b].processing
+    acts = step_with_state(c, d.state, 5.0, notices={a: 35.0})
+    assert acts.terminate == [a] and a not in acts.retire  # its work restarts elsewhere now, not in 30 s
+    why = [r for r in acts.records if r["kind"] == "terminate"][0]["reason"]
+    assert "cannot finish in the 30s notice" in why
+    assert [(nt.name, n) for _, nt, n in acts.launch] == [("spot", 1)]  # replaced all the same
+    c2 = ScalingController((spot,), hold, forecast_interval=0.25)
+    d2 = StateDriver()
+    x, _ = joined_pool(c2, d2, 2)
+    d2.state.estimates.observe("short", 1.0)  # short work: retired gracefully instead
+    d2.submit([(f"short-{i}", []) for i in range(2)], [f"short-{i}" for i in range(2)])
+    acts = step_with_state(c2, d2.state, 5.0, notices={x: 35.0})
+    assert acts.retire == [x] and not acts.terminate
+
+
 # ---- real processes ---------------------------------------------------------------------------
 def slow(i: int, d: float = 0.5) -> int:
     time.sleep(d)

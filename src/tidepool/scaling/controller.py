@@ -263,6 +263,7 @@ class ScalingController:
         self.scale_to_zero_after = scale_to_zero_after
         self._quiet = Quiet()
         self._noticed: dict[str, float] = {}  # worker -> its preemption deadline
+        self._abandoned: set[str] = set()  # noticed workers ended at once (their work could not finish)
         #: workers a replacement was launched for (known end: preemption notice, walltime)
         self._replaced: set[str] = set()
         self._replace: list[tuple[str, str, str]] = []  # (worker, node type, why) to replace this step
@@ -470,6 +471,9 @@ class ScalingController:
             return
         table.move(table.instances[wid], IS.FAILED, now, message)
         req.workers.remove(wid)
+        rec = self.fallbacks.trouble(req.node_type, now, f"capacity error: {message}")
+        if rec is not None:
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         nt = self.node_types.get(req.node_type)
         wpn = nt.workers_per_node if nt is not None else 1
         req.nodes = max(1, -(-len(req.workers) // max(1, wpn)))
@@ -545,7 +549,7 @@ class ScalingController:
         needed data moves to survivors), asked again every ``EXPIRY_RETRY`` s while refused."""
         for wid, why in expiring:
             ws = by_id.get(wid)
-            if ws is None or ws.state != "running" or self._is_retiring(wid):
+            if ws is None or ws.state != "running" or self._is_retiring(wid) or wid in self._abandoned:
                 continue
             if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
                 continue
@@ -579,6 +583,7 @@ class ScalingController:
         worker replaced at once while the pool has work (it is retired like an expiring one)."""
         for gone in [w for w in self._noticed if w not in by_id]:
             del self._noticed[gone]
+        self._abandoned.intersection_update(by_id)
         self._replaced.intersection_update(by_id)
         for wid, deadline in obs.notices:
             ws = by_id.get(wid)
@@ -593,6 +598,15 @@ class ScalingController:
                 self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
             if obs.demand or obs.running or obs.waiting:
                 self._want_replacement(ws, f"preemption notice: it ends in {left:.1f}s")
+            per_slot = ws.queued_seconds / max(1, ws.slots)
+            if ws.running and not ws.unique_keys and per_slot > left and self._manages(wid):
+                # its work cannot finish before the kill and it holds nothing needed: end it now,
+                # so that work starts again elsewhere at once instead of when the notice runs out
+                self._abandoned.add(wid)
+                actions.terminate.append(wid)
+                self.journal.record("terminate", obs.now, worker=wid, node_type=ws.node_type, reason=(
+                    f"preemption notice: its ~{per_slot:.0f}s of work per slot cannot finish in the {left:.0f}s "
+                    "notice and it holds nothing needed; ended now so the work restarts elsewhere at once"))  # fmt: skip
 
     def _replace_before(self, obs: Observation, by_id: Mapping[str, WorkerView]) -> None:
         """``replace_before`` types: a worker whose end is known gets a replacement its type's

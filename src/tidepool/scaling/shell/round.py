@@ -145,7 +145,9 @@ class Round:
 def sync_round(rnd: Round, state: SchedulerState, provider: Any, now: float, *,
                apply: Callable[[list[ev.Event]], Any], expiring: Sequence[str] = (),
                graph_allowed: bool = True,
-               named: Callable[[Sequence[str], NodeType], None] | None = None) -> tuple[Actions, bool]:  # fmt: skip
+               named: Callable[[Sequence[str], NodeType], None] | None = None,
+               notices: Mapping[str, float] | None = None,
+               ends: Mapping[str, float] | None = None) -> tuple[Actions, bool]:  # fmt: skip
     """One whole round with a synchronous provider (``worker_ids``, ``launch``, ``terminate``,
     ``list``, ``poll_errors`` returning at once): observe, step, then feasibility, launches and
     terminations.  Retirements are left to the caller (``actions.retire``): the simulator goes
@@ -153,7 +155,8 @@ def sync_round(rnd: Round, state: SchedulerState, provider: Any, now: float, *,
     events to the scheduler state; ``named`` is told each launch's worker ids before it starts."""
     rnd.provider_failures(provider.poll_errors(), now)
     listing = provider.list() if rnd.listing_due(now) else None
-    actions, forecast = rnd.step(state, now, expiring=expiring, listing=listing, graph_allowed=graph_allowed)
+    actions, forecast = rnd.step(state, now, expiring=expiring, listing=listing, graph_allowed=graph_allowed,
+                                 notices=notices, ends=ends)  # fmt: skip
     if actions.feasibility is not None:
         apply([ev.CheckFeasible(now, actions.feasibility)])
     for rid, nt, n in actions.launch:
