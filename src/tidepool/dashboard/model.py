@@ -32,7 +32,8 @@ STREAM = 2_000
 SERIES = 1_200
 #: journal kinds shown as scaling decisions
 DECISIONS = ("launch", "retire", "cancel-launch", "launch-failed", "backoff", "infeasible", "decision",
-             "node-type-disabled", "worker-failed", "retire-done", "launch-arrived")  # fmt: skip
+             "node-type-disabled", "worker-failed", "retire-done", "launch-arrived", "cost-limit",
+             "preemption-notice", "fallback", "fallback-end", "terminate")  # fmt: skip
 #: task groups tracked by name; later groups are counted together as ``OTHER`` (bounded labels)
 MAX_GROUPS = 200
 OTHER = "(other groups)"
