@@ -185,7 +185,7 @@ def test_local_preemption_moves_sole_results_before_the_kill_and_replaces_at_onc
         holders = cluster.run(lambda s: {w: len(s.state.unique_data(ws)) for w, ws in s.state.workers.items()})
         victim = max(holders, key=lambda w: holders[w])
         assert holders[victim]  # it holds results only it has (the client still wants them)
-        busy = client.map(slow, range(100, 112), [0.5] * 12)  # work: the pool must be replaced
+        busy = client.map(slow, range(100, 124), [0.5] * 24)  # work: the pool must be replaced
         wait_until(lambda: cluster.run(lambda s: s.state.counters["finished"]) > 8, 60, "the second phase to run")
         cluster.provider.preempt(victim, notice=60.0)  # generous: a loaded machine moves data slowly
         wait_until(lambda: any(r["kind"] == "retire-done" and r["worker"] == victim for r in journal.records), 90,
@@ -195,7 +195,7 @@ def test_local_preemption_moves_sole_results_before_the_kill_and_replaces_at_onc
         lost = [r for r in kinds(journal.records, "worker-leave") if r["worker"] == victim and not r.get("graceful")]
         assert not lost and [r for r in kinds(journal.records, "worker-close") if r["worker"] == victim]
         assert client.gather(first, timeout=60) == list(range(8))
-        assert client.gather(busy, timeout=120) == list(range(100, 112))
+        assert client.gather(busy, timeout=120) == list(range(100, 124))
         assert cluster.run(lambda s: s.state.counters["recomputed"]) == 0
         notice = [r for r in kinds(journal.records, "preemption-notice") if r["worker"] == victim]
         repl = [r for r in kinds(journal.records, "launch") if f"replacement for {victim}" in r["reason"]]
@@ -214,7 +214,7 @@ def test_repeated_local_preemptions_send_launches_to_the_fallback() -> None:
         cluster.adapt(node_types=[spot, ondemand], policy=hold)
         journal = cluster.journal
         assert journal is not None
-        futs = client.map(slow, range(40), [0.5] * 40)
+        futs = client.map(slow, range(60), [0.5] * 60)  # work outlasts both notices (each 5 s)
         preempted: list[str] = []
 
         def spot_workers() -> list[str]:
@@ -227,7 +227,7 @@ def test_repeated_local_preemptions_send_launches_to_the_fallback() -> None:
             cluster.provider.preempt(victim, notice=5.0)
             wait_until(lambda v=victim: any(r["kind"] == "preemption-notice" and r["worker"] == v  # type: ignore[misc]
                                             for r in journal.records), 60, "the notice")  # fmt: skip
-        assert client.gather(futs, timeout=180) == list(range(40))
+        assert client.gather(futs, timeout=180) == list(range(60))
         switch = kinds(journal.records, "fallback")
         assert switch and switch[0]["node_type"] == "spot" and switch[0]["to"] == "ondemand"
         after = [r for r in kinds(journal.records, "launch") if r["t"] >= switch[0]["t"]]
