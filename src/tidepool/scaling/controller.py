@@ -20,7 +20,8 @@ Each :meth:`ScalingController.step` observes first, then acts:
 3. act: clamp launches to ``min_nodes``/``max_nodes`` per type and ``max_workers`` overall
    (:func:`wanted_launches`, :func:`clamp_launches`), then to the cost limits
    (``max_cost_per_hour``, ``budget``: ``limits.py``, journaled as ``cost-limit``; the
-   ``CostMeter`` in ``self.cost`` bills from launch to release), filter retirements
+   ``CostMeter`` in ``self.cost`` bills from launch to release; replacements for workers with a
+   known end are added just before: ``replacement.py``), filter retirements
    (:meth:`_retirements`: ours, running, not refused lately, not below ``min_nodes``, never a type
    launched this step).
 
@@ -67,6 +68,7 @@ from tidepool.scaling.observation import (
 from tidepool.scaling.planned import default_policy
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.preemption import FallbackTracker
+from tidepool.scaling.replacement import Replacing
 from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
@@ -93,8 +95,6 @@ FORECAST_MAX_INTERVAL = 30.0
 FORECAST_PER_STARTUP = 20.0
 #: seconds between asks to retire a worker whose allocation ends soon
 EXPIRY_RETRY = 5.0
-#: ``replace_before``: launch this many measured start-ups before a known end (a loaded machine starts slower)
-REPLACE_SLACK = 1.5
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def quiet_decision(text: str) -> str:
     return re.sub(r"[0-9.]+", "#", text)
 
 
-class ScalingController:
+class ScalingController(Replacing):
     def __init__(self, node_types: list[NodeType] | tuple[NodeType, ...],
                  policy: Callable[[ClusterSnapshot], Any] | None = None, *,
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
@@ -560,113 +560,6 @@ class ScalingController:
             self._begin_retire(ws, now, why, actions)
             if nt is not None and nt.replace_before:
                 self._want_replacement(ws, why)
-
-    def _awaits_replacement(self, ws: WorkerView, now: float) -> bool:
-        """A walltime worker of a ``replace_before`` type stays while its replacement is still
-        coming, for at most ``REPLACE_SLACK`` of its type's start-up (its margin covers that), so
-        the pool has no gap between them."""
-        if ws.id not in self._replaced:
-            return False
-        first = self._expiry_seen.setdefault(ws.id, now)
-        to = self.fallbacks.route(ws.node_type)
-        nt = self.node_types[to]
-        coming = any(r.node_type == to for r in self.instances.open.values())
-        if coming and now - first < REPLACE_SLACK * self.startup.get(to, nt.startup_estimate):
-            if first == now:
-                self.journal.record("decision", now, reason=f"{ws.id}: walltime retirement waits for its replacement "
-                                                            "(replace_before) to join")  # fmt: skip
-            return True
-        return False
-
-    def _notices(self, obs: Observation, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
-        """Preemption notices: journaled once, counted against the type (fallback), and the
-        worker replaced at once while the pool has work (it is retired like an expiring one)."""
-        for gone in [w for w in self._noticed if w not in by_id]:
-            del self._noticed[gone]
-        self._abandoned.intersection_update(by_id)
-        self._replaced.intersection_update(by_id)
-        for wid, deadline in obs.notices:
-            ws = by_id.get(wid)
-            if ws is None or wid in self._noticed:
-                continue
-            self._noticed[wid] = deadline
-            left = deadline - obs.now
-            self.journal.record("preemption-notice", obs.now, worker=wid, node_type=ws.node_type,
-                                seconds=round(left, 3), reason=f"the provider takes {wid} back in {left:.1f}s")  # fmt: skip
-            rec = self.fallbacks.trouble(ws.node_type, obs.now, f"preemption notice for {wid}")
-            if rec is not None:
-                self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
-            if obs.demand or obs.running or obs.waiting:
-                self._want_replacement(ws, f"preemption notice: it ends in {left:.1f}s")
-            per_slot = ws.queued_seconds / max(1, ws.slots)
-            if ws.running and not ws.unique_keys and per_slot > left and self._manages(wid):
-                # its work cannot finish before the kill and it holds nothing needed: end it now,
-                # so that work starts again elsewhere at once instead of when the notice runs out
-                self._abandoned.add(wid)
-                actions.terminate.append(wid)
-                self.journal.record("terminate", obs.now, worker=wid, node_type=ws.node_type, reason=(
-                    f"preemption notice: its ~{per_slot:.0f}s of work per slot cannot finish in the {left:.0f}s "
-                    "notice and it holds nothing needed; ended now so the work restarts elsewhere at once"))  # fmt: skip
-
-    def _replace_before(self, obs: Observation, by_id: Mapping[str, WorkerView]) -> None:
-        """``replace_before`` types: a worker whose end is known gets a replacement its type's
-        measured start-up (``REPLACE_SLACK`` times) before that end, so it is ready in time."""
-        for wid, end in obs.ends:
-            ws = by_id.get(wid)
-            nt = self.node_types.get(ws.node_type) if ws is not None else None
-            if ws is None or nt is None or not nt.replace_before or wid in self._replaced:
-                continue
-            lead = REPLACE_SLACK * self.startup.get(nt.name, nt.startup_estimate)
-            if end - obs.now <= lead:
-                self._want_replacement(ws, f"it ends in {end - obs.now:.1f}s and {nt.name} takes ~{lead:.1f}s "
-                                           "to start (replace_before)")  # fmt: skip
-
-    def _want_replacement(self, ws: WorkerView, why: str) -> None:
-        if ws.id in self._replaced or not self._manages(ws.id):
-            return
-        self._replaced.add(ws.id)
-        self._replace.append((ws.id, ws.node_type, why))
-
-    def _with_replacements(self, planned: dict[str, int], snap: ClusterSnapshot, reasons: list[str]) -> dict[str, int]:
-        """Add this step's replacements (routed to a fallback when switched): launches of that type
-        made anyway this step (``min_nodes``, the policy) count as replacements; the rest may go
-        above ``max_nodes`` by the workers of that type being replaced, which are leaving."""
-        if not self._replace:
-            return planned
-        out = dict(planned)
-        leaving: dict[str, int] = {}
-        for w in snap.workers:
-            if w.id in self._replaced:
-                leaving[w.node_type] = leaving.get(w.node_type, 0) + 1
-        wanted: dict[str, int] = {}
-        for wid, name, why in self._replace:
-            to = self.fallbacks.route(name)
-            if to not in self.node_types or to in self.unusable:
-                reasons.append(f"no replacement for {wid}: {to} cannot be launched")
-                continue
-            wanted[to] = wanted.get(to, 0) + 1
-            reasons.append(f"replacement for {wid} ({why})" + (f" as {to} (fallback of {name})" if to != name else ""))
-        for to, k in wanted.items():
-            extra = k - out.get(to, 0)
-            room = self.node_types[to].max_nodes - snap.nodes_of(to) - out.get(to, 0) + leaving.get(to, 0)
-            if min(extra, room) > 0:
-                out[to] = out.get(to, 0) + min(extra, room)
-            if extra > room:
-                reasons.append(f"{extra - max(0, room)} replacements not launched: {to} at max_nodes")
-        self._replace.clear()
-        return out
-
-    def _routed(self, wanted: dict[str, int], reasons: list[str]) -> dict[str, int]:
-        """Launches of a type whose fallback is on go to the fallback."""
-        if not self.fallbacks.switched:
-            return wanted
-        out: dict[str, int] = {}
-        for name, n in wanted.items():
-            to = self.fallbacks.route(name)
-            if to != name and n > 0:
-                reasons.append(f"{n} {name} launches go to its fallback {to} ({self.fallbacks.switched[name][1]})")
-            out[to] = out.get(to, 0) + n
-        return out
 
     def _timeouts(self, now: float, actions: Actions) -> None:
         """Launches that never arrived: given up, their workers terminated, their type backs off."""
