@@ -173,3 +173,14 @@ def test_cluster_file_autoscaler_table_is_strict() -> None:
     for bad in (0, -2, float("inf"), "3", True):
         with pytest.raises(ConfigError, match=r"\[autoscaler\] budget must be a finite number > 0"):
             parse({**base, "autoscaler": {"budget": bad}})
+
+
+@pytest.mark.integration
+def test_adapt_takes_a_budget_with_any_policy_as_a_hard_limit() -> None:
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=2)
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        scaler = cluster.adapt(node_types=[nt], policy=ask_for_ten, budget=3.0, max_cost_per_hour=2.0)
+        assert scaler.controller.limits == CostLimits(max_cost_per_hour=2.0, budget=3.0)
+        assert scaler.controller.policy is ask_for_ten
+    with tidepool.LocalCluster(n_workers=0) as cluster, pytest.raises(ConfigError, match="objective and deadline"):
+        cluster.adapt(node_types=[nt], policy=ask_for_ten, deadline=60.0)
