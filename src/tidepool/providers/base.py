@@ -88,7 +88,9 @@ class ReportsExpiring(Protocol):
 class ReportsPreemption(Protocol):
     """An optional capability: preemption notices.  Worker id -> when the provider takes it back
     (epoch seconds), for every live worker under notice; the autoscaler retires it gracefully,
-    launches a replacement at once and counts the notice against its (preemptible) node type."""
+    launches a replacement at once and counts the notice against its (preemptible) node type.
+    Must be cheap, non-blocking and thread-safe: the autoscaler calls it in the scheduler's event
+    loop every round (a provider that learns of notices slowly polls in its own thread)."""
 
     def preemptions(self, now_wall: float) -> dict[str, float]: ...
 

@@ -194,9 +194,8 @@ class AutoScaler:
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
         notices = ends = None  # wall-clock times from the provider, on the scheduler's clock
-        if isinstance(self.provider, ReportsPreemption):
-            notices = on_clock(await in_daemon_thread(self.provider.preemptions, time.time(),
-                                                      timeout=PROVIDER_CALL_TIMEOUT), self.scheduler.clock())  # fmt: skip
+        if isinstance(self.provider, ReportsPreemption):  # cheap by contract: called in this loop
+            notices = on_clock(self.provider.preemptions(time.time()), self.scheduler.clock())
         if isinstance(self.provider, ReportsEnds):
             ends = on_clock(await in_daemon_thread(self.provider.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
                             self.scheduler.clock())  # fmt: skip
