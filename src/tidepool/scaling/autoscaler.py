@@ -103,6 +103,8 @@ class AutoScaler:
         self.startup = StartupTracker()
         #: the provider, if it reports journal records of its own (checked once: _observe runs per batch)
         self._events_source: ReportsEvents | None = provider if isinstance(provider, ReportsEvents) else None
+        replacing = any(nt.replace_before for nt in controller.node_types.values())
+        self._ends_source: ReportsEnds | None = provider if replacing and isinstance(provider, ReportsEnds) else None
 
     @property
     def view(self) -> ControllerView:
@@ -196,8 +198,8 @@ class AutoScaler:
         notices = ends = None  # wall-clock times from the provider, on the scheduler's clock
         if isinstance(self.provider, ReportsPreemption):  # cheap by contract: called in this loop
             notices = on_clock(self.provider.preemptions(time.time()), self.scheduler.clock())
-        if isinstance(self.provider, ReportsEnds):
-            ends = on_clock(await in_daemon_thread(self.provider.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
+        if self._ends_source is not None:  # only when a node type replaces workers ahead of their end
+            ends = on_clock(await in_daemon_thread(self._ends_source.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
                             self.scheduler.clock())  # fmt: skip
         listing = None
         if rnd.listing_due(now):  # reconcile launches
