@@ -12,6 +12,10 @@ of any worker, with or without reasons) or the default one.  After every step:
 - no step launches and retires the same node type;
 - every launch has ended (joined or failed, each of its workers too) by its timeout;
 - every journal record of a decision carries a reason, and so does every lifecycle move.
+
+With ``max_cost_per_hour``, whatever the policy asks: what is allocated (launches in flight, and
+workers until they are gone or failed) never costs more per hour than the ceiling, and the cost
+meter's rate agrees with the lifecycle table.
 """
 
 from __future__ import annotations
@@ -187,6 +191,35 @@ def test_random_observation_sequences_keep_the_controller_invariants(
                 assert req.state in (IS.JOINED, IS.FAILED), (rid, req.history)
                 assert all(c.instances.instances[w].state not in (IS.REQUESTED, IS.NAMED) for w in req.workers)
                 assert rid not in {p.request_id for p in acts.view.pending}
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), limit=st.sampled_from([0.5, 1.0, 2.5, 4.0]), wpn=st.sampled_from([1, 2]),
+       steps=st.integers(5, 60))  # fmt: skip
+def test_random_policies_never_take_the_pool_above_max_cost_per_hour(seed: int, limit: float, wpn: int,
+                                                                       steps: int) -> None:  # fmt: skip
+    """Whatever a policy asks (and min_nodes), what is allocated never costs more than the ceiling
+    per hour, and the meter's rate is what the lifecycle table says is allocated."""
+    rng = random.Random(seed)
+    types = (NodeType("cpu", {"cpu": wpn}, workers_per_node=wpn, min_nodes=1, max_nodes=3, cost=1.0,
+                      startup_estimate=5.0),
+             NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=2, cost=2.0, startup_estimate=10.0))  # fmt: skip
+    prices = {nt.name: nt.cost for nt in types}
+    share = {nt.name: nt.cost / nt.workers_per_node for nt in types}
+    c = ScalingController(types, chaos(random.Random(seed + 1)), launch_timeout=15.0, forecast_interval=0.25,
+                          max_cost_per_hour=limit)  # fmt: skip
+    world = World(rng)
+    for _ in range(steps):
+        world.now += rng.choice([0.1, 1.0, 3.0, 10.0])
+        acts = c.step(world.observe())
+        world.act(acts.launch, acts.retire, acts.terminate)
+        table = c.instances
+        allocated = sum(r.nodes * prices[r.node_type] for r in table.requests.values() if r.state is IS.REQUESTED)
+        allocated += sum(share[i.node_type] for i in table.instances.values()
+                         if i.request is not None and i.state not in (IS.GONE, IS.FAILED)
+                         and table.requests[i.request].state is not IS.REQUESTED)  # fmt: skip
+        assert acts.view.cost.rate == pytest.approx(allocated), (acts.view.cost, allocated)
+        assert allocated <= limit + 1e-9, (allocated, limit)
 
 
 def test_illegal_lifecycle_moves_raise_and_each_move_keeps_its_reason() -> None:

@@ -438,3 +438,83 @@ def test_slurm_provider_rejects_bad_arguments() -> None:
         with pytest.raises(ConfigError):
             SlurmProvider(**kw)  # type: ignore[arg-type]
     assert dataclasses.is_dataclass(_Job)
+
+
+def workers_over_time(records: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(time, registered workers from then on) at every join and leave in the journal."""
+    live: set[str] = set()
+    out = []
+    for r in records:
+        if r["kind"] == "worker-join":
+            live.add(r["worker"])
+        elif r["kind"] in ("worker-leave", "worker-close"):
+            live.discard(r["worker"])
+        else:
+            continue
+        out.append((r["t"], len(live)))
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)  # a 2-minute walltime, and a loaded machine starts jobs slowly
+def test_replace_before_starts_a_replacement_before_the_walltime_and_leaves_no_gap(slurm: Slurm) -> None:
+    # A 2-minute walltime, retired 70 s before its end: the worker must be gone 50 s after its job
+    # starts.  With replace_before, the replacement job is submitted 1.5 measured start-ups before
+    # that, and the walltime retirement waits for it to join (up to another 1.5 start-ups), so the
+    # graph always has a worker.  Every wait below is derived from the measured start-up, with a
+    # generous floor, so a loaded machine (load 14-20) only makes the test slower.
+    provider = make_provider(slurm, walltime="2", retire_margin=70)
+    nt = NodeType("short", {"cpu": 1}, min_nodes=1, max_nodes=1, replace_before=True, startup_estimate=5.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider, policy=lambda snapshot: None)  # min_nodes only
+        journal = cluster.journal
+        assert journal is not None
+        wait_until(lambda: journal.of_kind("launch-arrived"), 120, "the first job's worker")
+        startup = journal.of_kind("launch-arrived")[0]["seconds"]
+        first = journal.of_kind("worker-join")[0]["worker"]  # (its replacement may have joined too)
+        patience = max(120.0, 10 * startup)
+
+        def retired() -> bool:
+            return any(r["kind"] == "retire-done" and r["worker"] == first for r in journal.records)
+
+        results: list[tuple[int, str, str]] = []  # a stream of work until the first worker is gone, and after
+        deadline = time.monotonic() + 120 + patience
+        after = 0  # batches run once it was gone: on the replacement
+        while after < 2:
+            assert time.monotonic() < deadline, "timed out waiting for the first worker to retire for its walltime"
+            after += retired()
+            batch = client.map(whereami, range(len(results), len(results) + 4), [0.5] * 4)
+            results += client.gather(batch, timeout=60 + patience)
+        assert [r[0] for r in results] == list(range(len(results)))
+        launches = journal.of_kind("launch")
+        repl = [r for r in launches if f"replacement for {first}" in r["reason"]]
+        assert repl, [r["reason"] for r in launches]
+        retire = [r for r in journal.of_kind("retire") if r["worker"] == first]
+        assert retire and "walltime" in retire[0]["reason"] and repl[0]["t"] < retire[0]["t"]
+        joined = [r for r in journal.of_kind("worker-join") if f"-{repl[0]['request']}-" in r["worker"]]
+        closed = [r for r in journal.records if r["kind"] in ("worker-close", "worker-leave") and r["worker"] == first]
+        assert joined and closed and joined[0]["t"] < closed[0]["t"]  # the replacement came first
+        start = journal.of_kind("worker-join")[0]["t"]
+        counts = [n for t, n in workers_over_time(journal.records) if t >= start]
+        assert counts and min(counts) >= 1  # no gap in workers while the graph ran
+        assert len({r[1] for r in results}) == 2  # the graph ran in both jobs
+        job = provider.list()[first]["job_id"]
+        wait_until(lambda: provider.refresh(force=True) is None
+                   and provider.jobs()[job] not in ("RUNNING", "PENDING", "COMPLETING"), 60, "its job to end")  # fmt: skip
+        assert provider.jobs()[job] in ("COMPLETED", "CANCELLED")  # not TIMEOUT: it left in time
+
+
+@pytest.mark.integration
+def test_a_warm_slurm_pool_scales_to_zero_when_quiet_and_comes_back(slurm: Slurm) -> None:
+    provider = make_provider(slurm)
+    nt = NodeType("warm", {"cpu": 1}, max_nodes=2, min_idle=1, startup_estimate=5.0)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.adapt(node_types=[nt], provider=provider, policy=lambda snapshot: None, scale_to_zero_after=5.0)
+        journal = cluster.journal
+        assert journal is not None
+        wait_until(lambda: cluster.workers, 120, "the warm worker (min_idle=1)")
+        wait_until(lambda: any("scale_to_zero_after=5s" in r.get("reason", "") for r in journal.of_kind("retire")),
+                   120, "the quiet pool to scale to zero")  # fmt: skip
+        wait_until(lambda: not slurm.active(list(provider.jobs())), 60, "its job to be cancelled")
+        assert not cluster.workers and provider.poll_errors() == []
+        assert client.submit(whereami, 7, 0.0).result(timeout=120)[0] == 7  # work brings it back

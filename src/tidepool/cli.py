@@ -165,7 +165,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.scaling.controller import ScalingController
             from tidepool.telemetry.journal import Journal
 
-            controller = ScalingController(cfg.node_types, cfg.make_policy())
+            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler)
             scaler = await AutoScaler(s, cfg.make_provider(s.address, token, tls), controller,
                                       journal=Journal(args.journal)).start()  # fmt: skip
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
@@ -190,7 +190,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from tidepool.worker.core import Worker
+    from tidepool.worker.core import Worker, on_preemption_notice
 
     if not (math.isfinite(args.heartbeat_interval) and args.heartbeat_interval > 0):
         raise ConfigError(f"--heartbeat-interval must be a positive number of seconds, got {args.heartbeat_interval}")
@@ -212,6 +212,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise ConfigError(f"--workdir {args.workdir!r}: {exc}") from exc
 
     async def main() -> None:
+        on_preemption_notice()  # SIGUSR1 is a notice, not a kill
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,

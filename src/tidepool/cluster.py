@@ -318,13 +318,16 @@ class LocalCluster(ClosesOnExit):
 
         check_objective(objective, deadline, budget)
         chosen = objective != "balanced" or deadline is not None or budget is not None
-        if chosen and policy is not None:
-            raise ConfigError("adapt(): objective, deadline and budget set the default policy; a policy= of "
+        if (objective != "balanced" or deadline is not None) and policy is not None:  # (a budget is also a
+            # hard limit, which holds for any policy)
+            raise ConfigError("adapt(): objective and deadline set the default policy; a policy= of "
                               "your own decides by itself (pass one or the other)")  # fmt: skip
         if policy is None and (config is None or chosen):
             policy = default_policy(objective, deadline, budget)
-        if config is not None:  # a cluster file: its node types, policy and provider
+        file_limits: dict[str, Any] = {}
+        if config is not None:  # a cluster file: its node types, policy, provider and limits
             cfg = config_load(config) if isinstance(config, str) else config
+            file_limits = dict(cfg.autoscaler)
             node_types = node_types or cfg.node_types
             policy = policy or cfg.make_policy()
             if provider is None and cfg.provider.get("kind", "local") != "local":
@@ -335,6 +338,10 @@ class LocalCluster(ClosesOnExit):
                                               startup_estimate=0.5)]  # fmt: skip
         _check_can_launch(node_types, controller_kwargs.get("max_workers"))
         j = journal if isinstance(journal, Journal) else Journal(journal)
+        for key, value in file_limits.items():  # the file's [autoscaler] keys, unless given here
+            controller_kwargs.setdefault(key, value)
+        if budget is not None:  # the hard limit (the default policy also plans within it)
+            controller_kwargs["budget"] = budget
         controller = ScalingController(node_types, policy, **controller_kwargs)
         prov = provider if provider is not None else self.provider
         if isinstance(prov, NeedsAddress):

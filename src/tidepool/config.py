@@ -56,7 +56,10 @@ from typing import Any
 from tidepool.errors import ConfigError, TidepoolError
 from tidepool.scaling.node_types import NodeType
 
-_TOP_KEYS = ("scheduler", "provider", "policy", "node_types")
+_TOP_KEYS = ("scheduler", "provider", "policy", "node_types", "autoscaler")
+#: ``[autoscaler]``: the controller's pool-wide settings (``ScalingController`` keywords), all
+#: finite numbers > 0: cost ceilings (``scaling/limits.py``) and the idle time before scaling to zero
+_AUTOSCALER_KEYS = ("max_cost_per_hour", "budget", "scale_to_zero_after")
 _SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
 _POLICY_KINDS = ("adaptive", "completion", "backlog")
@@ -78,6 +81,8 @@ class ClusterConfig:
     policy: dict[str, Any] = field(default_factory=lambda: {"kind": "adaptive"})
     scheduler: dict[str, Any] = field(default_factory=dict)
     source: str = "<dict>"
+    #: ``[autoscaler]``: keyword arguments of the scaling controller (``_AUTOSCALER_KEYS``)
+    autoscaler: dict[str, Any] = field(default_factory=dict)
 
     def make_policy(self) -> Any:
         """The policy object the ``[policy]`` table describes."""
@@ -350,6 +355,10 @@ def _node_types(source: str, raw: Any) -> list[NodeType]:
     names = [t.name for t in types_]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: node type names must be unique, got {names}")
+    for t in types_:
+        if t.fallback is not None and t.fallback not in names:
+            raise ConfigError(f"{source}: [[node_types]] {t.name!r}: fallback {t.fallback!r} is not one of the node "
+                              f"types {names}; add it or fix the name")  # fmt: skip
     return types_
 
 
@@ -361,7 +370,13 @@ def parse(data: dict[str, Any], source: str = "<dict>") -> ClusterConfig:
     _check_scheduler(source, scheduler)
     provider = dict(_table(source, "[provider]", data.get("provider", {"kind": "local"})))
     policy = dict(_table(source, "[policy]", data.get("policy", {"kind": "adaptive"})))
-    cfg = ClusterConfig(types_, provider, policy, scheduler, source)
+    autoscaler = dict(_table(source, "[autoscaler]", data.get("autoscaler", {})))
+    _check_keys(source, "[autoscaler]", autoscaler, _AUTOSCALER_KEYS)
+    for key, value in autoscaler.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{source}: [autoscaler] {key} must be a finite number > 0, got {value!r}; "
+                              "remove the key for no limit")  # fmt: skip
+    cfg = ClusterConfig(types_, provider, policy, scheduler, source, autoscaler)
     cfg.make_policy()  # validate now, not at the first scaling decision
     cls, kwargs = _provider_spec(provider, source)  # ... nor when the scheduler starts
     if provider.get("kind", "local") in _PROVIDER_KINDS:  # ours: constructing checks the rest, no I/O

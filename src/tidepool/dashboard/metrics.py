@@ -113,6 +113,11 @@ class ModelCollector(Collector):
         for nt in sorted(set(types) | set(point["pending"])):
             pending.add_metric([nt], point["pending"].get(nt, 0))
         yield pending
+        if point.get("cost") is not None:  # the autoscaler's cost meter (scaling/limits.py)
+            yield GaugeMetricFamily("tidepool_cost_spent", "Cost so far: node-hours billed from launch to release "
+                                    "times each node type's cost", value=point["cost"]["spent"])  # fmt: skip
+            yield GaugeMetricFamily("tidepool_cost_per_hour", "What the pool costs per hour now (launches in "
+                                    "flight included)", value=point["cost"]["rate"])  # fmt: skip
         if point.get("eta") is not None:
             yield GaugeMetricFamily("tidepool_forecast_seconds", "Forecast seconds to finish the work known now",
                                     value=point["eta"])  # fmt: skip

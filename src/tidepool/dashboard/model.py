@@ -32,7 +32,8 @@ STREAM = 2_000
 SERIES = 1_200
 #: journal kinds shown as scaling decisions
 DECISIONS = ("launch", "retire", "cancel-launch", "launch-failed", "backoff", "infeasible", "decision",
-             "node-type-disabled", "worker-failed", "retire-done", "launch-arrived")  # fmt: skip
+             "node-type-disabled", "worker-failed", "retire-done", "launch-arrived", "cost-limit",
+             "preemption-notice", "fallback", "fallback-end", "terminate")  # fmt: skip
 #: task groups tracked by name; later groups are counted together as ``OTHER`` (bounded labels)
 MAX_GROUPS = 200
 OTHER = "(other groups)"
@@ -222,11 +223,15 @@ class DashboardModel:
             c[activity(w)] += 1
         pending: dict[str, int] = dict.fromkeys(by_type, 0)
         scaler = self.autoscaler()
+        cost = None
         if scaler is not None:
             for p in scaler.view.pending:  # launches in flight: their workers not registered yet
                 pending[p.node_type] = pending.get(p.node_type, 0) + len(p.worker_ids)
+            meter = scaler.view.cost  # the controller's cost meter as of its last step
+            cost = {"spent": round(meter.spent_at(now), 6), "rate": meter.rate,
+                    "max_rate": meter.limits.max_cost_per_hour, "budget": meter.limits.budget}  # fmt: skip
         point = {"t": round(now, 3), "workers": by_type, "pending": pending, "eta": self._forecast(now),
-                 "tasks": len(st.tasks)}  # fmt: skip
+                 "tasks": len(st.tasks), "cost": cost}  # fmt: skip
         self.series.append(point)
         return point
 

@@ -29,6 +29,7 @@ td,th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left;white-space:n
 <div>tasks done <span class="big" id="tasks-done">-</span></div>
 <div>failed <span class="big" id="tasks-failed">-</span></div>
 <div>forecast <span class="big" id="eta">-</span></div>
+<div>cost <span class="big" id="cost-spent">-</span> <span id="cost-rate"></span></div>
 <div id="status">connecting</div></header>
 <main>
 <section id="replay"><h2>Post-mortem: the run at <span id="replay-t">-</span></h2><input type="range" id="slider" min="0" max="1000" value="1000" step="1"></section>
@@ -85,6 +86,8 @@ function render(){
   document.getElementById("tasks-done").textContent = last.counters.finished||0;
   document.getElementById("tasks-failed").textContent = last.counters.erred||0;
   document.getElementById("eta").textContent = p.eta == null ? "-" : p.eta.toFixed(1)+" s";
+  const c = p.cost; document.getElementById("cost-spent").textContent = c == null ? "-" : c.spent.toFixed(3)+(c.budget == null ? "" : " of "+c.budget);
+  document.getElementById("cost-rate").textContent = c == null ? "" : "now "+c.rate.toFixed(2)+"/h"+(c.max_rate == null ? "" : " (max "+c.max_rate+"/h)");
   const xs = series.map(s => s.t), sets = []; let ymax = 1;
   for (const t of types){
     const ys = series.map(s => total(s, t)), ps = series.map(s => (s.pending||{})[t]||0);

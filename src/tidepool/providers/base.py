@@ -13,7 +13,8 @@ no worker fails the whole request, whose unregistered workers are then terminate
 terminating a gone worker is a no-op); ``close`` stops everything the provider started.
 
 Optional capabilities are declared protocols, checked with ``isinstance``: :class:`NeedsAddress`
-(gets the scheduler's address and token late), :class:`ReportsExpiring` (batch walltimes) and
+(gets the scheduler's address and token late), :class:`ReportsExpiring` (batch walltimes),
+:class:`ReportsEnds` (when they end), :class:`ReportsPreemption` (spot notices) and
 :class:`AsyncProvider` (coroutine versions of the calls, awaited in the scheduler's own event
 loop instead of a thread: the SSH provider).
 """
@@ -81,6 +82,25 @@ class ReportsExpiring(Protocol):
     autoscaler retires them gracefully first (their data moves to survivors)."""
 
     def expiring(self, now_wall: float) -> builtins.list[str]: ...
+
+
+@runtime_checkable
+class ReportsPreemption(Protocol):
+    """An optional capability: preemption notices.  Worker id -> when the provider takes it back
+    (epoch seconds), for every live worker under notice; the autoscaler retires it gracefully,
+    launches a replacement at once and counts the notice against its (preemptible) node type.
+    Must be cheap, non-blocking and thread-safe: the autoscaler calls it in the scheduler's event
+    loop every round (a provider that learns of notices slowly polls in its own thread)."""
+
+    def preemptions(self, now_wall: float) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ReportsEnds(Protocol):
+    """An optional capability: known ends.  Worker id -> when it will have to be gone (epoch
+    seconds: a batch job's walltime minus the margin it is retired at), for ``replace_before``."""
+
+    def ends(self, now_wall: float) -> dict[str, float]: ...
 
 
 @runtime_checkable

@@ -13,6 +13,11 @@ directory.  Matching by the id is safe because ids are unique on the machine: th
 process's pid and a per-process sequence number (``cpu-a3-7-p4242``), so two clusters here never
 name a worker alike, and a directory is only removed once the one process that could use it is gone.
 
+Preemption (for tests and demonstrations of spot capacity): :meth:`LocalProvider.preempt` gives
+a worker a notice as a cloud does (``SIGUSR1``, which the worker logs and ignores, and
+:meth:`LocalProvider.preemptions` lists it with its deadline for the autoscaler), then SIGKILLs it
+when the notice runs out unless it exited first (retired gracefully).
+
 Fork server (``fork_server``, on by default where :func:`tidepool.providers.forkserver.supported`):
 a worker is forked from a pre-imported process (:mod:`tidepool.providers.forkserver`, which says
 why that is fork-safe) instead of spawned, so it registers in about a tenth of a second.  Its
@@ -113,6 +118,9 @@ class LocalProvider:
             self._event("fork-server", event="fallback", reason=f"fork servers are not supported on {sys.platform}")
             self.fork_server = False
         self._fork_started = False  # constructing starts nothing (cluster files are checked by building one)
+        #: preemption notices given (:meth:`preempt`): worker -> when it is killed (epoch seconds)
+        self._notices: dict[str, float] = {}
+        self._timers: list[threading.Timer] = []
 
     # ---- the fork server ------------------------------------------------------------------------
     FORK_SERVER_RESTARTS = 3
@@ -264,6 +272,32 @@ class LocalProvider:
         """SIGKILL one worker (for failure tests)."""
         self.terminate([worker_id], signal.SIGKILL)
 
+    def preempt(self, worker_id: str, notice: float, sig: int = signal.SIGUSR1) -> None:
+        """Take ``worker_id`` back as a cloud takes a spot node: a notice now (``sig`` to the process,
+        which the worker logs and ignores, and :meth:`preemptions` lists it with its deadline), then
+        SIGKILL ``notice`` seconds later if it has not exited by then."""
+        p = self.procs.get(worker_id)
+        if p is None or p.proc.poll() is not None or worker_id in self._notices:
+            return
+        self._notices[worker_id] = time.time() + notice
+        try:
+            p.proc.send_signal(sig)
+        except ProcessLookupError:
+            return
+        timer = threading.Timer(notice, self.kill, args=(worker_id,))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def preemptions(self, now_wall: float) -> dict[str, float]:
+        """Live workers under a preemption notice -> when they are killed (epoch seconds)."""
+        out = {}
+        for wid, deadline in list(self._notices.items()):
+            p = self.procs.get(wid)
+            if p is not None and p.proc.poll() is None:
+                out[wid] = deadline
+        return out
+
     def list(self) -> WorkerListing:  # noqa: A003
         """Worker id -> {node_type, request_id, alive, returncode}."""
         out: WorkerListing = {}
@@ -290,6 +324,8 @@ class LocalProvider:
         return errs
 
     def close(self, timeout: float = 5.0) -> None:
+        for timer in self._timers:
+            timer.cancel()
         self.terminate(list(self.procs))
         deadline = time.monotonic() + timeout
         for p in self.procs.values():

@@ -24,7 +24,9 @@ NODE_FAIL, OUT_OF_MEMORY, ... -- once each; a job that never started is reported
 
 Walltime: ``expiring(now)`` lists the workers of running jobs that end within ``retire_margin``
 seconds (default ``min(max(60, 10% of walltime), walltime / 2)``); the autoscaler retires them
-gracefully (their data moves to other workers) before Slurm would kill them.
+gracefully (their data moves to other workers) before Slurm would kill them.  ``ends(now)`` gives
+every running job's workers the time they are retired at (its end minus the margin), so a node type
+with ``replace_before=True`` gets its replacement submitted its measured start-up before that.
 
 Token: the job script *exports* ``TIDEPOOL_TOKEN``.  The script goes to ``sbatch`` on stdin, so it
 is never written to a file here; Slurm keeps its copy in the controller's state directory, readable
@@ -586,6 +588,22 @@ class SlurmProvider:
                 if job.state == "RUNNING" and not job.cancelled and job.end is not None \
                         and job.end - self.retire_margin <= now:  # fmt: skip
                     out += [w for w in job.worker_ids if w not in self._stopping]
+            return out
+
+    def ends(self, now_wall: float | None = None) -> dict[str, float]:
+        """Workers of running jobs -> when they must be gone (epoch s): the job's end minus
+        ``retire_margin``, when they are retired (``replace_before`` starts replacements for it)."""
+        with self._lock:
+            try:
+                self.refresh()
+            except ProviderError as exc:
+                log.warning("ends: %s", exc)
+            out: dict[str, float] = {}
+            for job in self._jobs.values():
+                if job.state == "RUNNING" and not job.cancelled and job.end is not None:
+                    for w in job.worker_ids:
+                        if w not in self._stopping:
+                            out[w] = job.end - self.retire_margin
             return out
 
     # ---- shutdown ---------------------------------------------------------------------------------

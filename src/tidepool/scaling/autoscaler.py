@@ -25,7 +25,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
-from tidepool.providers.base import AsyncProvider, ReportsEvents, ReportsExpiring
+from tidepool.providers.base import (
+    AsyncProvider,
+    ReportsEnds,
+    ReportsEvents,
+    ReportsExpiring,
+    ReportsPreemption,
+)
 from tidepool.scaling.controller import ControllerView, ScalingController
 from tidepool.scaling.shell.round import LIST_EVERY, Round
 from tidepool.scheduler import events as ev
@@ -70,6 +76,12 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | No
         return await asyncio.shield(fut)
 
 
+def on_clock(wall_times: dict[str, float], now: float) -> dict[str, float]:
+    """Epoch-second times (a provider's) as times on the scheduler's clock, which reads ``now``."""
+    offset = now - time.time()
+    return {k: t + offset for k, t in wall_times.items()}
+
+
 class AutoScaler:
     def __init__(self, scheduler: Scheduler, provider: Provider, controller: ScalingController,
                  interval: float = 0.2, journal: Journal | None = None) -> None:  # fmt: skip
@@ -91,6 +103,8 @@ class AutoScaler:
         self.startup = StartupTracker()
         #: the provider, if it reports journal records of its own (checked once: _observe runs per batch)
         self._events_source: ReportsEvents | None = provider if isinstance(provider, ReportsEvents) else None
+        replacing = any(nt.replace_before for nt in controller.node_types.values())
+        self._ends_source: ReportsEnds | None = provider if replacing and isinstance(provider, ReportsEnds) else None
 
     @property
     def view(self) -> ControllerView:
@@ -181,6 +195,12 @@ class AutoScaler:
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
+        notices = ends = None  # wall-clock times from the provider, on the scheduler's clock
+        if isinstance(self.provider, ReportsPreemption):  # cheap by contract: called in this loop
+            notices = on_clock(self.provider.preemptions(time.time()), self.scheduler.clock())
+        if self._ends_source is not None:  # only when a node type replaces workers ahead of their end
+            ends = on_clock(await in_daemon_thread(self._ends_source.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
+                            self.scheduler.clock())  # fmt: skip
         listing = None
         if rnd.listing_due(now):  # reconcile launches
             try:
@@ -188,7 +208,8 @@ class AutoScaler:
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
         now = self.scheduler.clock()
-        actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing)
+        actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing, notices=notices,
+                              ends=ends)  # fmt: skip
         self.steps += 1
         if actions.feasibility is not None:
             await self.scheduler.apply([ev.CheckFeasible(now, actions.feasibility)])

@@ -18,8 +18,12 @@ Each :meth:`ScalingController.step` observes first, then acts:
    raises is logged once, then at most once a minute, journaled as ``policy-error`` and replaced
    for that step by the default policy, so the pool keeps serving waiting tasks);
 3. act: clamp launches to ``min_nodes``/``max_nodes`` per type and ``max_workers`` overall
-   (:func:`wanted_launches`, :func:`clamp_launches`), filter retirements (:meth:`_retirements`:
-   ours, running, not refused lately, not below ``min_nodes``, never a type launched this step).
+   (:func:`wanted_launches`, :func:`clamp_launches`), then to the cost limits
+   (``max_cost_per_hour``, ``budget``: ``limits.py``, journaled as ``cost-limit``; the
+   ``CostMeter`` in ``self.cost`` bills from launch to release; replacements for workers with a
+   known end are added just before: ``replacement.py``), filter retirements
+   (:meth:`_retirements`: ours, running, not refused lately, not below ``min_nodes``, never a type
+   launched this step).
 
 ``Actions`` carries what the shell must do (launch, retire, terminate), the journal records, a new
 :class:`~tidepool.scaling.feasibility.Feasibility` when a node type got disabled (the shell sends it
@@ -50,6 +54,7 @@ from tidepool.errors import ConfigError
 from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
+from tidepool.scaling.limits import CostLimits, CostMeter, CostView, cap_launches, over_budget
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import (
     Adopted,
@@ -62,6 +67,8 @@ from tidepool.scaling.observation import (
 )
 from tidepool.scaling.planned import default_policy
 from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.preemption import FallbackTracker
+from tidepool.scaling.replacement import Replacing
 from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
@@ -70,6 +77,7 @@ from tidepool.scaling.snapshot import (
     TypeForecast,
     WorkerView,
 )
+from tidepool.scaling.warm import Quiet, idle_by_type, warm_launches
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
@@ -138,6 +146,8 @@ class ControllerView:
     forecast: ForecastDue = ForecastDue()
     #: the node types and the disabled ones: the rule the scheduler state gets (``CheckFeasible``)
     feasibility: Feasibility = Feasibility(())
+    #: the pool's cost as of the step: spent so far, rate now, the limits (``limits.py``)
+    cost: CostView = CostView()
 
 
 @dataclass
@@ -212,18 +222,24 @@ def quiet_decision(text: str) -> str:
     return re.sub(r"[0-9.]+", "#", text)
 
 
-class ScalingController:
+class ScalingController(Replacing):
     def __init__(self, node_types: list[NodeType] | tuple[NodeType, ...],
                  policy: Callable[[ClusterSnapshot], Any] | None = None, *,
                  launch_timeout: float | None = None, backoff_base: float = 2.0,
                  backoff_max: float = 120.0, max_type_failures: int = 3,
                  max_workers: int | None = None,
-                 forecast_interval: float | None = None, manage_foreign: bool = False) -> None:  # fmt: skip
+                 forecast_interval: float | None = None, manage_foreign: bool = False,
+                 max_cost_per_hour: float | None = None, budget: float | None = None,
+                 scale_to_zero_after: float | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
         if len(set(names)) != len(names):
             raise ConfigError(f"node type names must be unique, got {names}")
+        for nt in node_types:
+            if nt.fallback is not None and nt.fallback not in names:
+                raise ConfigError(f"node type {nt.name!r}: fallback {nt.fallback!r} is not one of the node types "
+                                  f"{names}; add it or fix the name")  # fmt: skip
         self.node_types = {nt.name: nt for nt in node_types}
         self.policy = policy if policy is not None else default_policy()
         self.launch_timeout = launch_timeout
@@ -234,6 +250,23 @@ class ScalingController:
         #: retire workers the autoscaler did not launch (started by hand, or by another tool)?
         self.manage_foreign = manage_foreign
         self.journal = Journal()  # in memory only: the controller writes no file
+        #: hard cost ceilings applied after any policy, and the meter they are checked against
+        self.limits = CostLimits(max_cost_per_hour, budget)
+        self.cost = CostMeter(self.node_types)
+        self._cost_said: dict[str, tuple[str, float]] = {}  # node type -> (last cut said, when)
+        #: preemptible types whose launches go to their fallback now (``preemption.py``)
+        self.fallbacks = FallbackTracker(self.node_types)
+        if scale_to_zero_after is not None and (isinstance(scale_to_zero_after, bool) or not isinstance(
+                scale_to_zero_after, (int, float)) or not scale_to_zero_after > 0 or scale_to_zero_after == float("inf")):
+            raise ConfigError(f"scale_to_zero_after must be a finite number of seconds > 0, got {scale_to_zero_after!r}")
+        #: a pool with no work for this long keeps no warm workers and retires its idle ones (warm.py)
+        self.scale_to_zero_after = scale_to_zero_after
+        self._quiet = Quiet()
+        self._noticed: dict[str, float] = {}  # worker -> its preemption deadline
+        self._abandoned: set[str] = set()  # noticed workers ended at once (their work could not finish)
+        #: workers a replacement was launched for (known end: preemption notice, walltime)
+        self._replaced: set[str] = set()
+        self._replace: list[tuple[str, str, str]] = []  # (worker, node type, why) to replace this step
         self._drained = 0
         self.instances = InstanceTable()
         self.failures: dict[str, int] = {}
@@ -250,6 +283,7 @@ class ScalingController:
         self._asked: dict[str, ShrinkSignature] = {}
         self._foreign_noted: set[str] = set()
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
+        self._expiry_seen: dict[str, float] = {}  # worker -> first listed as expiring (replace_before waits)
         self._fallback = Adaptive()
         self._policy_error_t = -1e9
         self._policy_error = ""
@@ -291,6 +325,7 @@ class ScalingController:
         actions = Actions()
         by_id = {w.id: w for w in obs.workers}
         self._observe(obs, by_id, actions)
+        self.cost.settle(self.instances)
         types = self._types_now()
         if obs.graph is not None:
             self._refresh_forecast(obs, obs.graph, types)
@@ -300,13 +335,23 @@ class ScalingController:
         decision = self._decide(snap)
         reasons = list(decision.reasons)
         retiring = self._retiring_by_type()
+        zero = self._quiet.for_at_least(obs.now, self.scale_to_zero_after)
         wanted = wanted_launches(decision, snap, reasons, retiring)
+        if not zero:  # min_idle: idle workers kept ready, apart from min_nodes
+            for name, n in warm_launches(snap, self.instances.retiring, reasons).items():
+                floor_idle = max(0, wanted.get(name, 0) - decision.launch.get(name, 0))  # min_nodes' come idle
+                wanted[name] = wanted.get(name, 0) + max(0, n - floor_idle)
+        wanted = self._routed(wanted, reasons)
         workers = len(obs.workers) + sum(len(p.worker_ids) or p.nodes for p in pending)
         planned = clamp_launches(wanted, snap, self.node_types, unusable=self.unusable, stale=self._stale_types,
                                  max_workers=self.max_workers, workers=workers, reasons=reasons,
                                  retiring=retiring)  # fmt: skip
+        planned = self._cost_cap(self._with_replacements(planned, snap, reasons), obs.now)
         self._launch(planned, "; ".join(reasons), obs.now, actions)
-        self._retirements(decision, snap, by_id, planned, retiring, actions)
+        self._retirements(decision, snap, by_id, planned, retiring, actions, keep_idle=not zero)
+        self._budget_spent(snap, by_id, planned, actions)
+        if zero:
+            self._to_zero(snap, by_id, planned, actions)
         if not actions.launch and not actions.retire and decision.reasons:
             self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
         return self._finish(actions)
@@ -318,13 +363,21 @@ class ScalingController:
         if obs.listing is not None:
             self._reconcile(obs.listing, obs.now)
         self._sync_live(by_id, obs.now)
-        self._expiring(obs.expiring, by_id, obs.now, actions)
+        self._notices(obs, by_id, actions)
+        self._expiring([(w, "provider: walltime ends soon") for w in obs.expiring]
+                       + [(w, f"preemption notice: the provider takes it back in {d - obs.now:.1f}s")
+                          for w, d in self._noticed.items()],
+                       by_id, obs.now, actions)  # fmt: skip
+        self._replace_before(obs, by_id)
+        for rec in self.fallbacks.recover(obs.now):
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         self._timeouts(obs.now, actions)
         if obs.demand:
             if self.backlog_since is None:
                 self.backlog_since = obs.now
         else:
             self.backlog_since = None
+        self._quiet.update(obs.now, bool(obs.demand or obs.running or obs.waiting or self.instances.open))
 
     def _named(self, r: Named) -> None:
         table = self.instances
@@ -418,6 +471,9 @@ class ScalingController:
             return
         table.move(table.instances[wid], IS.FAILED, now, message)
         req.workers.remove(wid)
+        rec = self.fallbacks.trouble(req.node_type, now, f"capacity error: {message}")
+        if rec is not None:
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         nt = self.node_types.get(req.node_type)
         wpn = nt.workers_per_node if nt is not None else 1
         req.nodes = max(1, -(-len(req.workers) // max(1, wpn)))
@@ -487,16 +543,23 @@ class ScalingController:
                 if named is not None and named.state is IS.NAMED:
                     self._joined(Joined(wid, ws.joined, ready=ws.state == "running"))
 
-    def _expiring(self, expiring: tuple[str, ...], by_id: Mapping[str, WorkerView], now: float,
+    def _expiring(self, expiring: list[tuple[str, str]], by_id: Mapping[str, WorkerView], now: float,
                   actions: Actions) -> None:  # fmt: skip
-        for wid in expiring:
+        """Workers whose end is known (walltime, preemption notice): retired gracefully now (their
+        needed data moves to survivors), asked again every ``EXPIRY_RETRY`` s while refused."""
+        for wid, why in expiring:
             ws = by_id.get(wid)
-            if ws is None or ws.state != "running" or self._is_retiring(wid):
+            if ws is None or ws.state != "running" or self._is_retiring(wid) or wid in self._abandoned:
                 continue
             if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
                 continue
+            nt = self.node_types.get(ws.node_type)
+            if nt is not None and nt.replace_before and wid not in self._noticed and self._awaits_replacement(ws, now):
+                continue
             self._expiry_tried[wid] = now
-            self._begin_retire(ws, now, "provider: walltime ends soon", actions)
+            self._begin_retire(ws, now, why, actions)
+            if nt is not None and nt.replace_before:
+                self._want_replacement(ws, why)
 
     def _timeouts(self, now: float, actions: Actions) -> None:
         """Launches that never arrived: given up, their workers terminated, their type backs off."""
@@ -513,6 +576,9 @@ class ScalingController:
         wait = min(self.backoff_max, self.backoff_base * 2 ** (n - 1))
         self.backoff_until[nt] = now + wait
         self.journal.record("backoff", now, node_type=nt, seconds=wait, failures=n, reason=message)
+        rec = self.fallbacks.trouble(nt, now, f"capacity error: {message}")
+        if rec is not None:
+            self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
         if n >= self.max_type_failures and nt not in self.unusable:
             why = f"{n} launches of {nt!r} failed in a row (last: {message}); not launching it again"
             self.unusable[nt] = why
@@ -535,7 +601,8 @@ class ScalingController:
             now=obs.now, node_types=types, demand=obs.demand, workers=obs.workers, pending=pending,
             last_progress=obs.last_progress, finished=obs.finished, waiting=obs.waiting,
             running=obs.running, backlog_since=self.backlog_since,
-            backoff=tuple(sorted(self.backoff_until.items())), unusable=tuple(sorted(self.unusable)),
+            backoff=tuple(sorted({**self.backoff_until, **self.fallbacks.blocked_until(obs.now)}.items())),
+            unusable=tuple(sorted(self.unusable)),
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
         )  # fmt: skip
 
@@ -604,15 +671,60 @@ class ScalingController:
             actions.launch.append((rid, nt, n))
             actions.launch_timeouts[rid] = timeout
             self._stale_types.add(name)
+            self.cost.launched(rid, name, n, now)
             self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=why)
 
+    def _cost_cap(self, planned: dict[str, int], now: float) -> dict[str, int]:
+        """The launches cut to ``max_cost_per_hour`` and ``budget``; each cut journaled
+        (``cost-limit``), once per node type until its answer changes or 10 s passed."""
+        if not self.limits.any or not planned:
+            return planned
+        types = {nt.name: nt for nt in self._types_now()}  # measured start-up: the least a node is held
+        out, cuts = cap_launches(planned, types, self.limits, rate=self.cost.rate, spent=self.cost.spent(now))
+        for name, asked, allowed, why in cuts:
+            text = f"{name}: asked for {asked} nodes, launching {allowed}: {why}"
+            said = self._cost_said.get(name)
+            if said is None or said[0] != quiet_decision(text) or now - said[1] > 10.0:
+                self._cost_said[name] = (quiet_decision(text), now)
+                self.journal.record("cost-limit", now, node_type=name, asked=asked, allowed=allowed, reason=text)
+        return out
+
+    def _to_zero(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], planned: Mapping[str, int],
+                 actions: Actions) -> None:  # fmt: skip
+        """A pool quiet for ``scale_to_zero_after`` s: retire every idle worker that holds nothing
+        needed (``min_nodes`` still holds), so a quiet cluster holds no allocation."""
+        left = {nt.name: standing(snap, nt.name, self._retiring_by_type()) for nt in snap.node_types}
+        assert self._quiet.since is not None
+        why = f"the pool has had no work for {snap.now - self._quiet.since:.0f}s (scale_to_zero_after={self.scale_to_zero_after:g}s)"
+        for ws in by_id.values():
+            nt = self.node_types.get(ws.node_type)
+            if (not ws.idle or ws.unique_keys or self._is_retiring(ws.id) or not self._manages(ws.id)
+                    or planned.get(ws.node_type) or ws.id in self.refused):  # fmt: skip
+                continue
+            if nt is not None and left.get(nt.name, 0) - 1 < nt.min_nodes:
+                continue
+            left[ws.node_type] = left.get(ws.node_type, 0) - 1
+            self._begin_retire(ws, snap.now, why, actions)
+
+    def _budget_spent(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], planned: Mapping[str, int],
+                      actions: Actions) -> None:  # fmt: skip
+        """The budget is spent: retire idle workers that hold nothing needed (min_nodes too)."""
+        if not over_budget(self.limits, self.cost.spent(snap.now)):
+            return
+        for ws in by_id.values():
+            if (ws.idle and ws.unique_keys == 0 and not self._is_retiring(ws.id) and self._manages(ws.id)
+                    and not planned.get(ws.node_type)):  # fmt: skip
+                self._begin_retire(ws, snap.now, f"budget {self.limits.budget:g} spent: an idle worker costs", actions)
+
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
-                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions) -> None:  # fmt: skip
+                     planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions, *,
+                     keep_idle: bool = True) -> None:  # fmt: skip
         """Retire what the policy asked, if known, running, ours, not refused with the pool unchanged since, not below
-        ``min_nodes`` (nodes being retired already do not count) and not of a type launched this
-        step (anti-flap)."""
+        ``min_nodes`` (nodes being retired already do not count), not below ``min_idle`` idle
+        workers (with ``keep_idle``) and not of a type launched this step (anti-flap)."""
         now = snap.now
         left = {nt.name: standing(snap, nt.name, retiring) for nt in snap.node_types}
+        idle = idle_by_type(snap, self.instances.retiring, coming=False)
         why = dict(decision.why)
         for wid in decision.retire:
             ws = by_id.get(wid)
@@ -628,6 +740,10 @@ class ScalingController:
             wt = self.node_types.get(ws.node_type)
             if wt is not None and left.get(wt.name, 0) - 1 < wt.min_nodes:
                 continue
+            if keep_idle and wt is not None and ws.idle and idle.get(wt.name, 0) - 1 < wt.min_idle:
+                continue
+            if ws.idle:
+                idle[ws.node_type] = idle.get(ws.node_type, 0) - 1
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self._asked[wid] = sig
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
@@ -694,6 +810,7 @@ class ScalingController:
             backlog_since=self.backlog_since, pending=pending, failures=_frozen(self.failures),
             unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
             feasibility=self._feasibility,
+            cost=self.cost.view(snap.now, self.limits) if snap is not None else self.view.cost,
         )  # fmt: skip
         actions.view = self.view
         return actions

@@ -29,6 +29,14 @@ class NodeType:
     ``min_nodes``/``max_nodes``: whole numbers, ``0 <= min_nodes <= max_nodes``;
     ``workers_per_node``: a whole number >= 1; ``cost``/``startup_estimate``: finite numbers >= 0;
     ``resources``: see :func:`~tidepool.resources.parse_resources`; ``options``: a mapping.
+
+    Preemptible (spot) capacity: ``preemptible=True`` says the provider may take its nodes back
+    with a notice; ``fallback`` names the type launched instead after ``fallback_after`` (>= 1)
+    preemptions or capacity errors within ``fallback_window`` seconds, until the type has had none
+    for ``fallback_healthy`` seconds (``scaling/preemption.py``).  Warm pools: ``min_idle`` (a whole
+    number <= ``max_nodes``) idle workers are kept ready apart from ``min_nodes``;
+    ``replace_before=True`` launches a replacement for a worker whose end is known (walltime,
+    preemption notice) the type's measured start-up time before that end.
     """
 
     name: str
@@ -39,6 +47,13 @@ class NodeType:
     cost: float = 1.0
     startup_estimate: float = 5.0
     options: Mapping[str, Any] = field(default_factory=dict)
+    preemptible: bool = False
+    fallback: str | None = None
+    fallback_after: int = 3
+    fallback_window: float = 600.0
+    fallback_healthy: float = 900.0
+    min_idle: int = 0
+    replace_before: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -60,6 +75,19 @@ class NodeType:
             )
         set_(self, "cost", _finite(self.name, "cost", self.cost))
         set_(self, "startup_estimate", _finite(self.name, "startup_estimate", self.startup_estimate))
+        for key in ("preemptible", "replace_before"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"node type {self.name!r}: {key} must be true or false, got {getattr(self, key)!r}")
+        if self.fallback is not None and (not isinstance(self.fallback, str) or not _NAME.fullmatch(self.fallback)
+                                          or self.fallback == self.name):  # fmt: skip
+            raise ConfigError(f"node type {self.name!r}: fallback must name another node type, got {self.fallback!r}")
+        set_(self, "fallback_after", _whole(self.name, "fallback_after", self.fallback_after, 1))
+        set_(self, "fallback_window", _finite(self.name, "fallback_window", self.fallback_window))
+        set_(self, "fallback_healthy", _finite(self.name, "fallback_healthy", self.fallback_healthy))
+        set_(self, "min_idle", _whole(self.name, "min_idle", self.min_idle, 0))
+        if self.min_idle > self.max_nodes:
+            raise ConfigError(f"node type {self.name!r}: min_idle={self.min_idle} is above max_nodes={self.max_nodes}; "
+                              "lower min_idle or raise max_nodes")  # fmt: skip
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"node type {self.name!r}: options must be a mapping (a TOML table), "
                               f"got {self.options!r}")  # fmt: skip

@@ -117,6 +117,10 @@ class Observation:
     tasks: int = 0  # tasks the scheduler knows (sets how often forecasts are worth their cost)
     graph: GraphView | None = None  # None: not sampled this round (the last forecast stands)
     expiring: tuple[str, ...] = ()  # workers whose allocation ends soon (provider: walltime)
+    #: preemption notices: (worker, when the provider takes it back, on this observation's clock)
+    notices: tuple[tuple[str, float], ...] = ()
+    #: known ends: (worker, when it must be gone: walltime minus the retire margin), this clock
+    ends: tuple[tuple[str, float], ...] = ()
     listing: Mapping[str, Mapping[str, Any]] | None = None  # the provider's list(), when fetched
     reports: tuple[Report, ...] = ()  # what happened since the last step, in order
 
@@ -229,7 +233,8 @@ def graph_view(state: SchedulerState, now: float) -> GraphView:
 
 def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: Sequence[str] = (),
             listing: Mapping[str, Mapping[str, Any]] | None = None,
-            reports: Sequence[Report] = ()) -> Observation:  # fmt: skip
+            reports: Sequence[Report] = (), notices: Mapping[str, float] | None = None,
+            ends: Mapping[str, float] | None = None) -> Observation:  # fmt: skip
     """Read the scheduler state once into frozen data (the shell's side of the boundary)."""
     workers = worker_views(state)
     return Observation(
@@ -237,13 +242,15 @@ def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: 
         finished=state.counters["finished"], waiting=state.counts.get("waiting", 0),
         running=sum(w.running for w in workers), tasks=len(state.tasks),
         graph=graph_view(state, now) if graph else None, expiring=tuple(expiring), listing=listing,
-        reports=tuple(reports),
+        reports=tuple(reports), notices=tuple(sorted((notices or {}).items())),
+        ends=tuple(sorted((ends or {}).items())),
     )  # fmt: skip
 
 
 def step_with_state(controller: ScalingController, state: SchedulerState, now: float, *,
                     expiring: Sequence[str] = (), listing: Mapping[str, Mapping[str, Any]] | None = None,
-                    reports: Sequence[Report] = ()) -> Actions:  # fmt: skip
+                    reports: Sequence[Report] = (), notices: Mapping[str, float] | None = None,
+                    ends: Mapping[str, float] | None = None) -> Actions:  # fmt: skip
     """Observe ``state`` (with the graph if the controller wants a forecast) with ``reports``,
     then step: one round of ``scaling/shell/round.py`` without its provider, for tests."""
     from tidepool.scaling.shell.round import Round
@@ -251,4 +258,4 @@ def step_with_state(controller: ScalingController, state: SchedulerState, now: f
 
     rnd = Round(controller, Journal())
     rnd.inbox.extend(reports)
-    return rnd.step(state, now, expiring=expiring, listing=listing)[0]
+    return rnd.step(state, now, expiring=expiring, listing=listing, notices=notices, ends=ends)[0]

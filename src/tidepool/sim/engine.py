@@ -53,7 +53,7 @@ CLIENT = "sim-client"
 
 # event kinds
 _TO_SCHED, _TO_WORKER, _DONE, _FETCHED, _UP, _END, _STEP, _TICK, _BEAT, _SUBMIT, _TO_CLIENT, _HELD, \
-    _GATHERED = range(13)  # fmt: skip
+    _GATHERED, _PREEMPT = range(14)  # fmt: skip
 # worker message items
 _X, _F, _S, _R, _C = range(5)
 
@@ -132,6 +132,8 @@ class SimResult:
     journal: str | None = None
     task_seconds: float = 0.0  # sum of the durations of the task executions
     retire_refused: int = 0  # retirements asked for and refused (``retirements`` counts done ones)
+    lost_seconds: float = 0.0  # task execution time thrown away: tasks running on a worker that was killed
+    preempted: int = 0  # workers killed by a preemption (spot) before they left
 
     @property
     def total_cost(self) -> float:
@@ -248,6 +250,9 @@ class Simulation:
         self._peak = 0
         self._busy: dict[str, list[tuple[float, float]]] = {}  # worker -> disjoint busy intervals, in order
         self._task_seconds = 0.0
+        self._run_start: dict[int, float] = {}  # token of a running execution -> when it started
+        self._lost = 0.0
+        self._preempted = 0
         self._executions = 0
         self._last_event = 0.0
         self._stopped = ""
@@ -369,6 +374,8 @@ class Simulation:
 
     def _worker_gone(self, w: SimWorker, reason: str) -> None:
         """``w``'s process ended without the scheduler closing it: the connection closes."""
+        for token in w.running.values():  # what its running tasks had done is lost
+            self._lost += self.now - self._run_start.pop(token, self.now)
         w.alive = False
         del self.workers[w.id]
         self.out.append(ev.WorkerRemove(w.id, self.now, reason, graceful=False, cause=ev.RemoveCause.CLOSED))
@@ -513,6 +520,7 @@ class Simulation:
             key = item[0]
             token = next(self._token)
             w.running[key] = token
+            self._run_start[token] = now
             started.append(key)
             st = tasks.get(key)
             push(now + (st.duration if st is not None else 0.0), _DONE, w.id, (key, token, shape))
@@ -526,6 +534,7 @@ class Simulation:
         if w is None or w.running.get(key) != token:
             return
         del w.running[key]
+        self._run_start.pop(token, None)
         free = w.free
         for name, amount in shape:
             free[name] += amount
@@ -551,6 +560,16 @@ class Simulation:
         end = provider.walltime_end(wid)
         if end is not None:
             self._push(max(end, self.now), _END, wid)
+        taken = provider.preempted_at(wid)
+        if taken is not None and (end is None or taken < end):
+            self._push(max(taken, self.now), _PREEMPT, wid)
+
+    def _preempt(self, wid: str) -> None:
+        w = self.workers.get(wid)
+        self.provider.exited(wid, "simulated: preempted (spot capacity taken back)")
+        if w is not None and w.alive:
+            self._preempted += 1
+            self._worker_gone(w, "preempted: the provider took the node back")
 
     def _walltime(self, wid: str) -> None:
         w = self.workers.get(wid)
@@ -665,6 +684,8 @@ class Simulation:
                     self._submit(a)
                 elif kind == _END:
                     self._walltime(a)
+                elif kind == _PREEMPT:
+                    self._preempt(a)
                 elif kind == _HELD:
                     self._gather()
                 elif kind == _GATHERED:
@@ -764,7 +785,7 @@ class Simulation:
             launch_failures=sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")),
             workers=self.state.counters["workers_joined"], peak_workers=self._peak, tasks=len(self.tasks),
             executions=self._executions, recomputed=self.state.counters["recomputed"], end=end, stats=st,
-            notes=notes, journal=self.journal_path,
+            notes=notes, journal=self.journal_path, lost_seconds=self._lost, preempted=self._preempted,
         )  # fmt: skip
 
 

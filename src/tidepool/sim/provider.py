@@ -8,6 +8,15 @@ billed).  With a ``walltime``, the allocation ends that long after it started: i
 killed (reported as ended, like Slurm's TIMEOUT) unless retired first; :meth:`expiring` lists them
 ``retire_margin`` seconds before, so the controller retires them gracefully, as with Slurm.
 
+Spot capacity: with a ``preempt_rate`` (preemptions per node-hour, a Poisson process from the
+allocation on), a node gets a preemption notice at a random time (:meth:`preemptions` lists its
+workers with their deadline from then on) and its workers are killed ``notice`` seconds later
+unless they left first (nothing is reported as a failure: a preemption is not a broken node type;
+the notice is what the controller counts).  ``capacity_errors`` is the probability that a node's
+launch is refused at once for lack of capacity (reported through :meth:`poll_errors`, nothing
+billed), which the controller counts against a preemptible type too.  :meth:`ends` lists the
+walltime ends minus the margin (for ``replace_before``).
+
 Presets (:data:`PRESETS`): ``local`` (a worker process on this machine, ~0.3 s), ``ssh`` (1-3 s),
 ``cloud`` (a VM: 60-120 s), ``slurm`` (queue waits of minutes with a long tail, 2% of jobs fail,
 one-hour walltime).
@@ -44,10 +53,19 @@ class StartupModel:
     fail: float = 0.0  # probability that an allocation fails (no worker, nothing billed)
     walltime: float | None = None  # the allocation ends this long after it started
     retire_margin: float | None = None  # expiring() names workers this long before the walltime ends
+    preempt_rate: float = 0.0  # preemption notices per node-hour (spot capacity)
+    notice: float = 120.0  # seconds from a preemption notice to the kill
+    capacity_errors: float = 0.0  # probability that a node's launch is refused at once (no capacity)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail <= 1.0:
             raise ConfigError(f"fail must be a probability 0..1, got {self.fail!r}")
+        if not 0.0 <= self.capacity_errors <= 1.0:
+            raise ConfigError(f"capacity_errors must be a probability 0..1, got {self.capacity_errors!r}")
+        for key in ("preempt_rate", "notice"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{key} must be a finite number >= 0, got {v!r}")
         if self.walltime is not None and not (math.isfinite(self.walltime) and self.walltime > 0):
             raise ConfigError(f"walltime must be a positive number of seconds, got {self.walltime!r}")
 
@@ -72,6 +90,10 @@ class StartupModel:
             parts.append(f"{self.fail:.0%} fail")
         if self.walltime:
             parts.append(f"walltime {self.walltime:g}s")
+        if self.preempt_rate:
+            parts.append(f"preempted {self.preempt_rate:g}/node-h, {self.notice:g}s notice")
+        if self.capacity_errors:
+            parts.append(f"{self.capacity_errors:.0%} capacity errors")
         return ", ".join(parts)
 
 
@@ -82,7 +104,8 @@ PRESETS: dict[str, StartupModel] = {
     "slurm": StartupModel(boot=Dist("uniform", (5.0, 15.0)), queue=Dist("lognormal", (120.0, 1.0)),
                           fail=0.02, walltime=3600.0),  # fmt: skip
 }
-_MODEL_KEYS = ("startup", "boot", "queue", "fail", "walltime", "retire_margin")
+_MODEL_KEYS = ("startup", "boot", "queue", "fail", "walltime", "retire_margin", "preempt_rate", "notice",
+               "capacity_errors")
 
 
 def model_from(value: Any, where: str, base: StartupModel | None = None) -> StartupModel:
@@ -110,6 +133,12 @@ def model_from(value: Any, where: str, base: StartupModel | None = None) -> Star
         kw["walltime"] = float(value["walltime"]) if value["walltime"] else None
     if "retire_margin" in value:
         kw["retire_margin"] = float(value["retire_margin"])
+    for key in ("preempt_rate", "notice", "capacity_errors"):
+        if key in value:
+            v = value[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{where}: {key} must be a number, got {v!r}")
+            kw[key] = float(v)
     from dataclasses import replace
 
     try:
@@ -129,6 +158,8 @@ class _Node:
     failed: bool
     ended: float | None = None  # billed to
     live: set[str] = field(default_factory=set)  # workers whose process has not ended
+    notice_at: float | None = None  # when its preemption notice comes (spot)
+    kill_at: float | None = None  # ... and when it is taken back
 
 
 class SimProvider:
@@ -176,12 +207,25 @@ class SimProvider:
         for n in range(count):
             wids = [f"{node_type.name}-{request_id}-{n * node_type.workers_per_node + i}"
                     for i in range(node_type.workers_per_node)]  # fmt: skip
+            if model.capacity_errors > 0 and rng.random() < model.capacity_errors:
+                node = _Node(request_id, node_type.name, wids, now, now, None, True, ended=now)
+                self.nodes.append(node)
+                for w in wids:
+                    self.worker_node[w] = node
+                    self._errors.append((now, ProviderFailure(request_id, w, (
+                        f"simulated: no capacity for {node_type.name!r} node {n} of request {request_id} "
+                        "(InsufficientCapacity)"))))  # fmt: skip
+                ids.extend(wids)
+                continue
             q = model.queue.sample(rng)
             b = model.boot.sample(rng)
             failed = model.fail > 0 and rng.random() < model.fail
             alloc = now + q
             end_at = alloc + model.walltime if model.walltime is not None else None
             node = _Node(request_id, node_type.name, wids, alloc, alloc + b, end_at, failed)
+            if model.preempt_rate > 0 and not failed:
+                node.notice_at = alloc + rng.expovariate(model.preempt_rate / 3600.0)
+                node.kill_at = node.notice_at + model.notice
             self.nodes.append(node)
             for w in wids:
                 self.worker_node[w] = node
@@ -243,6 +287,31 @@ class SimProvider:
             if node.end_at - now_wall <= self._model(node.node_type).margin:
                 out.append(w)
         return out
+
+    def preemptions(self, now_wall: float) -> dict[str, float]:
+        """Registered live workers under a preemption notice -> when they are taken back
+        (``now_wall`` is the simulation's clock here)."""
+        out = {}
+        for w in sorted(self.registered):
+            node = self.worker_node[w]
+            if node.notice_at is not None and node.notice_at <= now_wall and w in node.live:
+                assert node.kill_at is not None
+                out[w] = node.kill_at
+        return out
+
+    def ends(self, now_wall: float) -> dict[str, float]:
+        """Registered live workers with a walltime -> when they must be gone (end minus margin)."""
+        out = {}
+        for w in sorted(self.registered):
+            node = self.worker_node[w]
+            if node.end_at is not None and w in node.live:
+                out[w] = node.end_at - self._model(node.node_type).margin
+        return out
+
+    def preempted_at(self, wid: str) -> float | None:
+        """When ``wid``'s node is taken back (None: never)."""
+        node = self.worker_node.get(wid)
+        return node.kill_at if node is not None else None
 
     def close(self) -> None:
         self.terminate(builtins.list(self.worker_node))

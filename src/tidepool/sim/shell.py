@@ -110,8 +110,10 @@ class SimAutoScaler:
         allowed = (self.forecast_budget is None
                    or now - self._forecast_at >= self._forecast_cost / self.forecast_budget)  # fmt: skip
         t0 = time.perf_counter()
-        actions, forecast = sync_round(self.round, state, self.provider, now, apply=self._apply,
-                                       expiring=self.provider.expiring(now), graph_allowed=allowed)  # fmt: skip
+        provider = self.provider
+        actions, forecast = sync_round(self.round, state, provider, now, apply=self._apply,
+                                       expiring=provider.expiring(now), graph_allowed=allowed,
+                                       notices=provider.preemptions(now), ends=provider.ends(now))  # fmt: skip
         took = time.perf_counter() - t0
         self.step_wall += took
         self.max_step_wall = max(self.max_step_wall, took)

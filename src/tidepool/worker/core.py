@@ -857,5 +857,19 @@ def _default_host(scheduler: str) -> str:
 
 async def run_worker(scheduler: str, token: str, **kwargs: Any) -> None:
     """Start a worker and run until the scheduler closes it or the connection is lost."""
+    on_preemption_notice()
     w = await Worker(scheduler, token, **kwargs).start()
     await w.finished()
+
+
+def on_preemption_notice() -> None:
+    """SIGUSR1 is a preemption notice (``LocalProvider.preempt``; some batch systems send it before
+    a job ends): log it and keep working.  The scheduler learns of the notice from the provider and
+    retires this worker gracefully, so its data moves; the default action would kill it at once."""
+    import signal
+
+    def noted() -> None:
+        logging.getLogger("tidepool.worker").warning("preemption notice (SIGUSR1): working on until retired")
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError, AttributeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, noted)

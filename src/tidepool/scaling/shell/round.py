@@ -97,15 +97,16 @@ class Round:
         return False
 
     def step(self, state: SchedulerState, now: float, *, expiring: Sequence[str] = (),
-             listing: Mapping[str, Mapping[str, Any]] | None = None,
-             graph_allowed: bool = True) -> tuple[Actions, bool]:  # fmt: skip
+             listing: Mapping[str, Mapping[str, Any]] | None = None, graph_allowed: bool = True,
+             notices: Mapping[str, float] | None = None,
+             ends: Mapping[str, float] | None = None) -> tuple[Actions, bool]:  # fmt: skip
         """Observe ``state`` at ``now`` with the inbox, step the controller, journal its records.
         Returns the actions and whether the unfinished graph went into the observation."""
         want = graph_allowed and self.view.forecast.due(len(state.workers), len(state.tasks),
                                                         state.counters["finished"], now)  # fmt: skip
         reports, self.inbox = self.inbox, []
         actions = self.controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing,
-                                               reports=reports))  # fmt: skip
+                                               reports=reports, notices=notices, ends=ends))  # fmt: skip
         self.view = actions.view
         for rec in actions.records:
             self.journal.add(rec)
@@ -144,7 +145,9 @@ class Round:
 def sync_round(rnd: Round, state: SchedulerState, provider: Any, now: float, *,
                apply: Callable[[list[ev.Event]], Any], expiring: Sequence[str] = (),
                graph_allowed: bool = True,
-               named: Callable[[Sequence[str], NodeType], None] | None = None) -> tuple[Actions, bool]:  # fmt: skip
+               named: Callable[[Sequence[str], NodeType], None] | None = None,
+               notices: Mapping[str, float] | None = None,
+               ends: Mapping[str, float] | None = None) -> tuple[Actions, bool]:  # fmt: skip
     """One whole round with a synchronous provider (``worker_ids``, ``launch``, ``terminate``,
     ``list``, ``poll_errors`` returning at once): observe, step, then feasibility, launches and
     terminations.  Retirements are left to the caller (``actions.retire``): the simulator goes
@@ -152,7 +155,8 @@ def sync_round(rnd: Round, state: SchedulerState, provider: Any, now: float, *,
     events to the scheduler state; ``named`` is told each launch's worker ids before it starts."""
     rnd.provider_failures(provider.poll_errors(), now)
     listing = provider.list() if rnd.listing_due(now) else None
-    actions, forecast = rnd.step(state, now, expiring=expiring, listing=listing, graph_allowed=graph_allowed)
+    actions, forecast = rnd.step(state, now, expiring=expiring, listing=listing, graph_allowed=graph_allowed,
+                                 notices=notices, ends=ends)  # fmt: skip
     if actions.feasibility is not None:
         apply([ev.CheckFeasible(now, actions.feasibility)])
     for rid, nt, n in actions.launch:
