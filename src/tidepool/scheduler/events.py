@@ -13,9 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
+from tidepool.resources import Shape
 from tidepool.scheduler.kinds import ReportKind
-
-Shape = tuple[tuple[str, float], ...]
 
 
 class RemoveCause(StrEnum):

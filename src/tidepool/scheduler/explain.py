@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidepool.resources import fits
 from tidepool.scheduler.kinds import TaskState as TS
-from tidepool.scheduler.placement import fits
 
 
 def explain(state: Any, key: str) -> dict[str, str]:

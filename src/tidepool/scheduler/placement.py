@@ -11,19 +11,11 @@ Pure functions over read-only views of the scheduler's records.  Rules, in order
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tidepool.scheduler.records import TaskRecord, WorkerRecord
 
-
-def fits(available: Mapping[str, float], demand: Iterable[tuple[str, float]]) -> bool:
-    """True when ``available`` covers every ``(resource, amount)`` in ``demand``."""
-    for name, amount in demand:
-        if available.get(name, 0.0) < amount:
-            return False
-    return True
 
 
 def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecord:

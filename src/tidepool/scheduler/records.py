@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
-from tidepool.scheduler.events import Shape
+from tidepool.resources import Shape
 from tidepool.scheduler.kinds import TaskState, WorkerState
 
 #: resources every worker has; any other (gpu, fpga, licence, ...) is scarce and kept for tasks

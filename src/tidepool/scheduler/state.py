@@ -41,12 +41,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
+from tidepool.resources import fits
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.estimates import DurationEstimates
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
-from tidepool.scheduler.placement import choose_worker, fits
+from tidepool.scheduler.placement import choose_worker
 from tidepool.scheduler.records import TaskRecord, WorkerRecord
 from tidepool.scheduler.resource_names import typo_reason
 

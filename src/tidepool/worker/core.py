@@ -59,8 +59,7 @@ from tidepool.errors import (
     SerializationError,
     WorkerSetupError,
 )
-from tidepool.resources import parse_resources
-from tidepool.scheduler.placement import fits
+from tidepool.resources import fits, parse_resources
 from tidepool.setup import run_setup
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 from tidepool.worker.memory import (
