@@ -43,6 +43,7 @@ from typing import Any
 from tidepool.comm.serialize import Serialized
 from tidepool.resources import fits
 from tidepool.scheduler import events as ev
+from tidepool.scheduler import retire
 from tidepool.scheduler.estimates import DurationEstimates
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
@@ -220,9 +221,7 @@ class SchedulerState:
 
     def _after(self, out: list[ev.Command]) -> list[ev.Command]:
         if self.retiring:
-            from tidepool.scheduler.retire import progress_retirements
-
-            progress_retirements(self, out)
+            self._apply_retire(retire.progress_retirements(self), out)
         if self._room and (self._ready or self._restricted):
             self._schedule(out)
         if self._room and len(self.workers) > 1:
@@ -1056,21 +1055,29 @@ class SchedulerState:
         self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
-    # ---- retirement (decided in retire.py) ------------------------------------------------------
-    def begin_retirement(self, ws: WorkerRecord, reason: str) -> None:
-        """``ws`` takes no new tasks; its unique data will be copied to survivors."""
-        self._move_worker(ws, WS.RETIRING)
-        self._room.discard(ws.id)
-        self.retiring[ws.id] = set()
-        self.retire_reason[ws.id] = reason
-
-    def finish_retirement(self, wid: str, out: list[ev.Command]) -> None:
-        """Nothing unique left and nothing running: close the worker and remove it gracefully."""
-        reason = self.retire_reason.pop(wid, "retired")
-        self.retiring.pop(wid, None)
-        out.append(ev.CloseWorker(wid, f"retired ({reason})"))
-        self._worker_remove(ev.WorkerRemove(wid, self.now, f"retired ({reason})", graceful=True,
-                                            cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
+    # ---- retirement (decided in retire.py, applied here) ---------------------------------------
+    def _apply_retire(self, intents: list[retire.Intent], out: list[ev.Command]) -> None:
+        for it in intents:
+            t = type(it)
+            if t is retire.Begin:  # ws takes no new tasks; its unique data will be copied to survivors
+                ws = self.workers[it.worker]
+                self._move_worker(ws, WS.RETIRING)
+                self._room.discard(ws.id)
+                self.retiring[ws.id] = set()
+                self.retire_reason[ws.id] = it.reason  # type: ignore[union-attr]
+            elif t is retire.Asked:
+                self.retiring[it.worker].update(it.keys)  # type: ignore[union-attr]
+            elif t is retire.Forget:
+                self.retiring.pop(it.worker, None)
+                self.retire_reason.pop(it.worker, None)
+            elif t is retire.Finish:  # nothing unique left, nothing running: close, remove gracefully
+                reason = self.retire_reason.pop(it.worker, "retired")
+                self.retiring.pop(it.worker, None)
+                out.append(ev.CloseWorker(it.worker, f"retired ({reason})"))
+                self._worker_remove(ev.WorkerRemove(it.worker, self.now, f"retired ({reason})", graceful=True,
+                                                    cause=ev.RemoveCause.RETIRED), out)  # fmt: skip
+            else:  # Replicate, RetireRefused: commands for the shell
+                out.append(it)  # type: ignore[arg-type]
 
     # ---- work stealing and seceded tasks -------------------------------------------------------
     def _load_changed(self, ws: WorkerRecord) -> None:
@@ -1209,9 +1216,8 @@ class SchedulerState:
             self._room.add(ws.id)
 
     def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
-        from tidepool.scheduler.retire import start_retire
-
-        start_retire(self, e, out)
+        self._apply_retire(retire.start_retire(self, e), out)
+        self._apply_retire(retire.progress_retirements(self), out)
 
     # ---- queries (read-only) -------------------------------------------------------------------
     def who_has(self, key: str) -> list[str]:
@@ -1220,7 +1226,7 @@ class SchedulerState:
 
     def unique_data(self, ws: WorkerRecord) -> list[TaskRecord]:
         """Values only ``ws`` holds that somebody still needs."""
-        return [ts for ts in ws.has_what if ts.needed and len(ts.who_has) == 1]
+        return retire.unique_data(ws)
 
     def idle_and_empty(self) -> list[str]:
         """Workers that run nothing and hold no value anybody needs: safe to remove now."""
