@@ -17,38 +17,29 @@ needed while a client wants it or an unfinished dependent needs it; when nobody 
 the workers, and a task record is forgotten once nothing depends on it (so memory stays flat in long
 runs).  Values lost with a worker are recomputed from lineage if still needed.
 
-Ready tasks wait in one priority heap per resource shape, ordered by user priority, then submission
-order, except that a task submitted while an input of the same user priority *from an earlier
-submission* is still being computed takes that input's place in line (depth first across
-submissions: ``check(f)`` for each ``f`` of an earlier ``map`` runs soon after ``f``, not after every
-other task of that ``map``, which keeps data-heavy work in memory; within one graph the submission
-order is kept, which forecasts and scaling assume); a worker takes tasks while it has a free
-slot or less than ``queue_seconds`` of estimated work queued per slot (so no-op tasks are batched
-deeply and long tasks are not hoarded by one worker).
-
-Placement keeps scarce resources free: a worker with a resource beyond cpu/memory (a GPU) takes a
-task that does not need it only into a free slot, never into its queue, and not at all while ready
-tasks that need that resource could run on it.  Work stealing: when a worker has a free slot and
-nothing ready fits it, tasks still *queued* (not executing) on busier workers are asked back
-(``Steal``) and placed again, so an idle worker never waits while another has a queue.  A task that
-secedes (``worker_client``) stays on its worker but stops counting as load.
+Ready tasks wait in line by user priority, then submission order, except that a task submitted
+while an input of the same user priority *from an earlier submission* is still being computed
+takes that input's place in line (depth first across submissions: ``check(f)`` for each ``f`` of
+an earlier ``map`` runs soon after ``f``, which keeps data-heavy work in memory; within one graph
+the submission order is kept, which forecasts and scaling assume).  Which worker takes which ready
+task, the ready heaps themselves and work stealing are ``placement.py``'s (pure rules; this file
+makes the moves); graceful retirement is decided in ``retire.py`` and applied here.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
 from tidepool.resources import fits
 from tidepool.scheduler import events as ev
+from tidepool.scheduler import placement as pl
 from tidepool.scheduler import retire
 from tidepool.scheduler.estimates import DurationEstimates
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
-from tidepool.scheduler.placement import choose_worker
 from tidepool.scheduler.records import TaskRecord, WorkerRecord
 from tidepool.scheduler.resource_names import typo_reason
 
@@ -96,9 +87,6 @@ WORKER_TRANSITIONS: dict[tuple[WS, WS], str] = {
 ACTIVE = frozenset({TS.WAITING, TS.READY, TS.NO_WORKER, TS.RUNNING})
 #: the pseudo-client that holds fire-and-forget tasks until they finish
 FIRE_AND_FORGET = "<fire-and-forget>"
-#: bytes per second assumed for copying a stolen task's inputs (Dask's scheduler assumes the same
-#: 100 MB/s until it measures): a steal must save more time than the copy costs
-STEAL_BANDWIDTH = 100e6
 #: one step of user priority outweighs any difference in submission order
 #: a task's priority: ``-user_priority * PRIORITY_STEP + line * LINE + seq`` (lower runs first), where
 #: ``seq`` is its submission number (unique: runs replay exactly) and ``line`` its place in line: its
@@ -159,9 +147,8 @@ class SchedulerState:
         self.workers: dict[str, WorkerRecord] = {}
         self.clients: dict[str, set[str]] = {}
         self.functions: dict[str, Serialized] = {}
-        self._ready: dict[ev.Shape, list[tuple[int, int, TaskRecord]]] = {}
-        #: ready tasks restricted to named workers (``workers=``), in priority order
-        self._restricted: list[tuple[int, int, TaskRecord]] = []
+        #: the ready line (placement.py): a heap per shape, one for tasks restricted to named workers
+        self.ready = pl.ReadyHeaps()
         self.no_worker: dict[ev.Shape, set[TaskRecord]] = {}
         #: tasks per state
         self.counts: dict[str, int] = {TS.RELEASED: 0}
@@ -178,7 +165,6 @@ class SchedulerState:
         self.retiring: dict[str, set[str]] = {}
         self.retire_reason: dict[str, str] = {}
         self._priority = 0
-        self._ready_seq = 0
         self._worker_seq = 0
         self.now = 0.0
         self.last_progress = 0.0
@@ -222,7 +208,7 @@ class SchedulerState:
     def _after(self, out: list[ev.Command]) -> list[ev.Command]:
         if self.retiring:
             self._apply_retire(retire.progress_retirements(self), out)
-        if self._room and (self._ready or self._restricted):
+        if self._room and self.ready:
             self._schedule(out)
         if self._room and len(self.workers) > 1:
             self._steal(out)
@@ -438,9 +424,7 @@ class SchedulerState:
         shape = ts.shape
         ok = self._fit_any.get(shape)
         if ok is None:
-            ok = self._fit_any[shape] = any(
-                fits(w.resources, shape) for w in self.workers.values() if w.state == "running"
-            )
+            ok = self._fit_any[shape] = pl.fits_any(self.workers.values(), shape)
         if not ok:
             why = self._why_infeasible(ts)
             if why is not None:
@@ -452,64 +436,41 @@ class SchedulerState:
             return
         if ts.restrict is not None and self._restricted_ready(ts):
             return
-        self._push_ready(ts)
+        self.ready.push(ts)
 
-    def _push_ready(self, ts: TaskRecord) -> None:
-        shape = ts.shape
-        self._ready_seq += 1
-        ts.ready_seq = self._ready_seq
-        heap = self._ready.get(shape)
-        if heap is None:
-            heap = self._ready[shape] = []
-        heapq.heappush(heap, (ts.priority, self._ready_seq, ts))
-
-    def _matches(self, ws: WorkerRecord, ts: TaskRecord) -> bool:
-        r = ts.restrict
-        return r is None or ws.id in r or ws.name in r or ws.address in r
-
-    def _may_wait_for(self, ws: WorkerRecord, ts: TaskRecord) -> bool:
-        """Is ``ws`` one of ``ts``'s named workers that it should wait for?  A loosely restricted
-        task does not wait for a suspect (silent) worker: any worker will do."""
-        return ws.state == "running" and self._matches(ws, ts) and not (ts.loose and ws.suspect)
+    def _to_no_worker(self, ts: TaskRecord) -> None:
+        self._move(ts, TS.NO_WORKER)
+        ts.no_worker_since = self.now
+        self.no_worker.setdefault(ts.shape, set()).add(ts)
 
     def _restricted_ready(self, ts: TaskRecord) -> bool:
-        """Queue a ready task restricted to named workers; False: it went to the shape heap
+        """Queue a ready task restricted to named workers; False: it goes to the shape heap
         instead (a loose restriction none of whose workers is here)."""
-        if any(self._may_wait_for(w, ts) and self._fits(w, ts.shape) for w in self.workers.values()):
-            self._ready_seq += 1
-            ts.ready_seq = self._ready_seq
-            heapq.heappush(self._restricted, (ts.priority, self._ready_seq, ts))
+        if any(pl.may_wait_for(w, ts) and pl.fits_on(w, ts.shape) for w in self.workers.values()):
+            self.ready.push_restricted(ts)
             return True
         if ts.loose:
             return False
-        self._move(ts, TS.NO_WORKER)  # waits for one of its workers (no_worker_timeout applies)
-        ts.no_worker_since = self.now
-        self.no_worker.setdefault(ts.shape, set()).add(ts)
+        self._to_no_worker(ts)  # waits for one of its workers (no_worker_timeout applies)
         return True
 
     def _schedule_restricted(self, out: list[ev.Command]) -> None:
-        heap = self._restricted
-        keep: list[tuple[int, int, TaskRecord]] = []
-        while heap and self._room:
-            item = heapq.heappop(heap)
-            _, seq, ts = item
-            if ts.state != "ready" or ts.ready_seq != seq:
-                continue
-            cands = [self.workers[w] for w in self._room if self._matches(self.workers[w], ts)
-                     and self._fits(self.workers[w], ts.shape) and self._allowed(self.workers[w], ts.shape)]  # fmt: skip
+        keep: list[TaskRecord] = []
+        while self._room:
+            ts = self.ready.pop_restricted()
+            if ts is None:
+                break
+            cands = pl.restricted_candidates(ts, self.workers, self._room, self.ready.by_shape)
             if cands:
-                self._assign(ts, choose_worker(ts, cands), out)
-            elif not any(self._may_wait_for(w, ts) for w in self.workers.values()):
+                self._assign(ts, pl.choose_worker(ts, cands), out)
+            elif not any(pl.may_wait_for(w, ts) for w in self.workers.values()):
                 if ts.loose:  # its workers left (or went silent): any worker will do
-                    self._push_ready(ts)
+                    self.ready.push(ts)
                 else:  # wait for one of them to come back
-                    self._move(ts, TS.NO_WORKER)
-                    ts.no_worker_since = self.now
-                    self.no_worker.setdefault(ts.shape, set()).add(ts)
+                    self._to_no_worker(ts)
             else:
-                keep.append(item)  # its workers are busy: wait for them
-        for item in keep:
-            heapq.heappush(heap, item)
+                keep.append(ts)  # its workers are busy: wait for them
+        self.ready.keep_restricted(keep)
 
     def _reschedule(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """Running (or ready) task goes back to waiting/ready; missing inputs are recomputed."""
@@ -531,84 +492,35 @@ class SchedulerState:
                 return
 
     def _schedule(self, out: list[ev.Command]) -> None:
-        if self._restricted:
+        """Place ready tasks while some worker has room (placement.py chooses, this moves)."""
+        if self.ready.restricted:
             self._schedule_restricted(out)
         deferred: list[TaskRecord] = []
         try:
-            self._schedule_heaps(out, deferred)
+            while self._room:
+                choice = pl.next_shape(self.ready, self.workers, self._room, self._fit_any)
+                if choice is None:
+                    return
+                what, shape, cands = choice
+                if what == "park":  # no running worker fits the shape: no-worker demand
+                    for ts in self.ready.take(shape):
+                        self._to_no_worker(ts)
+                    continue
+                ts = self.ready.pop(shape)
+                target = pl.choose_worker(ts, cands)
+                if ts.deps and self._transfer_outweighs(target, ts) and pl.holder_busy(ts, self.workers, self._room):
+                    deferred.append(ts)  # its inputs' holder is only full for now: wait for it
+                    continue
+                self._assign(ts, target, out)
         finally:
             for ts in deferred:  # back in line, in their old places: they wait for their holders
-                heapq.heappush(self._ready.setdefault(ts.shape, []), (ts.priority, ts.ready_seq, ts))
-
-    def _schedule_heaps(self, out: list[ev.Command], deferred: list[TaskRecord]) -> None:
-        ready = self._ready
-        workers = self.workers
-        while self._room:
-            best: ev.Shape | None = None
-            head: tuple[int, int, TaskRecord] | None = None
-            cands: list[WorkerRecord] = []
-            for shape in list(ready):
-                heap = ready[shape]
-                while heap and (heap[0][2].state != "ready" or heap[0][2].ready_seq != heap[0][1]):
-                    heapq.heappop(heap)
-                if not heap:
-                    del ready[shape]
-                    continue
-                if head is not None and heap[0][0] >= head[0]:
-                    continue
-                ok = self._fit_any.get(shape)
-                if ok is None:  # cache dropped when workers changed: recompute, never assume
-                    ok = self._fit_any[shape] = any(
-                        fits(w.resources, shape) for w in workers.values() if w.state == "running"
-                    )
-                if not ok:
-                    self._park_no_worker(shape)
-                    continue
-                c = [workers[w] for w in self._room if self._fits(workers[w], shape) and self._allowed(workers[w], shape)]
-                if c:
-                    best, head, cands = shape, heap[0], c
-            if best is None:
-                return
-            _, _, ts = heapq.heappop(ready[best])
-            target = choose_worker(ts, cands)
-            if ts.deps and self._transfer_outweighs(target, ts) and self._holder_busy(ts):
-                deferred.append(ts)  # its inputs' holder is only full for now: wait for it
-                continue
-            self._assign(ts, target, out)
-
-    def _allowed(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
-        """May ``ws`` take a task of ``shape`` now, given its scarce resources?"""
-        if not ws.special:
-            return True
-        extra = ws.special.difference(name for name, _ in shape)
-        if not extra:
-            return True
-        if len(ws.processing) - ws.seceded >= ws.slots:
-            return False  # never queue ordinary work behind a GPU
-        for s, heap in self._ready.items():  # ready work that needs what ws has spare comes first
-            if heap and any(name in extra for name, _ in s) and self._fits(ws, s):
-                return False
-        return True
-
-    def _fits(self, ws: WorkerRecord, shape: ev.Shape) -> bool:
-        ok = ws.fit_cache.get(shape)
-        if ok is None:
-            ok = ws.fit_cache[shape] = fits(ws.resources, shape)
-        return ok
-
-    def _park_no_worker(self, shape: ev.Shape) -> None:
-        heap = self._ready.pop(shape, [])
-        for _, seq, ts in heap:
-            if ts.state == "ready" and ts.ready_seq == seq:
-                self._move(ts, TS.NO_WORKER)
-                ts.no_worker_since = self.now
-                self.no_worker.setdefault(shape, set()).add(ts)
+                self.ready.requeue(ts)
 
     def _has_room(self, ws: WorkerRecord) -> bool:
-        n = len(ws.processing) - ws.seceded
-        if ws.state != "running" or ws.suspect or n >= ws.slots * self.max_queue_per_slot:
-            return False
-        return n < ws.slots or ws.occupancy < self.queue_seconds * ws.slots
+        return pl.has_room(ws, self.queue_seconds, self.max_queue_per_slot)
+
+    def _transfer_outweighs(self, thief: WorkerRecord, ts: TaskRecord) -> bool:
+        return pl.transfer_outweighs(thief, ts, self.estimates.estimate(ts.group))
 
     def _assign(self, ts: TaskRecord, ws: WorkerRecord, out: list[ev.Command]) -> None:
         self._move(ts, TS.RUNNING)
@@ -902,10 +814,11 @@ class SchedulerState:
             else:
                 self._reschedule(ts, out)
         # ready tasks of shapes nobody can run any more wait as no-worker demand
-        for shape in list(self._ready):
-            if not any(fits(w.resources, shape) for w in self.workers.values() if w.state == "running"):
+        for shape in list(self.ready.by_shape):
+            if not pl.fits_any(self.workers.values(), shape):
                 self._fit_any[shape] = False
-                self._park_no_worker(shape)
+                for ts in self.ready.take(shape):
+                    self._to_no_worker(ts)
 
     def _lose_value(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """``ts``'s only copy is gone: recompute it if needed, else just release it."""
@@ -1091,56 +1004,11 @@ class SchedulerState:
         """Idle slots, nothing ready for them: ask busy workers to give back queued tasks."""
         if not self._overloaded:  # nobody has a queue to give: no pass over every idle worker
             return
-        workers = self.workers
-        victims = [workers[w] for w in self._overloaded
-                   if w in workers and workers[w].state in ("running", "retiring")]  # fmt: skip
-        if not victims:
-            return
-        idle = [workers[w] for w in sorted(self._room) if len(workers[w].processing) - workers[w].seceded < workers[w].slots]
-        if not idle:
-            return
-        victims.sort(key=lambda w: (-(len(w.processing) - w.seceded - w.slots), w.seq))
-        asks: dict[str, list[str]] = {}
-        for thief in idle:
-            want = thief.slots - (len(thief.processing) - thief.seceded)
-            for victim in victims:
-                if victim is thief or want <= 0:
-                    continue
-                queued = len(victim.processing) - victim.seceded - victim.slots
-                take = min(want, (queued + 1) // 2)
-                for ts in reversed(list(victim.processing)):  # the most recently queued first
-                    if take <= 0:
-                        break
-                    if ts.executing or ts.stealing or ts.seceded or not self._fits(thief, ts.shape):
-                        continue
-                    if ts.restrict is not None and not self._matches(thief, ts):
-                        continue
-                    if not self._allowed(thief, ts.shape):
-                        continue
-                    if self._transfer_outweighs(thief, ts):
-                        continue
-                    ts.stealing = True
-                    asks.setdefault(victim.id, []).append(ts.key)
-                    take -= 1
-                    want -= 1
-        for wid, keys in asks.items():
-            out.append(ev.Steal(wid, keys))
-
-    def _transfer_outweighs(self, thief: WorkerRecord, ts: TaskRecord) -> bool:
-        """Moving ``ts`` would copy more input than it is worth: its inputs missing on ``thief``
-        take longer to send (at ``STEAL_BANDWIDTH``) than twice the task's estimated run time.
-        (A quick task on big inputs stays where its data is; copying it only fills memory.)"""
-        missing = sum(d.nbytes for d in ts.deps if thief.id not in d.who_has)
-        return missing > 0 and missing / STEAL_BANDWIDTH > 2 * self.estimates.estimate(ts.group)
-
-    def _holder_busy(self, ts: TaskRecord) -> bool:
-        """A running worker holds an input of ``ts`` and could run it, but has no room now."""
-        for d in ts.deps:
-            for wid in d.who_has:
-                w = self.workers.get(wid)
-                if w is not None and w.state == "running" and wid not in self._room and fits(w.resources, ts.shape):
-                    return True
-        return False
+        asks = pl.plan_steals(self.workers, self._overloaded, self._room, self.ready.by_shape, self.estimates.estimate)
+        for wid, tasks in asks.items():
+            for ts in tasks:
+                ts.stealing = True
+            out.append(ev.Steal(wid, [ts.key for ts in tasks]))
 
     def _steal_reply(self, e: ev.StealReply, out: list[ev.Command]) -> None:
         for key in e.kept:  # kept: it had started (or finished) there; do not ask again
@@ -1187,8 +1055,7 @@ class SchedulerState:
         self.counts = {TS.RELEASED: 0}
         self.group_counts.clear()
         self.pending.clear()
-        self._ready.clear()
-        self._restricted.clear()
+        self.ready.clear()
         self.no_worker.clear()
         for keys in self.clients.values():
             keys.clear()
