@@ -83,6 +83,13 @@ def parse_resources(resources: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def task_shape(resources: Mapping[str, Any] | None) -> Shape:
+    """A task's resource demand as a canonical :data:`Shape`; ``cpu`` defaults to 1."""
+    res = parse_resources(resources or {})
+    res.setdefault("cpu", 1.0)
+    return tuple(sorted((k, v) for k, v in res.items() if v > 0 or k == "cpu"))
+
+
 def format_resources(resources: Mapping[str, float]) -> str:
     """``cpu=2, memory=4.0GiB`` for messages."""
     parts = []

@@ -242,6 +242,20 @@ def _rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) -> tupl
     return (waste, -local.get(w.id, 0), w.occupancy / w.slots, len(w.processing) - w.seceded, w.seq)
 
 
+def copies_everywhere(keys: Iterable[str], tasks: Mapping[str, TaskRecord],
+                      workers: Mapping[str, WorkerRecord]) -> dict[str, list[str]]:  # fmt: skip
+    """``broadcast``: for each running worker, the values of ``keys`` (in memory) it lacks."""
+    asks: dict[str, list[str]] = {}
+    for key in keys:
+        ts = tasks.get(key)
+        if ts is None or ts.state != "memory":
+            continue
+        for ws in workers.values():
+            if ws.state == "running" and ws.id not in ts.who_has:
+                asks.setdefault(ws.id, []).append(key)
+    return asks
+
+
 def plan_steals(workers: Mapping[str, WorkerRecord], overloaded: Iterable[str], room: Iterable[str],
                 ready: Mapping[Shape, list[Entry]],
                 estimate: Callable[[str], float]) -> dict[str, list[TaskRecord]]:  # fmt: skip

@@ -112,5 +112,12 @@ class WorkerRecord:
         #: it gets no new work until it is heard from again; it is not declared dead for that
         self.suspect = False
 
+    def forget_tasks(self, now: float) -> None:
+        """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
+        self.processing.clear()
+        self.has_what.clear()
+        self.nbytes, self.occupancy, self.seceded = 0, 0.0, 0
+        self.idle_since = now
+
     def __repr__(self) -> str:
         return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"
