@@ -90,6 +90,19 @@ def task_shape(resources: Mapping[str, Any] | None) -> Shape:
     return tuple(sorted((k, v) for k, v in res.items() if v > 0 or k == "cpu"))
 
 
+def worker_resources(resources: Mapping[str, Any] | None, slots: int | None = None) -> dict[str, float]:
+    """A worker's resources: ``slots`` sets ``cpu``, which defaults to the machine's cores."""
+    import os
+
+    res = parse_resources(resources or {})
+    if slots is not None:
+        if slots < 1:
+            raise ConfigError(f"slots must be at least 1, got {slots}")
+        res["cpu"] = float(slots)
+    res.setdefault("cpu", float(os.cpu_count() or 1))
+    return res
+
+
 def format_resources(resources: Mapping[str, float]) -> str:
     """``cpu=2, memory=4.0GiB`` for messages."""
     parts = []
