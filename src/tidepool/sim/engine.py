@@ -77,6 +77,10 @@ class SimStats:
     peak_tasks: int = 0
     bytes_per_task: float | None = None  # resident-memory growth per task when the graph arrived
     peak_rss: int = 0
+    # what the simulated workers' memory rules did (worker/state.py)
+    spilled_bytes: int = 0  # bytes moved to disk
+    pauses: int = 0  # times a worker paused over its pause level
+    memory_restarts: int = 0  # workers that passed their terminate level and restarted
 
     @property
     def state_events_per_second(self) -> float:
@@ -389,6 +393,7 @@ class Simulation:
         """``w`` ended over its memory limit; it comes back, empty, ``restart`` seconds later."""
         w.alive = False
         del self.workers[w.id]
+        self.stats.memory_restarts += 1
         why = (f"worker {w.id} used {rss} bytes of memory, over {round(w.state.thresholds.terminate * 100)}% "
                f"of its {w.state.limit}-byte limit; it restarts")  # fmt: skip
         self.out.append(ev.WorkerRemove(w.id, self.now, why, graceful=False, cause=ev.RemoveCause.MEMORY))

@@ -50,7 +50,7 @@ class WorkerProcess:
         self.state = ws.WorkerState(resources, limit=int(resources.get("memory", 0)))
         self.alive = True
         self._fetches: dict[str, tuple[tuple[str, ...], int]] = {}  # key -> (holders, nbytes)
-        #: running task -> [work left (s at full speed), duration, its done event's token]
+        #: running task -> [work left (s at full speed), duration, its done event's token, start]
         self._work: dict[str, list[Any]] = {}
         self._rate = 1.0
         self._since = 0.0
@@ -93,7 +93,12 @@ class WorkerProcess:
             elif t is ws.Fetch:
                 holders, nbytes = self._fetches.get(c.key, ((), 8))  # type: ignore[union-attr]
                 eng.fetch_later(self.id, c.key, holders, nbytes)  # type: ignore[union-attr]
+            elif t is ws.Spill:
+                spilled = self.state.spilled
+                keys: tuple[str, ...] = c.keys  # type: ignore[union-attr]
+                eng.stats.spilled_bytes += sum(spilled.get(k, 0) for k in keys)
             elif t is ws.SendMetrics:
+                eng.stats.pauses += c.paused  # type: ignore[union-attr]
                 self._flush()
                 eng.out.append(ev.Heartbeat(self.id, eng.now, self.metrics()))
             elif t is ws.Terminate:
@@ -143,11 +148,11 @@ class WorkerProcess:
         duration = task.duration if task is not None else 0.0
         if self.cores is None:  # no contention modelled: the task takes its duration
             self._token += 1
-            self._work[key] = [duration, duration, self._token]
+            self._work[key] = [duration, duration, self._token, eng.now]
             eng.done_later(eng.now + duration, self.id, key, self._token)
             return
         self._advance()
-        self._work[key] = [duration, duration, 0]
+        self._work[key] = [duration, duration, 0, eng.now]
         self._reschedule()
 
     def done(self, key: str, token: int) -> None:
@@ -160,7 +165,9 @@ class WorkerProcess:
             self._reschedule()
         task = self.engine.tasks.get(key)
         nbytes = task.nbytes if task is not None else 8
-        self.handle(ws.TaskDone(key, True, nbytes, w[1]))
+        # the time it took, as a real worker measures it (its duration when it had a core to itself)
+        took = w[1] if self.cores is None else self.engine.now - w[3]
+        self.handle(ws.TaskDone(key, True, nbytes, took))
 
     def _advance(self) -> None:
         now = self.engine.now
