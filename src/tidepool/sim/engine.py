@@ -54,7 +54,9 @@ CLIENT = "sim-client"
 
 # event kinds
 _TO_SCHED, _TO_WORKER, _DONE, _FETCHED, _UP, _END, _STEP, _TICK, _BEAT, _SUBMIT, _TO_CLIENT, _HELD, \
-    _GATHERED, _READY, _RESTART = range(15)  # fmt: skip
+    _GATHERED, _READY, _RESTART, _SAMPLE = range(16)  # fmt: skip
+#: seconds between two samples of a worker's memory monitor (worker/memory.py's interval)
+MONITOR = 0.05
 # worker message items
 _X, _F, _S, _R, _C = range(5)
 
@@ -386,6 +388,9 @@ class Simulation:
     def fetch_later(self, wid: str, key: str, holders: tuple[str, ...], nbytes: int) -> None:
         self._push(self.now + self.latency + nbytes / self.bandwidth, _FETCHED, wid, (key, holders))
 
+    def sample_later(self, wid: str) -> None:
+        self._push(self.now + MONITOR, _SAMPLE, wid)
+
     def done_later(self, t: float, wid: str, key: str, token: int) -> None:
         self._push(t, _DONE, wid, (key, token))
 
@@ -429,7 +434,8 @@ class Simulation:
     def _join(self, wid: str, node_type: str) -> None:
         """A worker process registers; with setup hooks, it takes tasks ``setup`` seconds later."""
         res = dict(self.node_types[node_type].worker_resources)
-        self.workers[wid] = WorkerProcess(wid, node_type, res, self, self.cluster.cores.get(node_type))
+        self.workers[wid] = WorkerProcess(wid, node_type, res, self, self.cluster.cores.get(node_type),
+                                          self.cluster.disk, int(self.cluster.unmanaged))  # fmt: skip
         setup = self.cluster.setup
         self.out.append(ev.WorkerJoin(wid, f"sim://{wid}", dict(res), self.now, node_type=node_type, name=wid,
                                       memory_limit=self.workers[wid].state.limit, ready=setup <= 0))  # fmt: skip
@@ -557,6 +563,10 @@ class Simulation:
                     self._gather()
                 elif kind == _GATHERED:
                     self._gathered()
+                elif kind == _SAMPLE:
+                    w = self.workers.get(a)
+                    if w is not None:
+                        w.sample()
                 elif kind == _READY:
                     if a in self.workers:
                         self.inbox.append(ev.WorkerReady(a, t))

@@ -10,16 +10,21 @@ engine (``sim/engine.py``):
   whenever one starts or ends), as CPU-bound tasks do on an oversubscribed worker;
 - ``Fetch``: the value arrives after ``latency + nbytes / bandwidth`` if a holder still has it
   (``FetchDone``), else the fetch fails (``FetchFailed``);
-- ``Store``, ``Drop``, ``Spill``: nothing to do (there are no values, only their sizes);
+- ``Store``, ``Drop``: nothing to do (there are no values, only their sizes); ``Spill``: with
+  ``disk`` set (bytes per second), writing takes the worker's loop ``nbytes / disk`` seconds, and a
+  task whose inputs are on disk reads them (in its slot) before it runs, as the real worker's loop
+  does;
 - reports become scheduler events (``TasksStarted``, ``TaskFinished``, ``MissingData``,
   ``AddReplica``, ``StealReply``); ``SendMetrics`` a heartbeat with the metrics now;
 - ``Terminate``: the process ends over its memory limit (``WorkerRemove``, cause ``memory``) and
   comes back under the same id ``restart`` seconds later, empty.
 
 Memory: with a limit (the worker's ``memory`` resource, as real workers take it), the resident
-memory is the bytes held in memory plus what the running tasks use (their ``memory`` resource,
-e.g. a trace's ``memoryInBytes``); the shell samples it after every change, as the real monitor
-samples it every 50 ms, and hands it to the state.
+memory is the process's own (``unmanaged``: interpreter and libraries) plus the bytes held in
+memory plus what the running tasks use (their ``memory`` resource, e.g. a trace's
+``memoryInBytes``).  Results past the target spill as they are stored (the state does that); the
+rest goes through the monitor: while the memory is over the spill level or the worker is paused,
+it is sampled every 50 ms, as the real monitor samples it, and handed to the state.
 """
 
 from __future__ import annotations
@@ -37,16 +42,21 @@ Later = Callable[[float, Callable[[], None]], None]
 class WorkerProcess:
     """One simulated worker process (see the module docstring)."""
 
-    __slots__ = ("id", "node_type", "resources", "state", "alive", "cores", "latency", "bandwidth", "engine",
-                 "_fetches", "_work", "_rate", "_since", "_token", "_reports")  # fmt: skip
+    __slots__ = ("id", "node_type", "resources", "state", "alive", "cores", "disk", "engine",
+                 "_fetches", "_work", "_rate", "_since", "_token", "_reports", "_busy", "unmanaged",
+                 "_sampling")  # fmt: skip
 
     def __init__(self, wid: str, node_type: str, resources: dict[str, float], engine: Any,
-                 cores: float | None = None) -> None:  # fmt: skip
+                 cores: float | None = None, disk: float | None = None, unmanaged: int = 0) -> None:  # fmt: skip
         self.id = wid
         self.node_type = node_type
         self.resources = resources
         self.engine = engine
         self.cores = cores
+        self.disk = disk
+        self.unmanaged = unmanaged  # the process's own memory (interpreter, libraries)
+        self._sampling = False  # a memory sample is due
+        self._busy = 0.0  # the loop is writing spilled values until then
         self.state = ws.WorkerState(resources, limit=int(resources.get("memory", 0)))
         self.alive = True
         self._fetches: dict[str, tuple[tuple[str, ...], int]] = {}  # key -> (holders, nbytes)
@@ -77,10 +87,20 @@ class WorkerProcess:
     def handle(self, event: ws.Event) -> None:
         state = self.state
         self.apply(state.handle(event))
-        if state.limit and self.alive:
-            rss = state.memory_bytes + state.task_memory
-            if rss > state.limit * state.thresholds.spill or state.paused:
-                self.apply(state.handle(ws.MemorySample(rss)))
+        if state.limit and self.alive and not self._sampling and (self.rss() > state.limit * state.thresholds.spill
+                                                                  or state.paused):  # fmt: skip
+            self._sampling = True  # the monitor sees it at its next sample
+            self.engine.sample_later(self.id)
+
+    def rss(self) -> int:
+        st = self.state
+        return self.unmanaged + st.memory_bytes + st.task_memory
+
+    def sample(self) -> None:
+        """The memory monitor's sample (every ``MONITOR`` seconds while it has something to act on)."""
+        self._sampling = False
+        if self.alive:
+            self.handle(ws.MemorySample(self.rss()))
 
     def apply(self, commands: list[ws.Command]) -> None:
         eng = self.engine
@@ -96,7 +116,10 @@ class WorkerProcess:
             elif t is ws.Spill:
                 spilled = self.state.spilled
                 keys: tuple[str, ...] = c.keys  # type: ignore[union-attr]
-                eng.stats.spilled_bytes += sum(spilled.get(k, 0) for k in keys)
+                nbytes = sum(spilled.get(k, 0) for k in keys)
+                eng.stats.spilled_bytes += nbytes
+                if self.disk:
+                    self._busy = max(eng.now, self._busy) + nbytes / self.disk
             elif t is ws.SendMetrics:
                 eng.stats.pauses += c.paused  # type: ignore[union-attr]
                 self._flush()
@@ -137,7 +160,7 @@ class WorkerProcess:
 
     def metrics(self) -> dict[str, Any]:
         st = self.state
-        return {"rss": st.memory_bytes + st.task_memory, "bytes": st.memory_bytes + st.spilled_bytes,
+        return {"rss": self.unmanaged + st.memory_bytes + st.task_memory, "bytes": st.memory_bytes + st.spilled_bytes,
                 "spilled": st.spilled_bytes, "memory_limit": st.limit, "paused": st.paused,
                 "running": len(st.running), "queued": len(st.queue)}  # fmt: skip
 
@@ -146,13 +169,20 @@ class WorkerProcess:
         eng = self.engine
         task = eng.tasks.get(key)
         duration = task.duration if task is not None else 0.0
+        wait = 0.0  # the loop finishes writing, then reads the task's spilled inputs
+        if self.disk:
+            spilled = self.state.spilled
+            read = sum(spilled.get(d, 0) for d in self.state.running[key].deps) / self.disk
+            if read or self._busy > eng.now:
+                wait = max(0.0, self._busy - eng.now) + read
+                self._busy = eng.now + wait
         if self.cores is None:  # no contention modelled: the task takes its duration
             self._token += 1
             self._work[key] = [duration, duration, self._token, eng.now]
-            eng.done_later(eng.now + duration, self.id, key, self._token)
+            eng.done_later(eng.now + wait + duration if wait else eng.now + duration, self.id, key, self._token)
             return
         self._advance()
-        self._work[key] = [duration, duration, 0, eng.now]
+        self._work[key] = [duration + wait, duration, 0, eng.now]
         self._reschedule()
 
     def done(self, key: str, token: int) -> None:

@@ -1,0 +1,225 @@
+"""Fidelity of the simulated worker (issue 26): workloads where what happens *inside* a worker
+decides the makespan, run for real and simulated.
+
+- ``oversubscribed``: one worker with 4 slots on what is, for these tasks, one core: 8 pure-Python
+  loops (they hold the GIL, so a worker process runs one at a time however many slots it has).
+  Real: ``LocalCluster(n_workers=1, slots=4)``.  Simulated: a 4-cpu worker with ``cores = 1``;
+  each task's duration is the loop's time alone on a worker, measured first in the real run.
+- ``memory``: ``benchmarks/memory.py``'s graph, small: ``--results`` tasks each return ``--mb``
+  MiB, then one task per result reads it back; 2 workers, 1 slot each, a ``memory_limit`` under
+  which most results spill.  Simulated: workers with that memory and the real workers' own
+  resident memory (``unmanaged``, from their first heartbeat), results of that size, each task's
+  duration as its worker measured it in the real run and the message delay of that run (as a
+  journal replay takes them: ``sim/replay.py``), and this machine's disk speed for spilling (a
+  spill store writing and reading back one result, measured here).
+
+Both sides start measuring at the first submit, with every worker ready (the simulated stage is
+submitted at t = 3 s, after the workers joined).  Held worker-seconds: workers x makespan.
+Medians of ``--repeat`` real runs and simulated seeds.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/sim_fidelity_worker.py [--repeat 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MB = 2**20
+SUBMIT_AT = 3.0
+
+
+def spin(n: int) -> int:
+    s = 0
+    for i in range(n):
+        s += i
+    return s
+
+
+def make(i: int, mb: int) -> Any:
+    return np.full(mb * MB, i % 251, dtype=np.uint8)
+
+
+def check(a: Any, i: int, mb: int) -> bool:
+    return bool(a.size == mb * MB and (a == i % 251).all())
+
+
+def timed_spin(n: int) -> float:
+    t0 = time.perf_counter()
+    spin(n)
+    return time.perf_counter() - t0
+
+
+def timed_make(i: int, mb: int) -> float:
+    t0 = time.perf_counter()
+    make(i, mb)
+    return time.perf_counter() - t0
+
+
+def real_oversubscribed(n: int, loops: int) -> dict[str, Any]:
+    import tidepool
+
+    with tidepool.LocalCluster(n_workers=1, slots=4, dashboard=False) as cluster, tidepool.Client(cluster) as c:
+        del cluster
+        c.submit(spin, 10, key="warm").result(timeout=120)
+        solo = statistics.median(c.submit(timed_spin, loops, key=f"alone-{i}").result(timeout=120) for i in range(3))
+        t0 = time.perf_counter()
+        futs = [c.submit(spin, loops, key=f"spin-{i}") for i in range(n)]
+        c.gather(futs, timeout=600)
+        makespan = time.perf_counter() - t0
+    return {"makespan": makespan, "held": makespan, "solo": solo}
+
+
+def sim_oversubscribed(n: int, solo: float, seeds: int) -> dict[str, float]:
+    from tidepool.sim.workload import SimTask, Stage, Workload
+
+    tasks = [SimTask(f"spin-{i}", solo) for i in range(n)]
+    wl = Workload("oversubscribed", [Stage(tasks, [t.key for t in tasks], at=SUBMIT_AT)])
+    return _simulate(wl, {"cpu": 4}, 1, seeds, cores=1.0)
+
+
+def real_memory(n: int, mb: int, limit: str) -> dict[str, Any]:
+    import tidepool
+    from tidepool.sim.replay import calibrate_latency
+    from tidepool.telemetry.journal import Journal
+
+    with tidepool.LocalCluster(n_workers=2, slots=1, memory_limit=limit, dashboard=False) as cluster, \
+            tidepool.Client(cluster) as c:  # fmt: skip
+        c.gather([c.submit(timed_make, i, mb, key=f"wmake-{i}") for i in range(2)])  # imports numpy
+        journal = Journal()
+        cluster.scheduler.subscribe(journal.observe)
+        state = cluster.scheduler.state
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(w.metrics.get("rss") for w in state.workers.values()):
+            time.sleep(0.1)  # a heartbeat from each: their memory before the graph
+        unmanaged = statistics.median(int(w.metrics.get("rss", 0)) for w in state.workers.values())
+        t0 = time.perf_counter()
+        made = [c.submit(make, i, mb, key=f"make-{i}") for i in range(n)]
+        oks = c.gather([c.submit(check, f, i, mb, key=f"check-{i}") for i, f in enumerate(made)], timeout=600)
+        makespan = time.perf_counter() - t0
+        assert all(oks)
+        # the tasks' own durations in this run, as the workers measured them (two worker processes,
+        # the scheduler and the client share this machine's cores: they are longer than alone)
+        durations = {r["key"]: float(r["duration"]) for r in journal.records if r["kind"] == "task"}
+        # and the message delay, from the gaps between a task's end and the next one's start (as
+        # a journal replay calibrates it: sim/replay.py)
+        delay = _Latency()
+        calibrate_latency(delay, journal.records)
+        latency = delay.latency
+        info = c.scheduler_info().get("workers") or []
+        rows = info.values() if isinstance(info, dict) else info
+        spilled = sum(int(w.get("spilled_total", 0)) for w in rows)
+    return {"makespan": makespan, "held": 2 * makespan, "spilled": spilled, "durations": durations,
+            "latency": latency, "unmanaged": unmanaged}
+
+
+def disk_speed(mb: int, tries: int = 5) -> float:
+    """Bytes per second a worker's spill store writes and reads back one result (this machine, /tmp)."""
+    import tempfile
+
+    from tidepool.worker.spill import SpillStore
+
+    times = []
+    with tempfile.TemporaryDirectory(prefix="tidepool-disk-") as tmp:
+        store = SpillStore(Path(tmp) / "s", float("inf"), promote=False)
+        for i in range(tries):
+            store.put(f"k{i}", make(i, mb), mb * MB)
+            t0 = time.perf_counter()
+            store.spill([f"k{i}"])
+            store[f"k{i}"]
+            times.append(time.perf_counter() - t0)
+            del store[f"k{i}"]
+        store.close()
+    return 2 * mb * MB / statistics.median(times)
+
+
+class _Latency:
+    """What ``calibrate_latency`` sets (a cluster's message delay)."""
+
+    def __init__(self) -> None:
+        self.latency = 0.001
+
+
+def sim_memory(n: int, mb: int, limit: int, run: dict[str, Any], seeds: int) -> dict[str, float]:
+    """The simulated run of one real ``run`` (its durations, message delay, workers' own memory)."""
+    d = run["durations"]
+    from tidepool.sim.workload import SimTask, Stage, Workload
+
+    tasks = [SimTask(f"make-{i}", d[f"make-{i}"], nbytes=mb * MB) for i in range(n)]
+    tasks += [SimTask(f"check-{i}", d[f"check-{i}"], deps=[f"make-{i}"]) for i in range(n)]
+    wl = Workload("memory", [Stage(tasks, [f"check-{i}" for i in range(n)], at=SUBMIT_AT)])
+    return _simulate(wl, {"cpu": 1, "memory": float(limit)}, 2, seeds, disk=run["disk"], latency=run["latency"],
+                     unmanaged=run["unmanaged"])  # fmt: skip
+
+
+def _simulate(wl: Any, resources: dict[str, float], workers: int, seeds: int, **kw: Any) -> dict[str, float]:
+    from tidepool.scaling.node_types import NodeType
+    from tidepool.sim import simulate
+    from tidepool.sim.cluster import SimCluster
+    from tidepool.sim.provider import PRESETS
+
+    makespans, helds = [], []
+    for seed in range(seeds):
+        nt = NodeType("default", resources, min_nodes=workers, max_nodes=workers, startup_estimate=0.5)
+        cores = kw.pop("cores", None)
+        cluster = SimCluster([nt], {"default": PRESETS["local"]}, interval=0.05,
+                             cores={"default": cores} if cores else {}, **kw)  # fmt: skip
+        if cores:
+            kw["cores"] = cores
+        r = simulate(wl, cluster, seed=seed, tail=0.0)
+        assert r.makespan is not None, r.notes
+        makespans.append(r.makespan)
+        helds.append(r.held_worker_seconds)
+    return {"makespan": statistics.median(makespans), "held": statistics.median(helds)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--workloads", default="oversubscribed,memory")
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--loops", type=int, default=3_000_000, help="iterations of one spin task")
+    ap.add_argument("--results", type=int, default=40)
+    ap.add_argument("--mb", type=int, default=20)
+    ap.add_argument("--limit", default="500MB")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from tidepool.resources import parse_bytes
+
+    out: dict[str, Any] = {}
+    for wl in args.workloads.split(","):
+        runs, sims = [], []
+        for _ in range(args.repeat):
+            if wl == "oversubscribed":
+                r = real_oversubscribed(args.tasks, args.loops)
+                s = sim_oversubscribed(args.tasks, r["solo"], 1)
+            else:
+                r = real_memory(args.results, args.mb, args.limit)
+                r["disk"] = disk_speed(args.mb)
+                s = sim_memory(args.results, args.mb, parse_bytes(args.limit), r, 1)
+            shown = {k: v for k, v in r.items() if k != "durations"}
+            print(f"  real {wl}: {shown}\n  sim  {wl}: {s}", flush=True)
+            runs.append(r)
+            sims.append(s)
+        real = {k: statistics.median(r[k] for r in runs) for k in ("makespan", "held")}
+        sim = {k: statistics.median(s[k] for s in sims) for k in ("makespan", "held")}
+        print(f"{wl}: real {real}  sim {sim}", flush=True)
+        out[wl] = {"real": real, "sim": sim, "runs": runs, "sims": sims}
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
