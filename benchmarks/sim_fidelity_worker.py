@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MB = 2**20
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "simulation.md"
 SUBMIT_AT = 3.0
 
 
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=int, default=20)
     ap.add_argument("--limit", default="500MB")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--write-docs", action="store_true", help="write the worker rows of docs/simulation.md")
     args = ap.parse_args(argv)
     from tidepool.resources import parse_bytes
 
@@ -217,8 +219,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{wl}: real {real}  sim {sim}", flush=True)
         out[wl] = {"real": real, "sim": sim, "runs": runs, "sims": sims}
     if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    rows = [["workload", "real makespan s", "sim makespan s", "diff", "real held w-s", "sim held w-s", "diff",
+             "per run: sim vs real makespan"]]  # fmt: skip
+    for wl, x in out.items():
+        r, s_ = x["real"], x["sim"]
+        per = ", ".join(pct(b["makespan"], a["makespan"]) for a, b in zip(x["runs"], x["sims"], strict=True))
+        rows.append([wl, f"{r['makespan']:.2f}", f"{s_['makespan']:.2f}", pct(s_["makespan"], r["makespan"]),
+                     f"{r['held']:.2f}", f"{s_['held']:.2f}", pct(s_["held"], r["held"]), per])  # fmt: skip
+    from throughput import machine_info, render_markdown, render_text, write_section
+
+    print(render_text(rows))
+    if args.write_docs:
+        import datetime
+        import shlex
+
+        info = machine_info()
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = shlex.join([".venv/bin/python", "benchmarks/sim_fidelity_worker.py", *(argv or sys.argv[1:])])
+        section = f"""{render_markdown(rows)}
+
+Workloads decided inside the worker (`benchmarks/sim_fidelity_worker.py`, issue 26): `oversubscribed`
+({args.tasks} pure-Python loops on one worker with 4 slots: they hold the GIL, so the simulated
+worker has `cores = 1`; each loop's time alone is measured first) and `memory` (`benchmarks/memory.py`'s
+graph, small: {args.results} results of {args.mb} MiB read back, 2 workers of 1 slot with
+`memory_limit={args.limit}`; simulated with each real run's task durations, message delay, the
+workers' own memory and this machine's spill speed).  Medians of {args.repeat} real runs, each
+simulated with its own measurements.  Measured {when} with `{command}` on {info["nproc"]} CPUs
+({info["cpu"]}), load average at start {info["load"]} (a shared machine)."""
+        write_section(DOCS, "fidelity-worker", section, header="# Simulation\n")
+        print(f"wrote the worker rows of {DOCS}")
     return 0
+
+
+def pct(a: float, b: float) -> str:
+    return f"{(a - b) / b * 100:+.1f}%" if b else "-"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ engine (``sim/engine.py``):
 Memory: with a limit (the worker's ``memory`` resource, as real workers take it), the resident
 memory is the process's own (``unmanaged``: interpreter and libraries) plus the bytes held in
 memory plus what the running tasks use (their ``memory`` resource, e.g. a trace's
-``memoryInBytes``).  Results past the target spill as they are stored (the state does that); the
+``memoryInBytes``; a task that declares none uses its working set: its inputs and its result).  Results past the target spill as they are stored (the state does that); the
 rest goes through the monitor: while the memory is over the spill level or the worker is paused,
 it is sampled every 50 ms, as the real monitor samples it, and handed to the state.
 """
@@ -72,10 +72,13 @@ class WorkerProcess:
         for d, holders, nbytes in deps:
             if d not in self._fetches:
                 self._fetches[d] = (holders, nbytes)
-        memory = 0
+        memory = -1
         for name, amount in shape:
             if name == "memory":
                 memory = int(amount)
+        if memory < 0:  # not given: its working set, the inputs it reads and the value it makes
+            task = self.engine.tasks.get(key)
+            memory = sum(nb for _, _, nb in deps) + (task.nbytes if task is not None else 0)
         dmap = {d: tuple((h, h) for h in holders) for d, holders, _ in deps}
         self.handle(ws.Compute((ws.TaskIn(key, dmap, shape, memory),)))
 
