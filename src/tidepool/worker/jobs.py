@@ -34,6 +34,19 @@ from tidepool.worker.state import WorkerState
 log = logging.getLogger("tidepool.worker")
 
 
+def preload(modules: list[str]) -> None:
+    """Import ``--preload`` modules before the worker registers."""
+    import importlib
+
+    from tidepool.errors import WorkerSetupError
+
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as exc:
+            raise WorkerSetupError(f"preloading module {mod!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
 async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path, initial: bool) -> bool:
     """Run setup hooks ``[[name, blob], ...]``; False when one failed (it was reported)."""
     done = []

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import importlib
 import logging
 import os
 import shutil
@@ -39,7 +38,7 @@ from tidepool.comm.core import parse_address
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
-from tidepool.errors import CommError, WorkerSetupError
+from tidepool.errors import CommError
 from tidepool.resources import worker_resources
 from tidepool.worker import jobs
 from tidepool.worker import state as ws
@@ -112,11 +111,7 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> Worker:
-        for mod in self.preload:
-            try:
-                importlib.import_module(mod)
-            except Exception as exc:
-                raise WorkerSetupError(f"preloading module {mod!r} failed: {type(exc).__name__}: {exc}") from exc
+        jobs.preload(self.preload)
         loop = self.loop = asyncio.get_running_loop()
         self.closed = asyncio.Event()
         self.pool = SlotPool(loop, self._on_done)
@@ -197,6 +192,7 @@ class Worker:
                     self._apply(self.state.handle(self._compute(msg)))
                 elif op == "free":
                     self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
+                    self._forget(tuple(msg["keys"]))
                 elif op == "steal":
                     self._apply(self.state.handle(ws.StealKeys(tuple(msg["keys"]))))
                 elif op == "run":
@@ -242,6 +238,9 @@ class Worker:
             if t is ws.Report:
                 self.outbox.add(c.kind, c.item)  # type: ignore[union-attr]
                 now = now or c.kind in _NOW  # type: ignore[union-attr]
+                if c.kind in ("missing", "stolen", "erred"):  # type: ignore[union-attr]
+                    item = c.item  # type: ignore[union-attr]
+                    self._forget((item[0] if isinstance(item, list) else item["key"] if isinstance(item, dict) else item,))
             elif t is ws.Run:
                 if now:  # the scheduler hears "started" before the task can crash us
                     self.outbox.flush()
@@ -265,6 +264,13 @@ class Worker:
             self.outbox.flush()
         else:
             self.outbox.soon()
+
+    def _forget(self, keys: tuple[str, ...]) -> None:
+        """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
+        st = self.state
+        for k in keys:
+            if k not in st.running and k not in st.queued and k not in st.waiting:
+                self._specs.pop(k, None)
 
     def _run(self, key: str) -> None:
         func_id, payload, deps = self._specs.pop(key)
@@ -330,10 +336,10 @@ class Worker:
                 await conn.send({"op": "error", "message": f"unknown op {msg.get('op')!r}"})
 
     def _data_reply(self, keys: list[str], limit: int) -> dict[str, Any]:
-        def unservable(key: str, typ: str, message: str) -> None:
-            self._apply(self.state.handle(ws.Unservable(key, typ, message)))
+        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, self._unservable)
 
-        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, unservable)
+    def _unservable(self, key: str, typ: str, message: str) -> None:
+        self._apply(self.state.handle(ws.Unservable(key, typ, message)))
 
     # ---- memory ----------------------------------------------------------------------------------
     def _memory_action(self, action: Action, rss: int) -> None:
@@ -353,13 +359,12 @@ class Worker:
         """The spill store turned spilling off (a write failed, or the spill limit was reached):
         say so in the log (done by the store) and to the scheduler at once (journal, dashboard)."""
         if self.closed is not None and not self.closed.is_set() and self.conn is not None and not self.conn.closed:
-            msg = {"op": "spill-disabled", "reason": reason, "metrics": self._metrics()}
+            msg = {"op": "spill-disabled", "reason": reason, "metrics": metrics(self.data, self.state, self.monitor, self._proc)}
             self.loop.create_task(self.conn.send(msg)).add_done_callback(log_send_error)
 
     async def _memory_terminate(self, rss: int) -> None:
-        limit = self.memory_limit
-        why = (f"worker {self.name} used {_mb(rss)} of memory, over {round(self.memory_thresholds.terminate * 100)}% "
-               f"of its {_mb(limit)} limit; it restarts")  # fmt: skip
+        limit, pct = self.memory_limit, round(self.memory_thresholds.terminate * 100)
+        why = f"worker {self.name} used {_mb(rss)} of memory, over {pct}% of its {_mb(limit)} limit; it restarts"
         log.error("%s (running: %s)", why, ", ".join(self.state.running) or "nothing")
         self.exit_reason = "memory"
         if self.conn is not None and not self.conn.closed:
@@ -368,12 +373,10 @@ class Worker:
                                       "restarting": self.restartable})  # fmt: skip
         await self.close(why)
 
-    def _metrics(self) -> dict[str, Any]:
-        return metrics(self.data, self.state, self.monitor, self._proc)
 
     def _send_metrics(self) -> None:
         if self.conn is not None and not self.conn.closed:
-            t = self.loop.create_task(self.conn.send({"op": "heartbeat", "metrics": self._metrics()}))
+            t = self.loop.create_task(self.conn.send({"op": "heartbeat", "metrics": metrics(self.data, self.state, self.monitor, self._proc)}))
             t.add_done_callback(log_send_error)
 
     async def _heartbeat_loop(self) -> None:
@@ -382,7 +385,7 @@ class Worker:
             if self.conn is None or self.conn.closed:
                 return
             with contextlib.suppress(CommError):
-                await self.conn.send({"op": "heartbeat", "metrics": self._metrics()})
+                await self.conn.send({"op": "heartbeat", "metrics": metrics(self.data, self.state, self.monitor, self._proc)})
 
 
 def _mb(n: int | float) -> str:
