@@ -9,9 +9,10 @@ decides the makespan, run for real and simulated.
   MiB, then one task per result reads it back; 2 workers, 1 slot each, a ``memory_limit`` under
   which most results spill.  Simulated: workers with that memory and the real workers' own
   resident memory (``unmanaged``, from their first heartbeat), results of that size, each task's
-  duration as its worker measured it in the real run and the message delay of that run (as a
-  journal replay takes them: ``sim/replay.py``), and this machine's disk speed for spilling (a
-  spill store writing and reading back one result, measured here).
+  duration as its worker measured it in the real run, the worker's own time per task (``overhead``:
+  the mean gap between a task's end and the next runnable task's start on a worker in that run,
+  as ``sim/replay.py`` measures gaps; the loop's spill writes and reads are inside it, so the
+  simulated disk is left free, not counted twice).
 
 Both sides start measuring at the first submit, with every worker ready (the simulated stage is
 submitted at t = 3 s, after the workers joined).  Held worker-seconds: workers x makespan.
@@ -92,7 +93,7 @@ def sim_oversubscribed(n: int, solo: float, seeds: int) -> dict[str, float]:
 
 def real_memory(n: int, mb: int, limit: str) -> dict[str, Any]:
     import tidepool
-    from tidepool.sim.replay import calibrate_latency
+    from tidepool.sim.replay import dispatch_gaps
     from tidepool.telemetry.journal import Journal
 
     with tidepool.LocalCluster(n_workers=2, slots=1, memory_limit=limit, dashboard=False) as cluster, \
@@ -113,54 +114,26 @@ def real_memory(n: int, mb: int, limit: str) -> dict[str, Any]:
         # the tasks' own durations in this run, as the workers measured them (two worker processes,
         # the scheduler and the client share this machine's cores: they are longer than alone)
         durations = {r["key"]: float(r["duration"]) for r in journal.records if r["kind"] == "task"}
-        # and the message delay, from the gaps between a task's end and the next one's start (as
-        # a journal replay calibrates it: sim/replay.py)
-        delay = _Latency()
-        calibrate_latency(delay, journal.records)
-        latency = delay.latency
+        # and the gaps between a task's end and the next runnable one's start on a worker (the
+        # worker's own time per task: reports, stores, spills, hand-offs; sim/replay.py measures them)
+        gaps = dispatch_gaps(journal.records)
+        overhead = statistics.mean(gaps) if gaps else 0.0
         info = c.scheduler_info().get("workers") or []
         rows = info.values() if isinstance(info, dict) else info
         spilled = sum(int(w.get("spilled_total", 0)) for w in rows)
     return {"makespan": makespan, "held": 2 * makespan, "spilled": spilled, "durations": durations,
-            "latency": latency, "unmanaged": unmanaged}
-
-
-def disk_speed(mb: int, tries: int = 5) -> float:
-    """Bytes per second a worker's spill store writes and reads back one result (this machine, /tmp)."""
-    import tempfile
-
-    from tidepool.worker.spill import SpillStore
-
-    times = []
-    with tempfile.TemporaryDirectory(prefix="tidepool-disk-") as tmp:
-        store = SpillStore(Path(tmp) / "s", float("inf"), promote=False)
-        for i in range(tries):
-            store.put(f"k{i}", make(i, mb), mb * MB)
-            t0 = time.perf_counter()
-            store.spill([f"k{i}"])
-            store[f"k{i}"]
-            times.append(time.perf_counter() - t0)
-            del store[f"k{i}"]
-        store.close()
-    return 2 * mb * MB / statistics.median(times)
-
-
-class _Latency:
-    """What ``calibrate_latency`` sets (a cluster's message delay)."""
-
-    def __init__(self) -> None:
-        self.latency = 0.001
+            "overhead": overhead, "unmanaged": unmanaged}
 
 
 def sim_memory(n: int, mb: int, limit: int, run: dict[str, Any], seeds: int) -> dict[str, float]:
-    """The simulated run of one real ``run`` (its durations, message delay, workers' own memory)."""
+    """The simulated run of one real ``run`` (its durations, workers' own memory and time per task)."""
     d = run["durations"]
     from tidepool.sim.workload import SimTask, Stage, Workload
 
     tasks = [SimTask(f"make-{i}", d[f"make-{i}"], nbytes=mb * MB) for i in range(n)]
     tasks += [SimTask(f"check-{i}", d[f"check-{i}"], deps=[f"make-{i}"]) for i in range(n)]
     wl = Workload("memory", [Stage(tasks, [f"check-{i}" for i in range(n)], at=SUBMIT_AT)])
-    return _simulate(wl, {"cpu": 1, "memory": float(limit)}, 2, seeds, disk=run["disk"], latency=run["latency"],
+    return _simulate(wl, {"cpu": 1, "memory": float(limit)}, 2, seeds, overhead=run["overhead"],
                      unmanaged=run["unmanaged"])  # fmt: skip
 
 
@@ -208,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
                 s = sim_oversubscribed(args.tasks, r["solo"], 1)
             else:
                 r = real_memory(args.results, args.mb, args.limit)
-                r["disk"] = disk_speed(args.mb)
                 s = sim_memory(args.results, args.mb, parse_bytes(args.limit), r, 1)
             shown = {k: v for k, v in r.items() if k != "durations"}
             print(f"  real {wl}: {shown}\n  sim  {wl}: {s}", flush=True)
@@ -243,8 +215,8 @@ Workloads decided inside the worker (`benchmarks/sim_fidelity_worker.py`, issue 
 ({args.tasks} pure-Python loops on one worker with 4 slots: they hold the GIL, so the simulated
 worker has `cores = 1`; each loop's time alone is measured first) and `memory` (`benchmarks/memory.py`'s
 graph, small: {args.results} results of {args.mb} MiB read back, 2 workers of 1 slot with
-`memory_limit={args.limit}`; simulated with each real run's task durations, message delay, the
-workers' own memory and this machine's spill speed).  Medians of {args.repeat} real runs, each
+`memory_limit={args.limit}`; simulated with each real run's task durations, the
+workers' own memory and the worker's own time per task, all measured in that run).  Medians of {args.repeat} real runs, each
 simulated with its own measurements.  Measured {when} with `{command}` on {info["nproc"]} CPUs
 ({info["cpu"]}), load average at start {info["load"]} (a shared machine)."""
         write_section(DOCS, "fidelity-worker", section, header="# Simulation\n")

@@ -80,3 +80,26 @@ def test_a_worker_over_the_pause_level_starts_nothing_new() -> None:
     starts = sorted(round(s, 6) for s, _ in got.values())
     assert starts[0] == starts[1] == starts[2] < starts[3]
     assert sim.stats.pauses >= 1 and result.completed
+
+
+def test_the_simulate_table_sets_what_workers_suffer() -> None:
+    from tidepool.errors import ConfigError
+    from tidepool.sim.cluster import from_dict
+
+    base = {"node_types": [{"name": "cpu", "resources": {"cpu": 4}}, {"name": "gpu", "resources": {"cpu": 8}}]}
+    c = from_dict({**base, "simulate": {"cores": {"gpu": 2}, "setup": 5, "disk": "500MB", "unmanaged": "100MB",
+                                        "overhead": 0.002, "restart": 3}})  # fmt: skip
+    assert (c.cores, c.setup, c.disk, c.unmanaged, c.overhead, c.restart) == ({"gpu": 2.0}, 5.0, 5e8, 1e8, 0.002, 3.0)
+    assert from_dict({**base, "simulate": {"cores": 1}}).cores == {"cpu": 1.0, "gpu": 1.0}
+    with pytest.raises(ConfigError, match="cores"):
+        from_dict({**base, "simulate": {"cores": {"tpu": 1}}})
+    with pytest.raises(ConfigError, match="disk"):
+        from_dict({**base, "simulate": {"disk": 0}})
+
+
+def test_the_loops_own_time_per_task_delays_each_start() -> None:
+    tasks = [SimTask(f"t{i}", 1.0) for i in range(3)]
+    plain = run(tasks, cluster({"cpu": 1}))[1]
+    slow = run(tasks, cluster({"cpu": 1}, overhead=0.5))[1]
+    assert plain.makespan is not None and slow.makespan is not None
+    assert slow.makespan == pytest.approx(plain.makespan + 1.5)  # three starts, 0.5 s each

@@ -16,6 +16,7 @@ policy) plus an optional ``[simulate]`` table that only the simulator reads::
     restart = 1            # seconds a worker that passed its memory limit takes to come back
     disk = "500MB"         # optional: bytes per second a worker spills and reads back (default: free)
     unmanaged = "100MB"    # optional: a worker process's own memory, counted against its memory limit
+    overhead = 0.002       # optional: seconds a worker's loop spends on each task it starts
     seed = 1               # the CLI's --seed wins
 
     [simulate.node_types.gpu]   # one node type's start-up: a preset and/or its own numbers
@@ -47,7 +48,7 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.sim.provider import PRESETS, StartupModel, model_from
 
 _SIM_KEYS = ("startup", "latency", "bandwidth", "interval", "tick", "heartbeat", "seed", "node_types",
-             "forecast_budget", "cores", "setup", "restart", "disk", "unmanaged")
+             "forecast_budget", "cores", "setup", "restart", "disk", "unmanaged", "overhead")
 _DEFAULT_PRESET = {"local": "local", "ssh": "ssh", "slurm": "slurm"}
 
 
@@ -77,6 +78,8 @@ class SimCluster:
     disk: float | None = None
     #: a worker process's own resident memory (interpreter, libraries), counted against its limit
     unmanaged: float = 0.0
+    #: seconds a worker's loop spends on each task it starts (hand-off, bookkeeping); 0: none
+    overhead: float = 0.0
 
     def make_policy(self) -> Any:
         """The policy of the cluster file (the default policy without one)."""
@@ -148,6 +151,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<cluster>") -> SimCluster:
         cores=_cores(source, sim.get("cores"), names), setup=_seconds(source, "setup", sim.get("setup", 0.0)),
         restart=_seconds(source, "restart", sim.get("restart", 1.0)), disk=_disk(source, sim.get("disk")),
         unmanaged=float(parse_bytes(sim.get("unmanaged", 0))),
+        overhead=_seconds(source, "overhead", sim.get("overhead", 0.0)),
     )  # fmt: skip
 
 

@@ -435,7 +435,7 @@ class Simulation:
         """A worker process registers; with setup hooks, it takes tasks ``setup`` seconds later."""
         res = dict(self.node_types[node_type].worker_resources)
         self.workers[wid] = WorkerProcess(wid, node_type, res, self, self.cluster.cores.get(node_type),
-                                          self.cluster.disk, int(self.cluster.unmanaged))  # fmt: skip
+                                          self.cluster.disk, int(self.cluster.unmanaged), self.cluster.overhead)  # fmt: skip
         setup = self.cluster.setup
         self.out.append(ev.WorkerJoin(wid, f"sim://{wid}", dict(res), self.now, node_type=node_type, name=wid,
                                       memory_limit=self.workers[wid].state.limit, ready=setup <= 0))  # fmt: skip

@@ -10,6 +10,8 @@ engine (``sim/engine.py``):
   whenever one starts or ends), as CPU-bound tasks do on an oversubscribed worker;
 - ``Fetch``: the value arrives after ``latency + nbytes / bandwidth`` if a holder still has it
   (``FetchDone``), else the fetch fails (``FetchFailed``);
+- with ``overhead`` (seconds), the worker's loop spends that long on each task it starts (a
+  measured figure: the gap between a task's end and the next queued task's start);
 - ``Store``, ``Drop``: nothing to do (there are no values, only their sizes); ``Spill``: with
   ``disk`` set (bytes per second), writing takes the worker's loop ``nbytes / disk`` seconds, and a
   task whose inputs are on disk reads them (in its slot) before it runs, as the real worker's loop
@@ -44,10 +46,11 @@ class WorkerProcess:
 
     __slots__ = ("id", "node_type", "resources", "state", "alive", "cores", "disk", "engine",
                  "_fetches", "_work", "_rate", "_since", "_token", "_reports", "_busy", "unmanaged",
-                 "_sampling")  # fmt: skip
+                 "_sampling", "overhead")  # fmt: skip
 
     def __init__(self, wid: str, node_type: str, resources: dict[str, float], engine: Any,
-                 cores: float | None = None, disk: float | None = None, unmanaged: int = 0) -> None:  # fmt: skip
+                 cores: float | None = None, disk: float | None = None, unmanaged: int = 0,
+                 overhead: float = 0.0) -> None:  # fmt: skip
         self.id = wid
         self.node_type = node_type
         self.resources = resources
@@ -56,6 +59,7 @@ class WorkerProcess:
         self.disk = disk
         self.unmanaged = unmanaged  # the process's own memory (interpreter, libraries)
         self._sampling = False  # a memory sample is due
+        self.overhead = overhead  # the loop's own seconds per task started (hand-offs, bookkeeping)
         self._busy = 0.0  # the loop is writing spilled values until then
         self.state = ws.WorkerState(resources, limit=int(resources.get("memory", 0)))
         self.alive = True
@@ -172,13 +176,12 @@ class WorkerProcess:
         eng = self.engine
         task = eng.tasks.get(key)
         duration = task.duration if task is not None else 0.0
-        wait = 0.0  # the loop finishes writing, then reads the task's spilled inputs
-        if self.disk:
+        wait = 0.0  # the loop finishes what it does, reads the task's spilled inputs, hands it over
+        if self.disk or self.overhead:
             spilled = self.state.spilled
-            read = sum(spilled.get(d, 0) for d in self.state.running[key].deps) / self.disk
-            if read or self._busy > eng.now:
-                wait = max(0.0, self._busy - eng.now) + read
-                self._busy = eng.now + wait
+            read = sum(spilled.get(d, 0) for d in self.state.running[key].deps) / self.disk if self.disk else 0.0
+            wait = max(0.0, self._busy - eng.now) + read + self.overhead
+            self._busy = eng.now + wait
         if self.cores is None:  # no contention modelled: the task takes its duration
             self._token += 1
             self._work[key] = [duration, duration, self._token, eng.now]
