@@ -189,7 +189,9 @@ class Worker:
                     if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
                         self.setup_failed = True
                 elif op == "compute":
-                    self._apply(self.state.handle(self._compute(msg)))
+                    compute = self._compute(msg)
+                    self._apply(self.state.handle(compute))
+                    self._forget(tuple(t.key for t in compute.tasks))  # held here already: not run
                 elif op == "free":
                     self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
                     self._forget(tuple(msg["keys"]))
@@ -197,8 +199,10 @@ class Worker:
                     self._apply(self.state.handle(ws.StealKeys(tuple(msg["keys"]))))
                 elif op == "run":
                     asyncio.get_running_loop().create_task(jobs.run_function(self.conn, msg))
-                elif op == "restart":
-                    await self._restart()
+                elif op == "restart":  # client.restart: a fresh process with the same command line, or just stop
+                    await self.close("restart requested by a client")
+                    if self.restartable:
+                        jobs.reexec(self.id)
                     return
                 elif op == "replicate":
                     for key, holders in msg["keys"].items():
@@ -218,17 +222,11 @@ class Worker:
         tasks = []
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
-            self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
+            if t["key"] not in self.state.running:  # one assigned again while it runs keeps that run
+                self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
             tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
                                    tuple(tuple(r) for r in t.get("resources") or ())))  # fmt: skip
         return ws.Compute(tuple(tasks))
-
-    async def _restart(self) -> None:
-        """``client.restart``: a fresh process with the same command line, or just stop."""
-        restartable = self.restartable
-        await self.close("restart requested by a client")
-        if restartable:
-            jobs.reexec(self.id)
 
     # ---- carrying out the state's commands -------------------------------------------------------
     def _apply(self, commands: list[ws.Command]) -> None:
@@ -290,6 +288,7 @@ class Worker:
     def _on_done(self) -> None:
         for o in self.pool.drain():
             self._apply(self.state.handle(self._outcome(o)))
+            self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
 
     def _outcome(self, o: Outcome) -> ws.TaskDone:
         if not o.ok:
