@@ -341,10 +341,15 @@ def render_markdown(rows: list[list[str]]) -> str:
 
 # ---- machine info and the docs section ------------------------------------------------------------
 def machine_info() -> dict[str, str]:
-    import dask
-    import distributed
+    import importlib.metadata
 
     import tidepool
+
+    def version(name: str) -> str:  # Dask may be missing where only tidepool is measured
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -360,7 +365,7 @@ def machine_info() -> dict[str, str]:
         "cpu": cpu,
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
-        "dask": f"dask {dask.__version__}, distributed {distributed.__version__}",
+        "dask": f"dask {version('dask')}, distributed {version('distributed')}",
         "tidepool": f"tidepool {tidepool.__version__}, {git_revision()}",
         "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
     }

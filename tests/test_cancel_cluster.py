@@ -26,7 +26,7 @@ import tidepool
 from tidepool.comm import connect
 from tidepool.scaling.node_types import NodeType
 from tidepool.testing import wait_until
-from tidepool.worker.core import request_data
+from tidepool.worker.peers import request_data
 
 pytestmark = pytest.mark.integration
 

@@ -94,11 +94,11 @@ class ShortOfMemory:
 
 
 def test_out_of_memory_while_serving_keeps_the_value_and_closes_only_that_connection() -> None:
-    from tidepool.worker.core import Worker
+    from tidepool.worker.server import Worker
 
     w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="1GB")
     w.data["k"] = ShortOfMemory()
-    w.nbytes["k"] = 64
+    w.state.memory["k"] = 64
     with pytest.raises(MemoryError):  # the listener closes that connection: the asker fails over at once
         w._data_reply(["k"], 2**30)
-    assert "k" in w.data and not w._unservable  # not reported as unservable, not dropped
+    assert "k" in w.data and "k" in w.state and "unservable" not in w.outbox.batch  # not reported, not dropped

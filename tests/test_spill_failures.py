@@ -164,7 +164,7 @@ def test_the_spill_limit_reaches_every_worker(tmp_path: Path) -> None:
     import shutil
 
     from tidepool.cli import build_parser
-    from tidepool.worker.core import Worker
+    from tidepool.worker.server import Worker
     from tidepool.worker.spill import DEFAULT_SPILL_FRACTION
 
     assert build_parser().parse_args(["worker", "tcp://h:1", "--spill-limit", "5GB"]).spill_limit == "5GB"

@@ -33,7 +33,7 @@ def test_a_worker_process_imports_no_client_cluster_dask_dashboard_or_simulator(
                            "--heartbeat-interval", "-1"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--heartbeat-interval must be a positive number" in proc.stderr, proc.stderr[-2000:]
     mods = imported_modules(proc.stderr)
-    assert {"tidepool.worker.core", "tidepool.comm.core", "tidepool.setup"} <= mods  # it got as far as a worker
+    assert {"tidepool.worker.server", "tidepool.comm.core", "tidepool.setup"} <= mods  # it got as far as a worker
     assert forbidden(mods) == []
 
 

@@ -190,7 +190,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from tidepool.worker.core import Worker, on_preemption_notice
+    from tidepool.worker.server import Worker
+    from tidepool.worker.signals import on_preemption_notice
 
     if not (math.isfinite(args.heartbeat_interval) and args.heartbeat_interval > 0):
         raise ConfigError(f"--heartbeat-interval must be a positive number of seconds, got {args.heartbeat_interval}")

@@ -748,7 +748,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         return values
 
     async def _get_from(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-        from tidepool.worker.core import request_data
+        from tidepool.worker.peers import request_data
 
         entry = self._workers.get(address)
         if entry is None or entry[0].closed:

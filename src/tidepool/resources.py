@@ -1,18 +1,44 @@
-"""Resource amounts: ``{"cpu": 1, "gpu": 1, "memory": "4GB", "custom": 2}`` -> floats.
+"""The resource algebra, in one place: parsing amounts, :data:`Shape`, :func:`fits`, :func:`capacity`.
 
-Memory-like values accept byte strings ("512MiB", "4GB", "1.5 TB"); everything else must be a
-non-negative number.  Used by task submission, workers and node types alike, so a typo fails the
-same way everywhere.
+Parsing: ``{"cpu": 1, "gpu": 1, "memory": "4GB", "custom": 2}`` -> floats.  Memory-like values
+accept byte strings ("512MiB", "4GB", "1.5 TB"); everything else must be a non-negative number.
+Used by task submission, workers and node types alike, so a typo fails the same way everywhere.
+
+A task's demand travels as a :data:`Shape` (sorted ``(name, amount)`` pairs: hashable, so many
+tasks share one); the scheduler's placement, the worker's slots, the scaling planner and the
+forecast all ask the same two questions of it: does it :func:`fit` what is free, and how many
+copies of it fit at once (:func:`capacity`).  Pure functions, no state.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tidepool.errors import ConfigError
+
+#: a task's resource demand: ``(("cpu", 1.0), ("gpu", 1.0))``, hashable so tasks share it
+Shape = tuple[tuple[str, float], ...]
+
+
+def fits(available: Mapping[str, float], demand: Iterable[tuple[str, float]]) -> bool:
+    """True when ``available`` covers every ``(resource, amount)`` in ``demand``."""
+    for name, amount in demand:
+        if available.get(name, 0.0) < amount:
+            return False
+    return True
+
+
+def capacity(resources: Mapping[str, float], shape: Shape) -> int:
+    """How many tasks of ``shape`` fit at once into ``resources`` (a huge number if it asks for nothing)."""
+    n = math.inf
+    for name, amount in shape:
+        if amount <= 0:
+            continue
+        n = min(n, resources.get(name, 0.0) // amount)
+    return int(n) if n != math.inf else 1_000_000
 
 _UNITS = {
     "": 1, "b": 1,
@@ -57,7 +83,28 @@ def parse_resources(resources: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def task_shape(resources: Mapping[str, Any] | None) -> Shape:
+    """A task's resource demand as a canonical :data:`Shape`; ``cpu`` defaults to 1."""
+    res = parse_resources(resources or {})
+    res.setdefault("cpu", 1.0)
+    return tuple(sorted((k, v) for k, v in res.items() if v > 0 or k == "cpu"))
+
+
+def worker_resources(resources: Mapping[str, Any] | None, slots: int | None = None) -> dict[str, float]:
+    """A worker's resources: ``slots`` sets ``cpu``, which defaults to the machine's cores."""
+    import os
+
+    res = parse_resources(resources or {})
+    if slots is not None:
+        if slots < 1:
+            raise ConfigError(f"slots must be at least 1, got {slots}")
+        res["cpu"] = float(slots)
+    res.setdefault("cpu", float(os.cpu_count() or 1))
+    return res
+
+
 def format_resources(resources: Mapping[str, float]) -> str:
+    """``cpu=2, memory=4.0GiB`` for messages."""
     parts = []
     for k, v in sorted(resources.items()):
         if k == "memory":

@@ -5,7 +5,7 @@ interpreter start and its imports (seconds on a loaded machine).
 Two halves live here:
 
 - the **server** (:func:`main`, ``--reply-fd N [--preload M ...]``): it
-  imports the worker code (:mod:`tidepool.cli` and :mod:`tidepool.worker.core`, which is all
+  imports the worker code (:mod:`tidepool.cli` and :mod:`tidepool.worker.server`, which is all
   ``python -m tidepool.worker`` imports) and the preload modules, then serves requests read from
   its stdin, one JSON line each (``{"id", "argv", "env", "cwd"}``), answering on the reply pipe
   ``{"op": "forked", "id", "pid"}``, ``{"op": "exit", "pid", "rc"}`` when it reaps a worker, and
@@ -135,7 +135,7 @@ def serve(reply_fd: int, preload: list[str]) -> int:
     import importlib
 
     import tidepool.cli  # noqa: F401 - the worker's code, imported once here
-    import tidepool.worker.core  # noqa: F401
+    import tidepool.worker.server  # noqa: F401
 
     for mod in preload:
         try:

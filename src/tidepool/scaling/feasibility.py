@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tidepool.resources import Shape
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.planner import describe_types, rank_types
-from tidepool.scaling.snapshot import Shape
 
 
 def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:

@@ -23,6 +23,7 @@ import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tidepool.resources import Shape, capacity
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.snapshot import TypeForecast, WorkerView
 from tidepool.scheduler.records import ORDINARY
@@ -30,7 +31,6 @@ from tidepool.scheduler.records import ORDINARY
 if TYPE_CHECKING:
     from tidepool.scaling.observation import GraphView
 
-Shape = tuple[tuple[str, float], ...]
 
 #: Above this many unfinished tasks the simulation is replaced by the analytic bound.
 SIMULATE_MAX_TASKS = 20_000
@@ -292,7 +292,7 @@ def type_forecasts(
     (type, nodes, launched at).  Returns the forecasts, the overall ETA with the pool as it is, and
     when waiting work next becomes runnable.
     """
-    from tidepool.scaling.planner import capacity, rank_types
+    from tidepool.scaling.planner import rank_types
 
     shapes: dict[Shape, int] = {}
     for shape in graph.shapes:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from tidepool.scheduler.state import InvalidTransition
+from tidepool.scheduler.kinds import InvalidTransition
 
 
 class IS(StrEnum):

@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.errors import ConfigError
+from tidepool.resources import fits
 from tidepool.scaling.forecast import peak_in_use
 from tidepool.scaling.planner import PLAIN, plan
 from tidepool.scaling.policies import MemoryPressure, NoProgress, as_decision, keep_young, merge
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision, TypeForecast, WorkerView
-from tidepool.scheduler.placement import fits
 
 log = logging.getLogger("tidepool.scaling")
 

@@ -11,24 +11,14 @@ disabled, or at ``max_nodes`` are skipped; a shape no type fits at all is report
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from tidepool.resources import Shape, capacity, fits
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.snapshot import ClusterSnapshot, Demand, Shape
-from tidepool.scheduler.placement import fits
+from tidepool.scaling.snapshot import ClusterSnapshot, Demand
 
 PLAIN = frozenset({"cpu", "memory"})
 
-
-def capacity(resources: dict[str, float], shape: Shape) -> int:
-    """How many tasks of ``shape`` fit at once into ``resources``."""
-    n = math.inf
-    for name, amount in shape:
-        if amount <= 0:
-            continue
-        n = min(n, resources.get(name, 0.0) // amount)
-    return int(n) if n != math.inf else 1_000_000
 
 
 def rank_types(shape: Shape, types: tuple[NodeType, ...]) -> list[NodeType]:

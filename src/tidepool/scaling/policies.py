@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidepool.errors import ConfigError
+from tidepool.resources import fits
 from tidepool.scaling.planner import plan
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
-from tidepool.scheduler.placement import fits
 
 
 class Policy(Protocol):

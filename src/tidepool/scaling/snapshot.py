@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidepool.resources import Shape
 from tidepool.scaling.node_types import NodeType
-
-Shape = tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True)

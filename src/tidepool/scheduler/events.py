@@ -13,9 +13,11 @@ from enum import StrEnum
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
+from tidepool.resources import Shape
 from tidepool.scheduler.kinds import ReportKind
 
-Shape = tuple[tuple[str, float], ...]
+#: a feasibility rule's verdict on a shape: None (feasible), a reason, or (error type, message)
+Infeasible = str | tuple[str, str] | None
 
 
 class RemoveCause(StrEnum):
@@ -231,7 +233,7 @@ class CheckFeasible:
     the state for tasks that become ready later.  Waiting tasks it rules out fail now."""
 
     now: float
-    rule: Callable[[Shape], str | tuple[str, str] | None]
+    rule: Callable[[Shape], Infeasible]
 
 
 @dataclass(slots=True)

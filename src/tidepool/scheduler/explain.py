@@ -1,5 +1,9 @@
 """Why a task is not done yet, in words: read-only over :class:`SchedulerState`.
 
+Also the scheduler's read-only questions about the graph that end in a task failing or being
+cancelled: which no-worker tasks waited too long (and the message that says what to do), and
+what lies downstream of cancelled tasks.
+
 The client asks (``why`` request) when ``future.result(timeout=)`` or ``gather(timeout=)`` times
 out, so the ``TimeoutError`` says which key, its state, and the reason when the scheduler knows it
 (no worker offers the resources it asks for, inputs still missing, waiting for a free slot).
@@ -7,10 +11,17 @@ out, so the ``TimeoutError`` says which key, its state, and the reason when the 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
+from tidepool.resources import Shape, fits
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.kinds import ACTIVE
+from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
-from tidepool.scheduler.placement import fits
+
+if TYPE_CHECKING:
+    from tidepool.scheduler.records import TaskRecord, WorkerRecord
 
 
 def explain(state: Any, key: str) -> dict[str, str]:
@@ -52,3 +63,93 @@ def explain(state: Any, key: str) -> dict[str, str]:
     else:
         why = "not needed by any client now"
     return {"state": st, "why": why}
+
+
+def downstream(roots: Iterable[TaskRecord]) -> list[TaskRecord]:
+    """``roots`` and every unfinished task computed from them, in priority order."""
+    seen = set(roots)
+    stack = list(seen)
+    while stack:
+        ts = stack.pop()
+        for dt in ts.dependents:
+            if dt not in seen and dt.state in ACTIVE:
+                seen.add(dt)
+                stack.append(dt)
+    return sorted(seen, key=lambda t: t.priority)
+
+
+def late_no_worker(no_worker: Mapping[Shape, set[TaskRecord]], workers: Mapping[str, WorkerRecord], now: float,
+                   timeout: float) -> list[tuple[TaskRecord, str]]:  # fmt: skip
+    """No-worker tasks that waited longer than ``timeout`` for a worker (no autoscaler to ask),
+    each with the message it fails with."""
+    out: list[tuple[TaskRecord, str]] = []
+    for shape, tasks in no_worker.items():
+        for ts in sorted((t for t in tasks if now - t.no_worker_since > timeout), key=lambda t: t.priority):
+            if ts.restrict is not None:
+                names = sorted(w.name for w in workers.values())
+                out.append((ts, (
+                    f"task {ts.key!r} may run only on workers {sorted(ts.restrict)} (workers=...), and "
+                    f"none of them that fits {dict(shape)} has been here for {timeout:g}s (connected: "
+                    f"{', '.join(names) or 'none'}); start that worker, name others in workers=, pass "
+                    "allow_other_workers=True, or raise no_worker_timeout")))  # fmt: skip
+                continue
+            have = sorted({f"{k}={v:g}" for w in workers.values() for k, v in w.resources.items()})
+            out.append((ts, (
+                f"task {ts.key!r} needs {dict(shape)} and no worker has offered that for "
+                f"{timeout:g}s ({len(workers)} workers; resources seen: {', '.join(have) or 'none'}); "
+                "no autoscaler can launch one. Start a worker with these resources "
+                "(tidepool worker --resources ...), use adapt() with a node type that has them, "
+                "or raise no_worker_timeout")))  # fmt: skip
+    return out
+
+
+def killed_workers(ts: TaskRecord, last: str, reason: str) -> str:
+    return (f"task {ts.key!r} was executing on {ts.suspicious} workers that died (last: {last}, {reason}); "
+            "it is not retried again. Check it for crashes or memory blow-ups, or raise allowed_failures")  # fmt: skip
+
+
+def transfer_failed(ts: TaskRecord, dep: TaskRecord, holder: str, error: str) -> str:
+    return (f"task {ts.key!r} could not get its input {dep.key!r}: its only copy could not be fetched "
+            f"{dep.fetch_failures} times in a row (last from {holder}: {error or 'unknown error'}); "
+            "check that workers can reach each other's data ports")  # fmt: skip
+
+
+def collision(key: str, why: str) -> str:
+    return (f"key {key!r} is already used by another task that is still alive ({why}); give this task "
+            "another key, or release every future of the first one before reusing its key")  # fmt: skip
+
+
+def infeasible(ts: TaskRecord, verdict: str | tuple[str, str] | None) -> tuple[str, str] | None:
+    """(error type, message) for ``ts`` from the autoscaler's feasibility ``verdict``, or None."""
+    if not verdict:
+        return None
+    if isinstance(verdict, tuple):
+        return verdict[0], f"task {ts.key!r} can never run: {verdict[1]}"
+    return "InfeasibleTaskError", f"task {ts.key!r} can never run: {verdict}"
+
+
+def cancel_roots(tasks: Mapping[str, TaskRecord], client: str, keys: Iterable[str],
+                 unless_started: bool) -> tuple[list[TaskRecord], list[ev.Report]]:  # fmt: skip
+    """The tasks ``client`` cancels of ``keys``, and the reports for keys it has nothing to stop
+    (``cancelled``) or, with ``unless_started``, that are executing (``running``); finished keys
+    are kept quietly when ``unless_started``."""
+    roots: list[TaskRecord] = []
+    reports: list[ev.Report] = []
+    for k in keys:
+        ts = tasks.get(k)
+        if ts is None or client not in ts.wanted_by:
+            reports.append(ev.Report(client, k, RK.CANCELLED))  # nothing of ours to stop
+            continue
+        if unless_started:
+            if ts.state in ("memory", "erred"):
+                continue
+            if ts.state == "running" and ts.executing:
+                reports.append(ev.Report(client, k, RK.RUNNING))
+                continue
+        roots.append(ts)
+    return roots, reports
+
+
+def silent(seconds: float, timeout: float) -> str:
+    return (f"no heartbeat for {seconds:.1f}s (time-to-live {timeout:g}s; raise heartbeat_timeout if tasks "
+            "block workers longer)")  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
-from tidepool.scheduler.events import Shape
+from tidepool.resources import Shape
 from tidepool.scheduler.kinds import TaskState, WorkerState
 
 #: resources every worker has; any other (gpu, fpga, licence, ...) is scarce and kept for tasks
@@ -111,6 +111,13 @@ class WorkerRecord:
         #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
         #: it gets no new work until it is heard from again; it is not declared dead for that
         self.suspect = False
+
+    def forget_tasks(self, now: float) -> None:
+        """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
+        self.processing.clear()
+        self.has_what.clear()
+        self.nbytes, self.occupancy, self.seceded = 0, 0.0, 0
+        self.idle_since = now
 
     def __repr__(self) -> str:
         return f"<Worker {self.id} {self.state} processing={len(self.processing)} held={len(self.has_what)}>"

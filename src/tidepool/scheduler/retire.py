@@ -6,35 +6,90 @@ bytes that has memory room; once nothing unique is left and nothing runs, the wo
 removed gracefully (no recomputation, no failure counted).  If no survivor can take the data, the
 retirement is refused with the reason and the worker goes back to ``running``.
 
-State lives on :class:`SchedulerState` (``retiring``: worker id -> keys already asked for); these
-functions decide, and change the state only through its public ``begin_retirement`` and
-``finish_retirement``.
+Data flow: these functions read a :class:`RetireView` of the scheduler state (its workers and
+``retiring``: worker id -> keys already asked for) and return *intents*; they change nothing.  The
+state machine (``state.py``) applies the intents in order: :class:`Begin` and :class:`Finish` are
+worker-state moves, :class:`Asked` and :class:`Forget` its bookkeeping, and the commands
+(``Replicate``, ``RetireRefused``) go out as they are.  So this module imports nothing of the
+state's, and the state owns every write to its fields.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from tidepool.scheduler import events as ev
 
 if TYPE_CHECKING:
-    from tidepool.scheduler.records import WorkerRecord
-    from tidepool.scheduler.state import SchedulerState
+    from tidepool.scheduler.records import TaskRecord, WorkerRecord
 
 MEMORY_FRACTION = 0.8
 
 
-def start_retire(state: SchedulerState, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """``worker`` starts retiring (takes no new task) for ``reason``."""
+
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """Copies of ``keys`` held only by retiring ``worker`` were asked for (do not ask again)."""
+
+    worker: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Nothing unique left on ``worker`` and nothing running: close it and remove it gracefully."""
+
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """``worker`` left while retiring: drop its retirement bookkeeping."""
+
+    worker: str
+
+
+Intent = Begin | Asked | Finish | Forget | ev.Replicate | ev.RetireRefused
+
+
+class RetireView(Protocol):
+    """What retirement reads of the scheduler state (read-only by convention)."""
+
+    @property
+    def workers(self) -> Mapping[str, WorkerRecord]: ...
+
+    @property
+    def retiring(self) -> Mapping[str, set[str]]: ...
+
+
+def unique_data(ws: WorkerRecord, leaving: Iterable[str] = ()) -> list[TaskRecord]:
+    """Values ``ws`` holds that somebody still needs and no other worker (outside ``leaving``) has."""
+    gone = set(leaving)
+    return [ts for ts in ws.has_what if ts.needed and len(ts.who_has - gone if gone else ts.who_has) == 1]
+
+
+def start_retire(view: RetireView, e: ev.RetireWorkers) -> list[Intent]:
+    """Which of ``e.workers`` may begin retiring, and refusals (with reasons) for the rest."""
+    out: list[Intent] = []
     names: set[str] = set()  # accepted for retirement in this batch
     for wid in e.workers:
-        ws = state.workers.get(wid)
-        if ws is None or ws.state == "retiring":
+        ws = view.workers.get(wid)
+        if ws is None or ws.state == "retiring" or wid in names:
             continue
         survivors = [
-            w for w in state.workers.values()
-            if w.state == "running" and w.id != wid and w.id not in names and w.id not in state.retiring
+            w for w in view.workers.values()
+            if w.state == "running" and w.id != wid and w.id not in names and w.id not in view.retiring
         ]  # fmt: skip
-        unique = state.unique_data(ws)
+        unique = unique_data(ws)
         need = sum(ts.nbytes for ts in unique)
         if unique and not survivors:
             out.append(ev.RetireRefused(wid, f"it holds {len(unique)} needed values ({need} bytes) "
@@ -46,8 +101,8 @@ def start_retire(state: SchedulerState, e: ev.RetireWorkers, out: list[ev.Comman
                                               f"{room} bytes the survivors have free"))  # fmt: skip
             continue
         names.add(wid)
-        state.begin_retirement(ws, e.reason)
-    progress_retirements(state, out)
+        out.append(Begin(wid, e.reason))
+    return out
 
 
 def _room(w: WorkerRecord) -> float:
@@ -56,24 +111,29 @@ def _room(w: WorkerRecord) -> float:
     return max(0.0, w.memory_limit * MEMORY_FRACTION - w.nbytes)
 
 
-def progress_retirements(state: SchedulerState, out: list[ev.Command]) -> None:
-    """Ask survivors for copies of unique data; close retiring workers that are done."""
-    for wid in list(state.retiring):
-        ws = state.workers.get(wid)
+def progress_retirements(view: RetireView) -> list[Intent]:
+    """Ask survivors for copies of unique data; close retiring workers that are done.
+
+    Workers finishing in this pass count as gone already: a value two retiring workers share is
+    unique to the second once the first is closed, so it is copied, not lost."""
+    out: list[Intent] = []
+    leaving: list[str] = []
+    for wid in list(view.retiring):
+        ws = view.workers.get(wid)
         if ws is None:
-            state.retiring.pop(wid, None)
-            state.retire_reason.pop(wid, None)
+            out.append(Forget(wid))
             continue
-        asked = state.retiring[wid]
-        unique = [ts for ts in state.unique_data(ws)]
+        asked = view.retiring[wid]
+        unique = unique_data(ws, leaving)
         if not unique and not ws.processing:
-            state.finish_retirement(wid, out)
+            out.append(Finish(wid))
+            leaving.append(wid)
             continue
         todo = [ts for ts in unique if ts.key not in asked]
         if not todo:
             continue
         survivors = sorted(
-            (w for w in state.workers.values() if w.state == "running"),
+            (w for w in view.workers.values() if w.state == "running"),
             key=lambda w: (w.nbytes, w.seq),
         )
         if not survivors:
@@ -84,6 +144,7 @@ def progress_retirements(state: SchedulerState, out: list[ev.Command]) -> None:
             target = min(survivors, key=lambda w: (load[w.id], w.seq))
             load[target.id] += ts.nbytes
             plan.setdefault(target.id, []).append(ts.key)
-            asked.add(ts.key)
+        out.append(Asked(wid, tuple(ts.key for ts in todo)))
         for target_id, keys in plan.items():
             out.append(ev.Replicate(target_id, keys))
+    return out

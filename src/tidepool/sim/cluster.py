@@ -11,6 +11,12 @@ policy) plus an optional ``[simulate]`` table that only the simulator reads::
     tick = 0.5             # scheduler tick period, s
     heartbeat = 30         # worker heartbeat period, s
     forecast_budget = 0.1  # optional: forecasts at most this fraction of the time (not in the real shell)
+    cores = 2              # optional: one worker's cores (or a table by node type); tasks beyond share them
+    setup = 5              # optional: seconds a worker's setup hooks take before it takes tasks
+    restart = 1            # seconds a worker that passed its memory limit takes to come back
+    disk = "500MB"         # optional: bytes per second a worker spills and reads back (default: free)
+    unmanaged = "100MB"    # optional: a worker process's own memory, counted against its memory limit
+    overhead = 0.002       # optional: seconds a worker's loop spends on each task it starts
     seed = 1               # the CLI's --seed wins
 
     [simulate.node_types.gpu]   # one node type's start-up: a preset and/or its own numbers
@@ -42,7 +48,7 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.sim.provider import PRESETS, StartupModel, model_from
 
 _SIM_KEYS = ("startup", "latency", "bandwidth", "interval", "tick", "heartbeat", "seed", "node_types",
-             "forecast_budget")
+             "forecast_budget", "cores", "setup", "restart", "disk", "unmanaged", "overhead")
 _DEFAULT_PRESET = {"local": "local", "ssh": "ssh", "slurm": "slurm"}
 
 
@@ -62,6 +68,18 @@ class SimCluster:
     forecast_budget: float | None = None  # see Simulation
     source: str = "<cluster>"
     notes: list[str] = field(default_factory=list)
+    #: cores of one worker per node type: more running tasks than that share them (none: no contention)
+    cores: dict[str, float] = field(default_factory=dict)
+    #: seconds a worker's setup hooks take after it registers (it takes no task before)
+    setup: float = 0.0
+    #: seconds a worker over its memory limit takes to come back
+    restart: float = 1.0
+    #: bytes per second a worker spills to disk and reads back (None: spilling takes no time)
+    disk: float | None = None
+    #: a worker process's own resident memory (interpreter, libraries), counted against its limit
+    unmanaged: float = 0.0
+    #: seconds a worker's loop spends on each task it starts (hand-off, bookkeeping); 0: none
+    overhead: float = 0.0
 
     def make_policy(self) -> Any:
         """The policy of the cluster file (the default policy without one)."""
@@ -130,7 +148,34 @@ def from_dict(data: Mapping[str, Any], source: str = "<cluster>") -> SimCluster:
         tick=_seconds(source, "tick", sim.get("tick", 0.5), positive=True),
         heartbeat=_seconds(source, "heartbeat", sim.get("heartbeat", 30.0), positive=True),
         seed=seed, source=source, forecast_budget=_budget(source, sim.get("forecast_budget")),
+        cores=_cores(source, sim.get("cores"), names), setup=_seconds(source, "setup", sim.get("setup", 0.0)),
+        restart=_seconds(source, "restart", sim.get("restart", 1.0)), disk=_disk(source, sim.get("disk")),
+        unmanaged=float(parse_bytes(sim.get("unmanaged", 0))),
+        overhead=_seconds(source, "overhead", sim.get("overhead", 0.0)),
     )  # fmt: skip
+
+
+def _disk(source: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    disk = float(parse_bytes(value)) if isinstance(value, str) else float(value)
+    if not (math.isfinite(disk) and disk > 0):
+        raise ConfigError(f"{source}: [simulate] disk must be positive bytes per second (e.g. \"500MB\"), got {value!r}")
+    return disk
+
+
+def _cores(source: str, value: Any, names: set[str]) -> dict[str, float]:
+    """``cores = 2`` (every node type) or ``cores = {gpu = 8}``: one worker's cores."""
+    if value is None:
+        return {}
+    items = value.items() if isinstance(value, Mapping) else ((n, value) for n in names)
+    out = {}
+    for name, n in items:
+        if name not in names or isinstance(n, bool) or not isinstance(n, (int, float)) or not n > 0:
+            raise ConfigError(f"{source}: [simulate] cores must be a positive number, or a table of them by node "
+                              f"type ({', '.join(sorted(names))}); got {name!r} = {n!r}")  # fmt: skip
+        out[str(name)] = float(n)
+    return out
 
 
 def _budget(source: str, value: Any) -> float | None:

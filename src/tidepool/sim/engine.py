@@ -7,13 +7,13 @@ instant to :meth:`SchedulerState.handle_many` in one batch (as the server does p
 turns the commands into messages that arrive ``latency`` seconds later.  The autoscaler shell
 (:mod:`tidepool.sim.shell`) steps after the batch, every ``interval`` seconds and on wake-ups.
 
-Simulated workers answer as ``worker/core.py`` does: ``Execute`` queues a task (its inputs are
-fetched from a holder first: ``latency + nbytes / bandwidth`` per input, then reported with
-``AddReplica``); a task enters a slot when its resources fit (reported as ``TasksStarted``) and
-finishes after its duration (``TaskFinished``, or nothing if it was freed meanwhile); ``Free``
-drops values and queued tasks; ``Steal`` gives back queued tasks (``StealReply``);
-``Replicate`` fetches values (``AddReplica``); ``CloseWorker`` ends the process.  A worker whose
-process ends otherwise (terminated, walltime) is reported with ``WorkerRemove`` (connection closed).
+Simulated workers run the real worker's decisions: each is a :class:`~tidepool.sim.process.WorkerProcess`
+around the same :class:`~tidepool.worker.state.WorkerState` the asyncio worker drives (queue,
+slots, fetching inputs at ``latency + nbytes / bandwidth``, memory limits with spilling, pausing
+and restarts, steal replies); only time is simulated: durations from the workload, shared cores
+when a worker runs more than it has (``cores``), setup hooks that take ``setup`` seconds before a
+worker takes tasks.  ``CloseWorker`` ends the process.  A worker whose process ends otherwise
+(terminated, walltime) is reported with ``WorkerRemove`` (connection closed).
 Heartbeats arrive every ``heartbeat`` seconds; ``Tick`` every ``tick`` seconds.
 
 The client submits each stage of the workload (``UpdateGraph``), waits for the reports of the keys
@@ -33,7 +33,6 @@ import heapq
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,42 +42,26 @@ from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import ReportKind
 from tidepool.scheduler.state import SchedulerState
 from tidepool.sim.cluster import SimCluster
+from tidepool.sim.process import WorkerProcess
 from tidepool.sim.provider import SimProvider
 from tidepool.sim.shell import SimAutoScaler, StepCost
 from tidepool.sim.workload import SimTask, Workload
 from tidepool.telemetry.journal import Journal
 from tidepool.telemetry.report import count_retirements
+from tidepool.worker import state as ws
 
 CLIENT = "sim-client"
 
 # event kinds
 _TO_SCHED, _TO_WORKER, _DONE, _FETCHED, _UP, _END, _STEP, _TICK, _BEAT, _SUBMIT, _TO_CLIENT, _HELD, \
-    _GATHERED, _PREEMPT = range(14)  # fmt: skip
+    _GATHERED, _READY, _RESTART, _SAMPLE, _PREEMPT = range(17)  # fmt: skip
+#: seconds between two samples of a worker's memory monitor (worker/memory.py's interval)
+MONITOR = 0.05
 # worker message items
 _X, _F, _S, _R, _C = range(5)
 
 _Execute, _Free, _Report, _Replicate, _Steal, _Close, _Refused = (
     ev.Execute, ev.Free, ev.Report, ev.Replicate, ev.Steal, ev.CloseWorker, ev.RetireRefused)  # fmt: skip
-
-
-class SimWorker:
-    """One simulated worker process (see the module docstring)."""
-
-    __slots__ = ("id", "node_type", "resources", "free", "queue", "running", "data", "waiting", "inflight",
-                 "cancelled", "alive")  # fmt: skip
-
-    def __init__(self, wid: str, node_type: str, resources: dict[str, float]) -> None:
-        self.id = wid
-        self.node_type = node_type
-        self.resources = resources
-        self.free = dict(resources)
-        self.queue: deque[tuple[str, ev.Shape]] = deque()  # inputs local, waiting for a slot
-        self.running: dict[str, int] = {}  # key -> token of its finish event
-        self.data: dict[str, int] = {}  # key -> nbytes
-        self.waiting: dict[str, list[Any]] = {}  # key -> [shape, missing input keys]
-        self.inflight: dict[str, list[str | None]] = {}  # input key -> tasks waiting for it (None: replicate)
-        self.cancelled: set[str] = set()
-        self.alive = True
 
 
 @dataclass
@@ -96,6 +79,10 @@ class SimStats:
     peak_tasks: int = 0
     bytes_per_task: float | None = None  # resident-memory growth per task when the graph arrived
     peak_rss: int = 0
+    # what the simulated workers' memory rules did (worker/state.py)
+    spilled_bytes: int = 0  # bytes moved to disk
+    pauses: int = 0  # times a worker paused over its pause level
+    memory_restarts: int = 0  # workers that passed their terminate level and restarted
 
     @property
     def state_events_per_second(self) -> float:
@@ -208,7 +195,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = itertools.count()
         self.state = SchedulerState(**(state_kwargs or {}))
-        self.workers: dict[str, SimWorker] = {}
+        self.workers: dict[str, WorkerProcess] = {}
         self.inbox: list[ev.Event] = []
         self.out: list[ev.Event] = []
         self.tasks: dict[str, SimTask] = {t.key: t for t in workload.tasks()}
@@ -226,7 +213,6 @@ class Simulation:
         self.shell = SimAutoScaler(self.controller, self.provider, self.state, self.journal, apply=self.apply,
                                    wake=self._wake, step_cost=self.step_cost, forecast_budget=fb)  # fmt: skip
         self.stats = SimStats()
-        self._token = itertools.count(1)
         # autoscaler timing
         self._step_id = 0
         self._step_at = float("inf")
@@ -250,10 +236,9 @@ class Simulation:
         self._peak = 0
         self._busy: dict[str, list[tuple[float, float]]] = {}  # worker -> disjoint busy intervals, in order
         self._task_seconds = 0.0
-        self._run_start: dict[int, float] = {}  # token of a running execution -> when it started
+        self._executions = 0
         self._lost = 0.0
         self._preempted = 0
-        self._executions = 0
         self._last_event = 0.0
         self._stopped = ""
 
@@ -372,10 +357,9 @@ class Simulation:
         if w is not None and w.alive:
             self._worker_gone(w, reason)
 
-    def _worker_gone(self, w: SimWorker, reason: str) -> None:
+    def _worker_gone(self, w: WorkerProcess, reason: str) -> None:
         """``w``'s process ended without the scheduler closing it: the connection closes."""
-        for token in w.running.values():  # what its running tasks had done is lost
-            self._lost += self.now - self._run_start.pop(token, self.now)
+        self._lost += w.lost_work(self.now)  # what its running tasks had done is lost
         w.alive = False
         del self.workers[w.id]
         self.out.append(ev.WorkerRemove(w.id, self.now, reason, graceful=False, cause=ev.RemoveCause.CLOSED))
@@ -385,48 +369,17 @@ class Simulation:
         w = self.workers.get(wid)
         if w is None:
             return  # gone: the scheduler's message goes nowhere
-        now = self.now
-        out = self.out
         for item in items:
             code = item[0]
             if code == _X:
-                key = item[1]
-                if key in w.running:
-                    w.cancelled.discard(key)  # assigned again while still running: keep that run
-                    continue
-                nb = w.data.get(key)
-                if nb is not None:
-                    out.append(ev.TaskFinished(wid, key, nb, 0.0, now))
-                    continue
-                if key in w.waiting:
-                    continue
-                deps = item[3]
-                if deps:
-                    data = w.data
-                    missing = [d for d in deps if d[0] not in data]
-                    if missing:
-                        w.waiting[key] = [item[2], {d[0] for d in missing}]
-                        for d in missing:
-                            self._fetch(w, d[0], d[1], d[2], key)
-                        continue
-                w.queue.append((key, item[2]))
+                w.compute(item[1], item[2], item[3])
             elif code == _F:
-                self._free(w, item[1])
+                w.handle(ws.FreeKeys(tuple(item[1])))
             elif code == _S:
-                ks = set(item[1])
-                stolen = [k for k, _ in w.queue if k in ks]
-                if stolen:
-                    w.queue = deque(x for x in w.queue if x[0] not in ks)
-                for k in item[1]:
-                    if k in w.waiting:
-                        del w.waiting[k]
-                        stolen.append(k)
-                got = set(stolen)
-                out.append(ev.StealReply(wid, stolen, [k for k in item[1] if k not in got], now))
+                w.handle(ws.StealKeys(tuple(item[1])))
             elif code == _R:
                 for key, holders, nbytes in item[1]:
-                    if key not in w.data:
-                        self._fetch(w, key, holders, nbytes, None)
+                    w.replicate(key, holders, nbytes)
             elif code == _C:
                 w.alive = False
                 del self.workers[wid]
@@ -435,128 +388,50 @@ class Simulation:
                 # removed it already, the journal and the held-time accounting see it leave now)
                 self.out.append(ev.WorkerRemove(wid, self.now, item[1], graceful=True, cause=ev.RemoveCause.CLOSED))
                 return
-        self._start(w)
 
-    def _free(self, w: SimWorker, keys: list[str]) -> None:
-        for k in keys:
-            w.data.pop(k, None)
-            if k in w.running:
-                w.cancelled.add(k)
-            elif k in w.waiting:
-                del w.waiting[k]
-        if w.queue:
-            ks = set(keys)
-            if any(x[0] in ks for x in w.queue):
-                w.queue = deque(x for x in w.queue if x[0] not in ks)
+    # the worker processes' hooks (sim/process.py)
+    def fetch_later(self, wid: str, key: str, holders: tuple[str, ...], nbytes: int) -> None:
+        self._push(self.now + self.latency + nbytes / self.bandwidth, _FETCHED, wid, (key, holders))
 
-    def _fetch(self, w: SimWorker, key: str, holders: tuple[str, ...], nbytes: int, task: str | None) -> None:
-        waiters = w.inflight.get(key)
-        if waiters is not None:
-            waiters.append(task)
-            return
-        w.inflight[key] = [task]
-        self._push(self.now + self.latency + nbytes / self.bandwidth, _FETCHED, w.id, (key, holders, nbytes))
+    def sample_later(self, wid: str) -> None:
+        self._push(self.now + MONITOR, _SAMPLE, wid)
 
-    def _fetched(self, wid: str, key: str, holders: tuple[str, ...], nbytes: int) -> None:
+    def done_later(self, t: float, wid: str, key: str, token: int) -> None:
+        self._push(t, _DONE, wid, (key, token))
+
+    def memory_exit(self, w: WorkerProcess, rss: int) -> None:
+        """``w`` ended over its memory limit; it comes back, empty, ``restart`` seconds later."""
+        w.alive = False
+        del self.workers[w.id]
+        self.stats.memory_restarts += 1
+        why = (f"worker {w.id} used {rss} bytes of memory, over {round(w.state.thresholds.terminate * 100)}% "
+               f"of its {w.state.limit}-byte limit; it restarts")  # fmt: skip
+        self.out.append(ev.WorkerRemove(w.id, self.now, why, graceful=False, cause=ev.RemoveCause.MEMORY))
+        self._push(self.now + self.cluster.restart, _RESTART, w.id)
+
+    def _fetched(self, wid: str, key: str, holders: tuple[str, ...]) -> None:
         w = self.workers.get(wid)
         if w is None:
             return
-        waiters = w.inflight.pop(key, [])
         ok = False
         for h in holders:
             hw = self.workers.get(h)
-            if hw is not None and key in hw.data:
+            if hw is not None and key in hw.state:
                 ok = True
                 break
-        now = self.now
-        if ok:
-            w.data[key] = nbytes
-            self.out.append(ev.AddReplica(wid, key, nbytes, now))
-            for tk in waiters:
-                if tk is None:
-                    continue
-                ent = w.waiting.get(tk)
-                if ent is None:
-                    continue
-                ent[1].discard(key)
-                if not ent[1]:
-                    del w.waiting[tk]
-                    w.queue.append((tk, ent[0]))
-            self._start(w)
-            return
-        holder = holders[0] if holders else ""
-        for tk in waiters:
-            if tk is not None and tk in w.waiting:
-                del w.waiting[tk]
-                self.out.append(ev.MissingData(wid, tk, key, holder, now, "simulated: the holder no longer has it"))
+        w.fetched(key, ok, holders[0] if holders else "")
 
-    def _start(self, w: SimWorker) -> None:
-        q = w.queue
-        if not q:
-            return
-        free = w.free
-        started: list[str] = []
-        skipped: list[tuple[str, ev.Shape]] = []
-        now = self.now
-        tasks = self.tasks
-        push = self._push
-        while q:
-            if free.get("cpu", 0.0) <= 0.0:
-                break
-            item = q.popleft()
-            shape = item[1]
-            ok = True
-            for name, amount in shape:
-                if free.get(name, 0.0) < amount:
-                    ok = False
-                    break
-            if not ok:
-                skipped.append(item)
-                if len(skipped) > 64:
-                    break
-                continue
-            for name, amount in shape:
-                free[name] -= amount
-            key = item[0]
-            token = next(self._token)
-            w.running[key] = token
-            self._run_start[token] = now
-            started.append(key)
-            st = tasks.get(key)
-            push(now + (st.duration if st is not None else 0.0), _DONE, w.id, (key, token, shape))
-        if skipped:
-            q.extendleft(reversed(skipped))
-        if started:
-            self.out.append(ev.TasksStarted(w.id, started, now))
-
-    def _done(self, wid: str, key: str, token: int, shape: ev.Shape) -> None:
+    def _done(self, wid: str, key: str, token: int) -> None:
         w = self.workers.get(wid)
-        if w is None or w.running.get(key) != token:
-            return
-        del w.running[key]
-        self._run_start.pop(token, None)
-        free = w.free
-        for name, amount in shape:
-            free[name] += amount
-        if key in w.cancelled:
-            w.cancelled.discard(key)
-        else:
-            st = self.tasks.get(key)
-            nb = st.nbytes if st is not None else 8
-            w.data[key] = nb
-            self.out.append(ev.TaskFinished(wid, key, nb, st.duration if st is not None else 0.0, self.now))
-        self._start(w)
+        if w is not None:
+            w.done(key, token)
 
     def _up(self, wid: str) -> None:
         provider = self.provider
         if not provider.is_live(wid):
             return  # terminated while it was starting
-        node_type = provider.worker_node[wid].node_type
-        nt = self.node_types[node_type]
-        res = dict(nt.worker_resources)
-        self.workers[wid] = SimWorker(wid, node_type, res)
+        self._join(wid, provider.worker_node[wid].node_type)
         provider.registered_worker(wid)
-        self.out.append(ev.WorkerJoin(wid, f"sim://{wid}", dict(res), self.now, node_type=node_type, name=wid))
         end = provider.walltime_end(wid)
         if end is not None:
             self._push(max(end, self.now), _END, wid)
@@ -570,6 +445,21 @@ class Simulation:
         if w is not None and w.alive:
             self._preempted += 1
             self._worker_gone(w, "preempted: the provider took the node back")
+
+    def _join(self, wid: str, node_type: str) -> None:
+        """A worker process registers; with setup hooks, it takes tasks ``setup`` seconds later."""
+        res = dict(self.node_types[node_type].worker_resources)
+        self.workers[wid] = WorkerProcess(wid, node_type, res, self, self.cluster.cores.get(node_type),
+                                          self.cluster.disk, int(self.cluster.unmanaged), self.cluster.overhead)  # fmt: skip
+        setup = self.cluster.setup
+        self.out.append(ev.WorkerJoin(wid, f"sim://{wid}", dict(res), self.now, node_type=node_type, name=wid,
+                                      memory_limit=self.workers[wid].state.limit, ready=setup <= 0))  # fmt: skip
+        if setup > 0:
+            self._push(self.now + setup, _READY, wid)
+
+    def _restarted(self, wid: str, node_type: str) -> None:
+        if self.provider.is_live(wid) and wid not in self.workers:
+            self._join(wid, node_type)
 
     def _walltime(self, wid: str) -> None:
         w = self.workers.get(wid)
@@ -662,11 +552,11 @@ class Simulation:
                 if kind == _TO_SCHED:
                     self.inbox.extend(a)
                 elif kind == _DONE:
-                    self._done(a, b[0], b[1], b[2])
+                    self._done(a, b[0], b[1])
                 elif kind == _TO_WORKER:
                     self._worker_message(a, b)
                 elif kind == _FETCHED:
-                    self._fetched(a, b[0], b[1], b[2])
+                    self._fetched(a, b[0], b[1])
                 elif kind == _STEP:
                     if a == self._step_id:
                         self._step_due = True
@@ -690,6 +580,15 @@ class Simulation:
                     self._gather()
                 elif kind == _GATHERED:
                     self._gathered()
+                elif kind == _SAMPLE:
+                    w = self.workers.get(a)
+                    if w is not None:
+                        w.sample()
+                elif kind == _READY:
+                    if a in self.workers:
+                        self.inbox.append(ev.WorkerReady(a, t))
+                elif kind == _RESTART:
+                    self._restarted(a, self.provider.worker_node[a].node_type)
             if self.inbox:
                 events, self.inbox = self.inbox, []
                 self.apply(events)

@@ -1,6 +1,7 @@
 """What a running task can know about where it runs, and how it submits more tasks.
 
-State: the process's :class:`~tidepool.worker.core.Worker` (set when it registers) and one cached
+State: the process's worker (set when it registers; seen here as a :class:`TaskHost`, so this
+module imports nothing of the worker's) and one cached
 :class:`~tidepool.client.Client` per worker process for tasks that submit tasks.  The key of the
 task a slot thread runs lives in ``executor.current`` (a thread-local).
 
@@ -16,26 +17,40 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidepool.errors import ConfigError
 
 if TYPE_CHECKING:
     from tidepool.client import Client
-    from tidepool.worker.core import Worker
 
-_worker: Worker | None = None
+
+class TaskHost(Protocol):
+    """What a task may ask of the worker it runs on."""
+
+    id: str
+    name: str
+    node_type: str
+    scheduler_address: str
+    token: str
+    resources: dict[str, float]
+    data: MutableMapping[str, Any]
+
+    def secede(self, key: str) -> None: ...
+
+
+_worker: TaskHost | None = None
 _client: Client | None = None
 _lock = threading.Lock()
 
 
-def set_worker(worker: Worker) -> None:
+def set_worker(worker: TaskHost) -> None:
     global _worker
     _worker = worker
 
 
-def get_worker() -> Worker:
+def get_worker() -> TaskHost:
     """The worker this code runs on; raises :class:`ConfigError` outside a worker process."""
     if _worker is None:
         raise ConfigError("get_worker() was called outside a tidepool worker (call it inside a task)")

@@ -19,6 +19,7 @@ memory (``pinned``) and never tried again; neither case ever retries the same ke
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import itertools
@@ -27,7 +28,8 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterator, MutableMapping
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +135,12 @@ class SpillStore(MutableMapping[str, Any]):
     ``directory`` (removed by :meth:`close`), at most ``limit`` bytes of it (0: no limit)."""
 
     def __init__(self, directory: str | Path, target: float, limit: int = 0,
-                 on_disable: Callable[[str], Any] | None = None) -> None:  # fmt: skip
+                 on_disable: Callable[[str], Any] | None = None, promote: bool = True) -> None:  # fmt: skip
         import zict
 
+        #: False: a value read from disk stays there (the worker's state decides what is where;
+        #: ``target`` is then infinite and values move only through :meth:`spill`)
+        self.promote = promote
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sizes: dict[str, int] = {}
@@ -236,7 +241,7 @@ class SpillStore(MutableMapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key in self.pinned:
             return self.pinned[key]
-        if key in self.on_disk and self.memory_bytes + self.on_disk[key] > self.target:
+        if key in self.on_disk and (not self.promote or self.memory_bytes + self.on_disk[key] > self.target):
             # reading it back would only spill others (and write it again later): read it from disk
             # and leave it there; the caller's copy lives as long as the caller needs it
             return self._buf.slow[key]
@@ -271,6 +276,24 @@ class SpillStore(MutableMapping[str, Any]):
             done += int(weight)
         return done
 
+    def spill(self, keys: Iterable[str]) -> list[str]:
+        """Move ``keys`` (held in memory) to disk; returns those that stay in memory (they do not
+        pickle, or the disk refused and spilling is off now: see :attr:`disabled`)."""
+        stayed = []
+        fast = self._buf.fast
+        for k in keys:
+            if k not in fast.d:
+                continue  # on disk already, pinned, or gone
+            if self.disabled:
+                stayed.append(k)
+                continue
+            try:
+                fast.evict(k)
+            except Exception as exc:  # noqa: BLE001 - the disk refused, or the value does not pickle
+                self._failed(exc)
+                stayed.append(k)
+        return stayed
+
     def close(self) -> None:
         """Forget every value and remove the spill directory (before whatever contains it goes)."""
         import zict
@@ -289,7 +312,19 @@ class SpillStore(MutableMapping[str, Any]):
 _NONE = object()
 
 
-__all__ = ["SpillStore"]
+__all__ = ["SpillStore", "worker_store"]
+
+
+def worker_store(setup_dir: Path, worker_id: str, spill_dir: str | None, spill_limit: int | str | None,
+                 on_disable: Callable[[str], Any]) -> SpillStore:  # fmt: skip
+    """A worker's store: values move to disk only when its state says so (``spill``), and stay
+    there when read.  Inside the worker's own temp directory by default, so whatever removes that
+    (close, exit, the local provider after a SIGKILL) removes spilled values too."""
+    spill = setup_dir / ".spill"
+    if spill_dir:
+        spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{worker_id}-", dir=spill_dir))
+        atexit.register(shutil.rmtree, spill, True)
+    return SpillStore(spill, math.inf, resolve_spill_limit(spill_limit, spill), on_disable=on_disable, promote=False)
 
 
 #: without ``--spill-limit``, a worker may spill up to this fraction of the space free on its spill

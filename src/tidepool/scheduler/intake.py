@@ -1,0 +1,75 @@
+"""Graph intake: a client's task specs become task records.
+
+Pure apart from linking: new records are made (state ``released``), each linked to its inputs
+(``deps``, and the inputs' ``dependents``); the state machine (``state.py``) then files them and
+decides what to compute.  A key already known is a collision unless the spec is the same task.
+
+Priorities: ``-user_priority * PRIORITY_STEP + line * LINE + seq`` (lower runs first), where
+``seq`` is the task's submission number (unique: runs replay exactly) and ``line`` its place in
+line: its own ``seq``, or the line of an input of the same user priority from an earlier
+submission that is still being computed (depth first across submissions: ``check(f)`` for each
+``f`` of an earlier ``map`` runs soon after ``f``, not after every other task of that ``map``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from tidepool.resources import task_shape
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.kinds import ACTIVE
+from tidepool.scheduler.records import TaskRecord
+
+#: one step of user priority outweighs any difference in submission order
+PRIORITY_STEP = 1 << 80
+LINE = 1 << 40
+
+
+def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
+            seq: int) -> tuple[list[TaskRecord], dict[str, str], int]:  # fmt: skip
+    """New records for ``specs`` (numbered from ``seq``), the colliding keys with the reason,
+    and the next free ``seq``."""
+    made: dict[str, TaskRecord] = {}
+    collided: dict[str, str] = {}
+    for spec in specs:
+        old = made.get(spec.key) or known.get(spec.key)
+        if old is not None:
+            why = _differs(old, spec)
+            if why:
+                collided[spec.key] = why
+            continue
+        level = -spec.priority * PRIORITY_STEP
+        ts = TaskRecord(spec.key, spec.func_id, spec.payload, task_shape(spec.resources),
+                        spec.retries, level + seq * LINE + seq, spec.group or spec.key)  # fmt: skip
+        if spec.workers:
+            ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
+        made[spec.key] = ts
+        for dk in spec.deps:
+            dep = made.get(dk) or known.get(dk)
+            if dep is ts:
+                ts.message = f"task {dk!r} depends on itself (a cycle); a graph must be acyclic"
+                ts.exc_type = "CycleError"
+                continue
+            if dep is None:
+                ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
+                ts.exc_type = "DependencyError"
+                continue
+            ts.deps.append(dep)
+            dep.dependents.add(ts)
+            if dep.state in ACTIVE and dep.priority < ts.priority and (
+                    dep.priority // PRIORITY_STEP == ts.priority // PRIORITY_STEP):  # fmt: skip
+                # depth first: it takes its unfinished input's place in line (its own seq stays)
+                ts.priority = dep.priority - dep.priority % LINE + seq
+        seq += 1
+    return list(made.values()), collided, seq
+
+
+def _differs(old: TaskRecord, spec: ev.TaskSpec) -> str:
+    """Why ``spec`` is not the task already known under its key ("" when it is the same task)."""
+    if old.func_id != spec.func_id:
+        return "a different function"
+    if old.payload != spec.payload:
+        return "different arguments"
+    if [d.key for d in old.deps] != list(spec.deps):
+        return "different inputs"
+    return ""

@@ -1,0 +1,64 @@
+"""Reports to the scheduler, batched: one ``task-batch`` message per loop wake-up.
+
+State: the entries not sent yet (report kind -> list), whether a flush is scheduled, and how many
+batches are handed to an asynchronous send and not written yet (a later batch never overtakes
+them).  Data flow: the worker shell adds what its state reports (:meth:`Outbox.add`) and calls
+:meth:`Outbox.flush` at once when the scheduler must hear now (``started`` before a task can crash
+the process), else :meth:`Outbox.soon`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from tidepool.comm import Connection
+from tidepool.errors import CommError
+
+log = logging.getLogger("tidepool.worker")
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+        self.batch: dict[str, list[Any]] = {}
+        self._scheduled = False
+        self._in_flight = 0
+
+    def add(self, kind: str, item: Any) -> None:
+        self.batch.setdefault(kind, []).append(item)
+
+    def soon(self) -> None:
+        """Flush on the next loop turn (many reports of one wake-up go out together)."""
+        if not self._scheduled and self.batch:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        batch, self.batch = self.batch, {}
+        msg: dict[str, Any] = {"op": "task-batch", **{k: v for k, v in batch.items() if v}}
+        if "stolen" in msg or "kept" in msg:  # a steal reply has both
+            msg.setdefault("stolen", [])
+            msg.setdefault("kept", [])
+        conn = self.conn
+        if len(msg) > 1 and conn is not None and not conn.closed:
+            if not self._in_flight:  # never overtake a batch still being sent
+                try:
+                    if conn.send_nowait(msg):
+                        return
+                except CommError:
+                    return
+            self._in_flight += 1
+            t = asyncio.get_running_loop().create_task(conn.send(msg))
+            t.add_done_callback(self._sent)
+
+    def _sent(self, t: asyncio.Task[Any]) -> None:
+        self._in_flight -= 1
+        log_send_error(t)
+
+
+def log_send_error(t: asyncio.Task[Any]) -> None:
+    if not t.cancelled() and t.exception() is not None:
+        log.debug("send to scheduler failed: %s", t.exception())

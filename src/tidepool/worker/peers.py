@@ -1,0 +1,223 @@
+"""Data between workers: fetching values from peers, and the data server's replies.
+
+State: one open connection (and its lock) per peer, and the keys to ask each peer for in the next
+request (:class:`Peers`); the data server itself keeps nothing (:func:`data_reply` reads the
+worker's store).  Data flow: the worker shell asks :meth:`Peers.fetch` for an input when its
+:class:`~tidepool.worker.state.WorkerState` says ``Fetch``; every key asked of one peer within a
+loop turn goes out as one ``get-data`` request (a shuffle stage reads dozens of small pieces from
+each peer).  A peer that sends nothing for ``fetch_timeout`` seconds is *silent* (suspect, not
+dead); a refused connection means it is gone.  Replies hold what fits in one frame; the rest is
+``deferred`` (asked again), values that can never be sent are ``failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tidepool.comm import Connection, Serialized, connect, serialize
+from tidepool.comm.tls import TLSConfig
+from tidepool.errors import CommError, ConfigError, PeerSilentError
+
+log = logging.getLogger("tidepool.worker")
+
+#: times a value may fail to serialise for lack of memory before the futures wanting it fail
+MAX_SERVE_TRIES = 3
+#: how long a peer may send nothing during a fetch before its copy is suspect (issue 29); long
+#: enough for a loaded machine, short next to the 300 s heartbeat time-to-live
+DEFAULT_FETCH_TIMEOUT = 30.0
+FETCH_TIMEOUT_ENV = "TIDEPOOL_FETCH_TIMEOUT"
+
+#: what fetching a value gives: ("ok", value), or (kind, reason) with kind "missing", "silent"
+#: (the last holder tried stalled) or "broken" (it exists but cannot reach us)
+Fetched = tuple[str, Any]
+
+
+def listen_host(scheduler: str) -> str:
+    """Where the data server listens: loopback for a local scheduler, else every interface (or
+    ``$TIDEPOOL_WORKER_HOST``)."""
+    from tidepool.comm.core import parse_address
+
+    _, host, _ = parse_address(scheduler)
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return os.environ.get("TIDEPOOL_WORKER_HOST", "0.0.0.0")
+
+
+def fetch_timeout_from_env() -> float:
+    """``$TIDEPOOL_FETCH_TIMEOUT`` (seconds), else :data:`DEFAULT_FETCH_TIMEOUT`."""
+    raw = os.environ.get(FETCH_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_FETCH_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ConfigError(f"{FETCH_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
+
+
+async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
+                       idle_timeout: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+    """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
+    and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
+    unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
+    that sends nothing for that long raises :class:`PeerSilentError` (and the connection closes)."""
+    values: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    todo = list(keys)
+    while todo:
+        async with lock:
+            await conn.send({"op": "get-data", "keys": todo})
+            reply = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
+        for k, blob in reply["data"].items():
+            try:
+                values[k] = blob.load()
+            except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
+                failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
+        failed.update(reply.get("failed") or {})
+        todo = list(reply.get("deferred") or ())
+    return values, failed
+
+
+class Peers:
+    """Connections to other workers' data servers, and batched requests over them."""
+
+    def __init__(self, token: str, tls: TLSConfig | None, fetch_timeout: float) -> None:
+        self.token = token
+        self.tls = tls
+        self.fetch_timeout = fetch_timeout
+        self.conns: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        #: keys to ask each peer for in one request, sent on the next loop turn (see _batched)
+        self._batches: dict[str, tuple[list[str], asyncio.Future[tuple[dict[str, Any], dict[str, str]]]]] = {}
+
+    async def fetch(self, key: str, holders: list[list[str]] | tuple[tuple[str, str], ...]) -> Fetched:
+        """Copy ``key`` from the first of ``holders`` (``[worker id, address]``) that has it."""
+        outcome: Fetched = ("missing", "no holder known")
+        for _wid, addr in holders:
+            try:
+                got, failed = await self._batched(addr, key)
+            except PeerSilentError as exc:
+                log.warning("fetching %s from %s stalled: %s", key, addr, exc)
+                outcome = ("silent", str(exc))
+                continue
+            except CommError as exc:
+                log.info("fetching %s from %s failed: %s", key, addr, exc)
+                outcome = ("missing", str(exc))
+                continue
+            if key in failed:
+                return ("broken", failed[key])
+            if key in got:
+                return ("ok", got[key])
+            outcome = ("missing", f"{addr} does not hold it")
+        return outcome
+
+    async def get(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Values of ``keys`` held at ``address``, and why some could not be had (key -> reason)."""
+        entry = self.conns.get(address)
+        if entry is None or entry[0].closed:
+            # a refused connection means the peer is gone: fail now, the scheduler reschedules
+            try:
+                conn = await connect(address, self.token, timeout=5, hello={"role": "peer"}, retry=False,
+                                     tls=self.tls)  # fmt: skip
+            except CommError as exc:
+                if isinstance(exc.__cause__, TimeoutError):  # no answer at all, not a refusal: silent
+                    raise PeerSilentError(f"{address} did not answer: {exc}") from exc
+                raise
+            entry = self.conns[address] = (conn, asyncio.Lock())
+        conn, lock = entry
+        return await request_data(conn, lock, keys, self.fetch_timeout)
+
+    def _batched(self, address: str, key: str) -> asyncio.Future[tuple[dict[str, Any], dict[str, str]]]:
+        """``get(address, [key, ...])`` for every key asked of that peer in this loop turn: one
+        request and reply for a task's inputs instead of a round trip per key."""
+        batch = self._batches.get(address)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._batches[address] = ([], loop.create_future())
+            loop.call_soon(lambda: loop.create_task(self._send_batch(address)))
+        batch[0].append(key)
+        return batch[1]
+
+    async def _send_batch(self, address: str) -> None:
+        keys, fut = self._batches.pop(address)
+        try:
+            fut.set_result(await self.get(address, keys))
+        except Exception as exc:  # noqa: BLE001 - every key of the batch sees the peer's failure
+            fut.set_exception(exc)
+            fut.exception()  # retrieved here too: a batch whose askers left logs nothing
+        finally:
+            if not fut.done():  # cancelled (the worker is closing): its askers stop too
+                fut.cancel()
+
+    def close(self) -> None:
+        for conn, _ in self.conns.values():
+            conn.close()
+
+
+def data_reply(keys: list[str], limit: int, store: Mapping[str, Any], nbytes: Callable[[str], int],
+               serve_failures: dict[str, int],
+               unservable: Callable[[str, str, str], None]) -> dict[str, Any]:  # fmt: skip
+    """The data server's answer to ``get-data``: serialise what fits in one frame; the rest is
+    ``deferred`` (ask again); values that can never be sent are ``failed``, and ``unservable(key,
+    error type, message)`` is called for each (the worker drops them and tells the scheduler).
+    A value whose pickling ran out of memory raises ``MemoryError`` (the connection closes, the
+    asker tries again or elsewhere) until it happened :data:`MAX_SERVE_TRIES` times."""
+    data: dict[str, Serialized] = {}
+    missing: list[str] = []
+    failed: dict[str, str] = {}
+    deferred: list[str] = []
+    budget = limit - 64 * 1024  # room for the header
+    for k in keys:
+        if k not in store:
+            missing.append(k)
+            continue
+        size = nbytes(k)
+        if data and size > budget:
+            deferred.append(k)
+            continue
+        why = ""
+        if size > limit:  # do not even try to pickle it
+            why = (f"its value is about {size:,} bytes, over the {limit:,}-byte frame "
+                   "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
+            typ = "ResultTooLargeError"
+        else:
+            try:
+                ser = serialize(store[k])
+            except MemoryError as exc:
+                tries = serve_failures[k] = serve_failures.get(k, 0) + 1
+                if tries < MAX_SERVE_TRIES:
+                    # maybe short of memory only now: keep the value, and let the connection
+                    # close so the asker tries again or elsewhere at once (no timeout)
+                    log.warning("out of memory serialising %r for a peer (try %d of %d); closing that "
+                                "connection", k, tries, MAX_SERVE_TRIES)  # fmt: skip
+                    raise
+                why = (f"serialising its value ran out of memory {tries} times ({type(exc).__name__}{': ' if str(exc) else ''}{exc}); "
+                       "raise the worker's memory (or address-space) limit, or return something smaller")  # fmt: skip
+                typ = "SerializationError"
+            except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's
+                why = (f"its value of type {type(store[k]).__name__} cannot be pickled: "
+                       f"{type(exc).__name__}: {exc}")  # fmt: skip
+                typ = "SerializationError"
+            if not why:
+                if ser.nbytes > limit:
+                    why = (f"its value pickles to {ser.nbytes:,} bytes, over the {limit:,}-byte frame "
+                           "limit; return something smaller (or a handle to data on shared storage)")  # fmt: skip
+                    typ = "ResultTooLargeError"
+                elif data and ser.nbytes > budget:
+                    deferred.append(k)
+                    continue
+                else:
+                    data[k] = ser
+                    budget -= ser.nbytes
+                    continue
+        message = f"task {k!r} produced a value that cannot be sent: {why}"
+        serve_failures.pop(k, None)
+        failed[k] = message
+        log.warning("%s", message)
+        unservable(k, typ, message)
+    return {"op": "data", "data": data, "missing": missing, "failed": failed, "deferred": deferred}

@@ -1,0 +1,397 @@
+"""The worker process: the asyncio shell around :class:`~tidepool.worker.state.WorkerState`.
+
+State (the shell's own; every decision is the state's): the connection to the scheduler, the
+values themselves (``data``: a :class:`SpillStore` when there is a memory limit, moving values to
+disk when the state says ``Spill``), shipped functions, the specs of assigned tasks (function and
+arguments), values that arrived and wait for the state's ``Store``, the slot threads
+(:class:`SlotPool`), peer connections (``worker/peers.py``) and the reports not sent yet.
+
+Data flow: :meth:`Worker._scheduler_loop` (the one connection loop: register, then messages in
+order) turns ``compute``, ``free``, ``steal``, ``replicate`` into state events; slot threads,
+fetches, the data server and the memory monitor feed events too.  :meth:`Worker._apply` carries
+out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
+Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
+replies, and seceded tasks) are sent at once: the scheduler hears a task started before it can
+crash the process.  If the scheduler connection is lost the worker stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tidepool.comm import Connection, Serialized, connect, listen
+from tidepool.comm.core import parse_address
+from tidepool.comm.serialize import deserialize
+from tidepool.comm.tls import TLSConfig
+from tidepool.comm.tls import resolve as resolve_tls
+from tidepool.errors import CommError
+from tidepool.resources import worker_resources
+from tidepool.worker import jobs
+from tidepool.worker import state as ws
+from tidepool.worker.executor import Outcome, SlotPool, WorkItem
+from tidepool.worker.jobs import metrics
+from tidepool.worker.memory import (
+    Action,
+    MemoryMonitor,
+    MemoryThresholds,
+    resolve_limit,
+    trim_memory,
+)
+from tidepool.worker.outbox import Outbox, log_send_error
+from tidepool.worker.peers import Peers, data_reply, fetch_timeout_from_env, listen_host
+from tidepool.worker.sizeof import sizeof
+from tidepool.worker.spill import SpillStore, worker_store
+
+log = logging.getLogger("tidepool.worker")
+#: report kinds sent at once rather than with the next batch
+_NOW = frozenset({"started", "stolen", "kept", "seceded"})
+
+
+class Worker:
+    def __init__(self, scheduler: str, token: str, *, slots: int | None = None, resources: dict[str, Any] | None = None,
+                 node_type: str = "default", name: str | None = None, host: str | None = None,
+                 worker_id: str | None = None, heartbeat_interval: float = 1.0, memory_limit: int | str | None = None,
+                 memory_thresholds: MemoryThresholds | None = None, memory_share: int = 1,
+                 spill_dir: str | None = None, spill_limit: int | str | None = None, preload: list[str] | None = None,
+                 restartable: bool = False, tls: TLSConfig | None = None,
+                 fetch_timeout: float | None = None) -> None:  # fmt: skip
+        self.scheduler_address = scheduler
+        self.token = token
+        self.scheme = parse_address(scheduler)[0]
+        # tls:// scheduler: this worker's data server speaks TLS too, with the same certificates
+        self.tls = resolve_tls(tls, scheduler) if self.scheme == "tls" else tls
+        self.resources = res = worker_resources(resources, slots)
+        self.node_type = node_type
+        self.id = worker_id or os.environ.get("TIDEPOOL_WORKER_ID") or f"w-{uuid.uuid4().hex[:10]}"
+        self.name = name or self.id
+        self.host = host or listen_host(scheduler)
+        self.heartbeat_interval = heartbeat_interval
+        #: seconds a peer may send nothing while we fetch from it before its copy counts as suspect
+        self.fetch_timeout = fetch_timeout if fetch_timeout is not None else fetch_timeout_from_env()
+        self.memory_limit = resolve_limit(memory_limit, res, memory_share)
+        self.memory_thresholds = memory_thresholds or MemoryThresholds()
+        self.state = ws.WorkerState(res, limit=self.memory_limit, thresholds=self.memory_thresholds)
+        self.monitor: MemoryMonitor | None = None
+        self._trimmed = 0.0
+        self._proc = psutil.Process()
+        self.exit_reason = ""  # "memory" when the worker stopped itself over its memory limit
+        #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
+        self.restartable = restartable
+        self.preload = list(preload or [])
+        self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
+        atexit.register(shutil.rmtree, self.setup_dir, True)  # also on exits that skip close()
+        self._initial_setups: list[list[Any]] = []
+        self.data: MutableMapping[str, Any] = {}
+        if self.memory_limit:  # values move to disk when the state says so (target: infinite)
+            self.data = worker_store(self.setup_dir, self.id, spill_dir, spill_limit, self._spill_disabled)
+        self.functions: dict[str, Any] = {}
+        self._specs: dict[str, tuple[str, Serialized | None, list[str]]] = {}  # key -> (function, args, inputs)
+        self._arrived: dict[str, Any] = {}  # values the state has not said to store yet
+        self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
+        self.outbox = Outbox()
+        self.conn: Connection | None = None
+        self.address = ""
+        self.closed: asyncio.Event | None = None  # created in start(), inside the loop
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.setup_failed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> Worker:
+        jobs.preload(self.preload)
+        loop = self.loop = asyncio.get_running_loop()
+        self.closed = asyncio.Event()
+        self.pool = SlotPool(loop, self._on_done)
+        self.peers = Peers(self.token, self.tls, self.fetch_timeout)
+        scheme = "tls" if self.scheme == "tls" else "tcp"
+        self.listener = await listen(f"{scheme}://{self.host}:0", self._serve_peer, self.token, tls=self.tls)
+        self.address = self.listener.address
+        await self._connect(scheme)
+        self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
+        if self.memory_limit:
+            self.monitor = MemoryMonitor(self.memory_limit, self.memory_thresholds, loop, self._memory_action)
+            self.monitor.start()
+        from tidepool.worker import context
+
+        context.set_worker(self)
+        log.info("worker %s at %s registered with %s", self.id, self.address, self.scheduler_address)
+        return self
+
+    async def _connect(self, scheme: str) -> None:
+        """Connect to the scheduler and register (the one place that does; a reconnect goes here)."""
+        self.conn = await connect(self.scheduler_address, self.token, hello={"role": "worker", "name": self.name},
+                                  tls=self.tls)  # fmt: skip
+        if self.address.startswith(f"{scheme}://0.0.0.0:"):
+            # advertise the interface that reaches the scheduler, not the wildcard
+            local = getattr(self.conn, "local_host", "") or socket.gethostbyname(socket.gethostname())
+            self.address = f"{scheme}://{local}:{self.address.rsplit(':', 1)[1]}"
+        self.outbox.conn = self.conn
+        await self.conn.send({
+            "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
+            "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
+            "memory_limit": self.memory_limit, "host": socket.gethostname(),
+        })  # fmt: skip
+        reply = await self.conn.recv()
+        if reply.get("op") != "registered":
+            raise CommError(f"scheduler refused registration: {reply.get('reason', reply)}")
+        self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
+        self._initial_setups = list(reply.get("setups") or [])
+
+    async def finished(self) -> None:
+        assert self.closed is not None
+        await self.closed.wait()
+
+    async def close(self, reason: str = "closed") -> None:
+        if self.closed is None or self.closed.is_set():
+            return
+        log.info("worker %s closing: %s", self.id, reason)
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        self.pool.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
+        try:
+            await self.listener.close()
+        finally:
+            # the spill store first: its directory may be inside the temp directory removed next
+            if isinstance(self.data, SpillStore):
+                self.data.close()
+            shutil.rmtree(self.setup_dir, ignore_errors=True)
+            self.peers.close()
+            if self.conn is not None:
+                self.conn.close()
+            self.closed.set()
+
+    # ---- the scheduler connection ------------------------------------------------------------
+    async def _scheduler_loop(self) -> None:
+        assert self.conn is not None
+        try:
+            if self._initial_setups:
+                self.setup_failed = not await jobs.apply_setups(self.conn, self._initial_setups, self.setup_dir, True)
+            while True:
+                msg = await self.conn.recv()
+                op = msg.get("op")
+                if op == "setup":  # handled in order: later tasks wait for it
+                    if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
+                        self.setup_failed = True
+                elif op == "compute":
+                    compute = self._compute(msg)
+                    self._apply(self.state.handle(compute))
+                    self._forget(tuple(t.key for t in compute.tasks))  # held here already: not run
+                elif op == "free":
+                    self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
+                    self._forget(tuple(msg["keys"]))
+                elif op == "steal":
+                    self._apply(self.state.handle(ws.StealKeys(tuple(msg["keys"]))))
+                elif op == "run":
+                    asyncio.get_running_loop().create_task(jobs.run_function(self.conn, msg))
+                elif op == "restart":  # client.restart: a fresh process with the same command line, or just stop
+                    await self.close("restart requested by a client")
+                    if self.restartable:
+                        jobs.reexec(self.id)
+                    return
+                elif op == "replicate":
+                    for key, holders in msg["keys"].items():
+                        self._apply(self.state.handle(ws.Replicate(key, tuple(tuple(h) for h in holders))))
+                elif op == "close":
+                    await self.close(msg.get("reason", "asked by the scheduler"))
+                    return
+                else:
+                    log.warning("unknown message from scheduler: %r", op)
+        except CommError as exc:
+            await self.close(f"lost the scheduler: {exc}")
+
+    def _compute(self, msg: dict[str, Any]) -> ws.Compute:
+        for fid, blob in (msg.get("functions") or {}).items():
+            if fid not in self.functions:
+                self.functions[fid] = blob  # deserialised lazily, in the loop, once
+        tasks = []
+        for t in msg["tasks"]:
+            deps = t.get("deps") or {}
+            if t["key"] not in self.state.running:  # one assigned again while it runs keeps that run
+                self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
+            tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
+                                   tuple(tuple(r) for r in t.get("resources") or ())))  # fmt: skip
+        return ws.Compute(tuple(tasks))
+
+    # ---- carrying out the state's commands -------------------------------------------------------
+    def _apply(self, commands: list[ws.Command]) -> None:
+        now = False  # a report to send at once is in the batch
+        for c in commands:
+            t = type(c)
+            if t is ws.Report:
+                self.outbox.add(c.kind, c.item)  # type: ignore[union-attr]
+                now = now or c.kind in _NOW  # type: ignore[union-attr]
+                if c.kind in ("missing", "stolen", "erred"):  # type: ignore[union-attr]
+                    item = c.item  # type: ignore[union-attr]
+                    self._forget((item[0] if isinstance(item, list) else item["key"] if isinstance(item, dict) else item,))
+            elif t is ws.Run:
+                if now:  # the scheduler hears "started" before the task can crash us
+                    self.outbox.flush()
+                    now = False
+                self._run(c.key)  # type: ignore[union-attr]
+            elif t is ws.Fetch:
+                self.loop.create_task(self._fetch(c.key, c.holders))  # type: ignore[union-attr]
+            elif t is ws.Store:
+                self._store(c.key, self._arrived.pop(c.key), c.nbytes)  # type: ignore[union-attr]
+            elif t is ws.Drop:
+                for k in c.keys:  # type: ignore[union-attr]
+                    self.data.pop(k, None)
+                    self._serve_failures.pop(k, None)
+            elif t is ws.Spill:
+                self._spill(c.keys)  # type: ignore[union-attr]
+            elif t is ws.SendMetrics:
+                self._send_metrics()
+            elif t is ws.Terminate:
+                self.loop.create_task(self._memory_terminate(c.rss))  # type: ignore[union-attr]
+        if now:
+            self.outbox.flush()
+        else:
+            self.outbox.soon()
+
+    def _forget(self, keys: tuple[str, ...]) -> None:
+        """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
+        st = self.state
+        for k in keys:
+            if k not in st.running and k not in st.queued and k not in st.waiting:
+                self._specs.pop(k, None)
+
+    def _run(self, key: str) -> None:
+        func_id, payload, deps = self._specs.pop(key)
+        func = self.functions.get(func_id)
+        try:
+            if func is None:
+                raise RuntimeError(f"function {func_id} was never shipped to this worker")
+            if isinstance(func, Serialized):
+                func = self.functions[func_id] = deserialize(func)
+        except Exception as exc:  # cannot even load the function: report on the task
+            import traceback
+
+            self._apply(self.state.handle(ws.TaskDone(key, False, error=jobs.error_report(exc, traceback.format_exc()))))
+            return
+        self.pool.submit(WorkItem(key, func, payload, {d: self.data[d] for d in deps}))
+
+    def _on_done(self) -> None:
+        for o in self.pool.drain():
+            self._apply(self.state.handle(self._outcome(o)))
+            self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
+
+    def _outcome(self, o: Outcome) -> ws.TaskDone:
+        if not o.ok:
+            return ws.TaskDone(o.key, False, duration=o.duration, error=jobs.error_report(o.value, o.tb, o.duration))
+        self._arrived[o.key] = o.value
+        return ws.TaskDone(o.key, True, sizeof(o.value), o.duration)
+
+    def _store(self, key: str, value: Any, nbytes: int) -> None:
+        """Keep ``value`` under ``key``, sized once (the spill store would size it again)."""
+        if isinstance(self.data, SpillStore):
+            self.data.put(key, value, nbytes)
+        else:
+            self.data[key] = value
+
+    def _spill(self, keys: tuple[str, ...]) -> None:
+        store = self.data
+        if not isinstance(store, SpillStore):
+            return
+        stayed = store.spill(keys)
+        if stayed or store.disabled:
+            self._apply(self.state.handle(ws.SpillFailed(tuple(stayed), store.disabled)))
+
+    async def _fetch(self, key: str, holders: tuple[tuple[str, str], ...]) -> None:
+        kind, got = await self.peers.fetch(key, holders)
+        if kind == "ok":
+            self._arrived[key] = got
+            self._apply(self.state.handle(ws.FetchDone(key, sizeof(got))))
+            self.outbox.flush()  # the scheduler learns of the copy now, not later
+            return
+        holder = holders[-1][0] if kind == "silent" and holders else holders[0][0] if holders else ""
+        self._apply(self.state.handle(ws.FetchFailed(key, kind, got, holder)))
+
+    def secede(self, key: str) -> None:
+        """Called from a task's thread: that task leaves its slot (it will wait on other tasks)."""
+        self.loop.call_soon_threadsafe(lambda: self._apply(self.state.handle(ws.Secede(key))))
+
+    # ---- serving peers and clients ---------------------------------------------------------------
+    async def _serve_peer(self, conn: Connection) -> None:
+        while True:
+            msg = await conn.recv()
+            if msg.get("op") == "get-data":
+                await conn.send(self._data_reply(list(msg["keys"]), conn.max_frame))
+            else:
+                await conn.send({"op": "error", "message": f"unknown op {msg.get('op')!r}"})
+
+    def _data_reply(self, keys: list[str], limit: int) -> dict[str, Any]:
+        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, self._unservable)
+
+    def _unservable(self, key: str, typ: str, message: str) -> None:
+        self._apply(self.state.handle(ws.Unservable(key, typ, message)))
+
+    # ---- memory ----------------------------------------------------------------------------------
+    def _memory_action(self, action: Action, rss: int) -> None:
+        """The monitor saw the process over a memory level (``worker/memory.py``): the state decides."""
+        if self.closed is None or self.closed.is_set():
+            return
+        was = self.state.paused
+        self._apply(self.state.handle(ws.MemorySample(rss)))
+        if action in (Action.SPILL, Action.PAUSE) and time.monotonic() - self._trimmed > 1.0:
+            self._trimmed = time.monotonic()  # at most once a second: a full collection is not free
+            trim_memory()
+        if self.state.paused != was:
+            log.log(logging.WARNING if self.state.paused else logging.INFO, "worker %s %s: memory %s of its %s limit",
+                    self.id, "paused" if self.state.paused else "resumed", _mb(rss), _mb(self.memory_limit))  # fmt: skip
+
+    def _spill_disabled(self, reason: str) -> None:
+        """The spill store turned spilling off (a write failed, or the spill limit was reached):
+        say so in the log (done by the store) and to the scheduler at once (journal, dashboard)."""
+        if self.closed is not None and not self.closed.is_set() and self.conn is not None and not self.conn.closed:
+            msg = {"op": "spill-disabled", "reason": reason, "metrics": metrics(self.data, self.state, self.monitor, self._proc)}
+            self.loop.create_task(self.conn.send(msg)).add_done_callback(log_send_error)
+
+    async def _memory_terminate(self, rss: int) -> None:
+        limit, pct = self.memory_limit, round(self.memory_thresholds.terminate * 100)
+        why = f"worker {self.name} used {_mb(rss)} of memory, over {pct}% of its {_mb(limit)} limit; it restarts"
+        log.error("%s (running: %s)", why, ", ".join(self.state.running) or "nothing")
+        self.exit_reason = "memory"
+        if self.conn is not None and not self.conn.closed:
+            with contextlib.suppress(CommError):
+                await self.conn.send({"op": "memory-exceeded", "rss": rss, "limit": limit, "message": why,
+                                      "restarting": self.restartable})  # fmt: skip
+        await self.close(why)
+
+
+    def _send_metrics(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            t = self.loop.create_task(self.conn.send({"op": "heartbeat", "metrics": metrics(self.data, self.state, self.monitor, self._proc)}))
+            t.add_done_callback(log_send_error)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.conn is None or self.conn.closed:
+                return
+            with contextlib.suppress(CommError):
+                await self.conn.send({"op": "heartbeat", "metrics": metrics(self.data, self.state, self.monitor, self._proc)})
+
+
+def _mb(n: int | float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+async def run_worker(scheduler: str, token: str, **kwargs: Any) -> None:
+    """Start a worker and run until the scheduler closes it or the connection is lost."""
+    w = await Worker(scheduler, token, **kwargs).start()
+    await w.finished()

@@ -1,0 +1,532 @@
+"""The worker's brain, sans I/O: ``WorkerState.handle(event) -> commands``.
+
+Both shells drive it: the asyncio worker process (``worker/server.py``: sockets, threads, the spill
+store on disk) and the simulator (``sim/engine.py``: a fake clock, durations from the workload).
+So a fix to how a worker queues, fetches, spills or pauses changes real and simulated runs alike.
+
+State
+-----
+- slots: ``free`` (resources not taken by running tasks), ``running`` (key -> task in a slot),
+  ``seceded`` (running tasks that gave their slot back), ``cancelled`` (running tasks whose result
+  nobody wants any more);
+- the task queue: ``queue`` (assigned tasks whose inputs are here, in arrival order) and
+  ``waiting`` (tasks whose inputs are being fetched: key -> inputs still missing);
+- data: ``memory`` (key -> bytes, least recently used first) and ``spilled`` (key -> bytes, on
+  disk); ``fetching`` (input key -> tasks waiting for it; None stands for a replica asked for);
+  ``pinned`` (values that cannot be spilled) and ``spill_off`` (why spilling stopped for good);
+- memory: ``limit``, ``thresholds``, ``paused`` (above the pause level: no new task starts);
+  each running task's ``memory`` (what the task itself uses, when known: the simulator's traces).
+
+Data flow
+---------
+Events come from the scheduler (:class:`Compute`, :class:`FreeKeys`, :class:`StealKeys`,
+:class:`Replicate`, :class:`Secede`), from the shell's own machinery (:class:`TaskDone`,
+:class:`FetchDone`, :class:`FetchFailed`, :class:`SpillFailed`, :class:`Unservable`) and from
+the memory monitor (:class:`MemorySample`).  Commands tell the shell what to do: start a task in a
+slot (:class:`Run`), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
+:class:`Spill`), tell the scheduler (:class:`Report`: ``started`` always comes before the
+``Run`` of the same tasks, so a task that kills the process is blamed, not its queue), send
+metrics now (:class:`SendMetrics`), or end the process over its memory limit (:class:`Terminate`).
+
+Memory rules (levels in ``worker/memory.py``, fractions of ``limit``): values held in memory past
+``target`` spill, least recently used first, as they are stored; the monitor's samples go through
+the pure :func:`~tidepool.worker.memory.memory_action`: above ``spill`` more values spill, above
+``pause`` no new task starts (one at a time if nothing runs), below it again the worker resumes,
+above ``terminate`` it ends (and restarts when it can).  A value read from disk stays there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.resources import Shape, fits
+from tidepool.worker.memory import Action, MemoryThresholds, memory_action
+
+Holders = tuple[tuple[str, str], ...]  # ((worker id, address), ...)
+
+
+# ---- events ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TaskIn:
+    """A task the scheduler assigned: its inputs (key -> who holds them), resources, and the
+    memory it uses while it runs (0: unknown; the real process measures instead)."""
+
+    key: str
+    deps: Mapping[str, Holders] = field(default_factory=dict)
+    resources: Shape = ()
+    memory: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    tasks: tuple[TaskIn, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FreeKeys:
+    """Drop values; a queued task freed never runs, a running one's result is dropped."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StealKeys:
+    """The scheduler wants these back (for an idle worker): give those not started yet."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Copy ``key`` here from one of ``holders`` (retirement, broadcast)."""
+
+    key: str
+    holders: Holders
+
+
+@dataclass(frozen=True, slots=True)
+class Secede:
+    """A running task gives its slot back (it waits on other tasks)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDone:
+    """A slot finished ``key``: its value (``nbytes``; the shell keeps it until told to
+    :class:`Store` it) or its error (``error``: the report's fields)."""
+
+    key: str
+    ok: bool
+    nbytes: int = 0
+    duration: float = 0.0
+    error: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FetchDone:
+    """``key`` arrived from a peer (the shell keeps it until told to :class:`Store` it)."""
+
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FetchFailed:
+    """``key`` could not be had: ``kind`` is ``missing`` (no holder has it), ``silent`` (a holder
+    stalled: suspect, not dead) or ``broken`` (it exists but cannot reach us)."""
+
+    key: str
+    kind: str
+    why: str
+    holder: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SpillFailed:
+    """``keys`` could not be spilled and stay in memory; ``disabled``: spilling is off for good."""
+
+    keys: tuple[str, ...]
+    disabled: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Unservable:
+    """The data server could never send ``key`` (pickling, frame limit): it was dropped."""
+
+    key: str
+    exc_type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """The process's resident memory now."""
+
+    rss: int
+
+
+Event = Compute | FreeKeys | StealKeys | Replicate | Secede | TaskDone | FetchDone | FetchFailed | SpillFailed \
+    | Unservable | MemorySample  # fmt: skip
+
+
+# ---- commands ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Start ``key`` in a slot now (its inputs are held here)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Copy ``key`` from one of ``holders``; answer with :class:`FetchDone` or :class:`FetchFailed`."""
+
+    key: str
+    holders: Holders
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """Keep the value of ``key`` that just arrived (a result, or a copy from a peer)."""
+
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Move ``keys`` from memory to disk (answer with :class:`SpillFailed` for those that stay)."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Tell the scheduler: ``kind`` is a field of the worker's ``task-batch`` message
+    (``started``, ``finished``, ``erred``, ``missing``, ``replicas``, ``unservable``, ``stolen``,
+    ``kept``, ``seceded``) and ``item`` one entry of it."""
+
+    kind: str
+    item: Any
+
+
+@dataclass(frozen=True, slots=True)
+class SendMetrics:
+    """Paused or resumed: the scheduler should hear now, not at the next heartbeat."""
+
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Terminate:
+    """Over the terminate level: end the process (it restarts when it can)."""
+
+    rss: int
+
+
+Command = Run | Fetch | Store | Drop | Spill | Report | SendMetrics | Terminate
+
+
+class _Task:
+    __slots__ = ("key", "deps", "resources", "memory", "missing")
+
+    def __init__(self, t: TaskIn) -> None:
+        self.key = t.key
+        self.deps = t.deps
+        self.resources = t.resources
+        self.memory = t.memory
+        self.missing: set[str] = set()
+
+
+class WorkerState:
+    """One worker's decisions; see the module docstring."""
+
+    def __init__(self, resources: Mapping[str, float], *, limit: int = 0,
+                 thresholds: MemoryThresholds | None = None) -> None:  # fmt: skip
+        self.resources = dict(resources)
+        self.free = dict(resources)
+        self.limit = limit
+        self.thresholds = thresholds or MemoryThresholds()
+        self.queue: deque[_Task] = deque()
+        self.queued: set[str] = set()  # keys in ``queue``
+        self.waiting: dict[str, _Task] = {}
+        self.running: dict[str, _Task] = {}
+        self.seceded: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.memory: dict[str, int] = {}  # in memory, least recently used first
+        self.spilled: dict[str, int] = {}
+        self.pinned: set[str] = set()
+        self.spill_off = "" if limit else "no memory limit"
+        self.fetching: dict[str, list[str | None]] = {}
+        self.paused = False
+        self.executed = 0
+        self._handlers: dict[type, Any] = {
+            Compute: self._compute, FreeKeys: self._free, StealKeys: self._steal, Replicate: self._replicate,
+            Secede: self._secede, TaskDone: self._done, FetchDone: self._fetched, FetchFailed: self._fetch_failed,
+            SpillFailed: self._spill_failed, Unservable: self._unservable, MemorySample: self._memory,
+        }  # fmt: skip
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def __contains__(self, key: str) -> bool:
+        return key in self.memory or key in self.spilled
+
+    def nbytes(self, key: str) -> int:
+        return self.memory.get(key, 0) or self.spilled.get(key, 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def spilled_bytes(self) -> int:
+        return sum(self.spilled.values())
+
+    @property
+    def task_memory(self) -> int:
+        """What the running tasks themselves use (as far as their specs say)."""
+        return sum(t.memory for t in self.running.values())
+
+    # ---- events ----------------------------------------------------------------------------------
+    def handle(self, event: Event) -> list[Command]:
+        out: list[Command] = []
+        self._handlers[type(event)](event, out)
+        return out
+
+    def _compute(self, e: Compute, out: list[Command]) -> None:
+        for ti in e.tasks:
+            key = ti.key
+            if key in self.running:
+                self.cancelled.discard(key)  # re-assigned while still running: keep that run
+                continue
+            if key in self.waiting or key in self.queued:
+                continue  # assigned again while it waits here: it runs once
+            if key in self:
+                out.append(Report("finished", [key, self.nbytes(key), 0.0]))
+                continue
+            t = _Task(ti)
+            t.missing = {d for d in ti.deps if d not in self}
+            if not t.missing:
+                self.queue.append(t)
+                self.queued.add(key)
+                continue
+            self.waiting[key] = t
+            for d in sorted(t.missing):
+                self._need(d, ti.deps[d], key, out)
+        self._start_ready(out)
+
+    def _need(self, key: str, holders: Holders, task: str | None, out: list[Command]) -> None:
+        waiters = self.fetching.get(key)
+        if waiters is not None:
+            waiters.append(task)
+            return
+        self.fetching[key] = [task]
+        out.append(Fetch(key, holders))
+
+    def _free(self, e: FreeKeys, out: list[Command]) -> None:
+        dropped = []
+        for k in e.keys:
+            if k in self:
+                self.memory.pop(k, None)
+                self.spilled.pop(k, None)
+                self.pinned.discard(k)
+                dropped.append(k)
+            if k in self.running:
+                self.cancelled.add(k)
+            elif k in self.waiting:
+                del self.waiting[k]
+        if self.queue:
+            ks = set(e.keys)  # one set, not a list scan per queued task (cancelling 10,000 at once)
+            if not ks.isdisjoint(self.queued):
+                self.queue = deque(t for t in self.queue if t.key not in ks)
+                self.queued -= ks
+        if dropped:
+            out.append(Drop(tuple(dropped)))
+        self._start_ready(out)
+
+    def _steal(self, e: StealKeys, out: list[Command]) -> None:
+        ks = set(e.keys)
+        stolen = [t.key for t in self.queue if t.key in ks] if not ks.isdisjoint(self.queued) else []
+        if stolen:
+            self.queue = deque(t for t in self.queue if t.key not in ks)
+            self.queued -= ks
+        for k in e.keys:
+            if k in self.waiting:  # still fetching inputs: the fetch finishes for nobody
+                del self.waiting[k]
+                stolen.append(k)
+        got = set(stolen)
+        out.extend(Report("stolen", k) for k in stolen)
+        out.extend(Report("kept", k) for k in e.keys if k not in got)
+
+    def _replicate(self, e: Replicate, out: list[Command]) -> None:
+        if e.key not in self:
+            self._need(e.key, e.holders, None, out)
+
+    def _secede(self, e: Secede, out: list[Command]) -> None:
+        t = self.running.get(e.key)
+        if t is None or e.key in self.seceded:
+            return
+        self.seceded.add(e.key)
+        for name, amount in t.resources:
+            self.free[name] = self.free.get(name, 0.0) + amount
+        out.append(Report("seceded", e.key))
+        self._start_ready(out)
+
+    def _done(self, e: TaskDone, out: list[Command]) -> None:
+        t = self.running.pop(e.key, None)
+        if e.key in self.seceded:
+            self.seceded.discard(e.key)  # its resources went back when it seceded
+        elif t is not None:
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) + amount
+        if e.key in self.cancelled:
+            self.cancelled.discard(e.key)  # nobody wants the result: it is not kept
+        elif e.ok:
+            self.executed += 1
+            self._store(e.key, e.nbytes, out)
+            out.append(Report("finished", [e.key, e.nbytes, e.duration]))
+        elif t is not None:
+            self.executed += 1
+            out.append(Report("erred", dict(e.error or {}, key=e.key)))
+        self._start_ready(out)
+
+    def _fetched(self, e: FetchDone, out: list[Command]) -> None:
+        waiters = self.fetching.pop(e.key, [])
+        self._store(e.key, e.nbytes, out)
+        out.append(Report("replicas", [e.key, e.nbytes]))
+        for tk in waiters:
+            t = self.waiting.get(tk) if tk is not None else None
+            if t is None:
+                continue  # a replica asked for, or the task was freed or stolen meanwhile
+            t.missing.discard(e.key)
+            if not t.missing:
+                del self.waiting[tk]  # type: ignore[arg-type]
+                self.queue.append(t)
+                self.queued.add(t.key)
+        self._start_ready(out)
+
+    def _fetch_failed(self, e: FetchFailed, out: list[Command]) -> None:
+        for tk in self.fetching.pop(e.key, []):
+            t = self.waiting.pop(tk, None) if tk is not None else None
+            if t is None:
+                continue
+            if e.kind == "broken":  # the value exists but cannot reach us: fail, do not recompute
+                out.append(Report("erred", {
+                    "key": t.key, "exception": None, "traceback": "", "type": "SerializationError",
+                    "message": f"input {e.key!r} of task {t.key!r} could not be transferred: {e.why}",
+                    "duration": 0.0}))  # fmt: skip
+            else:  # "missing" or "silent" (a stalled holder: suspect, not dead)
+                out.append(Report("missing", [t.key, e.key, e.holder, e.why, e.kind == "silent"]))
+
+    def _unservable(self, e: Unservable, out: list[Command]) -> None:
+        if e.key in self:
+            self.memory.pop(e.key, None)
+            self.spilled.pop(e.key, None)
+            out.append(Drop((e.key,)))
+        out.append(Report("unservable", [e.key, e.exc_type, e.message]))
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def _start_ready(self, out: list[Command]) -> None:
+        q = self.queue
+        if not q or (self.paused and self.running):
+            return
+        # paused with nothing running: the memory is not ours to spill (unmanaged, or the
+        # allocator's); run one task at a time rather than wait forever (the terminate level guards)
+        one = self.paused
+        skipped: list[_Task] = []
+        started: list[_Task] = []
+        while q:
+            t = q.popleft()
+            self.queued.discard(t.key)
+            if not fits(self.free, t.resources):
+                skipped.append(t)
+                if len(skipped) > 64:
+                    break
+                continue
+            gone = [d for d in t.deps if d not in self]
+            if gone:  # an input was freed here while the task queued: the scheduler reschedules it
+                out.append(Report("missing", [t.key, gone[0], "", "the input was dropped on this worker "
+                                                                  "before the task started"]))  # fmt: skip
+                continue
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) - amount
+            self.running[t.key] = t
+            for d in t.deps:  # just used: most recently used now
+                nb = self.memory.pop(d, None)
+                if nb is not None:
+                    self.memory[d] = nb
+            started.append(t)
+            if one:
+                break
+        if skipped:
+            q.extendleft(reversed(skipped))
+            self.queued.update(t.key for t in skipped)
+        if started:
+            out.extend(Report("started", t.key) for t in started)  # before any of them can crash us
+            out.extend(Run(t.key) for t in started)
+
+    # ---- memory ----------------------------------------------------------------------------------
+    def _store(self, key: str, nbytes: int, out: list[Command]) -> None:
+        self.spilled.pop(key, None)
+        self.memory.pop(key, None)
+        self.memory[key] = nbytes
+        out.append(Store(key, nbytes))
+        if self.limit and not self.spill_off:
+            self._spill(self.memory_bytes - self.limit * self.thresholds.target, out)
+
+    def _spill(self, nbytes: float, out: list[Command]) -> None:
+        """Spill least recently used values until about ``nbytes`` left memory."""
+        if nbytes <= 0 or self.spill_off:
+            return
+        keys = []
+        for k, nb in self.memory.items():
+            if nbytes <= 0:
+                break
+            if k in self.pinned:
+                continue
+            keys.append(k)
+            nbytes -= nb
+        for k in keys:
+            self.spilled[k] = self.memory.pop(k)
+        if keys:
+            out.append(Spill(tuple(keys)))
+
+    def _spill_failed(self, e: SpillFailed, out: list[Command]) -> None:
+        for k in e.keys:
+            nb = self.spilled.pop(k, None)
+            if nb is not None:
+                self.memory[k] = nb
+                if not e.disabled:
+                    self.pinned.add(k)  # cannot be pickled: never tried again
+        if e.disabled:
+            self.spill_off = e.disabled
+
+    def _memory(self, e: MemorySample, out: list[Command]) -> None:
+        action = memory_action(e.rss, self.limit, self.thresholds, self.paused)
+        if action is Action.TERMINATE:
+            out.append(Terminate(e.rss))
+            return
+        if action in (Action.SPILL, Action.PAUSE):
+            self._spill(e.rss - self.thresholds.target * self.limit, out)
+        if action is Action.PAUSE and not self.paused:
+            self.paused = True
+            out.append(SendMetrics(True))
+        elif action is Action.RESUME and self.paused:
+            self.paused = False
+            out.append(SendMetrics(False))
+            self._start_ready(out)
+
+    # ---- invariants (tests) ------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the bookkeeping; raises AssertionError on an inconsistency."""
+        assert not set(self.memory) & set(self.spilled), "a value both in memory and on disk"
+        assert self.pinned <= set(self.memory), "a pinned value not in memory"
+        queued = [t.key for t in self.queue]
+        assert len(queued) == len(set(queued)) and set(queued) == self.queued, "a task queued twice"
+        places = [set(queued), set(self.waiting), set(self.running)]
+        for i, a in enumerate(places):
+            for b in places[i + 1:]:
+                assert not a & b, ("a task in two places", a & b)
+        assert self.seceded <= set(self.running) and self.cancelled <= set(self.running)
+        used: dict[str, float] = {}
+        for k, t in self.running.items():
+            if k not in self.seceded:
+                for name, amount in t.resources:
+                    used[name] = used.get(name, 0.0) + amount
+        for name, total in self.resources.items():
+            assert abs(self.free.get(name, 0.0) + used.get(name, 0.0) - total) < 1e-9, ("slots leak", name)
+        for k, t in self.waiting.items():
+            assert t.missing and all(d in self.fetching for d in t.missing), ("waits for nothing fetched", k)
+
+
+def tasks_in(items: Iterable[tuple[str, Mapping[str, Holders], Shape, int]]) -> Compute:
+    """A :class:`Compute` from ``(key, deps, resources, memory)`` tuples."""
+    return Compute(tuple(TaskIn(k, d, r, m) for k, d, r, m in items))
