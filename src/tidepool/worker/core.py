@@ -49,6 +49,7 @@ import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen, serialize
 from tidepool.comm.core import parse_address
+from tidepool.comm.data import request_data
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
@@ -796,29 +797,6 @@ def _mb(n: int | float) -> str:
 
 #: what fetching a value gives: True, or ("missing" | "broken", reason)
 Fetched = Literal[True] | tuple[str, str]
-
-
-async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
-                       idle_timeout: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
-    """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
-    and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
-    unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
-    that sends nothing for that long raises :class:`PeerSilentError` (and the connection closes)."""
-    values: dict[str, Any] = {}
-    failed: dict[str, str] = {}
-    todo = list(keys)
-    while todo:
-        async with lock:
-            await conn.send({"op": "get-data", "keys": todo})
-            reply = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
-        for k, blob in reply["data"].items():
-            try:
-                values[k] = blob.load()
-            except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
-                failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
-        failed.update(reply.get("failed") or {})
-        todo = list(reply.get("deferred") or ())
-    return values, failed
 
 
 #: how long a peer may send nothing during a fetch before its copy is suspect (issue 29); long
