@@ -38,7 +38,6 @@ from typing import Any, TypeVar
 
 from tidepool.client.cluster_calls import ClusterCalls
 from tidepool.client.connection import ClientConnection
-from tidepool.client.current import register
 from tidepool.client.executor import ClientExecutor
 from tidepool.client.protocol import cancelled_message
 from tidepool.client.specs import SpecBuilder, check_acyclic, pure_key
@@ -55,6 +54,8 @@ from tidepool.graph.refs import RECURSE, collect, replace
 from tidepool.loop import ClosesOnExit
 
 T = TypeVar("T")
+#: every client created in this process, newest last (``default_client()`` picks the newest open one)
+created: list[weakref.ref[Client]] = []
 
 
 class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
@@ -97,7 +98,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.setup_errors: list[dict[str, Any]] = conn.setup_errors
         if asynchronous:  # connects now, in the client's loop; ``await client`` waits for it
             self._starting: concurrent.futures.Future[None] | None = self._loop.submit(conn.start())
-            register(self)
+            created.append(weakref.ref(self))
             return
         self._starting = None
         try:
@@ -105,7 +106,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         except BaseException:
             self._failed_start()
             raise
-        register(self)
+        created.append(weakref.ref(self))
 
     @property
     def id(self) -> str:
