@@ -287,6 +287,8 @@ def test_fetch_outcomes_that_are_final() -> None:
         fetch.read("tcp://w:1", ["b"], ({}, {"b": "cannot be unpickled here"}))
     with pytest.raises(TransferError, match="ZeroDivisionError"):
         fetch.read("tcp://w:1", ["b"], ZeroDivisionError("bug"))
+    with pytest.raises(TransferError, match="ProtocolError"):  # a reply that makes no sense
+        fetch.read("tcp://w:1", ["b"], ProtocolError("expected a data reply"))
 
 
 def test_waiting_keys_that_can_never_come_raise() -> None:

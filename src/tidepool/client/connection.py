@@ -37,6 +37,7 @@ from tidepool.client.protocol import (
 )
 from tidepool.comm import Connection, connect
 from tidepool.comm.data import request_data
+from tidepool.comm.messages import Cancel, KeyQuery, Release
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
 from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
@@ -276,7 +277,7 @@ class ClientConnection:
             with self.lock:
                 by_addr, ask = plan.plan()
             if ask:
-                who = await self.request({"op": "who-has", "keys": ask})
+                who = await self.request(KeyQuery("who-has", ask).encode())
                 with self.lock:
                     plan.named(by_addr, ask, who)
             reads = list(by_addr.items())
@@ -342,7 +343,7 @@ class ClientConnection:
         shown = keys[:3]
         try:
             self.check_open()
-            why = self.loop.run(self.request({"op": "why", "keys": shown}), timeout=min(2.0, self.timeout))
+            why = self.loop.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
             why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
         parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
@@ -367,7 +368,7 @@ class ClientConnection:
         if not futs or self.closed or self.core.lost is not None:
             return
         keys = list(dict.fromkeys(f.key for f in futs))
-        msg = {"op": "cancel", "keys": keys, "unless_started": unless_started}
+        msg = Cancel(keys, unless_started).encode()
         if self.on_loop_thread():
             self.post(msg)  # cannot wait on our own loop: the reports settle the futures later
             return
@@ -395,7 +396,7 @@ class ClientConnection:
         if self.closed or self.core.lost is not None or self.on_loop_thread():
             return future._state == RUNNING
         try:
-            running = self.loop.run(self.request({"op": "running", "keys": [future.key]}), timeout=self.timeout)
+            running = self.loop.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
         except (TidepoolError, TimeoutError):
             return future._state == RUNNING
         if future.key in running:
@@ -403,7 +404,7 @@ class ClientConnection:
         return future._state == RUNNING
 
     def release(self, keys: list[str]) -> None:
-        self.post({"op": "release", "keys": list(keys)})
+        self.post(Release(list(keys)).encode())
 
     def release_dropped(self, key: str) -> None:
         """Weak-reference finaliser of a future: its key is released after all posted before."""

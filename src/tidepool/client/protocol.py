@@ -44,6 +44,7 @@ from tidepool.errors import (
     InfeasibleTaskError,
     KeyCollisionError,
     KilledWorkerError,
+    ProtocolError,
     ProviderError,
     RemoteTaskError,
     RemoteTraceback,
@@ -313,11 +314,11 @@ class Fetch:
 
         A lost or refused connection, or a timeout, puts the keys back for the next round (the
         holder may be gone, or the value moved); ``gone`` (the holder refused the connection) is
-        not counted as a failed read.  Any other error, or a value that exists but cannot reach
-        us, is final.
+        not counted as a failed read.  Any other error (a reply that makes no sense included), or
+        a value that exists but cannot reach us, is final.
         """
         nxt = self._next
-        if isinstance(res, (CommError, OSError, TimeoutError)):
+        if isinstance(res, (CommError, OSError, TimeoutError)) and not isinstance(res, ProtocolError):
             nxt.extend(keys)
             for k in keys:
                 self.core.holders.pop(k, None)

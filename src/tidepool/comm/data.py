@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 from tidepool.comm.core import Connection
+from tidepool.comm.messages import DataReply, GetData
 
 
 async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
@@ -26,15 +27,16 @@ async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
     todo = list(keys)
     while todo:
         async with lock:
-            await conn.send({"op": "get-data", "keys": todo})
-            reply = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
-        for k, blob in reply["data"].items():
+            await conn.send(GetData(todo).encode())
+            raw = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
+        reply = DataReply.decode(raw)
+        for k, blob in reply.data.items():
             try:
                 values[k] = blob.load()
             except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
                 failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
-        failed.update(reply.get("failed") or {})
-        todo = list(reply.get("deferred") or ())
+        failed.update(reply.failed)
+        todo = reply.deferred
     return values, failed
 
 

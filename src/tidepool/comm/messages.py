@@ -71,6 +71,138 @@ class UpdateGraph:
                            msg.get("functions") or {})  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """``release``: the client no longer needs these keys."""
+
+    keys: list[str]
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "release", "keys": self.keys}
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> Release:
+        return Release(list(msg["keys"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """``cancel``: cancel these keys for this client (``unless_started``: ``Future.cancel``'s
+    rule, only tasks not executing yet); answered by reports, then by a reply if ``id`` is set."""
+
+    keys: list[str]
+    unless_started: bool = False
+    id: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "cancel", "keys": self.keys, "unless_started": self.unless_started}
+        if self.id is not None:
+            msg["id"] = self.id
+        return msg
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> Cancel:
+        return Cancel(list(msg["keys"]), bool(msg.get("unless_started")), msg.get("id"))
+
+
+#: requests about keys, answered by a reply: who holds them, which execute now, why not done
+KEY_QUERIES = ("who-has", "running", "why")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyQuery:
+    """``who-has`` (key -> holder addresses, None if unknown), ``running`` (the keys executing
+    now) or ``why`` (key -> state and reason): a question about ``keys``, answered by a reply."""
+
+    op: str
+    keys: list[str]
+    id: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": self.op, "keys": self.keys}
+        if self.id is not None:
+            msg["id"] = self.id
+        return msg
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> KeyQuery:
+        if msg.get("op") not in KEY_QUERIES:
+            raise ProtocolError(f"not a key query: {msg.get('op')!r}")
+        return KeyQuery(msg["op"], list(msg["keys"]), msg.get("id"))
+
+
+# ---- scheduler -> worker, worker -> worker/client ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ComputeTask:
+    """One task of a ``compute`` message: where each input lives (``deps``: key -> [[worker id,
+    address], ...]) and the resources it reserves while it runs."""
+
+    key: str
+    func_id: str
+    payload: Any
+    deps: dict[str, list[list[str]]] | None = None
+    resources: list[list[Any]] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"key": self.key, "func": self.func_id, "payload": self.payload}
+        if self.deps:
+            item["deps"] = self.deps
+        item["resources"] = self.resources or [["cpu", 1.0]]
+        return item
+
+    @staticmethod
+    def decode(item: dict[str, Any]) -> ComputeTask:
+        return ComputeTask(item["key"], item["func"], item.get("payload"), item.get("deps") or {},
+                           item.get("resources") or [])  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """``compute``: tasks for a worker, with the functions it does not have yet (id -> pickle)."""
+
+    tasks: list[ComputeTask]
+    functions: dict[str, Any] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "compute", "tasks": [t.encode() for t in self.tasks]}
+        if self.functions:
+            msg["functions"] = self.functions
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class GetData:
+    """``get-data``: ask a worker's data server for values."""
+
+    keys: list[str]
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "get-data", "keys": self.keys}
+
+
+@dataclass(frozen=True, slots=True)
+class DataReply:
+    """The answer to ``get-data``: pickled values, keys not held (``missing``), values that can
+    never be sent (``failed``: key -> why) and those that did not fit this frame (``deferred``:
+    ask again)."""
+
+    data: dict[str, Any]
+    missing: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    deferred: list[str] = field(default_factory=list)
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "data", "data": self.data, "missing": self.missing, "failed": self.failed,
+                "deferred": self.deferred}  # fmt: skip
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> DataReply:
+        if "data" not in msg:
+            raise ProtocolError(f"expected a data reply, got {msg.get('op')!r}: {str(msg)[:200]}")
+        return DataReply(msg["data"], list(msg.get("missing") or ()), dict(msg.get("failed") or {}),
+                         list(msg.get("deferred") or ()))  # fmt: skip
+
+
 # ---- scheduler -> client ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ReportItem:
@@ -147,4 +279,4 @@ def decode_from_scheduler(msg: dict[str, Any]) -> ClientReport | Reply | SetupEr
     return None
 
 
-__all__ = ["ClientReport", "TaskSpec", "UpdateGraph", "Reply", "ReportItem", "SetupError", "decode_from_scheduler"]
+__all__ = ["Cancel", "ClientReport", "Compute", "ComputeTask", "DataReply", "GetData", "KeyQuery", "Release", "TaskSpec", "UpdateGraph", "Reply", "ReportItem", "SetupError", "decode_from_scheduler"]
