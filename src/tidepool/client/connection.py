@@ -46,6 +46,12 @@ from tidepool.loop import LoopThread
 log = logging.getLogger("tidepool.client")
 
 
+#: messages up to this many tasks (keys) are written in the loop turn that takes them from the
+#: outbox (larger ones are encoded once, by the async drain, instead of tried twice)
+SEND_AT_ONCE_TASKS = 64
+SEND_AT_ONCE_KEYS = 4096
+
+
 class HolderGone(ConnectionLostError):
     """A holder refused the connection: it is gone, and the scheduler will say so (not counted)."""
 
@@ -126,24 +132,47 @@ class ClientConnection:
             self.loop.call_soon(self._start_drain)
 
     def _start_drain(self) -> None:
-        asyncio.get_running_loop().create_task(self._drain())
-
-    async def _drain(self) -> None:
+        """On the loop: send what is queued, in this loop turn, while each message is small and the
+        connection takes it at once; the rest (a large graph, a busy connection) goes through the
+        async drain.  Either way one drain runs at a time (``_draining``), so order is kept."""
+        conn = self._conn
         while True:
             with self.lock:
                 msg = self.core.next_message()
                 if msg is None:
                     self._draining = False
                     return
+            if not conn.closed and len(msg.get("tasks") or ()) <= SEND_AT_ONCE_TASKS and len(msg.get("keys") or ()) <= SEND_AT_ONCE_KEYS:
+                try:
+                    if conn.send_nowait(msg):
+                        continue
+                except CommError as exc:
+                    log.warning("could not send to the scheduler: %s", exc)
+                    self._fail_request(msg, exc)
+                    continue
+            asyncio.get_running_loop().create_task(self._drain(msg))
+            return
+
+    async def _drain(self, first: dict[str, Any] | None = None) -> None:
+        msg = first
+        while True:
+            if msg is None:
+                with self.lock:
+                    msg = self.core.next_message()
+                    if msg is None:
+                        self._draining = False
+                        return
             if self._conn.closed:
                 self._fail_request(msg, self.core.lost or ConnectionLostError(
                     f"the connection to the scheduler at {self.address} is closed"))  # fmt: skip
+                msg = None
                 continue
             try:
                 await self._conn.send(msg)
             except CommError as exc:
                 log.warning("could not send to the scheduler: %s", exc)
                 self._fail_request(msg, exc)
+            msg = None
 
     def _fail_request(self, msg: dict[str, Any], exc: BaseException) -> None:
         fut = self._requests.pop(msg.get("id", -1), None)
