@@ -84,6 +84,16 @@ def call_logged(fn: Callable[[Any], object], fut: concurrent.futures.Future[Any]
                       "the callback to handle them)", fn, fut)  # fmt: skip
 
 
+def add_raw_callback(future: concurrent.futures.Future[Any], fn: Callable[[Any], object]) -> None:
+    """Call ``fn(future)`` once ``future`` is done, in whatever thread completes it: for a tidepool
+    future without the hop to its client's callback thread (``fn`` must be quick and must not
+    block), for any other ``concurrent.futures.Future`` as a plain done-callback."""
+    if isinstance(future, Future):
+        future._add_raw_callback(fn)
+    else:
+        future.add_done_callback(fn)
+
+
 #: Set by the Dask graph converter while it pickles a node: (client, keys of the futures met).
 _INLINE_FUTURES: contextvars.ContextVar[tuple[Any, list[str]] | None] = contextvars.ContextVar(
     "tidepool_inline_futures", default=None

@@ -239,7 +239,8 @@ class ClientConnection:
                 log.warning("worker %s failed setup %r: %s", e.report.get("worker"), e.report.get("name"),
                             e.report.get("error"))  # fmt: skip
                 continue
-            f: Any = futures.get(e.key)
+            with self.lock:  # user threads add futures meanwhile
+                f: Any = futures.get(e.key)
             if f is None:
                 continue
             if isinstance(e, Finished):
