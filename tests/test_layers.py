@@ -165,3 +165,29 @@ def test_the_client_futures_dask_layer_graph_and_worker_context_import_in_no_cir
 @pytest.mark.parametrize("graph", [{"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}])
 def test_the_circle_finder_finds_a_circle(graph: dict[str, set[str]]) -> None:
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+
+def _private_uses(source: str, names: tuple[str, ...]) -> list[str]:
+    """``x._private`` where ``x`` is one of ``names`` or ends in ``.client`` (``self.client._x``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id in names) or (
+            isinstance(owner, ast.Attribute) and owner.attr == "client"
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_futures_waiting_and_the_dask_layer_use_no_private_member_of_the_client() -> None:
+    files = [SRC / "futures.py", SRC / "waiting.py", *sorted((SRC / "dask").glob("*.py"))]
+    uses = [f"{f.name}:{u}" for f in files for u in _private_uses(f.read_text(), ("client", "c"))]
+    assert uses == [], "\n".join(uses)
+
+
+def test_the_private_use_finder_finds_them() -> None:
+    source = "def f(client, self):\n    client._post({})\n    self.client._loop.run(1)\n    client.__class__\n"
+    assert _private_uses(source, ("client",)) == ["2: client._post", "3: self.client._loop"]
