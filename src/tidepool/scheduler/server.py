@@ -425,8 +425,8 @@ class Scheduler:
         elif op == "info":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
         elif op == "why":  # a timed-out result(): each key's state and why it is not done
-            await conn.send({"op": "reply", "id": msg["id"],
-                             "result": {k: explain(self.state, k) for k in msg["keys"]}})  # fmt: skip
+            q = KeyQuery.decode(msg)
+            await conn.send(Reply(q.id or 0, {k: explain(self.state, k) for k in q.keys}).encode())
         elif op == "eta":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
