@@ -24,9 +24,9 @@ import pytest
 
 import tidepool
 from tidepool.comm import connect
+from tidepool.comm.data import request_data
 from tidepool.scaling.node_types import NodeType
 from tidepool.testing import wait_until
-from tidepool.worker.peers import request_data
 
 pytestmark = pytest.mark.integration
 

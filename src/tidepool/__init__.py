@@ -30,7 +30,7 @@ _LAZY: dict[str, str] = {
     "Client": "tidepool.client",
     "ClientExecutor": "tidepool.client",
     "default_client": "tidepool.client",
-    "fire_and_forget": "tidepool.client_dask",
+    "fire_and_forget": "tidepool.client",
     "LocalCluster": "tidepool.cluster",
     "Future": "tidepool.futures",
     "Delayed": "tidepool.graph",
@@ -41,10 +41,10 @@ _LAZY: dict[str, str] = {
     "as_completed": "tidepool.waiting",
     "wait": "tidepool.waiting",
     "Worker": "tidepool.worker",
-    "get_client": "tidepool.worker.context",
+    "get_client": "tidepool.client",
     "get_worker": "tidepool.worker.context",
     "secede": "tidepool.worker.context",
-    "worker_client": "tidepool.worker.context",
+    "worker_client": "tidepool.client",
     **{name: "tidepool.errors" for name in (
         "AuthenticationError", "CommError", "ConfigError", "ConnectionLostError", "CycleError",
         "DependencyError", "FrameTooLargeError", "InfeasibleTaskError", "KeyCollisionError",
@@ -55,8 +55,14 @@ _LAZY: dict[str, str] = {
 }  # fmt: skip
 
 if TYPE_CHECKING:
-    from tidepool.client import Client, ClientExecutor, default_client
-    from tidepool.client_dask import fire_and_forget
+    from tidepool.client import (
+        Client,
+        ClientExecutor,
+        default_client,
+        fire_and_forget,
+        get_client,
+        worker_client,
+    )
     from tidepool.cluster import LocalCluster
     from tidepool.errors import (
         AuthenticationError,
@@ -90,7 +96,7 @@ if TYPE_CHECKING:
     from tidepool.setup import setup_file
     from tidepool.waiting import as_completed, wait
     from tidepool.worker import Worker
-    from tidepool.worker.context import get_client, get_worker, secede, worker_client
+    from tidepool.worker.context import get_worker, secede
 
 
 def __getattr__(name: str) -> Any:

@@ -42,15 +42,11 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
-import threading
 from collections.abc import Callable
 
 # the standard library's state names (stable since Python 3.2, in its private module)
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING, RUNNING
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from tidepool.client import Client
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.futures")
@@ -88,19 +84,69 @@ def call_logged(fn: Callable[[Any], object], fut: concurrent.futures.Future[Any]
                       "the callback to handle them)", fn, fut)  # fmt: skip
 
 
+def add_raw_callback(future: concurrent.futures.Future[Any], fn: Callable[[Any], object]) -> None:
+    """Call ``fn(future)`` once ``future`` is done, in whatever thread completes it: for a tidepool
+    future without the hop to its client's callback thread (``fn`` must be quick and must not
+    block), for any other ``concurrent.futures.Future`` as a plain done-callback."""
+    if isinstance(future, Future):
+        future._add_raw_callback(fn)
+    else:
+        future.add_done_callback(fn)
+
+
 #: Set by the Dask graph converter while it pickles a node: (client, keys of the futures met).
 _INLINE_FUTURES: contextvars.ContextVar[tuple[Any, list[str]] | None] = contextvars.ContextVar(
     "tidepool_inline_futures", default=None
 )
 
 
-class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
-    """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable."""
+class FutureOwner(Protocol):
+    """What a future asks of the client that made it (its connection to the scheduler).
 
-    def __init__(self, key: str, client: Client) -> None:
+    The whole conversation between a future and its client: a future never reaches into the
+    client's state, and anything implementing these calls can own futures (tests use fakes).
+    """
+
+    def why_not_done(self, keys: list[str], timeout: float | None) -> str:
+        """The text of a ``TimeoutError``: each key's state and why, as the scheduler sees it."""
+
+    def fetch(self, key: str, timeout: float | None) -> Any:
+        """``key``'s value, read from a worker that holds it (blocking, bounded by ``timeout``)."""
+
+    def fetch_soon(self, key: str) -> concurrent.futures.Future[Any]:
+        """The same, without blocking: a future of the value."""
+
+    def ask_running(self, future: Future[Any]) -> bool:
+        """Whether ``future``'s task executes now (may mark it RUNNING)."""
+
+    def cancel(self, futures: list[Future[Any]], *, unless_started: bool) -> None:
+        """Cancel ``futures`` (``unless_started``: only those whose task has not started)."""
+
+    def release(self, keys: list[str]) -> None:
+        """This client no longer needs the values of ``keys``."""
+
+    def pin(self, future: Future[Any]) -> None:
+        """Keep ``future`` alive until it is done."""
+
+    def on_loop_thread(self) -> bool:
+        """True in the client's event-loop thread (where no user code may run or block)."""
+
+    def run_callback(self, fn: Callable[[Any], object], future: concurrent.futures.Future[Any]) -> None:
+        """Run a user's done-callback off the event-loop thread."""
+
+
+class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
+    """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable.
+
+    ``client`` is the :class:`~tidepool.Client` it belongs to; the future talks to it only through
+    ``owner`` (a :class:`FutureOwner`; by default the client itself).
+    """
+
+    def __init__(self, key: str, client: Any, owner: FutureOwner | None = None) -> None:
         super().__init__()
         self.key = key
         self.client = client
+        self._owner: FutureOwner = owner if owner is not None else client
         self._value: Any = _UNSET
         self._pinned = False
         self.__weakref__: Any
@@ -120,11 +166,11 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         except TimeoutError:
             if self.done():  # the task itself raised a TimeoutError
                 raise
-            raise TimeoutError(self.client._why_not_done([self.key], timeout)) from None
+            raise TimeoutError(self._owner.why_not_done([self.key], timeout)) from None
         if v is not IN_MEMORY:
             return v  # type: ignore[no-any-return]
         if self._value is _UNSET:
-            self._value = self.client._fetch_one(self, timeout)
+            self._value = self._owner.fetch(self.key, timeout)
         return self._value  # type: ignore[no-any-return]
 
     def running(self) -> bool:
@@ -138,7 +184,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             return True
         if state != PENDING:
             return False
-        return self.client._ask_running(self)
+        return self._owner.ask_running(self)
 
     def cancel(self) -> bool:
         """``concurrent.futures.Future.cancel``: cancel the task unless it is executing or done.
@@ -154,7 +200,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             return True
         if state != PENDING:
             return False
-        self.client._cancel([self], unless_started=True)
+        self._owner.cancel([self], unless_started=True)
         return self.cancelled()
 
     # ---- state changes made by the client ------------------------------------------------------
@@ -196,14 +242,13 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         exception from ``fn`` is logged and ignored.  The client keeps this future alive until it
         is done, so the callback fires even if nobody else holds the future.
         """
-        client = self.client
+        owner = self._owner
         if self._state in (PENDING, RUNNING):
-            client._pin(self)
-        loop_thread = client._loop.thread
+            owner.pin(self)
 
         def run(f: concurrent.futures.Future[Any]) -> None:
-            if threading.current_thread() is loop_thread:  # never block or run user code there
-                client._run_callback(fn, f)
+            if owner.on_loop_thread():  # never block or run user code there
+                owner.run_callback(fn, f)
             else:
                 call_logged(fn, f)
 
@@ -231,9 +276,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         if v is not IN_MEMORY:
             return v  # type: ignore[no-any-return]
         if self._value is _UNSET:
-            cf = self.client._loop.submit(self.client._fetch([self.key], None))
-            values = await asyncio.wrap_future(cf)
-            self._value = values[self.key]
+            self._value = await asyncio.wrap_future(self._owner.fetch_soon(self.key))
         return self._value  # type: ignore[no-any-return]
 
     def release(self) -> None:
@@ -242,7 +285,7 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         A future not done yet is cancelled by this (no result would ever reach it); unlike
         :meth:`cancel`, tasks that depend on it still run.
         """
-        self.client._release([self.key])
+        self._owner.release([self.key])
         if not self.done():
             self._mark_cancelled()
 

@@ -3,7 +3,8 @@
 State: an :class:`as_completed` holds the futures not yet yielded and a queue of those that
 finished (filled by done-callbacks, from whatever thread completed them), guarded by one condition
 variable.  Both work on any ``concurrent.futures.Future``, tidepool's included, so user code written
-for ``distributed`` keeps working unchanged.
+for ``distributed`` keeps working unchanged; tidepool futures are watched through
+:func:`tidepool.futures.add_raw_callback` (no hop to the client's callback thread).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from tidepool.errors import ConfigError
+from tidepool.futures import add_raw_callback
 
 _WHEN = {
     "ALL_COMPLETED": concurrent.futures.ALL_COMPLETED,
@@ -65,11 +67,7 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
         """Also yield ``future`` when it finishes."""
         with self._cond:
             self._pending.add(future)
-        raw = getattr(future, "_add_raw_callback", None)  # tidepool futures: no hop to the callback thread
-        if raw is not None:
-            raw(self._finished)
-        else:
-            future.add_done_callback(self._finished)
+        add_raw_callback(future, self._finished)  # tidepool futures: no hop to the callback thread
 
     def update(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
         for f in futures:

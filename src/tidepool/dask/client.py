@@ -1,8 +1,10 @@
-"""The client's side of Dask collections (a mixin of ``Client``): Dask's scheduler protocol.
+"""The client's side of Dask collections: Dask's scheduler protocol, on the client's public API.
 
-No state of its own: each call converts one Dask graph (``tidepool.dask.convert``), sends it as one
-graph update through the client's ordered outbox, and either gathers the wanted keys (``get``),
-returns futures (``compute``) or rebuilds the collections around futures (``persist``).
+No state of its own: each call converts one Dask graph (``tidepool.dask.convert``) into tidepool
+delayed values and submits them with one ``client.compute(...)`` (one graph update), then either
+gathers the wanted keys (``get``), returns futures (``compute``) or rebuilds the collections around
+futures (``persist``).  :class:`~tidepool.Client` delegates its Dask calls here; nothing here
+touches the client's private state, so any object with ``compute`` and ``gather`` would do.
 
 ``client.get(dsk, keys, **options)`` is what Dask calls a scheduler, so ``x.compute(scheduler=
 client.get)``, ``dask.compute(x, scheduler=client)`` and, inside ``with client.as_dask_scheduler():``,
@@ -24,6 +26,8 @@ from tidepool.dask.convert import (
     require_dask,
 )
 from tidepool.errors import ConfigError
+from tidepool.graph.delayed import Delayed
+from tidepool.graph.refs import RECURSE, Ref, replace
 
 if TYPE_CHECKING:
     from tidepool.futures import Future
@@ -71,81 +75,74 @@ def is_dask_collection(x: Any) -> bool:
     return bool(dask.is_dask_collection(x))
 
 
-class DaskCollections:
-    """Mixed into :class:`tidepool.Client`; see the module docstring."""
+def submit_graph(client: Any, dsk: Any, keys: list[Hashable], options: dict[str, Any]) -> dict[Hashable, Future[Any]]:
+    """Send the part of ``dsk`` that ``keys`` need (one graph update); returns Dask key -> future."""
+    graph, annotations = materialize(dsk)
+    conv = convert(graph, keys, client, annotations, options)
+    nodes: dict[str, Any] = dict(conv.futures)  # tidepool key -> its Delayed (or the future it names)
 
-    #: Dask asks this before it uses a Client-like object as its scheduler.
-    asynchronous = False
+    def link(x: Any) -> Any:
+        if isinstance(x, Ref):
+            return nodes.get(x.key, x)
+        return RECURSE
 
-    if TYPE_CHECKING:
-        def _spec(self, key: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], opts: Any,
-                  functions: dict[str, Any], extra: Any) -> list[Any]: ...  # fmt: skip
-        def _new_future(self, key: str) -> Future[Any]: ...
-        def _send_graph(self, tasks: list[list[Any]], wanted: list[str], functions: dict[str, Any]) -> None: ...
-        def gather(self, futures: Any, errors: str = "raise", timeout: float | None = None) -> Any: ...
-
-    def _submit_dask(self, dsk: Any, keys: list[Hashable], options: dict[str, Any]) -> dict[Hashable, Future[Any]]:
-        """Send the part of ``dsk`` that ``keys`` need; returns Dask key -> future."""
-        graph, annotations = materialize(dsk)
-        conv = convert(graph, keys, self, annotations, options)
-        functions: dict[str, Any] = {}
-        specs = [self._spec(t.key, t.fn, t.args, {}, t.options, functions, None) for t in conv.tasks]
-        futs = {k: self._new_future(conv.names[k]) for k in keys}
-        self._send_graph(specs, list(dict.fromkeys(f.key for f in futs.values())), functions)
-        return futs
-
-    def get(self, dsk: Any, keys: Any, *, progress: bool = False, **options: Any) -> Any:
-        """Dask's scheduler protocol: compute ``keys`` (a key or nested lists of keys) of the Dask
-        graph ``dsk`` on the cluster and return their values in the same shape (lists as tuples).
-
-        ``options`` apply to every task, under the annotations of ``dask.annotate``:
-        ``resources``, ``retries``, ``priority``, ``workers``, ``allow_other_workers``.
-        Dask keys stay the task keys (a tuple key as ``str(key)``), so errors, progress and the
-        journal name them as Dask does.  ``progress=True`` draws a progress bar.
-        """
-        opts = _check_options(options, "get()")
-        flat = list(dict.fromkeys(flatten_keys(keys)))
-        futs = self._submit_dask(dsk, flat, opts)
-        if progress:
-            from tidepool.telemetry.progress import show_progress
-
-            show_progress(self, list(futs.values()))  # type: ignore[arg-type]
-        values = dict(zip(futs, self.gather(list(futs.values())), strict=True))
-        return pack(keys, values)
-
-    def as_dask_scheduler(self) -> Any:
-        """``with client.as_dask_scheduler():`` makes this client Dask's scheduler, so plain
-        ``x.compute()``, ``x.persist()`` and ``dask.compute(...)`` run here (Dask's own
-        ``dask.config.set(scheduler=...)``; without ``with`` it stays set)."""
-        dask = require_dask()
-        return dask.config.set(scheduler=self.get)
-
-    def _dask_persist(self, collections: list[Any], optimize_graph: bool, options: dict[str, Any]) -> list[Any]:
-        """Dask collections whose graphs point at futures of their computed chunks."""
-        require_dask()
-        from dask.base import collections_to_expr
-
-        expr = collections_to_expr(collections, optimize_graph).optimize()
-        keys = expr.__dask_keys__()
-        futs = self._submit_dask(expr, list(dict.fromkeys(flatten_keys(keys))), options)
-        out = []
-        for c, ks in zip(collections, keys, strict=True):
-            rebuild, state = c.__dask_postpersist__()
-            out.append(rebuild({k: futs[k] for k in flatten_keys(ks)}, *state))
-        return out
-
-    def _dask_compute(self, collections: list[Any], optimize_graph: bool, options: dict[str, Any]) -> list[Future[Any]]:
-        """A future per collection, of its final value (what ``x.compute()`` would return)."""
-        require_dask()
-        from dask._expr import FinalizeCompute
-        from dask.base import collections_to_expr
-
-        out = []
-        for c in collections:  # one finalized expression each: one key each
-            expr = FinalizeCompute(collections_to_expr([c], optimize_graph)).optimize()
-            (key,) = flatten_keys(expr.__dask_keys__())
-            out.append(self._submit_dask(expr, [key], options)[key])
-        return out
+    for t in conv.tasks:  # dependencies first: every input is in ``nodes`` already
+        nodes[t.key] = Delayed(t.key, t.fn, replace(t.args, link), {}, t.options)
+    wanted = list(dict.fromkeys(conv.names[k] for k in keys))
+    roots = [nodes[n] for n in wanted if isinstance(nodes[n], Delayed)]
+    done = dict(zip([r.key for r in roots], client.compute(roots), strict=True)) if roots else {}
+    return {k: done[n] if (n := conv.names[k]) in done else nodes[n] for k in keys}
 
 
-__all__ = ["DaskCollections", "is_dask_collection"]
+def get(client: Any, dsk: Any, keys: Any, *, progress: bool = False, **options: Any) -> Any:
+    """Dask's scheduler protocol: compute ``keys`` (a key or nested lists of keys) of the Dask
+    graph ``dsk`` on the cluster and return their values in the same shape (lists as tuples).
+
+    ``options`` apply to every task, under the annotations of ``dask.annotate``:
+    ``resources``, ``retries``, ``priority``, ``workers``, ``allow_other_workers``.
+    Dask keys stay the task keys (a tuple key as ``str(key)``), so errors, progress and the
+    journal name them as Dask does.  ``progress=True`` draws a progress bar.
+    """
+    opts = _check_options(options, "get()")
+    flat = list(dict.fromkeys(flatten_keys(keys)))
+    futs = submit_graph(client, dsk, flat, opts)
+    if progress:
+        from tidepool.telemetry.progress import show_progress
+
+        show_progress(client, list(futs.values()))
+    values = dict(zip(futs, client.gather(list(futs.values())), strict=True))
+    return pack(keys, values)
+
+
+def persist_collections(client: Any, collections: list[Any], optimize_graph: bool,
+                        options: dict[str, Any]) -> list[Any]:  # fmt: skip
+    """Dask collections whose graphs point at futures of their computed chunks."""
+    require_dask()
+    from dask.base import collections_to_expr
+
+    expr = collections_to_expr(collections, optimize_graph).optimize()
+    keys = expr.__dask_keys__()
+    futs = submit_graph(client, expr, list(dict.fromkeys(flatten_keys(keys))), options)
+    out = []
+    for c, ks in zip(collections, keys, strict=True):
+        rebuild, state = c.__dask_postpersist__()
+        out.append(rebuild({k: futs[k] for k in flatten_keys(ks)}, *state))
+    return out
+
+
+def compute_collections(client: Any, collections: list[Any], optimize_graph: bool,
+                        options: dict[str, Any]) -> list[Future[Any]]:  # fmt: skip
+    """A future per collection, of its final value (what ``x.compute()`` would return)."""
+    require_dask()
+    from dask._expr import FinalizeCompute
+    from dask.base import collections_to_expr
+
+    out = []
+    for c in collections:  # one finalized expression each: one key each
+        expr = FinalizeCompute(collections_to_expr([c], optimize_graph)).optimize()
+        (key,) = flatten_keys(expr.__dask_keys__())
+        out.append(submit_graph(client, expr, [key], options)[key])
+    return out
+
+
+__all__ = ["compute_collections", "dask_call", "get", "is_dask_collection", "persist_collections", "submit_graph"]

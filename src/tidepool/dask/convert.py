@@ -48,6 +48,8 @@ class Converted:
     tasks: list[DaskTask] = field(default_factory=list)
     #: every Dask key reached -> the tidepool key whose value it is
     names: dict[Hashable, str] = field(default_factory=dict)
+    #: tidepool key -> the future the graph holds for it (what ``persist`` put there)
+    futures: dict[str, Future[Any]] = field(default_factory=dict)
 
 
 def require_dask() -> Any:
@@ -203,6 +205,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
                     if value.client is not client:
                         raise ConfigError(f"future {value.key} in the Dask graph belongs to another client")
                     names[k] = value.key
+                    out.futures[value.key] = value
                     continue
                 tk = key_name(k)
                 names[k] = tk

@@ -74,10 +74,13 @@ class Delayed(Generic[T]):
         return f"Delayed({self.key!r})"
 
     def compute(self, client: Any = None, **kwargs: Any) -> T:
-        """Run the graph behind this value on ``client`` (default: the current client)."""
-        from tidepool.client import default_client
+        """Run the graph behind this value on ``client`` (default: the current client).
 
-        c = client or default_client()
+        The default client is found through the public facade (``tidepool.default_client``):
+        the graph layer sits below the client and never imports it."""
+        import tidepool
+
+        c = client or tidepool.default_client()
         return c.compute(self, **kwargs).result()  # type: ignore[no-any-return]
 
     def dependencies(self) -> Iterator[Delayed[Any]]:

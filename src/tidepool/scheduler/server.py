@@ -25,6 +25,17 @@ from typing import Any
 
 from tidepool.comm import Connection, listen
 from tidepool.comm.auth import new_token
+from tidepool.comm.messages import (
+    Cancel,
+    ClientReport,
+    Compute,
+    ComputeTask,
+    KeyQuery,
+    Release,
+    Reply,
+    ReportItem,
+    UpdateGraph,
+)
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ProtocolError
 from tidepool.scaling.node_types import NodeType
@@ -137,10 +148,10 @@ class Scheduler:
         if not cmds:
             return
         state = self.state
-        tasks_by_worker: dict[str, list[dict[str, Any]]] = {}
+        tasks_by_worker: dict[str, list[ComputeTask]] = {}
         funcs_by_worker: dict[str, dict[str, Any]] = {}
         frees: dict[str, list[str]] = {}
-        reports: dict[str, list[list[Any]]] = {}
+        reports: dict[str, list[ReportItem]] = {}
         other: list[tuple[str, dict[str, Any]]] = []
         workers = state.workers
         for c in cmds:
@@ -151,16 +162,11 @@ class Scheduler:
                     funcs_by_worker.setdefault(ws.id, {})[c.ship] = state.functions.get(c.ship)
                 if ts is None or ws is None:
                     continue
-                item: dict[str, Any] = {"key": ts.key, "func": ts.func_id, "payload": ts.payload}
-                if ts.deps:
-                    item["deps"] = {
-                        d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
-                    }
-                if ts.shape != (("cpu", 1.0),):
-                    item["resources"] = [list(p) for p in ts.shape]
-                else:
-                    item["resources"] = [["cpu", 1.0]]
-                tasks_by_worker.setdefault(ws.id, []).append(item)
+                deps = {
+                    d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
+                } if ts.deps else None  # fmt: skip
+                shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
+                tasks_by_worker.setdefault(ws.id, []).append(ComputeTask(ts.key, ts.func_id, ts.payload, deps, shape))
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):
@@ -183,10 +189,7 @@ class Scheduler:
         for wid, keys in frees.items():
             await self._send_worker(wid, {"op": "free", "keys": keys})
         for wid in tasks_by_worker.keys() | funcs_by_worker.keys():
-            msg: dict[str, Any] = {"op": "compute", "tasks": tasks_by_worker.get(wid, [])}
-            if wid in funcs_by_worker:
-                msg["functions"] = funcs_by_worker[wid]
-            await self._send_worker(wid, msg)
+            await self._send_worker(wid, Compute(tasks_by_worker.get(wid, []), funcs_by_worker.get(wid)).encode())
         for wid, msg in other:
             await self._send_worker(wid, msg)
             if msg["op"] == "close":
@@ -197,20 +200,27 @@ class Scheduler:
             conn = self.client_conns.get(cid)
             if conn is not None:
                 with contextlib.suppress(CommError):
-                    await conn.send({"op": "report", "items": reps})
+                    await conn.send(ClientReport(reps).encode())
 
-    def _report_item(self, c: ev.Report) -> list[Any]:
+    def _report_item(self, c: ev.Report) -> ReportItem:
+        if c.status == "memory":  # with where the value lives: result() reads it without asking who-has
+            ts = self.state.tasks.get(c.key)
+            workers = self.state.workers
+            for w in ts.who_has if ts is not None else ():
+                if w in workers:
+                    return ReportItem(c.key, "memory", workers[w].address)
+            return ReportItem(c.key, "memory")
         if c.status != "erred":
-            return [c.key, c.status]
+            return ReportItem(c.key, c.status)
         if c.error is not None:
-            return [c.key, "erred", c.error]
+            return ReportItem(c.key, "erred", c.error)
         ts = self.state.tasks.get(c.key)
         if ts is None:
-            return [c.key, "lost"]
-        return [c.key, "erred", {
+            return ReportItem(c.key, "lost")
+        return ReportItem(c.key, "erred", {
             "exception": ts.exception, "traceback": ts.traceback, "type": ts.exc_type,
             "message": ts.message, "origin": ts.error_origin,
-        }]  # fmt: skip
+        })  # fmt: skip
 
     async def _send_worker(self, wid: str, msg: dict[str, Any]) -> None:
         conn = self.worker_conns.get(wid)
@@ -392,32 +402,31 @@ class Scheduler:
         op = msg.get("op")
         now = self.clock()
         if op == "update-graph":
-            specs = [
-                ev.TaskSpec(t[0], t[1], t[2], tuple(t[3]), t[4] or {}, int(t[5]), t[6],
-                            *((int(t[7]), tuple(t[8] or ()), bool(t[9])) if len(t) > 7 else ()))
-                for t in msg["tasks"]
-            ]  # fmt: skip
-            await self.apply([ev.UpdateGraph(cid, specs, list(msg["wanted"]), now, msg.get("functions") or {})])
+            graph = UpdateGraph.decode(msg)
+            specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
+                                 t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
+            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)])
         elif op == "release":
-            await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now)])
+            await self.apply([ev.ReleaseKeys(cid, Release.decode(msg).keys, now)])
         elif op == "cancel":  # the outcome goes out as reports ("cancelled"/"running") before the reply
-            await self.apply([ev.ReleaseKeys(cid, list(msg["keys"]), now, cancel=True,
-                                             unless_started=bool(msg.get("unless_started")))])  # fmt: skip
-            if msg.get("id") is not None:
-                await conn.send({"op": "reply", "id": msg["id"], "result": None})
+            cancel = Cancel.decode(msg)
+            await self.apply([ev.ReleaseKeys(cid, cancel.keys, now, cancel=True, unless_started=cancel.unless_started)])
+            if cancel.id is not None:
+                await conn.send(Reply(cancel.id).encode())
         elif op == "running":  # which of these keys are executing on a worker now
             tasks = self.state.tasks
-            running = [k for k in msg["keys"] if (t := tasks.get(k)) is not None and t.state == "running" and t.executing]
-            await conn.send({"op": "reply", "id": msg["id"], "result": running})
+            q = KeyQuery.decode(msg)
+            running = [k for k in q.keys if (t := tasks.get(k)) is not None and t.state == "running" and t.executing]
+            await conn.send(Reply(q.id or 0, running).encode())
         elif op == "who-has":  # None: the scheduler does not know the key (released): never wait for it
             tasks = self.state.tasks
-            await conn.send({"op": "reply", "id": msg["id"],
-                             "result": {k: self.state.who_has(k) if k in tasks else None for k in msg["keys"]}})  # fmt: skip
+            q = KeyQuery.decode(msg)
+            await conn.send(Reply(q.id or 0, {k: self.state.who_has(k) if k in tasks else None for k in q.keys}).encode())
         elif op == "info":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
         elif op == "why":  # a timed-out result(): each key's state and why it is not done
-            await conn.send({"op": "reply", "id": msg["id"],
-                             "result": {k: explain(self.state, k) for k in msg["keys"]}})  # fmt: skip
+            q = KeyQuery.decode(msg)
+            await conn.send(Reply(q.id or 0, {k: explain(self.state, k) for k in q.keys}).encode())
         elif op == "eta":
             await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":

@@ -1,9 +1,10 @@
 """What a running task can know about where it runs, and how it submits more tasks.
 
 State: the process's worker (set when it registers; seen here as a :class:`TaskHost`, so this
-module imports nothing of the worker's) and one cached
-:class:`~tidepool.client.Client` per worker process for tasks that submit tasks.  The key of the
-task a slot thread runs lives in ``executor.current`` (a thread-local).
+module imports nothing of the worker's).  The key of the
+task a slot thread runs lives in ``executor.current`` (a thread-local).  The worker never imports
+the client: ``tidepool.get_client()`` and ``tidepool.worker_client()`` live in
+:mod:`tidepool.client.current`, which reads the worker recorded here.
 
 A task that waits for tasks it submitted must not hold its slot, or a one-slot pool deadlocks
 (the inner tasks queue behind it).  :func:`worker_client` (or :func:`secede` then
@@ -15,15 +16,10 @@ finishes outside the slot count.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import MutableMapping
+from typing import Any, Protocol
 
 from tidepool.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tidepool.client import Client
 
 
 class TaskHost(Protocol):
@@ -41,8 +37,6 @@ class TaskHost(Protocol):
 
 
 _worker: TaskHost | None = None
-_client: Client | None = None
-_lock = threading.Lock()
 
 
 def set_worker(worker: TaskHost) -> None:
@@ -64,31 +58,9 @@ def current_task() -> str | None:
     return getattr(current, "key", None)
 
 
-def get_client() -> Client:
-    """Inside a task: a client of the scheduler this worker serves (one per worker process).
-    Outside: the most recent open client."""
-    global _client
-    from tidepool.client import Client, default_client
-
-    if _worker is None:
-        return default_client()
-    with _lock:
-        if _client is None or _client.closed:
-            _client = Client(_worker.scheduler_address, token=_worker.token, name=f"{_worker.id}-client")
-        return _client
-
-
 def secede() -> None:
     """Give this task's slot back to the worker (it keeps running in its thread)."""
     key = current_task()
     if key is None or _worker is None:
         raise ConfigError("secede() must be called inside a running task")
     _worker.secede(key)
-
-
-@contextlib.contextmanager
-def worker_client() -> Iterator[Any]:
-    """``with worker_client() as client:`` inside a task: submit tasks and wait for them without
-    holding a slot (the task secedes first)."""
-    secede()
-    yield get_client()

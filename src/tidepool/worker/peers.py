@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tidepool.comm import Connection, Serialized, connect, serialize
+from tidepool.comm.data import request_data
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ConfigError, PeerSilentError
 
@@ -59,29 +60,6 @@ def fetch_timeout_from_env() -> float:
     if not (value > 0 and value < float("inf")):
         raise ConfigError(f"{FETCH_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
     return value
-
-
-async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
-                       idle_timeout: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
-    """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
-    and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
-    unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
-    that sends nothing for that long raises :class:`PeerSilentError` (and the connection closes)."""
-    values: dict[str, Any] = {}
-    failed: dict[str, str] = {}
-    todo = list(keys)
-    while todo:
-        async with lock:
-            await conn.send({"op": "get-data", "keys": todo})
-            reply = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
-        for k, blob in reply["data"].items():
-            try:
-                values[k] = blob.load()
-            except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
-                failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
-        failed.update(reply.get("failed") or {})
-        todo = list(reply.get("deferred") or ())
-    return values, failed
 
 
 class Peers:

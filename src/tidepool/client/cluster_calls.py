@@ -1,11 +1,13 @@
-"""The part of the client that Dask users reach for, under Dask's names (a mixin of ``Client``).
+"""The Dask-named cluster calls of the client: data placement, introspection, setup, workers.
 
-Stateless helpers over the client's request channel: ``scatter``, ``run``, ``upload_file``,
-``restart``, ``who_has``/``has_what``, ``wait_for_workers``, ``persist`` and ``fire_and_forget``.
-Differences from Dask are on purpose and listed in docs/dask-users.md: ``scatter`` routes data
-through the scheduler once (the scattered value is a task whose result is that value, so a copy
-lost with a worker is restored from it instead of being lost), and ``restart`` re-executes worker
-processes started by ``tidepool worker`` (others just stop).
+``scatter``, ``who_has``/``has_what``, ``fire_and_forget``, ``run``, ``upload_file``, ``restart``,
+``wait_for_workers``, ``register_setup``, ``scheduler_info``, ``eta``, ``retire_workers``: each is
+one request (or a few) over the client's connection, with no state of its own; :class:`ClusterCalls`
+is the base of :class:`~tidepool.Client` that holds that connection.  Differences from Dask are on
+purpose and listed in docs/dask-users.md: ``scatter`` routes data through the scheduler once (the
+scattered value is a task whose result is that value, so a copy lost with a worker is restored from
+it instead of being lost), and ``restart`` re-executes worker processes started by ``tidepool
+worker`` (others just stop).
 """
 
 from __future__ import annotations
@@ -18,47 +20,104 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidepool.client.connection import ClientConnection
 from tidepool.comm import serialize
-from tidepool.errors import ConfigError, RemoteTraceback, SchedulerError
+from tidepool.errors import ConfigError, RemoteTraceback, SchedulerError, WorkerSetupError
+from tidepool.futures import Future
 from tidepool.graph.refs import collect
-
-if TYPE_CHECKING:
-    from tidepool.futures import Future
-    from tidepool.loop import LoopThread
 
 
 def _identity_value(x: Any) -> Any:
     return x
 
 
-class DaskAPI:
-    """Mixed into :class:`tidepool.Client`; see the module docstring."""
+class ClusterCalls:
+    """The base of :class:`~tidepool.Client` that owns its connection; see the module docstring."""
 
-    if TYPE_CHECKING:  # what the mixin uses of Client (declared for the type checker only)
-        _loop: LoopThread
-        _futures: Any
-        timeout: float
+    _connection: ClientConnection
+    _setups: list[str]
+    timeout: float
 
-        async def _request(self, msg: dict[str, Any]) -> Any: ...
-        def _check_open(self) -> None: ...
-        def _post(self, msg: dict[str, Any]) -> None: ...
-        def _register_spec(self, nm: str, spec: Any) -> dict[str, str]: ...
+    if TYPE_CHECKING:
         def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]: ...
-        def compute(self, collection: Any, *, progress: bool = False) -> Any: ...
-        def _dask_persist(self, collections: list[Any], optimize_graph: bool, options: dict[str, Any]) -> list[Any]: ...
 
+    # ---- introspection and setup -----------------------------------------------------------------
+    def scheduler_info(self) -> dict[str, Any]:
+        """Workers (running tasks, held keys/bytes, idle since), task counts and counters."""
+        return self._call({"op": "info"})  # type: ignore[no-any-return]
+
+    def nthreads(self) -> dict[str, int]:
+        """Dask's ``nthreads()``: each worker's address -> how many tasks it runs at once."""
+        return {w["address"]: max(1, int(w["resources"].get("cpu", 1))) for w in self.scheduler_info()["workers"]}
+
+    def register_setup(self, fn: Callable[[], Any] | None = None, *, modules: Iterable[str] = (),
+                       files: Iterable[str] = (), requirements: Iterable[str] = (),
+                       env: dict[str, str] | None = None, name: str | None = None,
+                       pip_args: Iterable[str] = ()) -> dict[str, str]:  # fmt: skip
+        """Prepare every worker, now and joining later, before it runs another task.
+
+        ``modules``: local modules/packages to ship (importable on the workers afterwards);
+        ``files``: local files (read them on a worker with ``tidepool.setup_file(name)``);
+        ``requirements``: pip requirement strings installed on each worker; ``env``: environment
+        variables; ``fn``: a function run last.  A setup with the same ``name`` replaces the
+        earlier one for future workers.  Returns worker id -> "ok"; raises
+        :class:`WorkerSetupError` (with the remote traceback) if it failed anywhere — such
+        workers are closed and take no tasks.
+        """
+        from tidepool.setup import build_spec
+
+        nm = name or (getattr(fn, "__name__", None) if fn is not None else None) or f"setup-{len(self._setups) + 1}"
+        spec = build_spec(nm, fn, modules=modules, files=files, requirements=requirements, env=env,
+                          pip_args=pip_args)  # fmt: skip
+        return self._register_spec(nm, spec)
+
+    def _register_spec(self, nm: str, spec: Any) -> dict[str, str]:
+        self._connection.check_open()
+        self._setups.append(nm)
+        result = self._call({"op": "register-setup", "name": nm, "setup": serialize(spec)})
+        failed = {w: r for w, r in result.items() if r != "ok"}
+        if failed:
+            details = "\n".join(f"--- worker {w}: {r}" for w, r in failed.items())
+            raise WorkerSetupError(f"setup {nm!r} failed on {len(failed)} of {len(result)} workers "
+                                   f"(they were closed):\n{details}")  # fmt: skip
+        return result  # type: ignore[no-any-return]
+
+    def _graph_progress(self, keys: list[str] | None, watch: int | None) -> dict[str, int]:
+        """How many of a graph's tasks are done (for the progress bar): keys once, then the watch id."""
+        msg: dict[str, Any] = {"op": "progress", "keys": keys} if keys is not None else {"op": "progress", "watch": watch}
+        return self._call(msg)  # type: ignore[no-any-return]
+
+    def _graph_progress_end(self, watch: int) -> None:
+        self._connection.post({"op": "progress-end", "watch": watch})
+
+    def eta(self) -> float | None:
+        """Forecast seconds until everything submitted so far is done (None: no worker, no launch).
+
+        At least max(remaining critical path, remaining work / slots), refined by simulating the
+        scheduler on the workers present and those being launched.
+        """
+        res = self._call({"op": "eta"})
+        return res["eta"]  # type: ignore[no-any-return]
+
+    def retire_workers(self, workers: list[str]) -> dict[str, str]:
+        """Gracefully retire workers: their needed data moves to survivors first.
+
+        Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
+        """
+        return self._call({"op": "retire", "workers": list(workers)})  # type: ignore[no-any-return]
+
+
+    # ---- Dask-named calls ---------------------------------------------------------------------
     def _call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
-        self._check_open()
-        return self._loop.run(self._request(msg), timeout=timeout)
+        return self._connection.call(msg, timeout)
 
-    # ---- data ----------------------------------------------------------------------------------
     def scatter(self, data: Any, *, broadcast: bool = False, hash: bool = True,  # noqa: A002 - Dask's name
                 workers: str | Iterable[str] | None = None) -> Any:
         """Put local data on the cluster: a future per value, in the same structure as ``data``
         (a value, or a list/tuple/dict of values).  ``broadcast=True`` copies each value to every
         worker; ``hash=True`` names values by their content, so scattering equal data twice shares it.
         """
-        def one(value: Any) -> Future[Any]:  # noqa: F821
+        def one(value: Any) -> Future[Any]:
             key = None
             if hash:
                 blob = serialize(value)
@@ -75,48 +134,31 @@ class DaskAPI:
         else:
             futs = one(data)
         if broadcast:
-            flat: list[Any] = collect(futs, _future_type())
+            flat: list[Any] = collect(futs, Future)
             from tidepool.waiting import wait
 
             wait(flat, timeout=self.timeout)
-            self._post({"op": "broadcast", "keys": [f.key for f in flat]})
+            self._connection.post({"op": "broadcast", "keys": [f.key for f in flat]})
         return futs
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         """Key -> addresses of the workers holding its value (every key the client holds if None)."""
         if futures is None:
-            keys = list(self._futures.keys())
+            keys = list(self._connection.core.futures.keys())
         else:
-            keys = [f.key for f in collect(futures, _future_type())]  # type: ignore[var-annotated]
+            keys = [f.key for f in collect(futures, Future)]
         return {k: v or [] for k, v in self._call({"op": "who-has", "keys": keys}).items()}
 
     def has_what(self) -> dict[str, list[str]]:
         """Worker address -> keys of the values it holds."""
         return self._call({"op": "has-what"})  # type: ignore[no-any-return]
 
-    def persist(self, collection: Any, optimize_graph: bool = True, **options: Any) -> Any:
-        """Start computing the lazy values in ``collection`` and keep their results on the workers.
-
-        Tidepool delayed values: returns the same structure with each replaced by its future
-        (tidepool futures are what Dask calls persisted values: pass them to later tasks and
-        nothing is recomputed).  Dask collections (one, or a list/tuple of them): returns the same
-        collections with graphs that point at the computed chunks, so later computations reuse
-        them; ``options`` (``resources``, ``retries``, ``priority``, ...) apply to their tasks.
-        """
-        from tidepool.dask.client import dask_call
-
-        call = dask_call(collection, options, "persist()")
-        if call is not None:
-            items, opts, repack = call
-            return repack(self._dask_persist(items, optimize_graph, opts))
-        return self.compute(collection)
-
     def fire_and_forget(self, futures: Any) -> None:
         """Let these tasks run to the end even if every future of them is dropped."""
-        keys = [f.key for f in collect(futures, _future_type())]  # type: ignore[var-annotated]
+        keys = [f.key for f in collect(futures, Future)]
         if keys:
-            self._check_open()
-            self._post({"op": "fire-and-forget", "keys": keys})
+            self._connection.check_open()
+            self._connection.post({"op": "fire-and-forget", "keys": keys})
 
     # ---- workers ---------------------------------------------------------------------------------
     def run(self, function: Callable[..., Any], *args: Any, workers: Iterable[str] | None = None,
@@ -185,11 +227,6 @@ class DaskAPI:
             pause = min(0.5, pause * 2)
 
 
-def _future_type() -> type:
-    from tidepool.futures import Future
-
-    return Future
-
 
 def _run_error(addr: str, r: dict[str, Any]) -> BaseException:
     blob = r.get("exception")
@@ -207,7 +244,7 @@ def _run_error(addr: str, r: dict[str, Any]) -> BaseException:
 
 def fire_and_forget(futures: Any) -> None:
     """Run these tasks to the end even if their futures are dropped (Dask's ``fire_and_forget``)."""
-    flat: list[Any] = collect(futures, _future_type())
+    flat: list[Any] = collect(futures, Future)
     by_client: dict[int, tuple[Any, list[Any]]] = {}
     for f in flat:
         by_client.setdefault(id(f.client), (f.client, []))[1].append(f)
@@ -215,4 +252,4 @@ def fire_and_forget(futures: Any) -> None:
         client.fire_and_forget(futs)
 
 
-__all__ = ["DaskAPI", "fire_and_forget"]
+__all__ = ["ClusterCalls", "fire_and_forget"]

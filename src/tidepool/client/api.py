@@ -1,0 +1,513 @@
+"""The ``Client`` facade: submit work, hold futures, gather results (Dask's names where they exist).
+
+State: none of its own beyond configuration; what the client knows about its keys is in the core
+(:class:`~tidepool.client.protocol.ClientProtocol`) and the sockets and loop thread are in the
+shell (:class:`~tidepool.client.connection.ClientConnection`), which is also what every future
+talks to.  Task specs are built by :class:`~tidepool.client.specs.SpecBuilder`.
+
+Data flow: ``submit``/``map``/``compute`` pickle tasks in the calling thread (each distinct function
+once, by content hash) and post one ``update-graph`` message through the ordered outbox; the
+scheduler answers with ``report`` messages that complete futures and say which worker holds each
+value, so ``result``/``gather`` read values straight from those workers, one request per worker
+(asking who-has only for keys whose holder is not known or moved).  A graph update over the frame
+limit is refused by the call that makes it (nothing is sent; the client stays usable).
+
+Never hanging (see the shell): once the scheduler connection is lost, every pending future fails
+with :class:`ConnectionLostError`; ``result(timeout=t)`` and ``gather(timeout=t)`` bound the whole
+fetch, and their ``TimeoutError`` names the keys, their state and why.
+
+Cancelling (see :mod:`tidepool.futures` for the rules): ``Future.cancel()``, :meth:`Client.cancel`
+and ``shutdown(cancel_futures=True)`` send one ``cancel`` request for all their keys through the
+ordered outbox; the scheduler answers with ``cancelled``/``running`` reports for every future of
+this client it touched, then with the reply, so when the call returns every affected future is in
+its final state.  Nothing of this is sent per task.
+
+The Dask collections (``get``, ``persist``/``compute`` of Dask values) are in :mod:`tidepool.dask`,
+which uses only this public API; the Dask-named cluster calls (``scatter``, ``run``, ...) are in
+:mod:`tidepool.client.cluster_calls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from tidepool.client.cluster_calls import ClusterCalls
+from tidepool.client.connection import ClientConnection
+from tidepool.client.executor import ClientExecutor
+from tidepool.client.protocol import cancelled_message
+from tidepool.client.specs import SpecBuilder, check_acyclic, pure_key
+from tidepool.comm.auth import token_from_env
+from tidepool.comm.frames import encode, frame_size
+from tidepool.comm.messages import TaskSpec, UpdateGraph
+from tidepool.comm.serialize import Serialized
+from tidepool.comm.tls import TLSConfig
+from tidepool.errors import ConfigError, SerializationError, TaskCancelledError
+from tidepool.futures import _UNSET, Future
+from tidepool.graph.delayed import Delayed, TaskOptions, make_key
+from tidepool.graph.keys import key_name
+from tidepool.graph.refs import RECURSE, collect, replace
+from tidepool.loop import ClosesOnExit
+
+T = TypeVar("T")
+#: every client created in this process, newest last (``default_client()`` picks the newest open one)
+created: list[weakref.ref[Client]] = []
+
+
+class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
+    """Connects to a scheduler.  ``Client()`` alone starts a :class:`LocalCluster`.
+
+    ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
+    ``token``).  The token defaults to ``$TIDEPOOL_TOKEN`` / ``$TIDEPOOL_TOKEN_FILE``.
+    """
+
+    def __init__(self, address: Any = None, token: str | None = None, *, timeout: float = 30.0,
+                 name: str = "client", tls: TLSConfig | None = None, asynchronous: bool = False) -> None:  # fmt: skip
+        self._own_cluster = None
+        #: Dask's ``asynchronous=True``: ``await Client(..., asynchronous=True)`` (or ``async with``),
+        #: and the calls that wait (gather, scheduler_info, close, ...) return awaitables
+        self.asynchronous = asynchronous
+        if address is None:
+            from tidepool.cluster import LocalCluster
+
+            address = self._own_cluster = LocalCluster()
+        #: the cluster object this client was given or started (None for an address)
+        self.cluster = None if isinstance(address, str) else address
+        if not isinstance(address, str):
+            token = token or getattr(address, "token", None)
+            tls = tls or getattr(address, "tls", None)
+            address = address.address
+        #: certificates for tls:// addresses (the cluster's, else the TLS environment)
+        self.tls = tls
+        token = token or token_from_env()
+        if not token:
+            raise ConfigError("no token: pass token=..., or set TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE")
+        self.address: str = address
+        self.token: str = token
+        self.timeout = timeout
+        self.closed = False
+        self._connection = conn = ClientConnection(address, token, timeout, tls)
+        self._loop = conn.loop
+        self._specs = SpecBuilder(self, conn.core, conn.lock)
+        self._setups: list[str] = []
+        #: setup failures reported by workers since this client connected (dicts with traceback)
+        self.setup_errors: list[dict[str, Any]] = conn.setup_errors
+        if asynchronous:  # connects now, in the client's loop; ``await client`` waits for it
+            self._starting: concurrent.futures.Future[None] | None = self._loop.submit(conn.start())
+            created.append(weakref.ref(self))
+            return
+        self._starting = None
+        try:
+            self._loop.run(conn.start(), timeout=timeout + 5)
+        except BaseException:
+            self._failed_start()
+            raise
+        created.append(weakref.ref(self))
+
+    @property
+    def id(self) -> str:
+        """The scheduler's name for this client (``client-N``)."""
+        return self._connection.id
+
+    def _failed_start(self) -> None:
+        self.closed = True
+        self._connection.stop()
+
+    def __await__(self) -> Any:
+        return self._ready().__await__()
+
+    async def _ready(self) -> Client:
+        if self._starting is not None:
+            try:
+                await asyncio.wrap_future(self._starting)
+            except BaseException:
+                self._failed_start()
+                raise
+        return self
+
+    async def __aenter__(self) -> Client:
+        return await self._ready()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, _Client_close, self)
+
+    @property
+    def dashboard_link(self) -> str:
+        """The live dashboard's address, when the cluster this client was given (or started) serves
+        one (``LocalCluster(dashboard=True)``); else ``""``."""
+        return str(getattr(self.cluster, "dashboard_link", "") or "")
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        conn = self._connection
+        conn.closed = True
+        try:
+            self._loop.run(self._aclose(), timeout=10)
+        except Exception:
+            pass
+        with conn.lock:
+            pending = [f for f in conn.core.futures.values() if not f.done()]
+        for f in pending:
+            try:
+                f.set_exception(TaskCancelledError(f"client closed before {f.key!r} finished", f.key))  # type: ignore[attr-defined]
+            except concurrent.futures.InvalidStateError:
+                pass
+        conn.stop()
+        if self._own_cluster is not None:
+            self._own_cluster.close()
+
+    async def _aclose(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        await self._connection.aclose()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """``concurrent.futures.Executor.shutdown``, then :meth:`close`.
+
+        ``cancel_futures``: cancel this client's futures whose tasks have not started executing;
+        ``wait``: first wait until every other future of this client is done.
+        """
+        conn = self._connection
+        if not self.closed and conn.lost is None:
+            with conn.lock:
+                pending: list[Any] = [f for f in conn.core.futures.values() if not f.done()]
+            if cancel_futures:
+                conn.cancel(pending, unless_started=True)
+            if wait:
+                concurrent.futures.wait(pending)
+        self.close()
+
+    def __repr__(self) -> str:
+        from tidepool.dashboard.links import client_repr
+
+        return client_repr(self)
+
+    def _repr_html_(self) -> str:
+        from tidepool.dashboard.links import client_repr
+
+        return client_repr(self, html=True)
+
+    # ---- building and sending tasks --------------------------------------------------------------
+    def _new_future(self, key: str) -> Future[Any]:
+        conn = self._connection
+
+        def make(k: str) -> Future[Any]:
+            fut: Future[Any] = Future(k, self, conn)
+            weakref.finalize(fut, conn.release_dropped, k)
+            return fut
+
+        with conn.lock:
+            fut, err = conn.core.claim(key, make)
+        if err is not None:
+            fut.set_exception(err)
+        return fut  # type: ignore[no-any-return]
+
+    def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> None:
+        conn = self._connection
+        conn.check_open()
+        check_acyclic(tasks)
+        msg = UpdateGraph(tasks, wanted, functions).encode()
+        self._check_frame_size(msg)
+        conn.post(msg)
+        with conn.lock:
+            conn.core.sent_funcs.update(functions)
+
+    def _check_frame_size(self, msg: dict[str, Any]) -> None:
+        """Refuse, before anything is sent, a graph update over the frame limit (the scheduler would
+        drop the connection, failing every future of this client): only this call fails."""
+        limit = self._connection.max_frame
+        tasks, functions = msg["tasks"], msg["functions"]
+        sizes = [(t[2].nbytes if isinstance(t[2], Serialized) else 0, t[0]) for t in tasks]
+        estimate = sum(n for n, _ in sizes) + sum(getattr(f, "nbytes", 0) for f in functions.values())
+        if estimate + 256 * len(tasks) <= limit // 2:
+            return  # far below: skip encoding the header twice
+        size = frame_size(encode(msg))  # buffers are referenced, not copied
+        if size <= limit:
+            return
+        biggest, key = max(sizes, default=(0, "?"))
+        raise SerializationError(
+            f"the arguments of {key!r} are {biggest:,} bytes ({size:,} bytes for this submission), over "
+            f"the {limit:,}-byte frame limit: nothing was sent and the client stays usable. Create "
+            "large data on the workers (submit a function that loads or builds it), pass it in smaller "
+            "pieces, or raise TIDEPOOL_MAX_FRAME_BYTES (the same on every process)", key)  # fmt: skip
+
+    def submit(self, fn: Callable[..., T], *args: Any, key: Any = None,  # type: ignore[override]
+               resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
+               workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
+               pure: bool = False, **kwargs: Any) -> Future[T]:  # fmt: skip
+        """Run ``fn(*args, **kwargs)`` on a worker; returns a :class:`Future`.
+
+        Options (not passed to ``fn``; :meth:`get_executor` gives a strict ``Executor`` that
+        passes every keyword through), named as in Dask: ``key``; ``resources``; ``retries``;
+        ``priority`` (higher runs first); ``workers`` (ids, names or addresses it may run on) with
+        ``allow_other_workers`` (then only a preference); ``pure=True`` names the task by its
+        function and arguments, so equal calls share one result (the default, ``False``, gives
+        every call its own key).
+        """
+        _refuse_dask_only(kwargs)
+        opts = TaskOptions(resources, retries, priority=priority, workers=workers, loose=allow_other_workers)
+        return self._submit(fn, args, kwargs, key=key, opts=opts, pure=pure)
+
+    def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                key: Any = None, resources: dict[str, Any] | None = None, retries: int = 0,
+                opts: TaskOptions | None = None, pure: bool = False) -> Future[T]:  # fmt: skip
+        if not callable(fn):
+            raise ConfigError(f"submit needs a callable, got {fn!r}")
+        opts = opts or TaskOptions(resources, retries)
+        explicit = key is not None
+        key = key_name(key) if explicit else make_key(fn)
+        functions: dict[str, Any] = {}
+        extra: list[Delayed[Any]] = []
+        spec = self._specs.spec(key, fn, args, kwargs, opts, functions, extra)
+        if pure and not explicit:
+            key = spec.key = pure_key(spec)
+        tasks = self._specs.delayed_specs(extra, functions) + [spec] if extra else [spec]
+        if explicit:
+            self._specs.check_collisions([spec])
+        fut = self._new_future(key)
+        self._send_graph(tasks, [key], functions)
+        return fut
+
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: Any = None,  # type: ignore[override]
+            resources: dict[str, Any] | None = None, retries: int | None = 0, priority: int = 0,
+            workers: str | Iterable[str] | None = None, allow_other_workers: bool = False,
+            pure: bool = False, **kwargs: Any) -> list[Future[T]]:  # fmt: skip
+        """``fn`` over the zipped iterables, one task each; returns a list of futures.
+
+        Takes :meth:`submit`'s options; ``pure=True`` names each task by its arguments.
+        """
+        if not callable(fn):
+            raise ConfigError(f"map needs a callable, got {fn!r}")
+        _refuse_dask_only(kwargs, batch=True)
+        opts = TaskOptions(resources, retries, priority=priority, workers=workers, loose=allow_other_workers)
+        functions: dict[str, Any] = {}
+        extra: list[Delayed[Any]] = []
+        tasks = []
+        keys = []
+        argsets = list(zip(*iterables, strict=False))
+        if isinstance(key, list):
+            if len(key) != len(argsets):
+                raise ConfigError(f"map got {len(key)} keys for {len(argsets)} tasks")
+            names: Iterable[str] = [key_name(k) for k in key]
+        else:
+            prefix = key_name(key) if key is not None else make_key(fn)
+            names = (f"{prefix}-{i}" for i in range(len(argsets)))
+        spec_of = self._specs.spec
+        for k, args in zip(names, argsets, strict=False):
+            spec = spec_of(k, fn, args, kwargs, opts, functions, extra)
+            if pure and key is None:
+                spec.key = pure_key(spec)
+            tasks.append(spec)
+            keys.append(spec.key)
+        if isinstance(key, list):
+            self._specs.check_collisions(tasks)
+        if extra:
+            tasks = self._specs.delayed_specs(extra, functions) + tasks
+        futs = [self._new_future(k) for k in keys]
+        self._send_graph(tasks, keys, functions)
+        return futs
+
+    def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,
+                **options: Any) -> Any:  # fmt: skip
+        """Submit the graphs behind delayed values; returns futures in the same structure.
+
+        Dask collections (one, or a list/tuple of them) are computed too: a future per collection,
+        of what its ``.compute()`` returns; ``options`` (``resources``, ``retries``, ``priority``,
+        ``workers``, ``allow_other_workers``) apply to their tasks.
+        """
+        from tidepool.dask.client import compute_collections, dask_call
+
+        call = dask_call(collection, options, "compute()")
+        if call is not None:
+            items, opts, repack = call
+            dfuts = compute_collections(self, items, optimize_graph, opts)
+            if progress:
+                from tidepool.telemetry.progress import show_progress
+
+                show_progress(self, dfuts)
+            return repack(dfuts)
+        roots: list[Delayed[Any]] = collect(collection, Delayed)
+        if not roots:
+            raise ConfigError("compute() found no delayed values; build them with @tidepool.task")
+        functions: dict[str, Any] = {}
+        tasks = self._specs.delayed_specs(roots, functions)
+        wanted = list(dict.fromkeys(r.key for r in roots))
+        futs = {k: self._new_future(k) for k in wanted}
+        self._send_graph(tasks, wanted, functions)
+        result = replace(collection, lambda x: futs[x.key] if isinstance(x, Delayed) else RECURSE)
+        if progress:
+            from tidepool.telemetry.progress import show_progress
+
+            show_progress(self, list(futs.values()), graph_keys=[t.key for t in tasks])
+        return result
+
+    def persist(self, collection: Any, optimize_graph: bool = True, **options: Any) -> Any:
+        """Start computing the lazy values in ``collection`` and keep their results on the workers.
+
+        Tidepool delayed values: returns the same structure with each replaced by its future
+        (tidepool futures are what Dask calls persisted values: pass them to later tasks and
+        nothing is recomputed).  Dask collections (one, or a list/tuple of them): returns the same
+        collections with graphs that point at the computed chunks, so later computations reuse
+        them; ``options`` (``resources``, ``retries``, ``priority``, ...) apply to their tasks.
+        """
+        from tidepool.dask.client import dask_call, persist_collections
+
+        call = dask_call(collection, options, "persist()")
+        if call is not None:
+            items, opts, repack = call
+            return repack(persist_collections(self, items, optimize_graph, opts))
+        return self.compute(collection)
+
+    def get(self, dsk: Any, keys: Any, *, progress: bool = False, **options: Any) -> Any:
+        """Dask's scheduler protocol: compute ``keys`` (a key or nested lists of keys) of the Dask
+        graph ``dsk`` on the cluster and return their values in the same shape (lists as tuples).
+        See :func:`tidepool.dask.client.get`."""
+        from tidepool.dask.client import get
+
+        return get(self, dsk, keys, progress=progress, **options)
+
+    def as_dask_scheduler(self) -> Any:
+        """``with client.as_dask_scheduler():`` makes this client Dask's scheduler, so plain
+        ``x.compute()``, ``x.persist()`` and ``dask.compute(...)`` run here (Dask's own
+        ``dask.config.set(scheduler=...)``; without ``with`` it stays set)."""
+        from tidepool.dask.convert import require_dask
+
+        return require_dask().config.set(scheduler=self.get)
+
+    # ---- executor ----------------------------------------------------------------------------------
+    def get_executor(self, *, resources: dict[str, Any] | None = None, retries: int = 0) -> ClientExecutor:
+        """A strict ``concurrent.futures.Executor`` (``map`` yields results, kwargs go to ``fn``)."""
+        return ClientExecutor(self, self._connection, resources, retries)
+
+    # ---- results -----------------------------------------------------------------------------------
+    def gather(self, futures: Any, errors: str = "raise", timeout: float | None = None) -> Any:
+        """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers.
+
+        ``errors="raise"``: the first failure (or ``CancelledError`` for a cancelled future) is
+        raised; ``"skip"``: failed and cancelled futures are left out.
+        """
+        if errors not in ("raise", "skip"):
+            raise ConfigError("errors must be 'raise' or 'skip'")
+        flat: list[Future[Any]] = collect(futures, Future)
+        done, not_done = concurrent.futures.wait(flat, timeout=timeout)
+        if not_done:
+            keys = [f.key for f in flat if f in not_done]
+            raise TimeoutError(f"{len(not_done)} of {len(flat)} futures not done after {timeout}s; "
+                               + self._connection.why_not_done(keys, timeout, head=False))  # fmt: skip
+        need = []
+        for f in flat:
+            if f.cancelled():
+                if errors == "raise":
+                    raise concurrent.futures.CancelledError(cancelled_message(f.key))
+                continue
+            if f.exception() is not None:
+                if errors == "raise":
+                    raise f.exception()  # type: ignore[misc]
+                continue
+            if f._value is _UNSET:
+                need.append(f.key)
+        if need:
+            values = self._connection.run_fetch(list(dict.fromkeys(need)), timeout)
+            for f in flat:
+                if f.key in values:
+                    f._value = values[f.key]
+        if errors == "skip":
+            return _without_errors(futures)
+        return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
+
+    async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
+        """``await client.gather_async(futures)`` from any asyncio loop."""
+        flat: list[Future[Any]] = collect(futures, Future)
+        for f in flat:
+            await f
+        return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
+
+    # ---- cancelling --------------------------------------------------------------------------------
+    def cancel(self, futures: Future[Any] | Iterable[Future[Any]]) -> None:
+        """Cancel these futures whatever their state, as Dask does.
+
+        When this returns, each of them is cancelled (``result()`` raises
+        ``concurrent.futures.CancelledError``; a finished one drops its value), and so is every
+        future of this client whose task depends on one of them and had not finished.  Tasks that
+        nobody else needs stop: a queued one never runs, an executing one's result is dropped, and
+        no worker keeps their values.  Other clients' futures are not affected.
+        ``Future.cancel()`` is the gentler, standard-library form (only tasks not started yet).
+        """
+        futs = [futures] if isinstance(futures, Future) else list(futures)
+        for f in futs:
+            if not isinstance(f, Future) or f.client is not self:
+                raise ConfigError(f"cancel() takes futures of this client, got {f!r}")
+        self._connection.cancel(futs, unless_started=False)
+
+
+#: Dask keywords of submit/map that tidepool does not implement: refused rather than passed to fn
+_DASK_ONLY = {
+    "fifo_timeout": "tidepool schedules by priority and submission order; leave it out",
+    "actor": "tidepool has no actors; keep state in a task's result, or in a setup hook",
+    "actors": "tidepool has no actors; keep state in a task's result, or in a setup hook",
+}
+
+
+def _refuse_dask_only(kwargs: dict[str, Any], batch: bool = False) -> None:
+    for name in kwargs:
+        why = _DASK_ONLY.get(name) or ("map sends every task at once; leave it out" if batch and name == "batch_size" else None)
+        if why:
+            raise ConfigError(f"the Dask option {name}= is not supported by tidepool ({why}); "
+                              "a function keyword of that name can be passed through get_executor().submit")  # fmt: skip
+
+
+def _without_errors(obj: Any) -> Any:
+    """Values of the futures in ``obj``, leaving out failed and cancelled ones (list items, dict
+    entries)."""
+    _skip = object()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, Future):
+            return _skip if x.cancelled() or x.exception() is not None else x.result()
+        t = type(x)
+        if t is list or t is tuple:
+            return t(v for v in (walk(i) for i in x) if v is not _skip)
+        if t is dict:
+            return {k: v for k, v in ((k, walk(i)) for k, i in x.items()) if v is not _skip}
+        return x
+
+    return walk(obj)
+
+
+_Client_close = Client.close  # the blocking close, for __aexit__ and the wrapper below
+
+#: calls that wait: with ``Client(asynchronous=True)`` they return awaitables, as in Dask
+_AWAITABLE_WHEN_ASYNCHRONOUS = (
+    "gather", "scatter", "scheduler_info", "nthreads", "close", "shutdown", "cancel", "retire_workers",
+    "register_setup", "who_has", "has_what", "run", "restart", "upload_file", "wait_for_workers", "eta",
+)  # fmt: skip
+
+
+def _awaitable_when_asynchronous(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "asynchronous", False):
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None and loop is not self._loop.loop:
+                # an asyncio.Future, already running in a thread: nothing is left un-awaited
+                return loop.run_in_executor(None, functools.partial(fn, self, *args, **kwargs))
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
+for _name in _AWAITABLE_WHEN_ASYNCHRONOUS:
+    if callable(getattr(Client, _name, None)):
+        setattr(Client, _name, _awaitable_when_asynchronous(getattr(Client, _name)))
+
+Client.__module__ = "tidepool.client"  # its public home (``from tidepool.client import Client``)

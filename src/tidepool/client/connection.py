@@ -1,0 +1,469 @@
+"""The client's connection shell: the loop thread, the scheduler socket, the workers' data ports.
+
+A thin layer around :class:`~tidepool.client.protocol.ClientProtocol` (the sans-IO core): user
+threads post messages to the core's outbox under ``lock`` and the loop thread drains it in order;
+the read loop feeds every message to ``core.receive`` and applies the events it returns (completing
+futures, answering requests, waking fetches).  Fetches follow the core's :class:`Fetch` plan and
+read values straight from the workers that hold them, one request per worker, over connections
+kept per worker address.  This class is also every future's :class:`~tidepool.futures.FutureOwner`.
+
+Never hanging: once the scheduler connection is lost, every pending future and request fails with
+:class:`ConnectionLostError` and every later call raises it at once.  Fetches are bounded as a
+whole by their timeout (asking, connecting, reading).  Any other error in the read loop closes the
+connection and fails the futures the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tidepool.client.protocol import (
+    Answered,
+    Cancelled,
+    ClientProtocol,
+    Event,
+    Failed,
+    Finished,
+    Running,
+    Settled,
+    WorkerSetupFailed,
+    cancelled_message,
+)
+from tidepool.comm import Connection, connect
+from tidepool.comm.data import request_data
+from tidepool.comm.messages import Cancel, KeyQuery, Release
+from tidepool.comm.tls import TLSConfig
+from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
+from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
+from tidepool.loop import LoopThread
+
+log = logging.getLogger("tidepool.client")
+
+
+#: messages up to this many tasks (keys) are written in the loop turn that takes them from the
+#: outbox (larger ones are encoded once, by the async drain, instead of tried twice)
+SEND_AT_ONCE_TASKS = 64
+SEND_AT_ONCE_KEYS = 4096
+
+
+class HolderGone(ConnectionLostError):
+    """A holder refused the connection: it is gone, and the scheduler will say so (not counted)."""
+
+
+class ClientConnection:
+    """See the module docstring.  ``setup_errors`` collects workers' setup failures."""
+
+    def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None) -> None:
+        self.address = address
+        self.token = token
+        self.timeout = timeout
+        self.tls = tls
+        self.closed = False
+        self.lock = threading.RLock()
+        self.core = ClientProtocol()
+        self.setup_errors: list[dict[str, Any]] = []
+        self.pinned: set[Future[Any]] = set()
+        self._requests: dict[int, asyncio.Future[Any]] = {}
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
+        self._draining = False
+        self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
+        self.loop = LoopThread("tidepool-client")
+        self.id = "?"
+
+    @property
+    def lost(self) -> ConnectionLostError | None:
+        return self.core.lost
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                self._conn = await connect(self.address, self.token, timeout=self.timeout, tls=self.tls,
+                                           hello={"role": "client"})  # fmt: skip
+                welcome = await self._conn.recv()
+        except TimeoutError:
+            raise ConnectionLostError(
+                f"could not connect to the scheduler at {self.address} within {self.timeout:g}s; is it "
+                "running, is the address reachable from here, and does its scheme match (a TLS scheduler "
+                "has a tls:// address)?"
+            ) from None
+        self.id = welcome.get("client", "?")
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def max_frame(self) -> int:
+        return self._conn.max_frame
+
+    async def aclose(self) -> None:
+        if not hasattr(self, "_conn"):  # asynchronous, never connected
+            return
+        self._reader.cancel()
+        self._conn.close()
+        for conn, _ in self._workers.values():
+            conn.close()
+
+    def stop(self) -> None:
+        """Stop the loop thread and the callback thread (after :meth:`aclose`)."""
+        self.closed = True
+        self.loop.stop()
+        self._callbacks.shutdown(wait=False)
+
+    def check_open(self) -> None:
+        if self.core.lost is not None:
+            raise self.core.lost
+        if self.closed:
+            raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
+
+    # ---- the ordered outbox ----------------------------------------------------------------------
+    def post(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` after everything posted before, from any thread, without waiting."""
+        with self.lock:
+            self.core.send(msg)
+            kick = not self._draining
+            self._draining = True
+        if kick:
+            self.loop.call_soon(self._start_drain)
+
+    def _start_drain(self) -> None:
+        """On the loop: send what is queued, in this loop turn, while each message is small and the
+        connection takes it at once; the rest (a large graph, a busy connection) goes through the
+        async drain.  Either way one drain runs at a time (``_draining``), so order is kept."""
+        conn = self._conn
+        while True:
+            with self.lock:
+                msg = self.core.next_message()
+                if msg is None:
+                    self._draining = False
+                    return
+            if not conn.closed and len(msg.get("tasks") or ()) <= SEND_AT_ONCE_TASKS and len(msg.get("keys") or ()) <= SEND_AT_ONCE_KEYS:
+                try:
+                    if conn.send_nowait(msg):
+                        continue
+                except CommError as exc:
+                    log.warning("could not send to the scheduler: %s", exc)
+                    self._fail_request(msg, exc)
+                    continue
+            asyncio.get_running_loop().create_task(self._drain(msg))
+            return
+
+    async def _drain(self, first: dict[str, Any] | None = None) -> None:
+        msg = first
+        while True:
+            if msg is None:
+                with self.lock:
+                    msg = self.core.next_message()
+                    if msg is None:
+                        self._draining = False
+                        return
+            if self._conn.closed:
+                self._fail_request(msg, self.core.lost or ConnectionLostError(
+                    f"the connection to the scheduler at {self.address} is closed"))  # fmt: skip
+                msg = None
+                continue
+            try:
+                await self._conn.send(msg)
+            except CommError as exc:
+                log.warning("could not send to the scheduler: %s", exc)
+                self._fail_request(msg, exc)
+            msg = None
+
+    def _fail_request(self, msg: dict[str, Any], exc: BaseException) -> None:
+        fut = self._requests.pop(msg.get("id", -1), None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    async def request(self, msg: dict[str, Any]) -> Any:
+        """Ask the scheduler; in order with graph updates and releases."""
+        if self.core.lost is not None:
+            raise self.core.lost
+        fut = asyncio.get_running_loop().create_future()
+        with self.lock:
+            rid = self.core.request(msg)
+            self._requests[rid] = fut
+            kick = not self._draining
+            self._draining = True
+        if kick:
+            self._start_drain()
+        return await fut
+
+    def call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
+        """:meth:`request`, blocking the calling thread."""
+        self.check_open()
+        return self.loop.run(self.request(msg), timeout=timeout)
+
+    # ---- incoming --------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = await self._conn.recv()
+                except CommError as exc:
+                    self._connection_lost(exc)
+                    return
+                with self.lock:
+                    events = self.core.receive(msg)  # a malformed message is our side's failure
+                self._apply(events)
+        except asyncio.CancelledError:  # close()
+            raise
+        except Exception as exc:  # a bug or a message we cannot handle: never leave futures waiting
+            log.exception("the client could not handle a message from the scheduler at %s; closing "
+                          "the connection and failing every pending future", self.address)  # fmt: skip
+            self._conn.close()
+            self._connection_lost(exc, broken=True)
+
+    def _apply(self, events: list[Event]) -> None:
+        futures = self.core.futures
+        for e in events:
+            if isinstance(e, Settled):
+                for w in self._waiting.pop(e.key, ()):
+                    if not w.done():
+                        w.set_result(None)
+                continue
+            if isinstance(e, Answered):
+                fut = self._requests.pop(e.id, None)
+                if fut is not None and not fut.done():
+                    if e.error is not None:
+                        fut.set_exception(e.error)
+                    else:
+                        fut.set_result(e.result)
+                continue
+            if isinstance(e, WorkerSetupFailed):
+                self.setup_errors.append(e.report)
+                log.warning("worker %s failed setup %r: %s", e.report.get("worker"), e.report.get("name"),
+                            e.report.get("error"))  # fmt: skip
+                continue
+            with self.lock:  # user threads add futures meanwhile
+                f: Any = futures.get(e.key)
+            if f is None:
+                continue
+            if isinstance(e, Finished):
+                if not f.done():
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+                        f.set_result(IN_MEMORY)
+            elif isinstance(e, Failed):
+                if not f.done():
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        f.set_exception(e.error)
+            elif isinstance(e, Cancelled):  # this future, or one downstream of it
+                f._mark_cancelled()
+            elif isinstance(e, Running):
+                f._mark_running()
+
+    def _connection_lost(self, exc: BaseException, broken: bool = False) -> None:
+        if broken:  # the scheduler may be fine: our side of the connection failed
+            err = ConnectionLostError(
+                f"the client's connection to the scheduler at {self.address} failed on our side "
+                f"({type(exc).__name__}: {exc}) and was closed; results not fetched yet cannot be "
+                "fetched through it. Submit again with a new Client (and report this error)"
+            )
+        else:
+            err = ConnectionLostError(
+                f"lost the scheduler at {self.address} ({exc}); results not fetched yet are gone with it. "
+                "Restart the scheduler and submit again with a new Client"
+            )
+        with self.lock:
+            self.core.connection_lost(err)
+            futs = list(self.core.futures.values())
+        for fut in list(self._requests.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._requests.clear()
+        for f in futs:
+            if not f.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    f.set_exception(err)  # type: ignore[attr-defined]
+        for waits in list(self._waiting.values()):  # fetches waiting for a report: wake them
+            for w in waits:
+                if not w.done():
+                    w.set_result(None)
+
+    # ---- fetching values -------------------------------------------------------------------------
+    def run_fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``."""
+        self.check_open()
+        try:
+            return self.loop.run(self._fetch_within(keys, timeout))
+        except TimeoutError:
+            raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+
+    async def _fetch_within(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            return await self.fetch_values(keys, timeout)
+
+    async def fetch_values(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        with self.lock:
+            plan = self.core.fetch(keys)
+        backoff = 0.05
+        while plan.remaining:
+            with self.lock:
+                by_addr, ask = plan.plan()
+            if ask:
+                who = await self.request(KeyQuery("who-has", ask).encode())
+                with self.lock:
+                    plan.named(by_addr, ask, who)
+            reads = list(by_addr.items())
+            results = await asyncio.gather(*(self._get_from(a, ks) for a, ks in reads), return_exceptions=True)
+            with self.lock:
+                for (addr, ks), res in zip(reads, results, strict=True):
+                    plan.read(addr, ks, res, gone=isinstance(res, HolderGone))
+                plan.end_round()
+                if not plan.remaining:
+                    break
+                # lost with a worker (being recomputed) or raced a move: wait for the next report
+                plan.check_waiting()
+            waits = []
+            for k in plan.remaining:
+                w = loop.create_future()
+                self._waiting.setdefault(k, []).append(w)
+                waits.append(w)
+            # a report (recomputed, or failed) wakes us; otherwise ask again soon: the value may
+            # sit on a worker we failed to reach this time
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            pause = backoff if left is None else min(left, backoff)
+            backoff = min(1.0, backoff * 2)
+            await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+            for k, w in zip(plan.remaining, waits, strict=True):  # forget waiters nobody woke
+                lst = self._waiting.get(k)
+                if lst is not None and w in lst:
+                    lst.remove(w)
+                    if not lst:
+                        del self._waiting[k]
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"values of {plan.remaining[:3]} not available within {timeout}s")
+            if self.core.lost is not None:
+                raise self.core.lost
+        return plan.values
+
+    async def _get_from(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        entry = self._workers.get(address)
+        if entry is None or entry[0].closed:
+            # refused: the worker is gone; ask the scheduler again rather than retrying here
+            try:
+                conn = await connect(address, self.token, timeout=5, hello={"role": "client"}, retry=False,
+                                     tls=self.tls)  # fmt: skip
+            except ConnectionLostError as exc:
+                raise HolderGone(str(exc)) from exc
+            entry = self._workers[address] = (conn, asyncio.Lock())
+        conn, lock = entry
+        return await request_data(conn, lock, keys)
+
+    # ---- the FutureOwner protocol ----------------------------------------------------------------
+    def fetch(self, key: str, timeout: float | None) -> Any:
+        return self.run_fetch([key], timeout)[key]
+
+    def fetch_soon(self, key: str) -> concurrent.futures.Future[Any]:
+        async def one() -> Any:
+            return (await self.fetch_values([key], None))[key]
+
+        return self.loop.submit(one())
+
+    def why_not_done(self, keys: list[str], timeout: float | None, *, head: bool = True) -> str:
+        """The message of a ``TimeoutError``: which keys, their state and why, as the scheduler sees
+        them (asked with a short timeout of its own, so a timed-out call returns soon after its
+        timeout even when the scheduler does not answer; then only the keys are named)."""
+        shown = keys[:3]
+        try:
+            self.check_open()
+            why = self.loop.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
+        except (TidepoolError, TimeoutError) as exc:
+            why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
+        parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
+                 for k in shown]  # fmt: skip
+        more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+        lead = f"{keys[0]!r} not done after {timeout}s; " if head and len(keys) == 1 else ""
+        return lead + "; ".join(parts) + more
+
+    def cancel(self, futures: list[Future[Any]], *, unless_started: bool) -> None:
+        """One ``cancel`` request for ``futures``; blocks until the scheduler's reports are applied.
+
+        ``unless_started``: ``Future.cancel`` semantics (futures running or done are left alone);
+        otherwise the futures are marked cancelled here at once.  Never raises: with no answer
+        (client closed, scheduler lost or too slow) the futures keep whatever state they reached.
+        """
+        if unless_started:
+            futs = [f for f in futures if f._state == PENDING]
+        else:
+            futs = [f for f in futures if not f.cancelled()]
+            for f in futs:
+                f._mark_cancelled()
+        if not futs or self.closed or self.core.lost is not None:
+            return
+        keys = list(dict.fromkeys(f.key for f in futs))
+        msg = Cancel(keys, unless_started).encode()
+        if self.on_loop_thread():
+            self.post(msg)  # cannot wait on our own loop: the reports settle the futures later
+            return
+        if unless_started:
+            with self.lock:
+                for k in keys:
+                    self.core.cancelling.setdefault(k, None)
+        try:
+            self.loop.run(self.request(msg), timeout=self.timeout)
+        except (TidepoolError, TimeoutError) as exc:
+            log.warning("cancelling %d futures: the scheduler did not answer (%s); those it has not "
+                        "reported on keep their state", len(keys), exc)  # fmt: skip
+        finally:
+            if unless_started:
+                with self.lock:
+                    outcome = {k: self.core.cancelling.pop(k, None) for k in keys}
+                for f in futs:  # in this thread: their done-callbacks run before cancel() returns
+                    if outcome.get(f.key) == "cancelled":
+                        f._mark_cancelled()
+                    elif outcome.get(f.key) == "running":
+                        f._mark_running()
+
+    def ask_running(self, future: Future[Any]) -> bool:
+        """Ask the scheduler whether ``future``'s task executes now (``Future.running``)."""
+        if self.closed or self.core.lost is not None or self.on_loop_thread():
+            return future._state == RUNNING
+        try:
+            running = self.loop.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
+        except (TidepoolError, TimeoutError):
+            return future._state == RUNNING
+        if future.key in running:
+            future._mark_running()
+        return future._state == RUNNING
+
+    def release(self, keys: list[str]) -> None:
+        self.post(Release(list(keys)).encode())
+
+    def release_dropped(self, key: str) -> None:
+        """Weak-reference finaliser of a future: its key is released after all posted before."""
+        if self.closed:
+            return
+        with self.lock:
+            self.core.release_dropped(key)
+            kick = not self._draining
+            self._draining = True
+        if kick:
+            self.loop.call_soon(self._start_drain)
+
+    def pin(self, future: Future[Any]) -> None:
+        """Keep ``future`` alive until it is done (it has done-callbacks, or came from the executor)."""
+        if future._pinned:
+            return
+        future._pinned = True
+        self.pinned.add(future)
+        future._add_raw_callback(self.pinned.discard)  # at once if it is done already
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self.loop.thread
+
+    def run_callback(self, fn: Callable[[Any], object], future: concurrent.futures.Future[Any]) -> None:
+        """Run a user's done-callback off the event-loop thread (it may block, e.g. on result())."""
+        try:
+            self._callbacks.submit(call_logged, fn, future)
+        except RuntimeError:  # the callback pool is shut down (client closed): still run it
+            threading.Thread(target=call_logged, args=(fn, future), name="tidepool-callback", daemon=True).start()
+
+
+__all__ = ["ClientConnection", "HolderGone", "cancelled_message"]

@@ -1,0 +1,423 @@
+"""The client's sans-IO core: what the client knows about its keys, and what it says next.
+
+No sockets, no threads, no clock (in the style of h11): the connection shell
+(:mod:`tidepool.client.connection`) feeds every message from the scheduler to :meth:`receive`,
+which updates the state and returns :data:`Event` records for the shell to apply to futures and
+waiters; the shell sends whatever :meth:`ClientProtocol.next_message` gives, in order.  The shell
+holds a lock around every call (user threads post, the loop thread receives and drains).
+
+State
+-----
+``futures`` (key -> future, weakly held: dropping a future releases its key), ``errors`` (key ->
+the scheduler's error record of a failed task, until released), ``holders`` (key -> the address of
+a worker that holds its value, from the report that said it was done: ``result()`` reads from there
+without asking who-has first), ``idents`` (explicit key -> what the task under it is, to refuse a
+different task under a live key), ``cancelling`` (keys a caller of ``Future.cancel()`` waits on ->
+the outcome reported meanwhile), ``sent_funcs`` (function ids the scheduler already has) and the
+ordered ``outbox``.
+
+The outbox keeps graph updates, releases and requests in the order they were made: a release of a
+future dropped right after submitting its dependent never overtakes that dependent's update.  A
+run of releases leaves as one message, without the keys whose future was made again meanwhile.
+
+A :class:`Fetch` is the plan of one ``result()``/``gather()``: which holder to read each key from
+(known from reports, else asked with who-has), how often a named holder failed in a row, and when
+to give up (``FETCH_ATTEMPTS``) or wait for the next report.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import importlib.util
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tidepool.comm.messages import ClientReport, Reply, SetupError, decode_from_scheduler
+from tidepool.errors import (
+    CommError,
+    ConnectionLostError,
+    CycleError,
+    DependencyError,
+    InfeasibleTaskError,
+    KeyCollisionError,
+    KilledWorkerError,
+    ProtocolError,
+    ProviderError,
+    RemoteTaskError,
+    RemoteTraceback,
+    ResultTooLargeError,
+    SchedulerError,
+    SerializationError,
+    TaskCancelledError,
+    TaskError,
+    TransferError,
+    WorkerSetupError,
+)
+
+#: reads of one value from one holder that may fail in a row (the holder still named by the
+#: scheduler each time) before result()/gather() give up with a TransferError
+FETCH_ATTEMPTS = 10
+
+
+class KeyedFuture(Protocol):
+    """What the core needs of a future in its table (tidepool's :class:`~tidepool.futures.Future`)."""
+
+    key: str
+
+    def cancelled(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+# ---- events: what a message from the scheduler means for the futures ------------------------------
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """``key``'s value is in memory on a worker (``holder``: its address, "" if not said)."""
+
+    key: str
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """``key``'s task failed (or the scheduler no longer knows it): fail its future with ``error``."""
+
+    key: str
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The scheduler cancelled ``key`` for this client (and nobody waits on a cancel() of it)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """The scheduler says ``key`` executes now (and nobody waits on a cancel() of it)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A report about ``key`` arrived: fetches waiting for news of it should look again."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The reply to request ``id``: ``result``, or ``error`` (the scheduler refused it)."""
+
+    id: int
+    result: Any
+    error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetupFailed:
+    """A worker failed a setup hook (the message as the scheduler sent it)."""
+
+    report: dict[str, Any]
+
+
+Event = Finished | Failed | Cancelled | Running | Settled | Answered | WorkerSetupFailed
+
+
+class ClientProtocol:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.futures: weakref.WeakValueDictionary[str, KeyedFuture] = weakref.WeakValueDictionary()
+        self.errors: dict[str, dict[str, Any]] = {}
+        self.holders: dict[str, str] = {}
+        self.idents: dict[str, tuple[Any, ...]] = {}
+        self.cancelling: dict[str, str | None] = {}
+        self.sent_funcs: set[str] = set()
+        self.outbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._ids = itertools.count(1)
+        #: set once the scheduler connection is lost: every later call raises it
+        self.lost: ConnectionLostError | None = None
+
+    # ---- outgoing ----------------------------------------------------------------------------------
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Queue ``msg`` behind everything queued before; True if the outbox was empty (the shell
+        must start draining)."""
+        self.outbox.append(msg)
+        return len(self.outbox) == 1
+
+    def request(self, msg: dict[str, Any]) -> int:
+        """Queue a request; returns its id (the :class:`Answered` event carries it back)."""
+        rid = next(self._ids)
+        self.send({**msg, "id": rid})
+        return rid
+
+    def release_dropped(self, key: str) -> None:
+        """The last future of ``key`` was dropped: release it after everything queued before."""
+        if self.idents and key not in self.futures:
+            self.idents.pop(key, None)
+        self.send({"op": "release", "keys": [key], "auto": True})
+
+    def next_message(self) -> dict[str, Any] | None:
+        """The next message to send (None: the outbox is empty).
+
+        A run of releases becomes one; a key released because its future was dropped is left out
+        if a new future of it exists by now (it is wanted again).  Released keys forget their
+        error and holder.
+        """
+        while self.outbox:
+            item = self.outbox.popleft()
+            if item["op"] != "release":
+                return item
+            run = [item]
+            while self.outbox and self.outbox[0]["op"] == "release":
+                run.append(self.outbox.popleft())
+            keys = [k for r in run for k in r["keys"] if not (r.get("auto") and k in self.futures)]
+            if not keys:
+                continue
+            for k in keys:
+                self.errors.pop(k, None)
+                self.holders.pop(k, None)
+            return {"op": "release", "keys": keys}
+        return None
+
+    # ---- incoming ----------------------------------------------------------------------------------
+    def receive(self, msg: dict[str, Any]) -> list[Event]:
+        """Take in one message from the scheduler; returns what it means for futures and waiters."""
+        typed = decode_from_scheduler(msg)
+        if isinstance(typed, ClientReport):
+            events: list[Event] = []
+            for item in typed.items:
+                self._report(item.key, item.status, item.detail, events)
+            return events
+        if isinstance(typed, Reply):
+            err = SchedulerError(typed.error) if typed.error is not None else None
+            return [Answered(typed.id, typed.result, err)]
+        if isinstance(typed, SetupError):
+            return [WorkerSetupFailed(msg)]
+        return []
+
+    def _report(self, key: str, status: str, detail: Any, events: list[Event]) -> None:
+        if status == "memory":
+            self.errors.pop(key, None)
+            if detail:
+                self.holders[key] = detail
+            events.append(Finished(key, detail or ""))
+        elif status == "erred":
+            if detail.get("type") == "KeyCollisionError":  # the key stays the other task's
+                self.idents.pop(key, None)
+            self.errors[key] = detail
+            events.append(Failed(key, make_exception(key, detail)))
+        elif status in ("cancelled", "running"):  # answers to a cancel request of ours
+            if key in self.cancelling:  # a caller of cancel() waits: it applies the outcome
+                self.cancelling[key] = status
+            else:
+                events.append(Cancelled(key) if status == "cancelled" else Running(key))
+        elif status == "lost":
+            info = {"type": "TaskCancelledError", "message": f"the scheduler does not know {key!r} "
+                    "(released earlier?); submit it again", "origin": key}  # fmt: skip
+            self.errors[key] = info
+            events.append(Failed(key, make_exception(key, info)))
+        events.append(Settled(key))
+
+    def connection_lost(self, err: ConnectionLostError) -> None:
+        self.lost = err
+
+    # ---- the futures table -------------------------------------------------------------------------
+    def claim(self, key: str, make: Any) -> tuple[Any, BaseException | None]:
+        """The live future of ``key``, or a new one from ``make(key)`` if there is none (or it was
+        cancelled, or an earlier attempt under that key was refused as a collision); with the error
+        to fail it with if the key's task failed already."""
+        fut = self.futures.get(key)
+        collided = self.errors.get(key, {}).get("type") == "KeyCollisionError"
+        if collided:  # that attempt was refused; this one is a new request
+            del self.errors[key]
+        if fut is None or fut.cancelled() or collided:
+            fut = make(key)
+            self.futures[key] = fut
+        err = self.errors.get(key)
+        return fut, (make_exception(key, err) if err is not None and not fut.done() else None)
+
+    def collision(self, key: str, ident: tuple[Any, ...]) -> bool:
+        """Explicit keys: True if a different live task holds ``key``; else remember this one."""
+        old = self.futures.get(key)
+        if old is None or old.cancelled():
+            self.idents[key] = ident
+            return False
+        before = self.idents.get(key)
+        return before is not None and before != ident
+
+    def fetch(self, keys: list[str]) -> Fetch:
+        return Fetch(self, keys)
+
+
+class Fetch:
+    """The plan of one fetch of ``keys`` (see the module docstring); the shell does the reading.
+
+    Each round: :meth:`plan` says which keys to read from which holder and which holders to ask
+    the scheduler about (``who_has``); the shell asks, calls :meth:`named`, reads, and reports each
+    read with :meth:`read`.  Keys not read yet stay in ``remaining``; :meth:`check_waiting` raises
+    if one of them can never come, else the shell waits for a report (or a short pause).
+    """
+
+    def __init__(self, core: ClientProtocol, keys: list[str]) -> None:
+        self.core = core
+        self.remaining = list(keys)
+        self.values: dict[str, Any] = {}
+        self.failures: dict[tuple[str, str], int] = {}  # (key, holder) -> failed reads in a row
+        self._asked_before = False
+        self._next: list[str] = []
+
+    def plan(self) -> tuple[dict[str, list[str]], list[str]]:
+        """(holder address -> keys to read there, keys to ask who-has about).
+
+        The first round reads from the holders the reports named; later rounds (a read failed, or
+        a value moved) ask the scheduler.
+        """
+        self._next = []
+        by_addr: dict[str, list[str]] = {}
+        ask: list[str] = []
+        holders = self.core.holders
+        for k in self.remaining:
+            addr = None if self._asked_before else holders.get(k)
+            if addr:
+                by_addr.setdefault(addr, []).append(k)
+            else:
+                ask.append(k)
+        self._asked_before = True
+        return by_addr, ask
+
+    def named(self, by_addr: dict[str, list[str]], asked: list[str], who: dict[str, Any]) -> None:
+        """Add the holders the scheduler named (``who``: the who-has reply for ``asked``) to
+        ``by_addr``; raises for a key it no longer knows (released before it was fetched)."""
+        absent = []
+        for k in asked:
+            if k in who and who[k] is None and k not in self.core.errors:
+                raise TaskCancelledError(
+                    f"the scheduler no longer knows {k!r}: it was released (future.release(), "
+                    "client.cancel, or every future of it dropped) before its value was fetched; "
+                    "submit it again", k)  # fmt: skip
+            addrs = who.get(k) or []
+            if addrs:
+                by_addr.setdefault(addrs[0], []).append(k)
+            else:
+                absent.append(k)
+        self._next.extend(absent)
+
+    def read(self, addr: str, keys: list[str], res: Any, *, gone: bool = False) -> None:
+        """The outcome of reading ``keys`` from ``addr``: ``(values, failed)`` or an exception.
+
+        A lost or refused connection, or a timeout, puts the keys back for the next round (the
+        holder may be gone, or the value moved); ``gone`` (the holder refused the connection) is
+        not counted as a failed read.  Any other error (a reply that makes no sense included), or
+        a value that exists but cannot reach us, is final.
+        """
+        nxt = self._next
+        if isinstance(res, (CommError, OSError, TimeoutError)) and not isinstance(res, ProtocolError):
+            nxt.extend(keys)
+            for k in keys:
+                self.core.holders.pop(k, None)
+            if gone:
+                return
+            for k in keys:
+                n = self.failures[k, addr] = self.failures.get((k, addr), 0) + 1
+                if n >= FETCH_ATTEMPTS:
+                    raise TransferError(
+                        f"the value of {k!r} could not be read from {addr}, which the scheduler "
+                        f"still names as its holder, {FETCH_ATTEMPTS} times in a row once connected (last: "
+                        f"{type(res).__name__}: {res}); can this machine reach the workers' data ports?",
+                        k)  # fmt: skip
+            return
+        if isinstance(res, BaseException):  # anything else is final: never retried forever
+            raise TransferError(f"reading {keys[:3]} from {addr} failed: {type(res).__name__}: {res}",
+                                keys[0]) from res  # fmt: skip
+        got, failed = res
+        for k, why in failed.items():
+            too_big = "frame limit" in why and "unpickled" not in why
+            raise (ResultTooLargeError if too_big else SerializationError)(why, k)
+        self.values.update(got)
+        missing = [k for k in keys if k not in got]
+        for k in missing:
+            self.core.holders.pop(k, None)
+        nxt.extend(missing)
+
+    def end_round(self) -> None:
+        self.remaining = self._next
+
+    def check_waiting(self) -> None:
+        """Raise if a key not read yet can never come (its task failed, or it was cancelled)."""
+        core = self.core
+        for k in self.remaining:
+            err = core.errors.get(k)
+            if err is not None:
+                raise make_exception(k, err)
+            f = core.futures.get(k)
+            if f is not None and f.cancelled():  # its value is gone for good
+                raise concurrent.futures.CancelledError(cancelled_message(k))
+        if core.lost is not None:
+            raise core.lost
+
+
+def cancelled_message(key: str) -> str:
+    return f"future {key!r} was cancelled (Future.cancel or Client.cancel); submit the task again to compute it"
+
+
+#: errors the scheduler makes (not raised by the task itself), by the type name it reports
+_SCHEDULER_ERRORS: dict[str, type[Exception]] = {
+    c.__name__: c for c in (
+        InfeasibleTaskError, SerializationError, ResultTooLargeError, TransferError, KeyCollisionError,
+        CycleError, ProviderError, WorkerSetupError,
+    )
+}  # fmt: skip
+
+
+def make_exception(key: str, info: dict[str, Any]) -> BaseException:
+    """The exception a failed task's future raises, from the scheduler's error record: the task's
+    own exception (remote traceback as its cause) when it unpickles, else a tidepool error."""
+    blob = info.get("exception")
+    tb = info.get("traceback") or ""
+    origin = info.get("origin") or key
+    if blob is not None:
+        try:
+            exc = with_setup_hint(blob.load())
+            if isinstance(exc, BaseException):
+                if tb:
+                    exc.__cause__ = RemoteTraceback(tb)
+                return exc
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    typ, message = info.get("type", ""), info.get("message", "")
+    if typ == "KilledWorkerError":
+        return KilledWorkerError(message, origin)
+    if typ == "DependencyError":
+        return DependencyError(f"task {key!r} cannot run: {message}", key)
+    if typ == "TaskCancelledError":
+        return TaskCancelledError(message, key)
+    if typ in _SCHEDULER_ERRORS:
+        cls = _SCHEDULER_ERRORS[typ]
+        if issubclass(cls, TaskError):
+            return cls(message, key)
+        return cls(message)
+    return RemoteTaskError(f"task {origin!r} raised {typ}: {message}\n{tb}", key, typ, tb)
+
+
+def with_setup_hint(exc: Any) -> Any:
+    """A task's ``ModuleNotFoundError`` (its function or arguments import a module the workers do
+    not have), still a ``ModuleNotFoundError``, with what to do: ship or install the module."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return exc
+    top = exc.name.split(".")[0]
+    try:
+        here = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        here = False
+    where = ("it imports here on the client, but not on the workers" if here
+             else "it is not installed on the workers")  # fmt: skip
+    return ModuleNotFoundError(
+        f"{exc} on the worker ({where}); ship it with client.register_setup(modules=[{top!r}]), or "
+        f"install it on every worker (client.register_setup(requirements=[...]))", name=exc.name, path=exc.path)

@@ -1,0 +1,229 @@
+"""Task specs: a call (function, arguments, options) turned into what a graph update carries.
+
+State: the function cache (id of a submitted callable -> weak reference, content hash and pickle:
+each distinct function is pickled once while it lives, and never kept alive by the cache).  Which
+functions the scheduler has already (``sent_funcs``) and which explicit keys are live
+(``idents``) belong to the core (:class:`~tidepool.client.protocol.ClientProtocol`); the builder
+reads them under the shell's lock.
+
+Data flow: ``submit``/``map``/``compute`` call :meth:`SpecBuilder.spec` per task (arguments pickled
+in the calling thread, futures and delayed values among them turned into dependency references)
+and :meth:`SpecBuilder.delayed_specs` for the graphs behind delayed values (dependencies first);
+:func:`check_acyclic` refuses a batch that depends on itself.  A spec is the wire record of
+:class:`~tidepool.comm.messages.TaskSpec`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from tidepool.client.protocol import ClientProtocol
+from tidepool.comm import serialize
+from tidepool.comm.messages import TaskSpec
+from tidepool.comm.serialize import Serialized
+from tidepool.errors import ConfigError, CycleError, KeyCollisionError
+from tidepool.futures import Future
+from tidepool.graph.delayed import Delayed, TaskOptions, func_name
+from tidepool.graph.refs import RECURSE, Ref, replace
+
+
+class SpecBuilder:
+    """Builds :class:`TaskSpec` records for one client (``client``: whose futures may be inputs)."""
+
+    def __init__(self, client: Any, core: ClientProtocol, lock: threading.RLock) -> None:
+        self.client = client
+        self.core = core
+        self.lock = lock
+        self._cache: dict[int, tuple[weakref.ref[Any], str, bytes]] = {}
+
+    def function(self, fn: Callable[..., Any]) -> tuple[str, bytes | None]:
+        """``fn``'s id (content hash) and its pickle unless the scheduler has it already.
+
+        Pickled once while ``fn`` lives (a ``map`` pickles once): the cache holds ``fn`` weakly, so
+        a submitted bound method does not keep its object alive.  A callable that cannot be weakly
+        referenced (a builtin) is pickled again per call, which for those is cheap (by name).
+        """
+        cache = self._cache
+        ident = id(fn)
+        cached = cache.get(ident)
+        sent = self.core.sent_funcs
+        if cached is None or cached[0]() is not fn:
+            blob = cloudpickle.dumps(fn, protocol=5)
+            fid = hashlib.sha1(blob).hexdigest()[:20]
+            try:
+                ref = weakref.ref(fn, _forget_function(cache, ident))
+            except TypeError:  # not weakly referenceable
+                return (fid, None) if fid in sent else (fid, blob)
+            cached = (ref, fid, blob)
+            if len(cache) > 10_000:
+                cache.clear()
+            cache[ident] = cached
+        fid = cached[1]
+        if fid in sent:
+            return fid, None
+        return fid, cached[2]
+
+    def spec(self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             opts: TaskOptions, functions: dict[str, Any], extra: list[Delayed[Any]] | None) -> TaskSpec:  # fmt: skip
+        """One task; delayed values met among the arguments go to ``extra`` (their graphs are
+        added by the caller), functions the scheduler lacks to ``functions``."""
+        deps: list[str] = []
+        me = self.client
+
+        def swap(x: Any) -> Any:
+            if isinstance(x, Future):
+                if x.client is not me:
+                    raise ConfigError(f"future {x.key} belongs to another client")
+                deps.append(x.key)
+                return Ref(x.key)
+            if isinstance(x, Delayed):
+                deps.append(x.key)
+                if extra is not None:
+                    extra.append(x)
+                return Ref(x.key)
+            if isinstance(x, Ref):
+                deps.append(x.key)
+                return x
+            return RECURSE
+
+        if args or kwargs:
+            payload = serialize((replace(args, swap), replace(kwargs, swap)))
+        else:
+            payload = None
+        fid, blob = self.function(fn)
+        if blob is not None:
+            functions[fid] = Serialized(blob, [])
+        return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
+                        opts.name or func_name(fn), opts.priority, opts.workers, opts.loose)  # fmt: skip
+
+    def check_collisions(self, specs: list[TaskSpec]) -> None:
+        """Explicit keys: the same task may share a live key, a different one may not."""
+        for spec in specs:
+            with self.lock:
+                taken = self.core.collision(spec.key, identity(spec))
+            if taken:
+                raise KeyCollisionError(
+                    f"key {spec.key!r} is already used by a different task that is still alive (another "
+                    "function, arguments or inputs); give this task its own key, or release the first "
+                    "future before reusing the key", spec.key)  # fmt: skip
+
+    def delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[TaskSpec]:
+        """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
+        specs: list[TaskSpec] = []
+        seen: dict[str, Delayed[Any]] = {}
+        open_: dict[str, Delayed[Any]] = {}  # on the current DFS path: reaching one again is a cycle
+        explicit: list[TaskSpec] = []
+        for root in roots:
+            if root.key in seen:
+                _same_task(seen[root.key], root)
+                continue
+            stack: list[tuple[Delayed[Any], bool]] = [(root, False)]
+            while stack:
+                d, expanded = stack.pop()
+                if d.key in seen:
+                    _same_task(seen[d.key], d)
+                    continue
+                if expanded:
+                    del open_[d.key]
+                    seen[d.key] = d
+                    specs.append(self.spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None))
+                    if d.explicit:
+                        explicit.append(specs[-1])
+                    continue
+                if d.key in open_:
+                    _same_task(open_[d.key], d)
+                    continue  # reached twice by different paths before finishing: handled below
+                open_[d.key] = d
+                stack.append((d, True))
+                for dep in reversed(list(d.dependencies())):
+                    if dep.key in open_:
+                        path = list(open_)
+                        cycle = path[path.index(dep.key):] + [dep.key]
+                        raise CycleError(f"the task graph has a cycle: {' -> '.join(map(repr, cycle))}; "
+                                         "a task cannot depend on its own result")  # fmt: skip
+                    if dep.key not in seen:
+                        stack.append((dep, False))
+        if explicit:
+            self.check_collisions(explicit)
+        return specs
+
+
+def _same_task(a: Delayed[Any], b: Delayed[Any]) -> None:
+    """Two lazy values met under one key in one graph must be the same task."""
+    if a is not b:
+        raise KeyCollisionError(
+            f"two different tasks in this graph have the key {a.key!r}; give each call its own key "
+            "(.options(key=...) or dask_key_name=)", a.key)  # fmt: skip
+
+
+def _forget_function(cache: dict[int, Any], ident: int) -> Callable[[weakref.ref[Any]], None]:
+    """Weak-reference callback: drop a dead callable's cache entry (if it is still that one's)."""
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = cache.get(ident)
+        if entry is not None and entry[0] is ref:
+            cache.pop(ident, None)
+
+    return forget
+
+
+def identity(spec: TaskSpec) -> tuple[Any, ...]:
+    """What the task is (function, arguments, inputs): equal for the same task under one key."""
+    payload = spec.payload
+    digest = None
+    if payload is not None:
+        h = hashlib.blake2b(bytes(payload.data), digest_size=16)
+        digest = (h.hexdigest(), tuple(b.nbytes for b in payload.buffers))
+    return (spec.func_id, digest, tuple(spec.deps))
+
+
+def pure_key(spec: TaskSpec) -> str:
+    """A key from the task's function, arguments and inputs: equal calls get equal keys."""
+    h = hashlib.blake2b(repr(identity(spec)).encode(), digest_size=12)
+    payload = spec.payload
+    if payload is not None:
+        for b in payload.buffers:
+            h.update(b)
+    return f"{spec.group}-{h.hexdigest()}"
+
+
+def check_acyclic(tasks: list[TaskSpec]) -> None:
+    """Raise :class:`CycleError` if the specs depend on themselves.
+
+    Specs arrive dependencies first, so a dependency on a key that comes later in the same batch
+    (or on itself) is the only way to close a cycle; such a batch is checked fully to name it.
+    """
+    pos = {t.key: i for i, t in enumerate(tasks)}
+    if not any(pos.get(d, -1) >= i for i, t in enumerate(tasks) for d in t.deps):
+        return
+    graph = {t.key: [d for d in t.deps if d in pos] for t in tasks}
+    state: dict[str, int] = {}
+    for root in graph:
+        if root in state:
+            continue
+        stack: list[tuple[str, int]] = [(root, 0)]
+        path: list[str] = []
+        while stack:
+            k, i = stack.pop()
+            if i == 0:
+                state[k] = 1
+                path.append(k)
+            deps = graph[k]
+            if i < len(deps):
+                stack.append((k, i + 1))
+                d = deps[i]
+                if state.get(d) == 1:
+                    cycle = path[path.index(d):] + [d]
+                    raise CycleError(f"the task graph has a cycle: {' -> '.join(map(repr, cycle))}; "
+                                     "a task cannot depend on its own result")  # fmt: skip
+                if d not in state:
+                    stack.append((d, 0))
+            else:
+                state[k] = 2
+                path.pop()

@@ -1,0 +1,282 @@
+"""Typed wire records: the messages between client and scheduler, by name instead of by position.
+
+On the wire a message stays what the frames carry (a msgpack map with ``op``, out-of-band pickle
+buffers inside); this module is the one place that knows each message's fields.  Senders build a
+record and call ``encode()``; receivers call a ``decode_*`` function and get the record back, so
+no caller indexes a list to find a field.  Records are frozen, slotted dataclasses: cheap to make
+per message, and per task only where a message is about many tasks (a graph update's specs, a
+report's items) — those stay compact lists on the wire, with one encoder and one decoder here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.errors import ProtocolError
+
+
+# ---- client -> scheduler ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class TaskSpec:
+    """One task of a graph update: ``func_id`` names a function shipped once (in ``functions``),
+    ``payload`` is the pickled ``(args, kwargs)`` with dependencies as references, ``group`` the
+    name shown for it.  On the wire a compact list (positions fixed here, and only here); the
+    placement fields are left out when they have their defaults."""
+
+    key: str
+    func_id: str
+    payload: Any
+    deps: list[str] = field(default_factory=list)
+    resources: dict[str, float] = field(default_factory=dict)
+    retries: int = 0
+    group: str = ""
+    priority: int = 0
+    workers: tuple[str, ...] = ()
+    loose: bool = False
+
+    def encode(self) -> list[Any]:
+        out = [self.key, self.func_id, self.payload, self.deps, self.resources, self.retries, self.group]
+        if self.priority or self.workers:
+            out += [self.priority, list(self.workers), self.loose]
+        return out
+
+    @staticmethod
+    def decode(raw: list[Any]) -> TaskSpec:
+        try:
+            if len(raw) > 7:
+                return TaskSpec(raw[0], raw[1], raw[2], list(raw[3]), raw[4] or {}, int(raw[5]), raw[6],
+                                int(raw[7]), tuple(raw[8] or ()), bool(raw[9]))  # fmt: skip
+            return TaskSpec(raw[0], raw[1], raw[2], list(raw[3]), raw[4] or {}, int(raw[5]), raw[6])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise ProtocolError(f"malformed task spec {str(raw)[:200]} ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(slots=True)
+class UpdateGraph:
+    """``update-graph``: new tasks (dependencies first), the keys the client wants, and the pickles
+    of functions the scheduler does not have yet (id -> pickle)."""
+
+    tasks: list[TaskSpec]
+    wanted: list[str]
+    functions: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "update-graph", "tasks": [t.encode() for t in self.tasks], "wanted": self.wanted,
+                "functions": self.functions}  # fmt: skip
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> UpdateGraph:
+        return UpdateGraph([TaskSpec.decode(t) for t in msg["tasks"]], list(msg["wanted"]),
+                           msg.get("functions") or {})  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """``release``: the client no longer needs these keys."""
+
+    keys: list[str]
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "release", "keys": self.keys}
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> Release:
+        return Release(list(msg["keys"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """``cancel``: cancel these keys for this client (``unless_started``: ``Future.cancel``'s
+    rule, only tasks not executing yet); answered by reports, then by a reply if ``id`` is set."""
+
+    keys: list[str]
+    unless_started: bool = False
+    id: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "cancel", "keys": self.keys, "unless_started": self.unless_started}
+        if self.id is not None:
+            msg["id"] = self.id
+        return msg
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> Cancel:
+        return Cancel(list(msg["keys"]), bool(msg.get("unless_started")), msg.get("id"))
+
+
+#: requests about keys, answered by a reply: who holds them, which execute now, why not done
+KEY_QUERIES = ("who-has", "running", "why")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyQuery:
+    """``who-has`` (key -> holder addresses, None if unknown), ``running`` (the keys executing
+    now) or ``why`` (key -> state and reason): a question about ``keys``, answered by a reply."""
+
+    op: str
+    keys: list[str]
+    id: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": self.op, "keys": self.keys}
+        if self.id is not None:
+            msg["id"] = self.id
+        return msg
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> KeyQuery:
+        if msg.get("op") not in KEY_QUERIES:
+            raise ProtocolError(f"not a key query: {msg.get('op')!r}")
+        return KeyQuery(msg["op"], list(msg["keys"]), msg.get("id"))
+
+
+# ---- scheduler -> worker, worker -> worker/client ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ComputeTask:
+    """One task of a ``compute`` message: where each input lives (``deps``: key -> [[worker id,
+    address], ...]) and the resources it reserves while it runs."""
+
+    key: str
+    func_id: str
+    payload: Any
+    deps: dict[str, list[list[str]]] | None = None
+    resources: list[list[Any]] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"key": self.key, "func": self.func_id, "payload": self.payload}
+        if self.deps:
+            item["deps"] = self.deps
+        item["resources"] = self.resources or [["cpu", 1.0]]
+        return item
+
+    @staticmethod
+    def decode(item: dict[str, Any]) -> ComputeTask:
+        return ComputeTask(item["key"], item["func"], item.get("payload"), item.get("deps") or {},
+                           item.get("resources") or [])  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """``compute``: tasks for a worker, with the functions it does not have yet (id -> pickle)."""
+
+    tasks: list[ComputeTask]
+    functions: dict[str, Any] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "compute", "tasks": [t.encode() for t in self.tasks]}
+        if self.functions:
+            msg["functions"] = self.functions
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class GetData:
+    """``get-data``: ask a worker's data server for values."""
+
+    keys: list[str]
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "get-data", "keys": self.keys}
+
+
+@dataclass(frozen=True, slots=True)
+class DataReply:
+    """The answer to ``get-data``: pickled values, keys not held (``missing``), values that can
+    never be sent (``failed``: key -> why) and those that did not fit this frame (``deferred``:
+    ask again)."""
+
+    data: dict[str, Any]
+    missing: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    deferred: list[str] = field(default_factory=list)
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "data", "data": self.data, "missing": self.missing, "failed": self.failed,
+                "deferred": self.deferred}  # fmt: skip
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> DataReply:
+        if "data" not in msg:
+            raise ProtocolError(f"expected a data reply, got {msg.get('op')!r}: {str(msg)[:200]}")
+        return DataReply(msg["data"], list(msg.get("missing") or ()), dict(msg.get("failed") or {}),
+                         list(msg.get("deferred") or ()))  # fmt: skip
+
+
+# ---- scheduler -> client ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ReportItem:
+    """News of one of a client's keys.
+
+    ``status``: "memory" (``detail``: the address of a worker holding the value, "" if unknown),
+    "erred" (``detail``: the error record: type, message, origin, pickled exception, traceback),
+    "cancelled", "running" (answers to a cancel request) or "lost" (the scheduler does not know it).
+    """
+
+    key: str
+    status: str
+    detail: Any = None
+
+    def encode(self) -> list[Any]:
+        return [self.key, self.status] if self.detail is None else [self.key, self.status, self.detail]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientReport:
+    """``report``: news of a client's keys, in one message per scheduler round."""
+
+    items: list[ReportItem]
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "report", "items": [i.encode() for i in self.items]}
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """``reply``: the answer to request ``id``: its ``result``, or the ``error`` text if refused."""
+
+    id: int
+    result: Any = None
+    error: str | None = None
+
+    def encode(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"op": "reply", "id": self.id, "error": self.error}
+        return {"op": "reply", "id": self.id, "result": self.result}
+
+
+@dataclass(frozen=True, slots=True)
+class SetupError:
+    """``setup-error``: worker ``worker`` failed setup ``name``."""
+
+    worker: str
+    name: str
+    error: str
+    traceback: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": "setup-error", "worker": self.worker, "name": self.name, "error": self.error,
+                "traceback": self.traceback}  # fmt: skip
+
+
+def _report_item(raw: Any) -> ReportItem:
+    try:
+        return ReportItem(raw[0], raw[1], raw[2] if len(raw) > 2 else None)
+    except (TypeError, IndexError, KeyError) as exc:
+        raise ProtocolError(f"malformed report item {raw!r} from the scheduler ({type(exc).__name__}: {exc})") from None
+
+
+def decode_from_scheduler(msg: dict[str, Any]) -> ClientReport | Reply | SetupError | None:
+    """The record of a message a client receives (None: an op this client does not know)."""
+    op = msg.get("op")
+    if op == "report":
+        return ClientReport([_report_item(i) for i in msg.get("items") or ()])
+    if op == "reply":
+        return Reply(msg.get("id", -1), msg.get("result"), msg.get("error"))
+    if op == "setup-error":
+        return SetupError(str(msg.get("worker", "?")), str(msg.get("name", "?")), str(msg.get("error", "")),
+                          str(msg.get("traceback") or ""))  # fmt: skip
+    return None
+
+
+__all__ = ["Cancel", "ClientReport", "Compute", "ComputeTask", "DataReply", "GetData", "KeyQuery", "Release", "TaskSpec", "UpdateGraph", "Reply", "ReportItem", "SetupError", "decode_from_scheduler"]

@@ -1,0 +1,320 @@
+"""The client's sans-IO core (``tidepool.client.protocol``), fed messages by hand: no sockets, no
+threads, no scheduler.  Property tests check that reordered and duplicated reports leave every
+future with its own outcome, and that the outbox never lets a release overtake what came before."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidepool.client.protocol import (
+    FETCH_ATTEMPTS,
+    Answered,
+    Cancelled,
+    ClientProtocol,
+    Event,
+    Failed,
+    Finished,
+    Running,
+    Settled,
+    WorkerSetupFailed,
+)
+from tidepool.comm.messages import ClientReport, ReportItem, TaskSpec, UpdateGraph
+from tidepool.errors import (
+    ConnectionLostError,
+    DependencyError,
+    KilledWorkerError,
+    ProtocolError,
+    RemoteTaskError,
+    ResultTooLargeError,
+    SchedulerError,
+    SerializationError,
+    TaskCancelledError,
+    TransferError,
+)
+
+
+class KeyFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A stand-in for tidepool's Future: a standard future with a key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+
+def table(core: ClientProtocol, keys: list[str]) -> dict[str, KeyFuture]:
+    """Futures of ``keys`` in the core's table (held strongly here: the table holds them weakly)."""
+    held = {}
+    for k in keys:
+        fut, err = core.claim(k, KeyFuture)
+        assert err is None
+        held[k] = fut
+    return held
+
+
+def apply(events: list[Event], futs: dict[str, KeyFuture]) -> None:
+    """What the shell does with events (the first outcome wins, as for a real future)."""
+    for e in events:
+        if isinstance(e, Finished) and not futs[e.key].done():
+            futs[e.key].set_result(("memory", e.holder))
+        elif isinstance(e, Failed) and not futs[e.key].done():
+            futs[e.key].set_exception(e.error)
+
+
+def report(*items: list[Any]) -> dict[str, Any]:
+    return {"op": "report", "items": list(items)}
+
+
+def erred(typ: str, message: str = "boom", origin: str | None = None) -> dict[str, Any]:
+    return {"type": typ, "message": message, "origin": origin, "exception": None, "traceback": "tb"}
+
+
+# ---- receiving ---------------------------------------------------------------------------------------
+def test_a_memory_report_finishes_the_future_and_records_its_holder() -> None:
+    core = ClientProtocol()
+    futs = table(core, ["a", "b"])
+    events = core.receive(report(["a", "memory", "tcp://w1:1"], ["b", "memory"]))
+    assert events == [Finished("a", "tcp://w1:1"), Settled("a"), Finished("b", ""), Settled("b")]
+    apply(events, futs)
+    assert futs["a"].result(0) == ("memory", "tcp://w1:1")
+    assert core.holders == {"a": "tcp://w1:1"}  # "b" came without an address: asked when fetched
+
+
+def test_an_erred_report_fails_the_future_with_the_error_it_names() -> None:
+    core = ClientProtocol()
+    futs = table(core, ["a", "b", "c", "d"])
+    apply(core.receive(report(["a", "erred", erred("KilledWorkerError", "died 3 times", "x")],
+                              ["b", "erred", erred("DependencyError", "x failed")],
+                              ["c", "erred", erred("ValueError", "bad value")],
+                              ["d", "lost"])), futs)  # fmt: skip
+    assert isinstance(futs["a"].exception(0), KilledWorkerError)
+    assert isinstance(futs["b"].exception(0), DependencyError) and "x failed" in str(futs["b"].exception(0))
+    exc_c = futs["c"].exception(0)
+    assert isinstance(exc_c, RemoteTaskError) and "ValueError" in str(exc_c)
+    assert isinstance(futs["d"].exception(0), TaskCancelledError)
+    assert set(core.errors) == {"a", "b", "c", "d"}
+
+
+def test_a_future_made_after_its_key_failed_starts_failed() -> None:
+    core = ClientProtocol()
+    core.receive(report(["a", "erred", erred("KilledWorkerError")]))
+    fut, err = core.claim("a", KeyFuture)
+    assert isinstance(err, KilledWorkerError)
+    again, err2 = core.claim("a", KeyFuture)
+    assert again is fut and isinstance(err2, KilledWorkerError)  # still pending: the shell fails it
+
+
+def test_cancel_answers_go_to_the_waiting_caller_or_become_events() -> None:
+    core = ClientProtocol()
+    table_ = table(core, ["a", "b", "c"])
+    core.cancelling["a"] = None
+    events = core.receive(report(["a", "cancelled"], ["b", "cancelled"], ["c", "running"]))
+    assert core.cancelling == {"a": "cancelled"}  # the caller of Future.cancel() applies it
+    assert [e for e in events if not isinstance(e, Settled)] == [Cancelled("b"), Running("c")]
+    assert all(not f.done() for f in table_.values())
+
+
+def test_replies_and_setup_errors_become_events() -> None:
+    core = ClientProtocol()
+    (ok,) = core.receive({"op": "reply", "id": 3, "result": {"x": 1}})
+    assert ok == Answered(3, {"x": 1}, None)
+    (refused,) = core.receive({"op": "reply", "id": 4, "error": "unknown op"})
+    assert isinstance(refused, Answered) and isinstance(refused.error, SchedulerError)
+    msg = {"op": "setup-error", "worker": "w1", "name": "s", "error": "bad", "traceback": ""}
+    assert core.receive(msg) == [WorkerSetupFailed(msg)]
+    assert core.receive({"op": "something-new"}) == []
+
+
+def test_a_malformed_report_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="IndexError"):
+        ClientProtocol().receive(report(["only-a-key"]))
+
+
+# ---- the outbox ----------------------------------------------------------------------------------------
+def test_releases_merge_and_skip_keys_wanted_again() -> None:
+    core = ClientProtocol()
+    held = table(core, ["b"])
+    assert core.send({"op": "update-graph", "n": 1}) is True  # the outbox was empty: start draining
+    core.release_dropped("a")
+    core.release_dropped("b")  # a new future of "b" exists: it is wanted again
+    core.send({"op": "release", "keys": ["c"]})
+    core.holders.update({"a": "tcp://w:1", "c": "tcp://w:2"})
+    rid = core.request({"op": "who-has", "keys": ["x"]})
+    assert core.next_message() == {"op": "update-graph", "n": 1}
+    assert core.next_message() == {"op": "release", "keys": ["a", "c"]}
+    assert core.holders == {}  # released keys forget where their values were
+    assert core.next_message() == {"op": "who-has", "keys": ["x"], "id": rid}
+    assert core.next_message() is None
+    assert held["b"].key == "b"
+
+
+ops = st.lists(st.one_of(st.tuples(st.just("graph"), st.integers(0, 5)),
+                         st.tuples(st.just("release"), st.sampled_from("abcdef")),
+                         st.tuples(st.just("drop"), st.sampled_from("abcdef"))), max_size=40)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.sets(st.sampled_from("abcdef")))
+def test_the_outbox_keeps_the_order_messages_were_made_in(made: list[tuple[str, Any]], alive: set[str]) -> None:
+    core = ClientProtocol()
+    held = table(core, sorted(alive))
+    for kind, arg in made:
+        if kind == "graph":
+            core.send({"op": "update-graph", "n": arg})
+        elif kind == "release":
+            core.send({"op": "release", "keys": [arg]})
+        else:
+            core.release_dropped(arg)
+    sent = []
+    while (msg := core.next_message()) is not None:
+        sent.append(msg)
+    # expected: the same sequence, adjacent releases merged, dropped keys with a live future left out
+    expected: list[dict[str, Any]] = []
+    run: list[str] = []
+    for kind, arg in made + [("graph", -1)]:
+        if kind == "graph":
+            if run:
+                expected.append({"op": "release", "keys": run})
+                run = []
+            if arg != -1:
+                expected.append({"op": "update-graph", "n": arg})
+        elif kind == "release" or arg not in held:
+            run.append(arg)
+    assert sent == expected
+
+
+# ---- reordered and duplicated reports ------------------------------------------------------------------
+outcomes = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=3),
+                           st.one_of(st.sampled_from(["tcp://w1:1", "tcp://w2:2"]),
+                                     st.sampled_from(["KilledWorkerError", "ValueError"])),
+                           min_size=1, max_size=12)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(outcomes, st.data())
+def test_reordered_and_duplicated_reports_give_each_future_its_own_outcome(outcome: dict[str, str],
+                                                                            data: st.DataObject) -> None:  # fmt: skip
+    core = ClientProtocol()
+    futs = table(core, list(outcome))
+    items = []
+    for k, o in outcome.items():
+        item = [k, "memory", o] if o.startswith("tcp://") else [k, "erred", erred(o)]
+        items += [item] * data.draw(st.integers(1, 3), label=f"copies of {k}")
+    items = data.draw(st.permutations(items), label="order")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(items)), max_size=4), label="batches"))
+    for lo, hi in zip([0, *cuts], [*cuts, len(items)], strict=True):
+        apply(core.receive(report(*items[lo:hi])), futs)
+    for k, o in outcome.items():
+        f = futs[k]
+        assert f.done()
+        if o.startswith("tcp://"):
+            assert f.result(0) == ("memory", o) and core.holders[k] == o and k not in core.errors
+        else:
+            assert o in type(f.exception(0)).__name__ or o in str(f.exception(0))
+            assert k in core.errors and k not in core.holders
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), max_size=10), st.data())
+def test_reports_of_keys_without_a_future_are_harmless(keys: list[str], data: st.DataObject) -> None:
+    core = ClientProtocol()
+    for k in keys:
+        status = data.draw(st.sampled_from(["memory", "cancelled", "running", "lost"]))
+        events = core.receive(report([k, status] if status != "memory" else [k, status, "tcp://w:1"]))
+        assert events[-1] == Settled(k)
+    assert len(core.futures) == 0
+
+
+# ---- the fetch plan ----------------------------------------------------------------------------------
+def test_a_fetch_reads_from_the_reported_holder_without_asking_who_has() -> None:
+    core = ClientProtocol()
+    held = table(core, ["a", "b"])
+    core.receive(report(["a", "memory", "tcp://w1:1"], ["b", "memory", "tcp://w1:1"]))
+    fetch = core.fetch(["a", "b"])
+    by_addr, ask = fetch.plan()
+    assert by_addr == {"tcp://w1:1": ["a", "b"]} and ask == []
+    fetch.read("tcp://w1:1", ["a", "b"], ({"a": 1, "b": 2}, {}))
+    fetch.end_round()
+    assert fetch.remaining == [] and fetch.values == {"a": 1, "b": 2}
+    assert len(held) == 2
+
+
+def test_a_failed_read_asks_who_has_next_and_gives_up_after_the_limit() -> None:
+    core = ClientProtocol()
+    held = table(core, ["a"])
+    core.receive(report(["a", "memory", "tcp://w1:1"]))
+    fetch = core.fetch(["a"])
+    by_addr, ask = fetch.plan()
+    fetch.read("tcp://w1:1", ["a"], ConnectionLostError("reset"))
+    fetch.end_round()
+    assert fetch.remaining == ["a"] and "a" not in core.holders
+    for i in range(1, FETCH_ATTEMPTS):
+        by_addr, ask = fetch.plan()
+        assert ask == ["a"] and by_addr == {}  # the holder is asked of the scheduler from now on
+        fetch.named(by_addr, ask, {"a": ["tcp://w1:1"]})
+        if i < FETCH_ATTEMPTS - 1:
+            fetch.read("tcp://w1:1", ["a"], ConnectionLostError("reset"))
+            fetch.end_round()
+    with pytest.raises(TransferError, match=f"{FETCH_ATTEMPTS} times in a row"):
+        fetch.read("tcp://w1:1", ["a"], ConnectionLostError("reset"))
+    assert held["a"].key == "a"
+
+
+def test_a_holder_that_is_gone_is_not_counted_as_a_failed_read() -> None:
+    core = ClientProtocol()
+    fetch = core.fetch(["a"])
+    for _ in range(FETCH_ATTEMPTS + 2):
+        by_addr, ask = fetch.plan()
+        fetch.named(by_addr, ask, {"a": ["tcp://w1:1"]})
+        fetch.read("tcp://w1:1", ["a"], ConnectionLostError("refused"), gone=True)
+        fetch.end_round()
+    assert fetch.remaining == ["a"]
+
+
+def test_fetch_outcomes_that_are_final() -> None:
+    core = ClientProtocol()
+    fetch = core.fetch(["a", "b"])
+    by_addr, ask = fetch.plan()
+    with pytest.raises(TaskCancelledError, match="released"):
+        fetch.named(by_addr, ask, {"a": None, "b": ["tcp://w:1"]})
+    with pytest.raises(ResultTooLargeError):
+        fetch.read("tcp://w:1", ["b"], ({}, {"b": "over the frame limit"}))
+    with pytest.raises(SerializationError):
+        fetch.read("tcp://w:1", ["b"], ({}, {"b": "cannot be unpickled here"}))
+    with pytest.raises(TransferError, match="ZeroDivisionError"):
+        fetch.read("tcp://w:1", ["b"], ZeroDivisionError("bug"))
+    with pytest.raises(TransferError, match="ProtocolError"):  # a reply that makes no sense
+        fetch.read("tcp://w:1", ["b"], ProtocolError("expected a data reply"))
+
+
+def test_waiting_keys_that_can_never_come_raise() -> None:
+    core = ClientProtocol()
+    held = table(core, ["a", "b"])
+    fetch = core.fetch(["a", "b"])
+    fetch.plan()
+    fetch.read("tcp://w:1", ["a", "b"], ({}, {}))  # the holder no longer has them: recomputing
+    fetch.end_round()
+    fetch.check_waiting()  # nothing final yet: wait for a report
+    held["b"].cancel()
+    with pytest.raises(concurrent.futures.CancelledError):
+        fetch.check_waiting()
+    core.receive(report(["a", "erred", erred("KilledWorkerError")]))
+    with pytest.raises(KilledWorkerError):
+        fetch.check_waiting()
+
+
+# ---- the wire records ------------------------------------------------------------------------------------
+def test_task_specs_and_reports_round_trip_through_their_wire_form() -> None:
+    plain = TaskSpec("k", "f1", None, ["d"], {"cpu": 1.0}, 2, "inc")
+    placed = TaskSpec("k2", "f1", None, [], {}, 0, "inc", priority=3, workers=("w1",), loose=True)
+    msg = UpdateGraph([plain, placed], ["k", "k2"], {"f1": b"..."}).encode()
+    assert len(msg["tasks"][0]) == 7  # defaults of the placement fields are left out
+    assert UpdateGraph.decode(msg) == UpdateGraph([plain, placed], ["k", "k2"], {"f1": b"..."})
+    rep = ClientReport([ReportItem("a", "memory", "tcp://w:1"), ReportItem("b", "cancelled")])
+    assert rep.encode() == report(["a", "memory", "tcp://w:1"], ["b", "cancelled"])
+    with pytest.raises(ProtocolError):
+        TaskSpec.decode(["k", "f1"])
