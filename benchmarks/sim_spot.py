@@ -40,24 +40,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_workflows import _traces_dir as traces_dir  # noqa: E402  (one way to find the traces)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "scaling.md"
 POOLS = ("on-demand", "spot+fallback", "default mix")
 COST_GOAL = 0.8
 MAKESPAN_GOAL = 1.1
-
-
-def traces_dir() -> Path:
-    """``<repo>/../shared/workloads/wfinstances`` (a worktree one level deeper finds it too)."""
-    env = os.environ.get("TIDEPOOL_WFINSTANCES")
-    if env:
-        return Path(env)
-    for up in (ROOT.parent, ROOT.parent.parent):
-        cand = up / "shared" / "workloads" / "wfinstances"
-        if cand.is_dir():
-            return cand
-    return Path("/work/shared/workloads/wfinstances")
 
 
 def pool(name: str, nodes: int, rate: float, notice: float, capacity: float) -> Any:
