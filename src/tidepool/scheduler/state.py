@@ -157,6 +157,9 @@ class SchedulerState:
         self.workers: dict[str, WorkerRecord] = {}
         self.clients: dict[str, set[str]] = {}
         self.functions: dict[str, Serialized] = {}
+        #: with a state directory: records whose state changed or that were forgotten since the
+        #: persister last looked (``scheduler/recovery.py``); None: nobody persists
+        self.dirty: set[TaskRecord] | None = None
         self._ready: dict[ev.Shape, list[tuple[int, int, TaskRecord]]] = {}
         #: ready tasks restricted to named workers (``workers=``), in priority order
         self._restricted: list[tuple[int, int, TaskRecord]] = []
@@ -207,6 +210,9 @@ class SchedulerState:
             ev.TaskSeceded: self._task_seceded,
             ev.AddReplica: self._add_replica,
             ev.RetireWorkers: self._retire_workers,
+            ev.WorkerRejoin: self._recovery_event,
+            ev.RestoreErrors: self._recovery_event,
+            ev.RecoveryReport: self._recovery_event,
         }
 
     # ------------------------------------------------------------------------------------------
@@ -263,6 +269,8 @@ class SchedulerState:
         g[old] -= 1
         g[new] = g.get(new, 0) + 1
         ts.state = new
+        if self.dirty is not None:
+            self.dirty.add(ts)
 
     def _move_worker(self, ws: WorkerRecord, new: WS) -> None:
         if (ws.state, new) not in WORKER_TRANSITIONS:
@@ -819,6 +827,8 @@ class SchedulerState:
                 if not any(gc.values()):  # the group's last record is gone: forget the group too
                     del self.group_counts[ts.group]
                 self.counters["forgotten"] += 1
+                if self.dirty is not None:
+                    self.dirty.add(ts)
                 for dep in ts.deps:
                     dep.dependents.discard(ts)
                     dep.waiters.discard(ts)
@@ -1206,6 +1216,11 @@ class SchedulerState:
         ws.occupancy = max(0.0, ws.occupancy - est)
         if self._has_room(ws):
             self._room.add(ws.id)
+
+    def _recovery_event(self, e: Any, out: list[ev.Command]) -> None:
+        from tidepool.scheduler.recovery import handle_recovery_event
+
+        handle_recovery_event(self, e, out)
 
     def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:
         from tidepool.scheduler.retire import start_retire

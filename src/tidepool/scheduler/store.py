@@ -275,6 +275,8 @@ class StateStore:
             if b.functions:
                 db.executemany("INSERT OR IGNORE INTO functions VALUES (?, ?)",
                                [(fid, pack(blob)) for fid, blob in b.functions.items()])  # fmt: skip
+            if b.forgotten:  # first: a key forgotten, then submitted again, is a new row
+                db.executemany("DELETE FROM tasks WHERE key = ?", [(k,) for k in b.forgotten])
             if b.new_tasks:
                 db.executemany(
                     "INSERT OR REPLACE INTO tasks (key, spec, payload, status, holders, error) VALUES (?, ?, ?, ?, ?, ?)",
@@ -283,8 +285,6 @@ class StateStore:
             if b.outcomes:
                 db.executemany("UPDATE tasks SET status = ?, holders = ?, error = ? WHERE key = ?",
                                [(s, json.dumps(h), _pack_error(e), k) for k, (s, h, e) in b.outcomes.items()])  # fmt: skip
-            if b.forgotten:
-                db.executemany("DELETE FROM tasks WHERE key = ?", [(k,) for k in b.forgotten])
             if b.wants_added:
                 db.executemany("INSERT OR IGNORE INTO wants VALUES (?, ?)", b.wants_added)
             if b.wants_removed:
