@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
+from tidepool import client_reconnect
 from tidepool.client_dask import DaskAPI
 from tidepool.comm import Connection, connect, serialize
 from tidepool.comm.auth import token_from_env
@@ -156,6 +157,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()
         self._draining = False
         self._lost: ConnectionLostError | None = None
+        #: reconnecting to a restarted scheduler (tidepool/client_reconnect.py)
+        self._reconnect_window = 0.0
+        self._resuming: asyncio.Event | None = None
+        self._resume_task: asyncio.Task[None] | None = None
+        self._request_msgs: dict[int, dict[str, Any]] = {}
+        self._recent_graphs: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
         #: explicit key -> what the task under it is, to refuse a different task under a live key
         self._idents: dict[str, tuple[Any, ...]] = {}
         self._setups: list[str] = []
@@ -221,6 +228,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
                 "has a tls:// address)?"
             ) from None
         self.id = welcome.get("client", "?")
+        self._reconnect_window = float(welcome.get("reconnect_window") or 0.0)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -385,6 +393,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         self._check_frame_size(msg)
         self._post(msg)
         self._sent_funcs.update(functions)
+        client_reconnect.remember_graph(self, msg)
 
     def _check_frame_size(self, msg: dict[str, Any]) -> None:
         """Refuse, before anything is sent, a graph update over the frame limit (the scheduler would
@@ -437,6 +446,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
                     msg = {"op": "release", "keys": keys} if keys else None
             if msg is None:
                 continue
+            while self._conn.closed and self._resuming is not None:  # reconnecting: keep the order
+                await self._resuming.wait()
             if self._conn.closed:
                 self._fail_request(msg, self._lost or ConnectionLostError(
                     f"the connection to the scheduler at {self.address} is closed"))  # fmt: skip
@@ -785,8 +796,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         rid = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._requests[rid] = fut
+        self._request_msgs[rid] = {**msg, "id": rid}  # asked again after a reconnection
         self._post({**msg, "id": rid})  # in order with graph updates and releases
-        return await fut
+        try:
+            return await fut
+        finally:
+            self._request_msgs.pop(rid, None)
 
     async def _read_loop(self) -> None:
         try:
@@ -806,7 +821,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
                         else:
                             fut.set_result(msg.get("result"))
         except CommError as exc:
-            self._connection_lost(exc)
+            if not client_reconnect.start_resume(self, exc):
+                self._connection_lost(exc)
         except asyncio.CancelledError:  # close()
             raise
         except Exception as exc:  # a bug or a message we cannot handle: never leave futures waiting
@@ -920,6 +936,16 @@ class Client(ClosesOnExit, concurrent.futures.Executor, DaskAPI, DaskCollections
         if self.closed:
             return
         self._post({"op": "release", "keys": [key], "auto": True})  # after all posted before the drop
+
+    def futures_of(self, keys: Iterable[Any]) -> list[Future[Any]]:
+        """Futures of tasks by key (a key string, or what ``key=`` was given), e.g. to re-attach to
+        the work of a client that died, while the scheduler (with a state directory) keeps those
+        keys for it; a key the scheduler does not know fails with ``TaskCancelledError``."""
+        self._check_open()
+        names = [k if isinstance(k, str) else key_name(k) for k in keys]
+        futs = [self._new_future(k) for k in names]
+        self._post({"op": "update-graph", "tasks": [], "wanted": names, "functions": {}})
+        return futs
 
     def _release(self, keys: list[str]) -> None:
         self._post({"op": "release", "keys": list(keys)})

@@ -31,13 +31,15 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 from typing import Any
 
+from tidepool.comm.auth import new_token
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.records import TaskRecord
 from tidepool.scheduler.state import FIRE_AND_FORGET, LINE, PRIORITY_STEP, SchedulerState
-from tidepool.scheduler.store import Batch, Snapshot, StateStore, StoredTask
+from tidepool.scheduler.store import FILE_NAME, Batch, Snapshot, StateStore, StoredTask
 
 log = logging.getLogger("tidepool.scheduler.recovery")
 
@@ -285,6 +287,8 @@ class Durability:
 
     def __init__(self, state_dir: str, token: str | None, *, reconnect_window: float = DEFAULT_RECONNECT_WINDOW,
                  recovery_wait: float = DEFAULT_RECOVERY_WAIT) -> None:  # fmt: skip
+        if not token and not (Path(state_dir) / FILE_NAME).exists():
+            token = new_token()  # a new durable cluster: its token is kept in the store
         self.store = StateStore(state_dir, token)
         self.token = self.store.token
         self.reconnect_window = reconnect_window

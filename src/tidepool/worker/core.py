@@ -62,6 +62,7 @@ from tidepool.errors import (
 from tidepool.resources import parse_resources
 from tidepool.scheduler.placement import fits
 from tidepool.setup import run_setup
+from tidepool.worker import reconnect
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 from tidepool.worker.memory import (
     Action,
@@ -113,6 +114,7 @@ class Worker:
         restartable: bool = False,
         tls: TLSConfig | None = None,
         fetch_timeout: float | None = None,
+        reconnect_window: float | None = None,
     ) -> None:
         self.scheduler_address = scheduler
         self.token = token
@@ -132,6 +134,9 @@ class Worker:
         self.name = name or self.id
         self.host = host or _default_host(scheduler)
         self.heartbeat_interval = heartbeat_interval
+        #: seconds to keep retrying a lost scheduler (None: what it announces; worker/reconnect.py)
+        self.reconnect_window_setting = reconnect_window
+        self.reconnect_window = 0.0
         #: seconds a peer may send nothing while we fetch from it before its copy counts as suspect
         self.fetch_timeout = fetch_timeout if fetch_timeout is not None else fetch_timeout_from_env()
         self.memory_limit = resolve_limit(memory_limit, res, memory_share)
@@ -207,14 +212,11 @@ class Worker:
             # advertise the interface that reaches the scheduler, not the wildcard
             local = getattr(self.conn, "local_host", "") or socket.gethostbyname(socket.gethostname())
             self.address = f"{scheme}://{local}:{self.address.rsplit(':', 1)[1]}"
-        await self.conn.send({
-            "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
-            "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
-            "memory_limit": self.memory_limit, "host": socket.gethostname(),
-        })  # fmt: skip
+        await self.conn.send(self.registration())
         reply = await self.conn.recv()
         if reply.get("op") != "registered":
             raise CommError(f"scheduler refused registration: {reply.get('reason', reply)}")
+        self.reconnect_window = reconnect.window_of(self, reply)
         self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
         self._initial_setups = list(reply.get("setups") or [])
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
@@ -226,6 +228,13 @@ class Worker:
         context.set_worker(self)
         log.info("worker %s at %s registered with %s", self.id, self.address, self.scheduler_address)
         return self
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
+            "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
+            "memory_limit": self.memory_limit, "host": socket.gethostname(),
+        }  # fmt: skip
 
     async def finished(self) -> None:
         assert self.closed is not None
@@ -256,36 +265,44 @@ class Worker:
 
     # ---- scheduler messages ----------------------------------------------------------------------
     async def _scheduler_loop(self) -> None:
+        while True:  # a lost scheduler may come back within the reconnect window
+            try:
+                await self._serve_scheduler()
+                return
+            except CommError as exc:
+                if not await reconnect.rejoin(self, exc):
+                    await self.close(f"lost the scheduler: {exc}")
+                    return
+
+    async def _serve_scheduler(self) -> None:
         assert self.conn is not None
-        try:
-            if self._initial_setups:
-                await self._apply_setups(self._initial_setups, initial=True)
-            while True:
-                msg = await self.conn.recv()
-                op = msg.get("op")
-                if op == "setup":  # handled in order: later tasks wait for it
-                    await self._apply_setups(msg["setups"], initial=False)
-                elif op == "compute":
-                    self._compute(msg)
-                elif op == "free":
-                    self._free(msg["keys"])
-                elif op == "steal":
-                    self._give_back(msg["keys"])
-                elif op == "run":
-                    asyncio.get_running_loop().create_task(self._run_function(msg))
-                elif op == "restart":
-                    await self._restart()
-                    return
-                elif op == "replicate":
-                    for key, holders in msg["keys"].items():
-                        asyncio.get_running_loop().create_task(self._replicate(key, holders))
-                elif op == "close":
-                    await self.close(msg.get("reason", "asked by the scheduler"))
-                    return
-                else:
-                    log.warning("unknown message from scheduler: %r", op)
-        except CommError as exc:
-            await self.close(f"lost the scheduler: {exc}")
+        if self._initial_setups:
+            setups, self._initial_setups = self._initial_setups, []
+            await self._apply_setups(setups, initial=True)
+        while True:
+            msg = await self.conn.recv()
+            op = msg.get("op")
+            if op == "setup":  # handled in order: later tasks wait for it
+                await self._apply_setups(msg["setups"], initial=False)
+            elif op == "compute":
+                self._compute(msg)
+            elif op == "free":
+                self._free(msg["keys"])
+            elif op == "steal":
+                self._give_back(msg["keys"])
+            elif op == "run":
+                asyncio.get_running_loop().create_task(self._run_function(msg))
+            elif op == "restart":
+                await self._restart()
+                return
+            elif op == "replicate":
+                for key, holders in msg["keys"].items():
+                    asyncio.get_running_loop().create_task(self._replicate(key, holders))
+            elif op == "close":
+                await self.close(msg.get("reason", "asked by the scheduler"))
+                return
+            else:
+                log.warning("unknown message from scheduler: %r", op)
 
     async def _apply_setups(self, items: list[list[Any]], initial: bool) -> None:
         assert self.conn is not None
@@ -506,6 +523,8 @@ class Worker:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self.reconnect_window > 0 and self.conn is not None and self.conn.closed:
+            return  # kept until we are registered again (worker/reconnect.py)
         msg: dict[str, Any] = {"op": "task-batch"}
         if self._finished:
             msg["finished"], self._finished = self._finished, []
