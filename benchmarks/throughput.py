@@ -342,10 +342,15 @@ def render_markdown(rows: list[list[str]]) -> str:
 # ---- machine info and the docs section ------------------------------------------------------------
 def machine_info() -> dict[str, str]:
     import dask
-    import distributed
 
     import tidepool
 
+    try:  # a tidepool-only run (chaos --systems tidepool-durable) works without it
+        import distributed
+
+        dist_version = distributed.__version__
+    except ImportError:
+        dist_version = "not installed"
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -360,7 +365,7 @@ def machine_info() -> dict[str, str]:
         "cpu": cpu,
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
-        "dask": f"dask {dask.__version__}, distributed {distributed.__version__}",
+        "dask": f"dask {dask.__version__}, distributed {dist_version}",
         "tidepool": f"tidepool {tidepool.__version__}, {git_revision()}",
         "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
     }
