@@ -48,7 +48,7 @@ RESTORING = "<restoring>"
 #: seconds workers and clients may take to reach a restarted scheduler (their retry window)
 DEFAULT_RECONNECT_WINDOW = 300.0
 #: seconds a restarted scheduler waits for the workers its store names before recomputing
-DEFAULT_RECOVERY_WAIT = 30.0
+DEFAULT_RECOVERY_WAIT = 10.0
 _PENDING = (TS.WAITING, TS.READY, TS.NO_WORKER)
 
 
@@ -322,7 +322,8 @@ class Durability:
         self.persister = Persister(self.store, st)
         self.persister.adopt(snap)
         self._finished_before = {t.key for t in snap.tasks if t.status == "m"}
-        self.expected = set(snap.workers) | {w for t in snap.tasks if t.status == "m" for w in t.holders}
+        # the workers registered at the last flush (a holder recorded on a row may have died since)
+        self.expected = set(snap.workers)
         if self.expected and snap.tasks:
             self.gate_open = False
             self.gate_until = now + self.recovery_wait
