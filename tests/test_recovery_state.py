@@ -35,6 +35,7 @@ def _restart(tmp_path: Path, **kw: float) -> tuple[Durability, StateDriver]:
     st = SchedulerState(no_worker_timeout=None)
     d = StateDriver(st, FakeClock(100.0))
     dur.restore(st, d.clock())
+    d.observers.append(dur.observe)  # as the server subscribes it
     return dur, d
 
 
@@ -119,7 +120,11 @@ def test_values_whose_holder_never_returns_are_recomputed_after_the_wait(tmp_pat
     d2.send(*dur.on_tick(d2.clock.advance(5.0)))
     assert dur.gate_open
     assert [c.key for c in d2.log if isinstance(c, ev.Execute)] == ["a-0"]  # recomputed on w9
+    d2.send(*dur.on_tick(d2.clock.advance(0.5)))  # the next tick's flush
     dur.close()
+    dur2, _ = _restart(tmp_path)
+    assert dur2.expected == {"w9"}, "a worker that never came back is not waited for again"
+    dur2.close()
 
 
 def test_errors_come_back_without_running_again(tmp_path: Path) -> None:

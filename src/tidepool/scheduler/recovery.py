@@ -366,6 +366,8 @@ class Durability:
         self.gate_open = True
         if self.persister is not None:
             self.persister.paused = False
+            # those not back are not waited for by the next restart either
+            self.persister.batch.workers_left.extend(sorted(self.expected - self.back))
         return self._opened(now)
 
     def _opened(self, now: float) -> list[ev.Event]:
