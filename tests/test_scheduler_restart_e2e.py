@@ -96,3 +96,59 @@ def test_a_worker_past_its_reconnect_window_exits_cleanly(tmp_path: Path) -> Non
         cluster.kill_scheduler()
         wait_until(lambda: proc.poll() is not None, timeout=120, what="the worker to give up and exit")
         assert proc.returncode == 0
+
+
+def _stored_wants(state: Path, prefix: str) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(state / "state.sqlite3")
+    try:
+        return int(db.execute("SELECT count(*) FROM wants WHERE key LIKE ?", (prefix + "%",)).fetchone()[0])
+    finally:
+        db.close()
+
+
+_DOOMED_CLIENT = """
+import sys, time
+from tidepool import Client
+from test_scheduler_restart_e2e import quick
+c = Client(sys.argv[1], sys.argv[2], timeout=60)
+futs = [c.submit(quick, i, sys.argv[3], key=f"kept-{i}") for i in range(20)]
+c.gather(futs, timeout=120)
+print("done", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_client_re_attaches_to_its_keys_after_a_restart(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    with LocalCluster(2, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, cluster.address, cluster.token, str(runs)],
+                                  stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})  # fmt: skip
+        try:
+            assert doomed.stdout is not None and doomed.stdout.readline().strip() == b"done"
+            # a store tick has passed since (what is not flushed yet only comes back with its client)
+            wait_until(lambda: _stored_wants(tmp_path / "state", "kept-") == 20, timeout=60,
+                       what="the client's keys in the store")  # fmt: skip
+            cluster.kill_scheduler()  # the machine both ran on went down
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(60)
+        finally:
+            if doomed.poll() is None:
+                doomed.kill()
+        cluster.restart_scheduler()
+        with Client(cluster, timeout=60) as client:
+            futs = client.futures_of([f"kept-{i}" for i in range(20)])
+            assert client.gather(futs, timeout=120) == [2 * i for i in range(20)]
+            (gone,) = client.futures_of(["never-submitted"])
+            try:
+                gone.result(timeout=60)
+                raise AssertionError("an unknown key must fail")
+            except Exception as exc:  # noqa: BLE001
+                assert type(exc).__name__ == "TaskCancelledError", exc
+    assert all(n == 1 for n in _executions(runs).values())
