@@ -59,7 +59,8 @@ def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Pat
     flag = str(tmp_path / "go")
     n_quick, n_slow = 4990, 5
     journal = tmp_path / "after-restart.jsonl"
-    with LocalCluster(3, slots=3, state_dir=str(tmp_path / "state"), reconnect_window=180.0, timeout=120) as cluster:
+    with LocalCluster(3, slots=3, state_dir=str(tmp_path / "state"), reconnect_window=180.0,
+                      recovery_wait=120.0, timeout=120) as cluster:  # a loaded machine: wait for every worker
         with Client(cluster, timeout=60) as client:
             slows = [client.submit(slow, i, str(runs), flag, key=f"slow-{i}") for i in range(n_slow)]
             waits = [client.submit(after, s, i, str(runs), key=f"after-{i}") for i, s in enumerate(slows)]

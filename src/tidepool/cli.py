@@ -140,7 +140,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         tls = _tls(args, cfg.scheduler if cfg is not None else None)
         scheme = "tls" if tls is not None else "tcp"
         if args.state_dir:
-            extra.update(state_dir=args.state_dir, reconnect_window=args.reconnect_window)
+            extra.update(state_dir=args.state_dir, reconnect_window=args.reconnect_window,
+                         recovery_wait=args.recovery_wait)
         s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token or None,
                             heartbeat_timeout=args.heartbeat_timeout, tls=tls, **extra).start()  # fmt: skip
         tok = s.token
@@ -311,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reconnect-window", type=_positive, default=None,
                    help="with --state-dir: seconds workers and clients keep retrying a restarted scheduler "
                         "(default 300)")  # fmt: skip
+    s.add_argument("--recovery-wait", type=_positive, default=None,
+                   help="with --state-dir: seconds a restarted scheduler waits for the workers it had before "
+                        "recomputing what they held (default 10)")  # fmt: skip
     _tls_flags(s)
     s.set_defaults(fn=cmd_scheduler)
 

@@ -36,12 +36,14 @@ class DurableLocalCluster(ClosesOnExit):
     def __init__(self, n_workers: int | None = None, *, state_dir: str, slots: int = 1,
                  resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
-                 reconnect_window: float | None = None, journal: str | None = None,
+                 reconnect_window: float | None = None, recovery_wait: float | None = None,
+                 journal: str | None = None,
                  fork_server: bool | None = None) -> None:  # fmt: skip
         self.state_dir = str(state_dir)
         Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.host, self.port, self.timeout = host, port, timeout
         self.reconnect_window = reconnect_window
+        self.recovery_wait = recovery_wait
         self.env = dict(env or {})
         self.closed = False
         self.scheduler_proc: subprocess.Popen[bytes] | None = None
@@ -75,6 +77,8 @@ class DurableLocalCluster(ClosesOnExit):
                 "--no-dashboard", "--token-file", str(token_file)]  # fmt: skip
         if self.reconnect_window is not None:
             args += ["--reconnect-window", str(self.reconnect_window)]
+        if self.recovery_wait is not None:
+            args += ["--recovery-wait", str(self.recovery_wait)]
         if journal:
             args += ["--journal", journal]
         env = {k: v for k, v in os.environ.items() if k not in ("TIDEPOOL_TOKEN", "TIDEPOOL_TOKEN_FILE")}
