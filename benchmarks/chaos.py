@@ -89,7 +89,7 @@ from throughput import machine_info, render_markdown, render_text, write_section
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 TASK_LOG_ENV = "TIDEPOOL_CHAOS_TASK_LOG"
-SYSTEMS = ("tidepool", "dask")
+SYSTEMS = ("tidepool", "dask", "tidepool-durable")
 WATCHDOG_GRACE = 15.0
 CLOSE_TIMEOUT = 60.0
 MIX_PAUSE_EVERY = 2
@@ -388,7 +388,66 @@ class DaskHarness(Harness):
             self.cluster.close()
 
 
-HARNESSES: dict[str, type[Harness]] = {"tidepool": TidepoolHarness, "dask": DaskHarness}
+class DurableHarness(Harness):
+    """tidepool with ``LocalCluster(state_dir=...)`` (its scheduler in a process of its own): every
+    ``SCHEDULER_EVERY``-th kill SIGKILLs the scheduler and starts it again on the same state
+    directory instead of killing a worker; workers and the client reconnect by themselves."""
+
+    system = "tidepool-durable"
+    SCHEDULER_EVERY = 2
+
+    def __init__(self, n_workers: int) -> None:
+        import tempfile
+
+        import tidepool
+
+        self._dir = tempfile.TemporaryDirectory(prefix="tidepool-chaos-state-")
+        self.cluster = tidepool.LocalCluster(n_workers=n_workers, slots=1, state_dir=self._dir.name,
+                                             reconnect_window=120.0, timeout=120.0)  # fmt: skip
+        self.kills = 0
+        self.scheduler_kills = 0
+        try:
+            self.client = tidepool.Client(self.cluster, timeout=60)
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    def map(self, fn: Callable[..., Any], *its: Iterable[Any]) -> list[Any]:
+        return self.client.map(fn, *its)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.client.submit(fn, *args)
+
+    def victims(self) -> list[str]:
+        info = call_with_timeout(self.client.scheduler_info, 30)
+        return [w["id"] for w in info["workers"]]
+
+    def kill(self, wid: str) -> None:
+        self.kills += 1
+        if self.kills % self.SCHEDULER_EVERY == 0:
+            self.scheduler_kills += 1
+            self.cluster.kill_scheduler()
+            self.cluster.restart_scheduler()
+            return
+        self.cluster.kill_worker(wid)
+        self.cluster.add_workers(1, wait=False)
+
+    def counters(self) -> dict[str, int] | None:
+        info = call_with_timeout(self.client.scheduler_info, 30)
+        return {**dict(info["counters"]), "scheduler_kills": self.scheduler_kills}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            try:
+                self.cluster.close()
+            finally:
+                self._dir.cleanup()
+
+
+HARNESSES: dict[str, type[Harness]] = {"tidepool": TidepoolHarness, "dask": DaskHarness,
+                                       "tidepool-durable": DurableHarness}  # fmt: skip
 
 
 # ---- one run --------------------------------------------------------------------------------------
@@ -904,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=30.0,
                     help="seconds a hung run gets once its kills stop, and held futures at least")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="seed of the chaos intervals and victims")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
+    ap.add_argument("--systems", default="tidepool,dask",
                     help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="2 runs of a 1,500-task graph")
     ap.add_argument("--write-docs", action="store_true",

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "tidepool"
 
 #: modules allowed to import the client besides the facade (``tidepool``): the client itself and
 #: what is built on top of it
-ABOVE_CLIENT = ("tidepool.client", "tidepool.cluster", "tidepool.cli", "tidepool.demo",
+ABOVE_CLIENT = ("tidepool.client", "tidepool.cluster", "tidepool.cluster_durable", "tidepool.cli", "tidepool.demo",
                 "tidepool.testing", "tidepool.testing_k8s")  # fmt: skip
 #: the modules that used to import each other in a circle of eight files
 CIRCLE_SUSPECTS = ("tidepool.client", "tidepool.futures", "tidepool.waiting", "tidepool.dask", "tidepool.graph",

@@ -120,8 +120,6 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from tidepool.comm.auth import new_token
     from tidepool.scheduler.server import Scheduler
 
-    token = token_from_env() or new_token()
-
     cfg = None
     if args.cluster:
         from tidepool.config import load
@@ -129,6 +127,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         cfg = load(args.cluster)
         args.host = cfg.scheduler.get("host", args.host)
         args.port = cfg.scheduler.get("port", args.port)
+        args.state_dir = args.state_dir or cfg.scheduler.get("state_dir")
+        if args.reconnect_window is None:
+            args.reconnect_window = cfg.scheduler.get("reconnect_window")
+    # with a state directory and no token given, the store's token is used (same cluster again)
+    token = token_from_env() or ("" if args.state_dir else new_token())
 
     async def main() -> None:
         extra: dict[str, Any] = {}
@@ -136,20 +139,24 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             extra["no_worker_timeout"] = args.no_worker_timeout if args.no_worker_timeout > 0 else None
         tls = _tls(args, cfg.scheduler if cfg is not None else None)
         scheme = "tls" if tls is not None else "tcp"
-        s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token, heartbeat_timeout=args.heartbeat_timeout,
-                            tls=tls, **extra).start()  # fmt: skip
+        if args.state_dir:
+            extra.update(state_dir=args.state_dir, reconnect_window=args.reconnect_window,
+                         recovery_wait=args.recovery_wait)
+        s = await Scheduler(f"{scheme}://{args.host}:{args.port}", token or None,
+                            heartbeat_timeout=args.heartbeat_timeout, tls=tls, **extra).start()  # fmt: skip
+        tok = s.token
         dash = None
         if args.dashboard and not args.no_dashboard:
             from tidepool.dashboard import start_dashboard
 
             dash = await start_dashboard(s, args.dashboard, lambda: scaler)
         if args.token_file:
-            write_token_file(args.token_file, token)
+            write_token_file(args.token_file, tok)
         print(f"tidepool scheduler at {s.address}", flush=True)  # the first line (scripts read it)
         if args.token_file:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
         else:
-            print(f"token: {token}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
+            print(f"token: {tok}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
         if dash is not None:
             print(f"tidepool dashboard at {dash.link}", flush=True)
         scaler = None
@@ -166,7 +173,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.telemetry.journal import Journal
 
             controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler)
-            scaler = await AutoScaler(s, cfg.make_provider(s.address, token, tls), controller,
+            scaler = await AutoScaler(s, cfg.make_provider(s.address, tok, tls), controller,
                                       journal=Journal(args.journal)).start()  # fmt: skip
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
@@ -218,7 +225,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                    name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,
                    memory_share=args.memory_share, spill_dir=args.spill_dir, spill_limit=args.spill_limit,
-                   tls=_tls(args))  # fmt: skip
+                   tls=_tls(args), reconnect_window=args.reconnect_window)  # fmt: skip
         await w.start()
         try:
             await w.finished()
@@ -301,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-worker-timeout", type=float, default=None,
                    help="without autoscaling: seconds a task may wait for a worker with its resources "
                         "before it fails (default 60; 0 waits forever)")
+    s.add_argument("--state-dir", default=None,
+                   help="make the scheduler durable: keep the graph, outcomes, token and address here, and "
+                        "resume from them when started again (docs/recovery.md)")  # fmt: skip
+    s.add_argument("--reconnect-window", type=_positive, default=None,
+                   help="with --state-dir: seconds workers and clients keep retrying a restarted scheduler "
+                        "(default 300)")  # fmt: skip
+    s.add_argument("--recovery-wait", type=_positive, default=None,
+                   help="with --state-dir: seconds a restarted scheduler waits for the workers it had before "
+                        "recomputing what they held (default 10)")  # fmt: skip
     _tls_flags(s)
     s.set_defaults(fn=cmd_scheduler)
 
@@ -364,6 +380,9 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> None:
                    help="without a limit or memory resource, use the machine's memory divided by this "
                         "(workers sharing the machine)")  # fmt: skip
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
+    w.add_argument("--reconnect-window", type=float, default=None,
+                   help="seconds to keep retrying a lost scheduler, keeping results and running tasks "
+                        "(default: what the scheduler announces: its window with --state-dir, else 0)")  # fmt: skip
     w.add_argument("--token-file", default=None, help="file with the scheduler's token")
     w.add_argument("--preload", action="append", default=[], help="import this module at start (repeatable)")
     w.add_argument("--env", action="append", default=[], help="set KEY=VALUE in the environment (repeatable)")

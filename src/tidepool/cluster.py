@@ -70,6 +70,16 @@ class LocalCluster(ClosesOnExit):
 
     MAX_RESTARTS = 20
     RESTART_WINDOW = 60.0
+
+    def __new__(cls, *args: Any, state_dir: str | None = None, **kwargs: Any) -> Any:
+        """``state_dir=``: a durable scheduler in a process of its own that may be killed and
+        restarted (:class:`~tidepool.cluster_durable.DurableLocalCluster`, docs/recovery.md)."""
+        if state_dir is not None:
+            from tidepool.cluster_durable import DurableLocalCluster
+
+            return DurableLocalCluster(*args, state_dir=state_dir, **kwargs)
+        return super().__new__(cls)
+
     #: seconds a worker restarting over its memory limit may take to register again
     MEMORY_RESTART_GRACE = 60.0
 

@@ -7,6 +7,8 @@ Example::
     port = 8786
     # tls_ca_file = "certs/ca.pem"; tls_cert = "certs/cert.pem"; tls_key = "certs/key.pem"
     #   (optional: TLS on every connection; the provider's workers get the same files)
+    # state_dir = "/var/lib/tidepool"   (optional: survive a restart, docs/recovery.md)
+    # reconnect_window = 300            (seconds workers and clients retry a restarted scheduler)
 
     [provider]
     kind = "local"              # local | ssh | slurm | callback | kubernetes
@@ -60,7 +62,8 @@ _TOP_KEYS = ("scheduler", "provider", "policy", "node_types", "autoscaler")
 #: ``[autoscaler]``: the controller's pool-wide settings (``ScalingController`` keywords), all
 #: finite numbers > 0: cost ceilings (``scaling/limits.py``) and the idle time before scaling to zero
 _AUTOSCALER_KEYS = ("max_cost_per_hour", "budget", "scale_to_zero_after")
-_SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key")
+_SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key", "state_dir",
+                  "reconnect_window")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
 _POLICY_KINDS = ("adaptive", "completion", "backlog")
 _PROVIDER_KINDS = ("local", "ssh", "slurm", "callback", "kubernetes")
@@ -327,6 +330,12 @@ def _check_scheduler(source: str, s: dict[str, Any]) -> None:
     if "host" in s and (not isinstance(s["host"], str) or not s["host"]):
         raise ConfigError(f"{source}: [scheduler] host must be a host name or address like \"0.0.0.0\", "
                           f"got {s['host']!r}")  # fmt: skip
+    if "state_dir" in s and (not isinstance(s["state_dir"], str) or not s["state_dir"]):
+        raise ConfigError(f"{source}: [scheduler] state_dir must be a directory path, got {s['state_dir']!r}")
+    window = s.get("reconnect_window", 1.0)
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
+        raise ConfigError(f"{source}: [scheduler] reconnect_window must be a positive number of seconds, "
+                          f"got {window!r}")  # fmt: skip
     port = s.get("port", 0)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"{source}: [scheduler] port must be a whole number 0..65535 (0: any free port), "

@@ -23,7 +23,11 @@ what happened *and* what to do about it.  The tree::
     │   ├── TransferError           an input could not be moved to the worker that needs it
     │   └── KeyCollisionError       its key is taken by a different live task
     ├── WorkerSetupError            a setup hook failed on a worker
-    └── ProviderError               a provider could not launch/stop/list workers
+    ├── ProviderError               a provider could not launch/stop/list workers
+    └── StateStoreError             a scheduler's state directory cannot be used (nothing loaded)
+        ├── StoreCorruptError       the store's file is damaged
+        ├── StoreVersionError       the store was written by another tidepool store version
+        └── StoreTokenError         the store belongs to a cluster with another token
 
 A task's own exception (say ``ValueError``) is re-raised on the client as itself, with the remote
 traceback attached as ``__cause__`` (a :class:`RemoteTraceback`).
@@ -146,6 +150,22 @@ class ProviderError(TidepoolError):
     def __init__(self, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class StateStoreError(TidepoolError):
+    """A scheduler's state directory (``--state-dir``) cannot be used; nothing of it was loaded."""
+
+
+class StoreCorruptError(StateStoreError):
+    """The state store's file is damaged (not a torn tail, which is dropped silently)."""
+
+
+class StoreVersionError(StateStoreError):
+    """The state store was written by a tidepool whose store layout differs from this one's."""
+
+
+class StoreTokenError(StateStoreError):
+    """The state store belongs to a cluster with another token (another cluster's directory)."""
 
 
 class RemoteTraceback(Exception):

@@ -195,6 +195,17 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         return client_repr(self, html=True)
 
     # ---- building and sending tasks --------------------------------------------------------------
+    def futures_of(self, keys: Iterable[Any]) -> list[Future[Any]]:
+        """Futures of tasks by key (a key string, or what ``key=`` was given), e.g. to re-attach to
+        the work of a client that died, while the scheduler (with a state directory) keeps those
+        keys for it; a key the scheduler does not know fails with ``TaskCancelledError``."""
+        conn = self._connection
+        conn.check_open()
+        names = [k if isinstance(k, str) else key_name(k) for k in keys]
+        futs = [self._new_future(k) for k in names]
+        conn.post(UpdateGraph([], names).encode())
+        return futs
+
     def _new_future(self, key: str) -> Future[Any]:
         conn = self._connection
 

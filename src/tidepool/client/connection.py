@@ -7,8 +7,9 @@ futures, answering requests, waking fetches).  Fetches follow the core's :class:
 read values straight from the workers that hold them, one request per worker, over connections
 kept per worker address.  This class is also every future's :class:`~tidepool.futures.FutureOwner`.
 
-Never hanging: once the scheduler connection is lost, every pending future and request fails with
-:class:`ConnectionLostError` and every later call raises it at once.  Fetches are bounded as a
+Never hanging: once the scheduler connection is lost (and, with a scheduler that announced a
+reconnect window, not regained within it: ``client/reconnect.py``), every pending future and
+request fails with :class:`ConnectionLostError` and every later call raises it at once.  Fetches are bounded as a
 whole by their timeout (asking, connecting, reading).  Any other error in the read loop closes the
 connection and fails the futures the same way.
 """
@@ -16,6 +17,7 @@ connection and fails the futures the same way.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -23,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tidepool.client import reconnect
 from tidepool.client.protocol import (
     Answered,
     Cancelled,
@@ -76,6 +79,12 @@ class ClientConnection:
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
         self.loop = LoopThread("tidepool-client")
         self.id = "?"
+        #: reconnecting to a restarted scheduler (client/reconnect.py)
+        self.reconnect_window = 0.0
+        self.resuming: asyncio.Event | None = None
+        self.resume_task: asyncio.Task[None] | None = None
+        self.request_msgs: dict[int, dict[str, Any]] = {}
+        self.recent_graphs: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
 
     @property
     def lost(self) -> ConnectionLostError | None:
@@ -94,7 +103,13 @@ class ClientConnection:
                 "running, is the address reachable from here, and does its scheme match (a TLS scheduler "
                 "has a tls:// address)?"
             ) from None
-        self.id = welcome.get("client", "?")
+        self.connected(self._conn, welcome)
+
+    def connected(self, conn: Connection, welcome: dict[str, Any]) -> None:
+        """Take ``conn`` (welcomed by the scheduler) as the scheduler connection and read from it."""
+        self._conn = conn
+        self.id = welcome.get("client", self.id)
+        self.reconnect_window = float(welcome.get("reconnect_window") or 0.0)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @property
@@ -105,6 +120,8 @@ class ClientConnection:
         if not hasattr(self, "_conn"):  # asynchronous, never connected
             return
         self._reader.cancel()
+        if self.resume_task is not None:
+            self.resume_task.cancel()
         self._conn.close()
         for conn, _ in self._workers.values():
             conn.close()
@@ -126,6 +143,8 @@ class ClientConnection:
         """Send ``msg`` after everything posted before, from any thread, without waiting."""
         with self.lock:
             self.core.send(msg)
+            if msg.get("op") == "update-graph":
+                reconnect.remember_graph(self, msg)
             kick = not self._draining
             self._draining = True
         if kick:
@@ -162,6 +181,8 @@ class ClientConnection:
                     if msg is None:
                         self._draining = False
                         return
+            while self._conn.closed and self.resuming is not None:  # reconnecting: keep the order
+                await self.resuming.wait()
             if self._conn.closed:
                 self._fail_request(msg, self.core.lost or ConnectionLostError(
                     f"the connection to the scheduler at {self.address} is closed"))  # fmt: skip
@@ -187,11 +208,15 @@ class ClientConnection:
         with self.lock:
             rid = self.core.request(msg)
             self._requests[rid] = fut
+            self.request_msgs[rid] = {**msg, "id": rid}  # asked again after a reconnection
             kick = not self._draining
             self._draining = True
         if kick:
             self._start_drain()
-        return await fut
+        try:
+            return await fut
+        finally:
+            self.request_msgs.pop(rid, None)
 
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
         """:meth:`request`, blocking the calling thread."""
@@ -205,7 +230,8 @@ class ClientConnection:
                 try:
                     msg = await self._conn.recv()
                 except CommError as exc:
-                    self._connection_lost(exc)
+                    if not reconnect.start_resume(self, exc):
+                        self._connection_lost(exc)
                     return
                 with self.lock:
                     events = self.core.receive(msg)  # a malformed message is our side's failure

@@ -253,6 +253,38 @@ class RetireWorkers:
     reason: str = "requested"
 
 
+@dataclass(slots=True)
+class WorkerRejoin:
+    """``worker`` registered again after losing the scheduler (which may have restarted from its
+    state directory): it holds ``held`` (key, nbytes), is executing ``running`` and has ``queued``
+    (assigned, not started).  Held values count as finished; its tasks stay where they are."""
+
+    worker: str
+    held: list[tuple[str, int]]
+    running: list[str]
+    queued: list[str]
+    now: float
+
+
+@dataclass(slots=True)
+class RestoreErrors:
+    """Tasks that had erred before a scheduler restart (key -> the error as reported): they err again
+    without running, and their dependents with them."""
+
+    errors: dict[str, dict[str, Any]]
+    now: float
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """A scheduler restart from its state directory reached a milestone (for the journal): ``stage``
+    ("loaded" or "resumed") and counts; the state does nothing with it."""
+
+    stage: str
+    fields: dict[str, Any]
+    now: float
+
+
 Event = (
     UpdateGraph
     | ReleaseKeys
@@ -275,6 +307,9 @@ Event = (
     | Restart
     | AddReplica
     | RetireWorkers
+    | WorkerRejoin
+    | RestoreErrors
+    | RecoveryReport
 )
 
 

@@ -41,6 +41,7 @@ from tidepool.errors import CommError, ProtocolError
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.explain import explain
+from tidepool.scheduler.recovery import Durability, rejoin_event
 from tidepool.scheduler.stalls import StallLog
 from tidepool.scheduler.state import SchedulerState
 
@@ -64,6 +65,9 @@ class Scheduler:
         tick_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         tls: TLSConfig | None = None,
+        state_dir: str | None = None,
+        reconnect_window: float | None = None,
+        recovery_wait: float | None = None,
         **state_kwargs: Any,
     ) -> None:
         #: worker id -> the node type it is being launched as (see expect_workers)
@@ -71,6 +75,12 @@ class Scheduler:
         self.refused_registrations = 0
         self.requested_address = address
         self.tls = tls
+        #: with ``state_dir``: the store, and what a restart from it waits for (scheduler/recovery.py)
+        self.durable: Durability | None = None
+        if state_dir is not None:
+            self.durable = Durability(state_dir, token or None, **_given(reconnect_window=reconnect_window,
+                                                                         recovery_wait=recovery_wait))  # fmt: skip
+            token = self.durable.token
         self.token = token or new_token()
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
@@ -103,8 +113,15 @@ class Scheduler:
         from tidepool.comm import accept_errors
 
         accept_errors.install()  # out of descriptors: one log line per interval, not one per accept
-        self.listener = await listen(self.requested_address, self._handle_conn, self.token, tls=self.tls)
+        where = self.requested_address
+        if self.durable is not None:  # rebuilt before anybody can connect; the same address as before
+            where = self.durable.address(where)
+            self._client_ids = self.durable.restore(self.state, self.clock())
+            self.subscribe(self.durable.observe)
+        self.listener = await listen(where, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
+        if self.durable is not None:
+            self.durable.store.set_address(self.address)
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
         log.info("scheduler listening at %s", self.address)
         return self
@@ -122,6 +139,8 @@ class Scheduler:
         for conn in list(self.client_conns.values()):
             conn.close()
         await self.listener.close()
+        if self.durable is not None:
+            await asyncio.to_thread(self.durable.close)
 
     def subscribe(self, observer: Observer) -> None:
         """``observer(events, commands)`` is called after every batch is applied."""
@@ -319,14 +338,23 @@ class Scheduler:
             self.refused_registrations += 1
             await conn.send({"op": "refused", "reason": overclaim})
             return
-        setups = [[name, blob] for name, blob in self.setups.items()]
-        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups})
+        rejoin = msg.get("rejoin")  # it lost us and kept its work: it has run the setups already
+        setups = [[name, blob] for name, blob in self.setups.items()] if rejoin is None else []
+        window = self.durable.reconnect_window if self.durable is not None else 0.0
+        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups,
+                         "reconnect_window": window})  # fmt: skip
         self.worker_conns[wid] = conn
         now = self.clock()
+        gated = self.durable is not None and not self.durable.gate_open
         join = ev.WorkerJoin(wid, str(msg["address"]), dict(msg["resources"]), now,
                              node_type=str(msg.get("node_type", "default")), name=str(msg.get("name", "")),
-                             memory_limit=int(msg.get("memory_limit", 0)), ready=not setups)  # fmt: skip
-        await self.apply([join])
+                             memory_limit=int(msg.get("memory_limit", 0)), ready=not setups and not gated)  # fmt: skip
+        joined: list[ev.Event] = [join]
+        if rejoin is not None:
+            joined.append(rejoin_event(wid, rejoin, now))
+        await self.apply(joined)
+        if gated and self.durable is not None:  # the last worker expected back opens the gate
+            await self.apply(self.durable.worker_joined(wid, now))
         reason = "connection closed"
         cause = ev.RemoveCause.CLOSED
         try:
@@ -383,10 +411,15 @@ class Scheduler:
                                                   cause=cause)])  # fmt: skip
 
     async def _handle_client(self, conn: Connection) -> None:
-        self._client_ids += 1
-        cid = f"client-{self._client_ids}"
+        resume = str(conn.info.get("resume") or "")
+        if resume and resume not in self.client_conns and self.durable is not None and self.durable.claim_client(resume):
+            cid = resume  # a restored client came back: its wanted keys are still its own
+        else:
+            self._client_ids += 1
+            cid = f"client-{self._client_ids}"
         self.client_conns[cid] = conn
-        await conn.send({"op": "welcome", "client": cid})
+        window = self.durable.reconnect_window if self.durable is not None else 0.0
+        await conn.send({"op": "welcome", "client": cid, "reconnect_window": window})
         try:
             while True:
                 msg = await conn.recv()
@@ -577,9 +610,17 @@ class Scheduler:
                 if said is not None:
                     log.log(*said)
             try:
-                await self.apply([ev.Tick(self.clock(), stalled)])
+                now = self.clock()
+                events: list[ev.Event] = [ev.Tick(now, stalled)]
+                if self.durable is not None:
+                    events += self.durable.on_tick(now)
+                await self.apply(events)
             except Exception:
                 log.exception("tick failed")
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:

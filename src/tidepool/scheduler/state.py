@@ -30,7 +30,7 @@ from typing import Any
 
 from tidepool.comm.serialize import Serialized
 from tidepool.resources import fits
-from tidepool.scheduler import audit, explain, intake, retire
+from tidepool.scheduler import audit, explain, intake, rejoin, retire
 from tidepool.scheduler import events as ev
 from tidepool.scheduler import placement as pl
 from tidepool.scheduler.estimates import DurationEstimates
@@ -110,7 +110,7 @@ class SchedulerState:
             ev.TasksStarted: self._tasks_started, ev.ValueUnservable: self._value_unservable,
             ev.CheckFeasible: self._check_feasible, ev.StealReply: self._steal_reply,
             ev.FireAndForget: self._fire_and_forget, ev.Broadcast: self._broadcast, ev.Restart: self._restart,
-            ev.TaskSeceded: self._task_seceded, ev.RetireWorkers: self._retire_workers,
+            ev.TaskSeceded: self._task_seceded, ev.RetireWorkers: self._retire_workers, **rejoin.handlers(self),
         }  # fmt: skip
 
     # ------------------------------------------------------------------------------------------

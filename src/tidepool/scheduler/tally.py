@@ -4,7 +4,9 @@ State: ``counts`` (task state -> records), ``group_counts`` (task group -> state
 the dashboard shows) and ``pending`` ((shape, group) -> tasks ready or no-worker: the demand
 scaling looks at).  The state machine (``state.py``) calls :meth:`Tally.add` when a record is
 made, :meth:`Tally.move` on every state change and :meth:`Tally.forget` when a record goes; each
-is O(1).  ``audit.validate`` recounts from the records and compares.
+is O(1).  ``audit.validate`` recounts from the records and compares.  With a state directory,
+``dirty`` collects the records that moved or were forgotten since the persister last took it
+(``scheduler/recovery.py``; one set insertion on the hot path); None: nobody persists.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ if TYPE_CHECKING:
 
 
 class Tally:
-    __slots__ = ("counts", "group_counts", "pending")
+    __slots__ = ("counts", "dirty", "group_counts", "pending")
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {TS.RELEASED: 0}
         self.group_counts: dict[str, dict[str, int]] = {}
         self.pending: dict[tuple[Shape, str], int] = {}
+        self.dirty: set[TaskRecord] | None = None
 
     def add(self, ts: TaskRecord) -> None:
         """A new record (state ``released``)."""
@@ -50,6 +53,8 @@ class Tally:
         g = self.group_counts[ts.group]
         g[old] -= 1
         g[new] = g.get(new, 0) + 1
+        if self.dirty is not None:
+            self.dirty.add(ts)
 
     def forget(self, ts: TaskRecord) -> None:
         """``ts``'s record is dropped; a group whose last record goes is forgotten too."""
@@ -58,6 +63,8 @@ class Tally:
         g[ts.state] -= 1
         if not any(g.values()):
             del self.group_counts[ts.group]
+        if self.dirty is not None:
+            self.dirty.add(ts)
 
     def clear(self) -> None:
         self.counts.clear()

@@ -8,7 +8,9 @@ its result and its ``resources`` when it asked for any), ``worker-startup`` (req
 registered -> ready of every worker the autoscaler launched, :mod:`tidepool.telemetry.startup`),
 the provider's ``worker-launch`` and ``fork-server`` records, and the
 scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed``, ``backoff``,
-``infeasible`` and ``decision`` records carrying ``reason``.  The journal lives in memory and,
+``infeasible`` and ``decision`` records carrying ``reason``; ``recovery`` records (stage
+``loaded``, then ``resumed`` with the values recovered, recomputed and the running tasks adopted)
+after a scheduler restarts from its state directory.  The journal lives in memory and,
 given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  The file is
 flushed at least once a second while records arrive and on every scheduler tick (the scheduler
 calls :meth:`observe` every ``tick_interval``), so a journal survives a killed scheduler up to its
@@ -71,6 +73,8 @@ class Journal:
                             resources=e.resources)  # fmt: skip
             elif isinstance(e, ev.WorkerRemove):
                 self.record("worker-leave", e.now, worker=e.worker, reason=e.reason, graceful=e.graceful)
+            elif isinstance(e, ev.RecoveryReport):  # a restart from the state directory (recovery.py)
+                self.record("recovery", e.now, stage=e.stage, **e.fields)
             elif isinstance(e, ev.Heartbeat) and e.metrics.get("spill_disabled"):  # sent once, at the change
                 self.record("spill-disabled", e.now, worker=e.worker, reason=str(e.metrics["spill_disabled"]))
             elif self.tasks and isinstance(e, ev.TaskFinished):

@@ -80,6 +80,11 @@ def resolve_limit(memory_limit: int | str | None, resources: Mapping[str, float]
     return int(psutil.virtual_memory().total // max(1, share))
 
 
+def mib(n: int | float) -> str:
+    """``n`` bytes as whole MiB, for messages."""
+    return f"{n / 2**20:,.0f} MiB"
+
+
 def high_water_mark() -> int:
     """The process's peak RSS as the kernel counted it (Linux ``VmHWM``; 0 elsewhere): samples
     can miss a short peak, this cannot."""

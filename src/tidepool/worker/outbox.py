@@ -4,7 +4,8 @@ State: the entries not sent yet (report kind -> list), whether a flush is schedu
 batches are handed to an asynchronous send and not written yet (a later batch never overtakes
 them).  Data flow: the worker shell adds what its state reports (:meth:`Outbox.add`) and calls
 :meth:`Outbox.flush` at once when the scheduler must hear now (``started`` before a task can crash
-the process), else :meth:`Outbox.soon`.
+the process), else :meth:`Outbox.soon`.  With ``hold`` set (the worker may reconnect within a
+window, ``worker/reconnect.py``) entries are kept, not dropped, while the connection is closed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Outbox:
         self.batch: dict[str, list[Any]] = {}
         self._scheduled = False
         self._in_flight = 0
+        #: keep entries while the connection is closed (they go out after a re-registration)
+        self.hold = False
 
     def add(self, kind: str, item: Any) -> None:
         self.batch.setdefault(kind, []).append(item)
@@ -37,6 +40,8 @@ class Outbox:
 
     def flush(self) -> None:
         self._scheduled = False
+        if self.hold and self.conn is not None and self.conn.closed:
+            return
         batch, self.batch = self.batch, {}
         msg: dict[str, Any] = {"op": "task-batch", **{k: v for k, v in batch.items() if v}}
         if "stolen" in msg or "kept" in msg:  # a steal reply has both

@@ -12,7 +12,8 @@ fetches, the data server and the memory monitor feed events too.  :meth:`Worker.
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
 Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
 replies, and seceded tasks) are sent at once: the scheduler hears a task started before it can
-crash the process.  If the scheduler connection is lost the worker stops.
+crash the process.  If the scheduler connection is lost the worker stops, unless it may retry
+within a reconnect window (``worker/reconnect.py``: it keeps its work and registers again).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
 from tidepool.errors import CommError
 from tidepool.resources import worker_resources
-from tidepool.worker import jobs
+from tidepool.worker import jobs, reconnect
 from tidepool.worker import state as ws
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 from tidepool.worker.jobs import metrics
@@ -48,6 +49,7 @@ from tidepool.worker.memory import (
     Action,
     MemoryMonitor,
     MemoryThresholds,
+    mib,
     resolve_limit,
     trim_memory,
 )
@@ -68,7 +70,7 @@ class Worker:
                  memory_thresholds: MemoryThresholds | None = None, memory_share: int = 1,
                  spill_dir: str | None = None, spill_limit: int | str | None = None, preload: list[str] | None = None,
                  restartable: bool = False, tls: TLSConfig | None = None,
-                 fetch_timeout: float | None = None) -> None:  # fmt: skip
+                 fetch_timeout: float | None = None, reconnect_window: float | None = None) -> None:  # fmt: skip
         self.scheduler_address = scheduler
         self.token = token
         self.scheme = parse_address(scheduler)[0]
@@ -80,6 +82,8 @@ class Worker:
         self.name = name or self.id
         self.host = host or listen_host(scheduler)
         self.heartbeat_interval = heartbeat_interval
+        #: seconds to keep retrying a lost scheduler (setting None: what it announces; worker/reconnect.py)
+        self.reconnect_window_setting, self.reconnect_window = reconnect_window, 0.0
         #: seconds a peer may send nothing while we fetch from it before its copy counts as suspect
         self.fetch_timeout = fetch_timeout if fetch_timeout is not None else fetch_timeout_from_env()
         self.memory_limit = resolve_limit(memory_limit, res, memory_share)
@@ -139,15 +143,11 @@ class Worker:
             local = getattr(self.conn, "local_host", "") or socket.gethostbyname(socket.gethostname())
             self.address = f"{scheme}://{local}:{self.address.rsplit(':', 1)[1]}"
         self.outbox.conn = self.conn
-        await self.conn.send({
-            "op": "register", "id": self.id, "address": self.address, "resources": self.resources,
-            "node_type": self.node_type, "name": self.name, "pid": os.getpid(),
-            "memory_limit": self.memory_limit, "host": socket.gethostname(),
-        })  # fmt: skip
+        await self.conn.send(reconnect.registration(self))
         reply = await self.conn.recv()
         if reply.get("op") != "registered":
             raise CommError(f"scheduler refused registration: {reply.get('reason', reply)}")
-        self.heartbeat_interval = float(reply.get("heartbeat_interval", self.heartbeat_interval))
+        reconnect.registered(self, reply)
         self._initial_setups = list(reply.get("setups") or [])
 
     async def finished(self) -> None:
@@ -178,42 +178,48 @@ class Worker:
 
     # ---- the scheduler connection ------------------------------------------------------------
     async def _scheduler_loop(self) -> None:
+        while True:  # a lost scheduler may come back within the reconnect window
+            try:
+                return await self._serve_scheduler()
+            except CommError as exc:
+                if not await reconnect.rejoin(self, exc):
+                    return await self.close(f"lost the scheduler: {exc}")
+
+    async def _serve_scheduler(self) -> None:
         assert self.conn is not None
-        try:
-            if self._initial_setups:
-                self.setup_failed = not await jobs.apply_setups(self.conn, self._initial_setups, self.setup_dir, True)
-            while True:
-                msg = await self.conn.recv()
-                op = msg.get("op")
-                if op == "setup":  # handled in order: later tasks wait for it
-                    if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
-                        self.setup_failed = True
-                elif op == "compute":
-                    compute = self._compute(msg)
-                    self._apply(self.state.handle(compute))
-                    self._forget(tuple(t.key for t in compute.tasks))  # held here already: not run
-                elif op == "free":
-                    self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
-                    self._forget(tuple(msg["keys"]))
-                elif op == "steal":
-                    self._apply(self.state.handle(ws.StealKeys(tuple(msg["keys"]))))
-                elif op == "run":
-                    asyncio.get_running_loop().create_task(jobs.run_function(self.conn, msg))
-                elif op == "restart":  # client.restart: a fresh process with the same command line, or just stop
-                    await self.close("restart requested by a client")
-                    if self.restartable:
-                        jobs.reexec(self.id)
-                    return
-                elif op == "replicate":
-                    for key, holders in msg["keys"].items():
-                        self._apply(self.state.handle(ws.Replicate(key, tuple(tuple(h) for h in holders))))
-                elif op == "close":
-                    await self.close(msg.get("reason", "asked by the scheduler"))
-                    return
-                else:
-                    log.warning("unknown message from scheduler: %r", op)
-        except CommError as exc:
-            await self.close(f"lost the scheduler: {exc}")
+        if self._initial_setups:
+            setups, self._initial_setups = self._initial_setups, []
+            self.setup_failed = not await jobs.apply_setups(self.conn, setups, self.setup_dir, True)
+        while True:
+            msg = await self.conn.recv()
+            op = msg.get("op")
+            if op == "setup":  # handled in order: later tasks wait for it
+                if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
+                    self.setup_failed = True
+            elif op == "compute":
+                compute = self._compute(msg)
+                self._apply(self.state.handle(compute))
+                self._forget(tuple(t.key for t in compute.tasks))  # held here already: not run
+            elif op == "free":
+                self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
+                self._forget(tuple(msg["keys"]))
+            elif op == "steal":
+                self._apply(self.state.handle(ws.StealKeys(tuple(msg["keys"]))))
+            elif op == "run":
+                asyncio.get_running_loop().create_task(jobs.run_function(self.conn, msg))
+            elif op == "restart":  # client.restart: a fresh process with the same command line, or just stop
+                await self.close("restart requested by a client")
+                if self.restartable:
+                    jobs.reexec(self.id)
+                return
+            elif op == "replicate":
+                for key, holders in msg["keys"].items():
+                    self._apply(self.state.handle(ws.Replicate(key, tuple(tuple(h) for h in holders))))
+            elif op == "close":
+                await self.close(msg.get("reason", "asked by the scheduler"))
+                return
+            else:
+                log.warning("unknown message from scheduler: %r", op)
 
     def _compute(self, msg: dict[str, Any]) -> ws.Compute:
         for fid, blob in (msg.get("functions") or {}).items():
@@ -352,7 +358,7 @@ class Worker:
             trim_memory()
         if self.state.paused != was:
             log.log(logging.WARNING if self.state.paused else logging.INFO, "worker %s %s: memory %s of its %s limit",
-                    self.id, "paused" if self.state.paused else "resumed", _mb(rss), _mb(self.memory_limit))  # fmt: skip
+                    self.id, "paused" if self.state.paused else "resumed", mib(rss), mib(self.memory_limit))  # fmt: skip
 
     def _spill_disabled(self, reason: str) -> None:
         """The spill store turned spilling off (a write failed, or the spill limit was reached):
@@ -363,7 +369,7 @@ class Worker:
 
     async def _memory_terminate(self, rss: int) -> None:
         limit, pct = self.memory_limit, round(self.memory_thresholds.terminate * 100)
-        why = f"worker {self.name} used {_mb(rss)} of memory, over {pct}% of its {_mb(limit)} limit; it restarts"
+        why = f"worker {self.name} used {mib(rss)} of memory, over {pct}% of its {mib(limit)} limit; it restarts"
         log.error("%s (running: %s)", why, ", ".join(self.state.running) or "nothing")
         self.exit_reason = "memory"
         if self.conn is not None and not self.conn.closed:
@@ -371,7 +377,6 @@ class Worker:
                 await self.conn.send({"op": "memory-exceeded", "rss": rss, "limit": limit, "message": why,
                                       "restarting": self.restartable})  # fmt: skip
         await self.close(why)
-
 
     def _send_metrics(self) -> None:
         if self.conn is not None and not self.conn.closed:
@@ -385,10 +390,6 @@ class Worker:
                 return
             with contextlib.suppress(CommError):
                 await self.conn.send({"op": "heartbeat", "metrics": metrics(self.data, self.state, self.monitor, self._proc)})
-
-
-def _mb(n: int | float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
 
 
 async def run_worker(scheduler: str, token: str, **kwargs: Any) -> None:

@@ -1,0 +1,167 @@
+"""``LocalCluster(state_dir=...)``: a durable scheduler in a process of its own, plus local workers.
+
+State: the ``tidepool scheduler --state-dir`` process (``scheduler_proc``; its output goes to
+``scheduler.log`` in the state directory), its address and token (read from its first line and
+its token file), and the :class:`LocalProvider` owning the worker processes.
+
+Data flow: the scheduler process keeps the graph and outcomes in the state directory; workers and
+clients reach it over TCP like any other.  :meth:`kill_scheduler` SIGKILLs it (tests and demos);
+:meth:`restart_scheduler` starts it again on the same directory, so on the same address and token:
+workers and clients reconnect by themselves (docs/recovery.md).  ``close()`` stops the scheduler
+(which closes its workers) and then makes sure no worker process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tidepool.comm.auth import read_token_file
+from tidepool.errors import ConfigError
+from tidepool.loop import ClosesOnExit
+from tidepool.providers.local import LocalProvider
+from tidepool.scaling.node_types import NodeType
+
+_LAUNCH = "import sys; from tidepool.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+class DurableLocalCluster(ClosesOnExit):
+    """A local cluster whose scheduler survives ``kill -9`` (see the module docstring)."""
+
+    def __init__(self, n_workers: int | None = None, *, state_dir: str, slots: int = 1,
+                 resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
+                 timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
+                 reconnect_window: float | None = None, recovery_wait: float | None = None,
+                 journal: str | None = None,
+                 fork_server: bool | None = None) -> None:  # fmt: skip
+        self.state_dir = str(state_dir)
+        Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.host, self.port, self.timeout = host, port, timeout
+        self.reconnect_window = reconnect_window
+        self.recovery_wait = recovery_wait
+        self.env = dict(env or {})
+        self.closed = False
+        self.scheduler_proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self.token = ""
+        self.tls = None
+        self._starts = 0
+        self.start_scheduler(journal)
+        self.provider = LocalProvider(self.address, self.token, env=self.env, heartbeat_interval=heartbeat_interval,
+                                      fork_server=fork_server)  # fmt: skip
+        res = dict(resources or {})
+        res.setdefault("cpu", slots)
+        self.default_type = NodeType("default", res, max_nodes=10_000)
+        self._req = 0
+        if n_workers:
+            try:
+                self.add_workers(n_workers)
+            except BaseException:
+                self.close()
+                raise
+
+    # ---- the scheduler process ---------------------------------------------------------------------
+    def start_scheduler(self, journal: str | None = None) -> None:
+        """Start ``tidepool scheduler --state-dir`` (again); returns once it listens."""
+        if self.scheduler_proc is not None and self.scheduler_proc.poll() is None:
+            raise ConfigError("the scheduler is still running; kill_scheduler() first")
+        log_path = Path(self.state_dir) / "scheduler.log"
+        token_file = Path(self.state_dir) / "token"
+        start_at = log_path.stat().st_size if log_path.exists() else 0
+        args = ["scheduler", "--state-dir", self.state_dir, "--host", self.host, "--port", str(self.port),
+                "--no-dashboard", "--token-file", str(token_file)]  # fmt: skip
+        if self.reconnect_window is not None:
+            args += ["--reconnect-window", str(self.reconnect_window)]
+        if self.recovery_wait is not None:
+            args += ["--recovery-wait", str(self.recovery_wait)]
+        if journal:
+            args += ["--journal", journal]
+        env = {k: v for k, v in os.environ.items() if k not in ("TIDEPOOL_TOKEN", "TIDEPOOL_TOKEN_FILE")}
+        with open(log_path, "ab") as out:
+            self.scheduler_proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, *args], stdout=out,
+                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                   env={**env, **self.env})  # fmt: skip
+        self._starts += 1
+        deadline = time.monotonic() + self.timeout
+        while True:
+            text = log_path.read_bytes()[start_at:].decode(errors="replace")
+            for line in text.splitlines():
+                if line.startswith("tidepool scheduler at "):
+                    self.address = line.split(" at ", 1)[1].strip()
+                    self.token = read_token_file(str(token_file))
+                    return
+            if self.scheduler_proc.poll() is not None:
+                raise ConfigError(f"the scheduler exited with code {self.scheduler_proc.returncode}:\n{text[-3000:]}")
+            if time.monotonic() > deadline:
+                self.scheduler_proc.kill()
+                raise TimeoutError(f"the scheduler did not start within {self.timeout}s:\n{text[-3000:]}")
+            time.sleep(0.05)
+
+    def kill_scheduler(self) -> None:
+        """SIGKILL the scheduler process (what a crash or a lost machine does)."""
+        if self.scheduler_proc is not None and self.scheduler_proc.poll() is None:
+            self.scheduler_proc.send_signal(signal.SIGKILL)
+            self.scheduler_proc.wait()
+
+    def restart_scheduler(self, journal: str | None = None) -> float:
+        """Start the scheduler again on the same state directory; returns the seconds it took to listen."""
+        t0 = time.monotonic()
+        self.start_scheduler(journal)
+        return time.monotonic() - t0
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def add_workers(self, n: int = 1, *, wait: bool = True) -> list[str]:
+        self._req += 1
+        rid = f"d{self._starts}-{self._req}"
+        ids = self.provider.worker_ids(self.default_type, n, rid)
+        self.provider.launch(self.default_type, n, rid)
+        if wait:
+            self.wait_for_workers(ids)
+        return ids
+
+    def workers(self) -> list[str]:
+        """Ids of the workers registered now (asked of the scheduler)."""
+        from tidepool.client import Client
+
+        with Client(self.address, self.token, timeout=self.timeout) as c:
+            return [w["id"] for w in c.scheduler_info()["workers"]]
+
+    def wait_for_workers(self, ids: list[str], timeout: float | None = None) -> None:
+        from tidepool.client import Client
+
+        deadline = time.monotonic() + (timeout or self.timeout)
+        with Client(self.address, self.token, timeout=self.timeout) as c:
+            while True:
+                present = {w["id"] for w in c.scheduler_info()["workers"]}
+                if set(ids) <= present:
+                    return
+                errors = self.provider.poll_errors()
+                if errors:
+                    raise ConfigError("workers failed to start: " + "; ".join(e.message for e in errors))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers {sorted(set(ids) - present)} did not register within "
+                                       f"{timeout or self.timeout}s")  # fmt: skip
+                time.sleep(0.1)
+
+    def kill_worker(self, wid: str) -> None:
+        self.provider.kill(wid)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        proc = self.scheduler_proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # closes its workers, flushes its store
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if hasattr(self, "provider"):
+            self.provider.close()

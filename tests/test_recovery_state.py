@@ -1,0 +1,155 @@
+"""Persisting the scheduler state per tick and rebuilding it after a restart (no sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tidepool.scheduler import events as ev
+from tidepool.scheduler.recovery import Durability, Persister
+from tidepool.scheduler.state import SchedulerState
+from tidepool.scheduler.store import StateStore
+from tidepool.testing import FakeClock, StateDriver
+
+TOKEN = "k" * 32
+
+
+def _durable_driver(tmp_path: Path) -> tuple[StateDriver, Persister, StateStore]:
+    store = StateStore(tmp_path, TOKEN)
+    d = StateDriver(SchedulerState(no_worker_timeout=None), FakeClock())
+    p = Persister(store, d.state)
+    d.observers.append(p.observe)
+    return d, p, store
+
+
+def _tick(d: StateDriver) -> None:
+    d.send(ev.Tick(d.clock.advance(0.5)))
+
+
+def _chain_graph(n: int) -> list[tuple[str, list[str]]]:
+    """``n`` independent pairs: ``a-i`` then ``b-i`` needing it."""
+    return [t for i in range(n) for t in ((f"a-{i}", []), (f"b-{i}", [f"a-{i}"]))]
+
+
+def _restart(tmp_path: Path, **kw: float) -> tuple[Durability, StateDriver]:
+    dur = Durability(str(tmp_path), TOKEN, **kw)
+    st = SchedulerState(no_worker_timeout=None)
+    d = StateDriver(st, FakeClock(100.0))
+    dur.restore(st, d.clock())
+    d.observers.append(dur.observe)  # as the server subscribes it
+    return dur, d
+
+
+def test_a_tick_persists_outcomes_and_forgets_released_tasks(tmp_path: Path) -> None:
+    d, p, store = _durable_driver(tmp_path)
+    d.add_worker("w1", {"cpu": 4.0})
+    d.submit(_chain_graph(3), [f"b-{i}" for i in range(3)])
+    d.finish("w1", "a-0")
+    d.finish("w1", "b-0")
+    d.fail("w1", "a-1", "broken")
+    _tick(d)
+    store.drain()
+    snap = store.load()
+    status = {t.key: t.status for t in snap.tasks}
+    assert status["b-0"] == "m" and status["a-1"] == "e" and status["b-1"] == "e"
+    assert status["a-2"] == "p" and status["b-2"] == "p"
+    assert snap.wants == {"c": ["b-0", "b-1", "b-2"]} or sorted(snap.wants["c"]) == ["b-0", "b-1", "b-2"]
+    assert next(t for t in snap.tasks if t.key == "b-0").holders == ["w1"]
+    d.release(["b-0", "b-1"])  # their records (and their inputs') leave the store
+    _tick(d)
+    store.drain()
+    snap = store.load()
+    assert sorted(t.key for t in snap.tasks) == ["a-2", "b-2"]
+    assert sorted(snap.wants["c"]) == ["b-2"]
+    store.close()
+
+
+def test_a_restart_waits_for_its_workers_then_counts_held_values_as_finished(tmp_path: Path) -> None:
+    d, p, store = _durable_driver(tmp_path)
+    d.add_worker("w1", {"cpu": 1.0})
+    d.add_worker("w2", {"cpu": 1.0})
+    d.submit(_chain_graph(4), [f"b-{i}" for i in range(4)])
+    for wid in ("w1", "w2"):
+        for key in list(d.running[wid]):
+            d.finish(wid, key)  # an a-i on each worker
+    held = {w: sorted(k for k, ts in d.state.tasks.items() if w in ts.who_has) for w in ("w1", "w2")}
+    running = {w: list(d.running[w]) for w in ("w1", "w2")}  # b-i now executing there
+    assert all(held.values()) and all(running.values())
+    _tick(d)
+    store.close()  # the scheduler dies here
+
+    dur, d2 = _restart(tmp_path, recovery_wait=30.0)
+    st = d2.state
+    assert not dur.gate_open
+    assert sorted(st.clients["c"]) == [f"b-{i}" for i in range(4)]
+    # w1 comes back first: it holds values and runs a task, but is given nothing new yet
+    d2.send(ev.WorkerJoin("w1", "tcp://w1:1", {"cpu": 1.0}, d2.clock(), ready=False),
+            ev.WorkerRejoin("w1", [(k, 8) for k in held["w1"]], running["w1"], [], d2.clock()))  # fmt: skip
+    assert d2.send(*dur.worker_joined("w1", d2.clock())) == []  # w2 is still expected
+    assert not any(isinstance(c, ev.Execute) for c in d2.log), "nothing runs before the workers are back"
+    d2.send(ev.WorkerJoin("w2", "tcp://w2:1", {"cpu": 1.0}, d2.clock(), ready=False),
+            ev.WorkerRejoin("w2", [(k, 8) for k in held["w2"]], running["w2"], [], d2.clock()))  # fmt: skip
+    opened = dur.worker_joined("w2", d2.clock())
+    d2.send(*opened)
+    assert dur.gate_open
+    report = next(e for e in opened if isinstance(e, ev.RecoveryReport) and e.stage == "resumed")
+    assert report.fields["adopted_running"] == sum(map(len, running.values())) and report.fields["workers_missing"] == []
+    executed = [c.key for c in d2.log if isinstance(c, ev.Execute)]
+    assert not set(executed) & set(held["w1"] + held["w2"] + running["w1"] + running["w2"]), executed
+    for w in ("w1", "w2"):
+        for key in running[w]:
+            assert st.tasks[key].state == "running" and st.tasks[key].worker == w
+            d2.finish(w, key)  # the result of a task that kept running is accepted
+            assert st.tasks[key].state == "memory"
+    d2.run_until_idle()
+    assert all(st.tasks[f"b-{i}"].state == "memory" for i in range(4))
+    st.validate()
+    dur.close()
+
+
+def test_values_whose_holder_never_returns_are_recomputed_after_the_wait(tmp_path: Path) -> None:
+    d, p, store = _durable_driver(tmp_path)
+    d.add_worker("w1", {"cpu": 1.0})
+    d.submit([("a-0", []), ("b-0", ["a-0"])], ["b-0"])
+    d.finish("w1", "a-0")
+    _tick(d)
+    store.close()
+    dur, d2 = _restart(tmp_path, recovery_wait=5.0)
+    d2.send(ev.WorkerJoin("w9", "tcp://w9:1", {"cpu": 1.0}, d2.clock(), ready=False))
+    assert d2.send(*dur.worker_joined("w9", d2.clock())) == []
+    assert d2.send(*dur.on_tick(d2.clock.advance(1.0))) == []  # still waiting for w1
+    d2.send(*dur.on_tick(d2.clock.advance(5.0)))
+    assert dur.gate_open
+    assert [c.key for c in d2.log if isinstance(c, ev.Execute)] == ["a-0"]  # recomputed on w9
+    d2.send(*dur.on_tick(d2.clock.advance(0.5)))  # the next tick's flush
+    dur.close()
+    dur2, _ = _restart(tmp_path)
+    assert dur2.expected == {"w9"}, "a worker that never came back is not waited for again"
+    dur2.close()
+
+
+def test_errors_come_back_without_running_again(tmp_path: Path) -> None:
+    d, p, store = _durable_driver(tmp_path)
+    d.add_worker("w1")
+    d.submit([("a-0", []), ("b-0", ["a-0"])], ["b-0"])
+    d.fail("w1", "a-0", "it broke")
+    _tick(d)
+    store.close()
+    dur, d2 = _restart(tmp_path)
+    ts = d2.state.tasks["b-0"]
+    assert ts.state == "erred" and ts.message == "it broke" and ts.error_origin == "a-0"
+    dur.close()
+
+
+def test_restored_clients_that_do_not_come_back_are_released(tmp_path: Path) -> None:
+    d, p, store = _durable_driver(tmp_path)
+    d.submit([("x-0", [])], ["x-0"], client="client-7")
+    _tick(d)
+    store.close()
+    dur, d2 = _restart(tmp_path, reconnect_window=60.0)
+    assert "x-0" in d2.state.tasks
+    d2.send(*dur.on_tick(d2.clock.advance(30.0)))
+    assert "x-0" in d2.state.tasks
+    d2.send(*dur.on_tick(d2.clock.advance(31.0)))
+    assert "x-0" not in d2.state.tasks
+    assert not dur.claim_client("client-7")  # too late to claim it
+    dur.close()

@@ -1,0 +1,155 @@
+"""kill -9 a durable scheduler under a running graph, start it again: nothing finished is lost.
+
+Real processes: ``tidepool scheduler --state-dir`` (LocalCluster(state_dir=...)), worker processes,
+a client in this process.  Every task appends its key to a file per worker process when it starts,
+so executions are counted, not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tidepool import Client, LocalCluster
+from tidepool.testing import wait_until
+
+
+def _log_run(runs: str, key: str) -> None:
+    with open(os.path.join(runs, str(os.getpid())), "a") as f:
+        f.write(key + "\n")
+
+
+def quick(i: int, runs: str) -> int:
+    _log_run(runs, f"quick-{i}")
+    return i * 2
+
+
+def slow(i: int, runs: str, flag: str) -> int:
+    """Starts, says so, and runs until ``flag`` exists (across the scheduler's death and restart)."""
+    _log_run(runs, f"slow-{i}")
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    return 1000 + i
+
+
+def after(x: int, i: int, runs: str) -> int:
+    _log_run(runs, f"after-{i}")
+    return x + 1
+
+
+def _executions(runs: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in runs.iterdir():
+        for line in p.read_text().splitlines():
+            counts[line] = counts.get(line, 0) + 1
+    return counts
+
+
+def _journal(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    flag = str(tmp_path / "go")
+    n_quick, n_slow = 4990, 5
+    journal = tmp_path / "after-restart.jsonl"
+    with LocalCluster(3, slots=3, state_dir=str(tmp_path / "state"), reconnect_window=180.0,
+                      recovery_wait=120.0, timeout=120) as cluster:  # a loaded machine: wait for every worker
+        with Client(cluster, timeout=60) as client:
+            slows = [client.submit(slow, i, str(runs), flag, key=f"slow-{i}") for i in range(n_slow)]
+            waits = [client.submit(after, s, i, str(runs), key=f"after-{i}") for i, s in enumerate(slows)]
+            quicks = client.map(quick, range(n_quick), [str(runs)] * n_quick, key=[f"quick-{i}" for i in range(n_quick)])
+            assert len(quicks) + len(slows) + len(waits) == 5000
+            # some results held, some tasks running, a few waiting
+            wait_until(lambda: sum(f.done() for f in quicks) >= n_quick // 2, timeout=300, what="half the quick tasks")
+            wait_until(lambda: all(c == 1 for c in [_executions(runs).get(f"slow-{i}", 0) for i in range(n_slow)]),
+                       timeout=300, what="every slow task executing")  # fmt: skip
+            cluster.kill_scheduler()
+            assert not any(f.done() for f in waits)
+            cluster.restart_scheduler(journal=str(journal))
+            wait_until(lambda: any(r.get("stage") == "resumed" for r in _journal(journal)), timeout=120,
+                       what="the journal's 'resumed' record")  # fmt: skip
+            Path(flag).touch()  # the slow tasks, still running on their workers, finish now
+            assert client.gather(slows, timeout=300) == [1000 + i for i in range(n_slow)]
+            assert client.gather(waits, timeout=300) == [1001 + i for i in range(n_slow)]
+            assert client.gather(quicks, timeout=300) == [2 * i for i in range(n_quick)]
+    counts = _executions(runs)
+    assert len(counts) == 5000
+    reran = {k: n for k, n in counts.items() if n != 1}
+    assert not reran, f"tasks executed more than once: {dict(list(reran.items())[:10])}"
+    resumed = next(r for r in _journal(journal) if r.get("stage") == "resumed")
+    loaded = next(r for r in _journal(journal) if r.get("stage") == "loaded")
+    assert int(loaded["finished"]) > 0  # type: ignore[call-overload]
+    assert int(resumed["recovered"]) > 0 and int(resumed["adopted_running"]) >= n_slow  # type: ignore[call-overload]
+    assert resumed["recomputed"] == 0 and resumed["workers_missing"] == []
+
+
+def test_a_worker_past_its_reconnect_window_exits_cleanly(tmp_path: Path) -> None:
+    with LocalCluster(1, state_dir=str(tmp_path / "state"), reconnect_window=2.0, timeout=120) as cluster:
+        (wid,) = cluster.workers()
+        proc = cluster.provider.procs[wid].proc
+        cluster.kill_scheduler()
+        wait_until(lambda: proc.poll() is not None, timeout=120, what="the worker to give up and exit")
+        assert proc.returncode == 0
+
+
+def _stored_wants(state: Path, prefix: str) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(state / "state.sqlite3")
+    try:
+        return int(db.execute("SELECT count(*) FROM wants WHERE key LIKE ?", (prefix + "%",)).fetchone()[0])
+    finally:
+        db.close()
+
+
+_DOOMED_CLIENT = """
+import sys, time
+from tidepool import Client
+from test_scheduler_restart_e2e import quick
+c = Client(sys.argv[1], sys.argv[2], timeout=60)
+futs = [c.submit(quick, i, sys.argv[3], key=f"kept-{i}") for i in range(20)]
+c.gather(futs, timeout=120)
+print("done", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_client_re_attaches_to_its_keys_after_a_restart(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    with LocalCluster(2, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, cluster.address, cluster.token, str(runs)],
+                                  stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})  # fmt: skip
+        try:
+            assert doomed.stdout is not None and doomed.stdout.readline().strip() == b"done"
+            # a store tick has passed since (what is not flushed yet only comes back with its client)
+            wait_until(lambda: _stored_wants(tmp_path / "state", "kept-") == 20, timeout=60,
+                       what="the client's keys in the store")  # fmt: skip
+            cluster.kill_scheduler()  # the machine both ran on went down
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(60)
+        finally:
+            if doomed.poll() is None:
+                doomed.kill()
+        cluster.restart_scheduler()
+        with Client(cluster, timeout=60) as client:
+            futs = client.futures_of([f"kept-{i}" for i in range(20)])
+            assert client.gather(futs, timeout=120) == [2 * i for i in range(20)]
+            (gone,) = client.futures_of(["never-submitted"])
+            try:
+                gone.result(timeout=60)
+                raise AssertionError("an unknown key must fail")
+            except Exception as exc:  # noqa: BLE001
+                assert type(exc).__name__ == "TaskCancelledError", exc
+    assert all(n == 1 for n in _executions(runs).values())
