@@ -9,7 +9,7 @@ compares makespan and held worker-seconds.
 
 - ``real``: median of ``--repeat`` real runs.  Held worker-seconds from the run's journal
   (``worker-join``/``worker-leave``, elastic.py's ``held w-s (log)``) within the makespan.
-- ``sim``: median over ``--repeat`` seeds with the ``local`` preset (start-up normal(0.3, 0.05) s).
+- ``sim``: median over ``--repeat`` seeds with the ``local`` preset (start-up normal(0.1, 0.03) s).
 - ``sim (measured start-up)``: the start-up distribution replaced by the launch-to-join delays
   measured in these real runs (their mean and spread), to show what is due to the start-up model.
 
@@ -277,7 +277,7 @@ workload).  Measured {when} with `.venv/bin/python benchmarks/sim_fidelity.py --
 --write-docs` on {info["nproc"]} CPUs ({info["cpu"]}), load average at start {info["load"]}: real values
 are medians of {args.repeat} runs, simulated ones medians of {args.repeat} seeds.  The launch-to-join
 delays of the real workers were {mean:.2f} s on average (sd {sd:.2f} s, {len(delays)} workers); the
-last two columns use that instead of the preset's normal(0.3, 0.05) s."""
+last two columns use that instead of the preset's normal(0.1, 0.03) s."""
         write_section(DOCS, "fidelity", section, header="# Simulation\n")
         print(f"wrote the fidelity section of {DOCS.relative_to(ROOT)}")
     return 0

@@ -72,7 +72,7 @@ def test_a_journal_replays_as_its_graph_with_its_own_start_up(tmp_path: Path) ->
     notes = calibrate_startup(cluster, load_records(str(path)))
     boot = cluster.models["default"].boot
     assert boot.kind == "choice" and sorted(boot.params) == pytest.approx([0.15, 0.35])  # request -> ready
-    assert "2 measured workers" in notes[0] and "normal(0.3, 0.05)" in notes[0]
+    assert "2 measured workers" in notes[0] and "normal(0.1, 0.03)" in notes[0]
     # gaps before a runnable task: b right after a (0 s), d 0.1 s after c; one message = half the mean
     assert sorted(dispatch_gaps(load_records(str(path)))) == pytest.approx([0.0, 0.1])
     assert calibrate_latency(cluster, load_records(str(path)))

@@ -98,7 +98,7 @@ class StartupModel:
 
 
 PRESETS: dict[str, StartupModel] = {
-    "local": StartupModel(boot=Dist("normal", (0.3, 0.05))),
+    "local": StartupModel(boot=Dist("normal", (0.1, 0.03))),  # fork-server workers (docs/simulation.md)
     "ssh": StartupModel(boot=Dist("uniform", (1.0, 3.0))),
     "cloud": StartupModel(boot=Dist("uniform", (60.0, 120.0))),
     "slurm": StartupModel(boot=Dist("uniform", (5.0, 15.0)), queue=Dist("lognormal", (120.0, 1.0)),
