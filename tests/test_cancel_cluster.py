@@ -121,6 +121,10 @@ def test_a_cancelled_task_queued_on_a_worker_never_runs(cluster: tidepool.LocalC
         client.cancel(queued)
     assert queued.cancelled()
     assert task_view(cluster, queued.key) is None
+    # the scheduler has forgotten it and sent alpha "free"; a call run on alpha after that message
+    # (same connection, handled in order) proves alpha has read it before the blocker may finish
+    # (on a loaded machine the worker can read it later than the test opens the gate)
+    assert list(client.run(os.getpid, workers=[addresses(client)["alpha"]]).values())
     gate.touch()
     assert blocker.result(timeout=15) == "blocker"
     # alpha runs its queue in order: a task sent after the cancelled one has finished, so the
