@@ -49,8 +49,9 @@ _LAZY: dict[str, str] = {
         "AuthenticationError", "CommError", "ConfigError", "ConnectionLostError", "CycleError",
         "DependencyError", "FrameTooLargeError", "InfeasibleTaskError", "KeyCollisionError",
         "KilledWorkerError", "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError",
-        "RemoteTraceback", "ResultTooLargeError", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
-        "TidepoolError", "TransferError", "WorkerSetupError",
+        "RemoteTraceback", "ResultTooLargeError", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError",
+        "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError", "TidepoolError",
+        "TransferError", "WorkerSetupError",
     )},
 }  # fmt: skip
 
@@ -83,6 +84,10 @@ if TYPE_CHECKING:
         ResultTooLargeError,
         SchedulerError,
         SerializationError,
+        StateStoreError,
+        StoreCorruptError,
+        StoreTokenError,
+        StoreVersionError,
         TaskCancelledError,
         TaskError,
         TidepoolError,
@@ -126,7 +131,8 @@ __all__ = [
     "ConnectionLostError", "CycleError", "Delayed", "DependencyError", "FrameTooLargeError", "Future",
     "InfeasibleTaskError", "KeyCollisionError", "KilledWorkerError", "LocalCluster", "NodeType",
     "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
-    "Scheduler", "SchedulerError", "SerializationError", "TaskCancelledError", "TaskError",
+    "Scheduler", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError",
+    "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError",
     "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip
