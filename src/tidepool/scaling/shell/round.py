@@ -90,8 +90,9 @@ class Round:
                 self.inbox.append(LaunchFailed(f.request_id, f.message, now))
 
     def listing_due(self, now: float) -> bool:
-        """List the provider now?  Only while launches are in flight, every ``LIST_EVERY`` s."""
-        if self.view.pending and now - self._listed_at >= LIST_EVERY:
+        """List the provider now?  Only while launches are in flight (or a restarted scheduler's
+        instances wait to be adopted), every ``LIST_EVERY`` s."""
+        if (self.view.pending or self.view.restoring) and now - self._listed_at >= LIST_EVERY:
             self._listed_at = now
             return True
         return False
