@@ -51,6 +51,7 @@ class DurableLocalCluster(ClosesOnExit):
         self.token = ""
         self.tls = None
         self._starts = 0
+        self.cluster_file: str | None = None  # adapt(): the scheduler process runs the autoscaler
         self.start_scheduler(journal)
         self.provider = LocalProvider(self.address, self.token, env=self.env, heartbeat_interval=heartbeat_interval,
                                       fork_server=fork_server)  # fmt: skip
@@ -81,6 +82,8 @@ class DurableLocalCluster(ClosesOnExit):
             args += ["--recovery-wait", str(self.recovery_wait)]
         if journal:
             args += ["--journal", journal]
+        if self.cluster_file:
+            args += ["--cluster", self.cluster_file]
         env = {k: v for k, v in os.environ.items() if k not in ("TIDEPOOL_TOKEN", "TIDEPOOL_TOKEN_FILE")}
         with open(log_path, "ab") as out:
             self.scheduler_proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, *args], stdout=out,
@@ -113,6 +116,26 @@ class DurableLocalCluster(ClosesOnExit):
         t0 = time.monotonic()
         self.start_scheduler(journal)
         return time.monotonic() - t0
+
+    def adapt(self, minimum: int = 0, maximum: int | None = None, *, journal: str | None = None) -> None:
+        """Autoscale between ``minimum`` and ``maximum`` local workers, with the autoscaler in the
+        scheduler process (so it dies and restarts with it, and adopts its workers again: its
+        provider remembers them in the state directory).  Call it before submitting work: it
+        restarts the scheduler (gracefully, closing the workers it has) with a cluster file in the
+        state directory."""
+        top = maximum if maximum is not None else max(minimum, os.cpu_count() or 1)
+        if minimum < 0 or top < max(1, minimum):
+            raise ConfigError(f"adapt(): need 0 <= minimum <= maximum and maximum >= 1, got {minimum}, {maximum}")
+        path = Path(self.state_dir) / "cluster.toml"
+        res = ", ".join(f"{k} = {v!r}" for k, v in self.default_type.worker_resources.items())
+        path.write_text('[provider]\nkind = "local"\n\n[[node_types]]\nname = "default"\n'
+                        f"resources = {{ {res} }}\nmin_nodes = {minimum}\nmax_nodes = {top}\nstartup_estimate = 0.5\n")  # fmt: skip
+        self.cluster_file = str(path)
+        proc = self.scheduler_proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        self.start_scheduler(journal)
 
     # ---- workers ----------------------------------------------------------------------------------
     def add_workers(self, n: int = 1, *, wait: bool = True) -> list[str]:
