@@ -37,8 +37,12 @@ class DurableLocalCluster(ClosesOnExit):
                  resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
                  reconnect_window: float | None = None, recovery_wait: float | None = None,
-                 journal: str | None = None,
-                 fork_server: bool | None = None) -> None:  # fmt: skip
+                 journal: str | None = None, fork_server: bool | None = None,
+                 durable: bool = True) -> None:  # fmt: skip
+        """``durable=False`` runs the same scheduler process without ``--state-dir`` (the state
+        directory then only holds its log and token file): the baseline that measures what
+        ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``)."""
+        self.durable = durable
         self.state_dir = str(state_dir)
         Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.host, self.port, self.timeout = host, port, timeout
@@ -74,8 +78,10 @@ class DurableLocalCluster(ClosesOnExit):
         log_path = Path(self.state_dir) / "scheduler.log"
         token_file = Path(self.state_dir) / "token"
         start_at = log_path.stat().st_size if log_path.exists() else 0
-        args = ["scheduler", "--state-dir", self.state_dir, "--host", self.host, "--port", str(self.port),
-                "--no-dashboard", "--token-file", str(token_file)]  # fmt: skip
+        args = ["scheduler", "--host", self.host, "--port", str(self.port), "--no-dashboard",
+                "--token-file", str(token_file)]  # fmt: skip
+        if self.durable:
+            args += ["--state-dir", self.state_dir]
         if self.reconnect_window is not None:
             args += ["--reconnect-window", str(self.reconnect_window)]
         if self.recovery_wait is not None:
