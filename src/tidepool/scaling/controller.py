@@ -37,6 +37,10 @@ is left alone (journaled once as ``not-managed``) unless ``manage_foreign=True``
 ids are ``a1``, ``a2``, ... so they never collide with ids the user's cluster gave its own workers.
 The shared round (``scaling/shell/round.py``) runs it for the asyncio shell, the simulator and the
 tests.
+
+After a scheduler restart (``restored=``: the instance rows a durable scheduler stored; each step's
+changed rows go out in ``Actions.instances``) the controller launches nothing until an observation
+carries the provider's listing, then adopts the listed instances (``adoption.py``).
 """
 
 from __future__ import annotations
