@@ -87,6 +87,7 @@ def test_a_restart_adopts_the_listed_instances_and_launches_no_duplicates() -> N
     assert {w: (i.state, i.request) for w, i in table.items()} == {w0: ("named", "a1"), w1: ("named", "a1"),
                                                                    late: ("named", "a2")}  # fmt: skip
     assert w2 not in store and set(store) == {w0, w1, late}  # the gone row left the store
+    assert sorted(second.rnd.named) == sorted([w0, w1, late])  # terminated when the autoscaler closes
     # the survivors re-register, the late one starts up: still no launch, all live
     second.join([w0, w1])
     clock.advance(1.5)
