@@ -13,7 +13,14 @@
    with a tick after every step, so every task is written three times: new, finished, deleted; the
    writer thread's time counts), i.e. the hot-path cost of ``--state-dir`` per task at its worst.
 
-Usage: ``python benchmarks/recovery.py [--sizes 10000 100000]``.
+4. ``--end-to-end N``: the throughput cost of ``--state-dir`` end to end: the map and tree
+   workloads of ``benchmarks/throughput.py`` (N no-op tasks; a pairwise tree over N leaves) on
+   ``LocalCluster(2, slots=1, state_dir=...)`` (a ``tidepool scheduler --state-dir`` process), next
+   to the same scheduler process without ``--state-dir`` and to the in-process ``LocalCluster``,
+   alternating, ``--repeat`` times; prints tasks/s (medians) and the ratio durable/plain process.
+
+Usage: ``python benchmarks/recovery.py [--sizes 10000 100000] [--end-to-end 20000 --repeat 3]``
+(``--sizes`` with no value skips the restart part).
 """
 
 from __future__ import annotations
@@ -125,10 +132,62 @@ def cost(n: int, persist: bool) -> float:
         return n / took
 
 
+def end_to_end(n: int, repeat: int, timeout: float = 600.0) -> dict[str, dict[str, float]]:
+    """tasks/s (median of ``repeat``) per workload and setup: in-process, process, process + state dir."""
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    # every setup's workers import ``throughput`` (its task functions) too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    import throughput as tp
+    from tidepool import Client, LocalCluster
+
+    class ProcessBackend(tp.TidepoolBackend):
+        durable = True
+
+        def __init__(self) -> None:
+            self._dir = tempfile.mkdtemp(prefix="tidepool-bench-state-")
+            self.cluster = LocalCluster(2, slots=1, state_dir=self._dir, durable=self.durable)
+            self.client = Client(self.cluster)
+
+        def close(self) -> None:
+            import shutil
+
+            super().close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    class PlainProcessBackend(ProcessBackend):
+        durable = False
+
+    setups: dict[str, type[tp.TidepoolBackend]] = {"in-process": tp.TidepoolBackend, "process": PlainProcessBackend,
+                                                   "process --state-dir": ProcessBackend}  # fmt: skip
+    m = tp.Measurements()
+    names = list(setups)
+    for rep in range(repeat):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            b = setups[name]()
+            try:
+                for fn in tp.WORKLOADS.values():
+                    fn(b, min(tp.WARMUP_TASKS, n), timeout)
+                tp.wait_idle(b)
+                line = []
+                for workload, fn in tp.WORKLOADS.items():
+                    seconds, tasks = fn(b, n, timeout)
+                    m.add(workload, name, seconds, tasks)
+                    line.append(f"{workload} {tasks / seconds:,.0f}/s")
+                    tp.wait_idle(b)
+                print(f"  rep {rep + 1}/{repeat} {name:20} " + "  ".join(line), flush=True)
+            finally:
+                b.close()
+            time.sleep(0.25)
+    return {w: {name: m.rate(w, name) for name in names} for w in tp.WORKLOADS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
-    ap.add_argument("--cost-tasks", type=int, default=50_000)
+    ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000])
+    ap.add_argument("--cost-tasks", type=int, default=50_000, help="0: skip the state-machine cost")
+    ap.add_argument("--end-to-end", type=int, default=0, metavar="N", help="tasks per workload (0: skip)")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}")
     print("| graph tasks | records restored | open+load+rebuild | process start to listening | store size |")
@@ -137,6 +196,18 @@ def main() -> None:
         r = restart(n)
         print(f"| {n:,} | {r['restored_records']:,} | {r['in_process_s']:.2f} s | {r['process_start_s']:.2f} s | "
               f"{r['store_bytes'] / 1e6:.1f} MB |")  # fmt: skip
+    if args.end_to_end:
+        rates = end_to_end(args.end_to_end, args.repeat)
+        print(f"\nend to end, {args.end_to_end:,} tasks per workload, median of {args.repeat} "
+              f"(load {os.getloadavg()[0]:.1f} at the end):")  # fmt: skip
+        print("| workload | in-process LocalCluster | scheduler process | scheduler process --state-dir | "
+              "ratio (--state-dir / process) |")  # fmt: skip
+        print("|---|---|---|---|---|")
+        for w, r in rates.items():
+            print(f"| {w} | {r['in-process']:,.0f}/s | {r['process']:,.0f}/s | {r['process --state-dir']:,.0f}/s | "
+                  f"{r['process --state-dir'] / r['process']:.2f}x |")  # fmt: skip
+    if not args.cost_tasks:
+        return
     plain = cost(args.cost_tasks, False)
     durable = cost(args.cost_tasks, True)
     print(f"\nstate-machine throughput, {args.cost_tasks:,} no-op tasks: plain {plain:,.0f}/s, "

@@ -3,7 +3,10 @@ processes (the autoscaler may list from another thread meanwhile)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -36,3 +39,34 @@ def test_workers_not_spawned_yet_are_listed_as_starting(monkeypatch: pytest.Monk
                                    "returncode": None, "state": "starting"}  # fmt: skip
     finally:
         provider.close()
+
+
+def test_a_new_provider_re_finds_the_processes_an_earlier_one_started(tmp_path: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """After a scheduler restart its (new) local provider lists and terminates the worker
+    processes the old one started, found by their files in the remembered directory; a file
+    whose process ended is dropped."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    monkeypatch.setattr(local, "worker_command", lambda *a, **k: list(sleeper))
+    registry = str(tmp_path / "local-workers")
+    old = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)
+    old.remember_in(registry)
+    nt = NodeType("cpu-big", {"cpu": 1})
+    ids = old.worker_ids(nt, 2, "a1")
+    old.launch(nt, 2, "a1")
+    new = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)
+    try:
+        old.procs[ids[1]].proc.kill()
+        old.procs[ids[1]].proc.wait()  # (reaped: its pid is gone)
+        new.remember_in(registry)
+        listing = new.list()
+        assert set(listing) == {ids[0]}
+        assert listing[ids[0]] == {"node_type": "cpu-big", "request_id": "a1", "alive": True, "returncode": None}
+        assert sorted(os.listdir(registry)) == [f"{ids[0]}.json"]
+        new.terminate([ids[0]])
+        assert old.procs[ids[0]].proc.wait(timeout=30) == -signal.SIGTERM
+        assert new.procs[ids[0]].proc.wait(timeout=30) == 0  # not its child: the code is unknown
+        assert new.list()[ids[0]]["alive"] is False and os.listdir(registry) == []
+    finally:
+        new.close()
+        old.close()

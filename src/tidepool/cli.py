@@ -172,9 +172,13 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.scaling.controller import ScalingController
             from tidepool.telemetry.journal import Journal
 
-            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler)
-            scaler = await AutoScaler(s, cfg.make_provider(s.address, tok, tls), controller,
-                                      journal=Journal(args.journal)).start()  # fmt: skip
+            # a durable scheduler adopts the instances its provider still lists (docs/recovery.md)
+            restored = s.durable.instances if s.durable is not None else None
+            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler, restored=restored)
+            provider = cfg.make_provider(s.address, tok, tls)
+            if s.durable is not None and hasattr(provider, "remember_in"):  # the local provider's processes
+                provider.remember_in(os.path.join(args.state_dir, "local-workers"))
+            scaler = await AutoScaler(s, provider, controller, journal=Journal(args.journal)).start()
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
         try:

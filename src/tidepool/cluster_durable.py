@@ -37,8 +37,12 @@ class DurableLocalCluster(ClosesOnExit):
                  resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
                  reconnect_window: float | None = None, recovery_wait: float | None = None,
-                 journal: str | None = None,
-                 fork_server: bool | None = None) -> None:  # fmt: skip
+                 journal: str | None = None, fork_server: bool | None = None,
+                 durable: bool = True) -> None:  # fmt: skip
+        """``durable=False`` runs the same scheduler process without ``--state-dir`` (the state
+        directory then only holds its log and token file): the baseline that measures what
+        ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``)."""
+        self.durable = durable
         self.state_dir = str(state_dir)
         Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.host, self.port, self.timeout = host, port, timeout
@@ -51,6 +55,7 @@ class DurableLocalCluster(ClosesOnExit):
         self.token = ""
         self.tls = None
         self._starts = 0
+        self.cluster_file: str | None = None  # adapt(): the scheduler process runs the autoscaler
         self.start_scheduler(journal)
         self.provider = LocalProvider(self.address, self.token, env=self.env, heartbeat_interval=heartbeat_interval,
                                       fork_server=fork_server)  # fmt: skip
@@ -73,14 +78,18 @@ class DurableLocalCluster(ClosesOnExit):
         log_path = Path(self.state_dir) / "scheduler.log"
         token_file = Path(self.state_dir) / "token"
         start_at = log_path.stat().st_size if log_path.exists() else 0
-        args = ["scheduler", "--state-dir", self.state_dir, "--host", self.host, "--port", str(self.port),
-                "--no-dashboard", "--token-file", str(token_file)]  # fmt: skip
+        args = ["scheduler", "--host", self.host, "--port", str(self.port), "--no-dashboard",
+                "--token-file", str(token_file)]  # fmt: skip
+        if self.durable:
+            args += ["--state-dir", self.state_dir]
         if self.reconnect_window is not None:
             args += ["--reconnect-window", str(self.reconnect_window)]
         if self.recovery_wait is not None:
             args += ["--recovery-wait", str(self.recovery_wait)]
         if journal:
             args += ["--journal", journal]
+        if self.cluster_file:
+            args += ["--cluster", self.cluster_file]
         env = {k: v for k, v in os.environ.items() if k not in ("TIDEPOOL_TOKEN", "TIDEPOOL_TOKEN_FILE")}
         with open(log_path, "ab") as out:
             self.scheduler_proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, *args], stdout=out,
@@ -113,6 +122,26 @@ class DurableLocalCluster(ClosesOnExit):
         t0 = time.monotonic()
         self.start_scheduler(journal)
         return time.monotonic() - t0
+
+    def adapt(self, minimum: int = 0, maximum: int | None = None, *, journal: str | None = None) -> None:
+        """Autoscale between ``minimum`` and ``maximum`` local workers, with the autoscaler in the
+        scheduler process (so it dies and restarts with it, and adopts its workers again: its
+        provider remembers them in the state directory).  Call it before submitting work: it
+        restarts the scheduler (gracefully, closing the workers it has) with a cluster file in the
+        state directory."""
+        top = maximum if maximum is not None else max(minimum, os.cpu_count() or 1)
+        if minimum < 0 or top < max(1, minimum):
+            raise ConfigError(f"adapt(): need 0 <= minimum <= maximum and maximum >= 1, got {minimum}, {maximum}")
+        path = Path(self.state_dir) / "cluster.toml"
+        res = ", ".join(f"{k} = {v!r}" for k, v in self.default_type.worker_resources.items())
+        path.write_text('[provider]\nkind = "local"\n\n[[node_types]]\nname = "default"\n'
+                        f"resources = {{ {res} }}\nmin_nodes = {minimum}\nmax_nodes = {top}\nstartup_estimate = 0.5\n")  # fmt: skip
+        self.cluster_file = str(path)
+        proc = self.scheduler_proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        self.start_scheduler(journal)
 
     # ---- workers ----------------------------------------------------------------------------------
     def add_workers(self, n: int = 1, *, wait: bool = True) -> list[str]:

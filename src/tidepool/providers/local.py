@@ -13,6 +13,12 @@ directory.  Matching by the id is safe because ids are unique on the machine: th
 process's pid and a per-process sequence number (``cpu-a3-7-p4242``), so two clusters here never
 name a worker alike, and a directory is only removed once the one process that could use it is gone.
 
+Surviving a scheduler restart (:meth:`LocalProvider.remember_in`, which a durable scheduler calls
+with a directory in its state directory): a small JSON file per worker process (pid, the kernel's
+start time of that pid, node type, request id) lets the provider of a restarted scheduler find the
+processes the last one started, list them and terminate them (:class:`AdoptedProcess`: not a child,
+so its exit code is unknown, reported as 0).  The start time guards against a reused pid.
+
 Preemption (for tests and demonstrations of spot capacity): :meth:`LocalProvider.preempt` gives
 a worker a notice as a cloud does (``SIGUSR1``, which the worker logs and ignores, and
 :meth:`LocalProvider.preemptions` lists it with its deadline for the autoscaler), then SIGKILLs it
@@ -36,7 +42,9 @@ server still importing, then spawns its worker (a ``not-ready`` record) and keep
 from __future__ import annotations
 
 import builtins
+import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -66,8 +74,52 @@ class LocalWorkerProcess:
     worker_id: str
     node_type: str
     request_id: str
-    proc: subprocess.Popen[bytes] | forkserver.ForkedWorker
+    proc: subprocess.Popen[bytes] | forkserver.ForkedWorker | AdoptedProcess
     started: float = field(default_factory=time.monotonic)
+
+
+def _start_time(pid: int) -> int | None:
+    """The kernel's start time of process ``pid`` (clock ticks since boot), ``None`` if it is gone
+    or a zombie (or this is not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+class AdoptedProcess:
+    """A worker process started by an earlier provider (another scheduler process): the calls
+    the provider makes on a ``Popen``.  Not our child, so its exit code is unknown (0)."""
+
+    def __init__(self, pid: int, start: int) -> None:
+        self.pid = pid
+        self.start = start
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and _start_time(self.pid) != self.start:
+            self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return rc
 
 
 #: glibc returns freed heap memory to the system at once instead of keeping it (large results
@@ -121,6 +173,51 @@ class LocalProvider:
         #: preemption notices given (:meth:`preempt`): worker -> when it is killed (epoch seconds)
         self._notices: dict[str, float] = {}
         self._timers: list[threading.Timer] = []
+        self._registry: str | None = None  # remember_in(): one file per worker process
+
+    # ---- across scheduler restarts -----------------------------------------------------------------
+    def remember_in(self, directory: str) -> None:
+        """Keep a file per worker process in ``directory`` and take over the live processes its
+        files name (started by the provider of an earlier scheduler process): they are listed,
+        terminated and closed like this provider's own (see the module docstring)."""
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._registry = directory
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+                wid, pid, start = str(rec["worker"]), int(rec["pid"]), int(rec["start"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if wid in self.procs:
+                continue
+            if _start_time(pid) != start:  # it ended (or the pid is another process's now)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                continue
+            rid = str(rec.get("request_id") or "")
+            self.procs[wid] = LocalWorkerProcess(wid, str(rec.get("node_type") or ""), rid, AdoptedProcess(pid, start))
+            self._requests.setdefault(rid, []).append(wid)
+            self._event("worker-adopt", worker=wid, pid=pid, request=rid)
+
+    def _remember(self, p: LocalWorkerProcess) -> None:
+        if self._registry is None:
+            return
+        start = _start_time(p.proc.pid)
+        if start is None:
+            return
+        path = os.path.join(self._registry, f"{p.worker_id}.json")
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump({"worker": p.worker_id, "pid": p.proc.pid, "start": start, "node_type": p.node_type,
+                           "request_id": p.request_id}, f)  # fmt: skip
+            os.replace(path + ".tmp", path)
+
+    def _forget(self, wid: str) -> None:
+        if self._registry is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._registry, f"{wid}.json"))
 
     # ---- the fork server ------------------------------------------------------------------------
     FORK_SERVER_RESTARTS = 3
@@ -252,6 +349,7 @@ class LocalProvider:
             self._event("worker-launch", worker=wid, request=request_id, node_type=node_type.name, how=how,
                         seconds=round(time.monotonic() - t0, 6))  # fmt: skip
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
+            self._remember(self.procs[wid])
             self._spawning.pop(wid, None)
 
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
@@ -352,6 +450,7 @@ class LocalProvider:
         if wid in self._cleaned:
             return
         self._cleaned.add(wid)
+        self._forget(wid)
         name = re.compile(re.escape(f"tidepool-{wid}-") + r"[a-z0-9_]{8}")  # tempfile.mkdtemp's suffix
         for root in self._temp_roots():
             try:

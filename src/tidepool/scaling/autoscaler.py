@@ -211,6 +211,9 @@ class AutoScaler:
         actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing, notices=notices,
                               ends=ends)  # fmt: skip
         self.steps += 1
+        durable = getattr(self.scheduler, "durable", None)
+        if actions.instances and durable is not None:  # the instance table, stored once a tick
+            durable.record_instances(actions.instances)
         if actions.feasibility is not None:
             await self.scheduler.apply([ev.CheckFeasible(now, actions.feasibility)])
         for rid, nt, n in actions.launch:

@@ -37,6 +37,10 @@ is left alone (journaled once as ``not-managed``) unless ``manage_foreign=True``
 ids are ``a1``, ``a2``, ... so they never collide with ids the user's cluster gave its own workers.
 The shared round (``scaling/shell/round.py``) runs it for the asyncio shell, the simulator and the
 tests.
+
+After a scheduler restart (``restored=``: the instance rows a durable scheduler stored; each step's
+changed rows go out in ``Actions.instances``) the controller launches nothing until an observation
+carries the provider's listing, then adopts the listed instances (``adoption.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ConfigError
+from tidepool.scaling.adoption import adopt, instance_rows, row_changes
 from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
@@ -148,6 +153,8 @@ class ControllerView:
     feasibility: Feasibility = Feasibility(())
     #: the pool's cost as of the step: spent so far, rate now, the limits (``limits.py``)
     cost: CostView = CostView()
+    #: restored instances wait for a provider listing (``adoption.py``): list the provider now
+    restoring: bool = False
 
 
 @dataclass
@@ -163,6 +170,8 @@ class Actions:
     #: set when a node type was disabled: the shell sends it to the scheduler (``CheckFeasible``)
     feasibility: Feasibility | None = None
     view: ControllerView = ControllerView()
+    #: instance rows changed in this step, for a durable scheduler's store (worker -> row, None: ended)
+    instances: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
 
 # ---- pure pieces of the decision ---------------------------------------------------------------
@@ -230,7 +239,8 @@ class ScalingController(Replacing):
                  max_workers: int | None = None,
                  forecast_interval: float | None = None, manage_foreign: bool = False,
                  max_cost_per_hour: float | None = None, budget: float | None = None,
-                 scale_to_zero_after: float | None = None) -> None:  # fmt: skip
+                 scale_to_zero_after: float | None = None,
+                 restored: Mapping[str, Mapping[str, Any]] | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -287,6 +297,9 @@ class ScalingController(Replacing):
         self._fallback = Adaptive()
         self._policy_error_t = -1e9
         self._policy_error = ""
+        #: a restarted scheduler's stored instance rows, adopted at the first listing (``adoption.py``)
+        self._restoring = {w: dict(r) for w, r in restored.items()} if restored is not None else None
+        self._rows: dict[str, dict[str, Any]] = dict(self._restoring or {})
         self._ids = itertools.count(1)
         self._last_reason = ""
         self._last_reason_t = -1e9
@@ -301,7 +314,8 @@ class ScalingController(Replacing):
         self._terminate: list[str] = []
         self._feasibility = Feasibility(tuple(self.node_types.values()))
         #: what the shells may read, as of the last step
-        self.view = ControllerView(forecast=self._fc, feasibility=self._feasibility)
+        self.view = ControllerView(forecast=self._fc, feasibility=self._feasibility,
+                                   restoring=self._restoring is not None)  # fmt: skip
         self._on: dict[type, Callable[[Any], None]] = {
             Named: self._named, Joined: self._joined, Ready: self._ready, LaunchFailed: self._launch_failed,
             WorkerFailed: self._worker_failed, Retired: self._retired, Adopted: self._adopted,
@@ -347,6 +361,8 @@ class ScalingController(Replacing):
                                  max_workers=self.max_workers, workers=workers, reasons=reasons,
                                  retiring=retiring)  # fmt: skip
         planned = self._cost_cap(self._with_replacements(planned, snap, reasons), obs.now)
+        if self._restoring is not None:  # no launch before the instances still running are adopted
+            planned = {}
         self._launch(planned, "; ".join(reasons), obs.now, actions)
         self._retirements(decision, snap, by_id, planned, retiring, actions, keep_idle=not zero)
         self._budget_spent(snap, by_id, planned, actions)
@@ -360,6 +376,12 @@ class ScalingController(Replacing):
     def _observe(self, obs: Observation, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
         for report in obs.reports:
             self._on[type(report)](report)
+        if obs.listing is not None and self._restoring is not None:
+            for rec in adopt(self.instances, self._restoring, obs.listing, obs.now, self._launch_timeout):
+                self.journal.record("adopt", obs.now, **rec)
+            self._restoring = None
+            numbers = [int(m.group(1)) for rid in self.instances.requests if (m := re.fullmatch(r"a(\d+)", rid))]
+            self._ids = itertools.count(max(numbers, default=0) + 1)  # never an adopted launch's id again
         if obs.listing is not None:
             self._reconcile(obs.listing, obs.now)
         self._sync_live(by_id, obs.now)
@@ -406,7 +428,7 @@ class ScalingController(Replacing):
             self.instances.move(inst, IS.JOINED, r.at, "registered with the scheduler")
             req = self.instances.requests.get(inst.request) if inst.request is not None else None
             if req is not None and req.open:
-                req.delays.append(r.at - req.since)
+                req.delays.append(max(0.0, r.at - req.since))  # (adopted ones joined before)
                 self._maybe_arrived(req, r.at)
         elif inst.state in FINAL:
             self.instances.move(inst, IS.JOINED, r.at, "registered again")
@@ -665,7 +687,7 @@ class ScalingController(Replacing):
         for name, n in planned.items():
             nt = self.node_types[name]
             rid = f"a{next(self._ids)}"
-            timeout = self.launch_timeout or max(30.0, 5 * nt.startup_estimate)
+            timeout = self._launch_timeout(name)
             why = reason or "the policy asked (no reason given)"
             self.instances.request(rid, name, n, now, now + timeout, why)
             actions.launch.append((rid, nt, n))
@@ -673,6 +695,10 @@ class ScalingController(Replacing):
             self._stale_types.add(name)
             self.cost.launched(rid, name, n, now)
             self.journal.record("launch", now, request=rid, node_type=name, nodes=n, reason=why)
+
+    def _launch_timeout(self, node_type: str) -> float:
+        nt = self.node_types.get(node_type)
+        return self.launch_timeout or max(30.0, 5 * (nt.startup_estimate if nt is not None else 0.0))
 
     def _cost_cap(self, planned: dict[str, int], now: float) -> dict[str, int]:
         """The launches cut to ``max_cost_per_hour`` and ``budget``; each cut journaled
@@ -811,6 +837,10 @@ class ScalingController(Replacing):
             unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
             feasibility=self._feasibility,
             cost=self.cost.view(snap.now, self.limits) if snap is not None else self.view.cost,
+            restoring=self._restoring is not None,
         )  # fmt: skip
         actions.view = self.view
+        rows = instance_rows(self.instances) if self._restoring is None else self._rows
+        actions.instances = row_changes(self._rows, rows)
+        self._rows = rows
         return actions

@@ -325,6 +325,16 @@ class Durability:
         }, now))  # fmt: skip
         return ready
 
+    def record_instances(self, rows: dict[str, dict[str, Any] | None]) -> None:
+        """The autoscaler's instance rows that changed (``None``: ended), stored at the next tick."""
+        if self.persister is not None:
+            self.persister.batch.instances.update(rows)
+
+    @property
+    def instances(self) -> dict[str, dict[str, Any]]:
+        """The autoscaler's instance rows as the store held them at the start."""
+        return dict(self.snapshot.instances)
+
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         if self.persister is not None:
             self.persister.observe(events, cmds)

@@ -58,7 +58,8 @@ class Round:
         self.journal = journal
         self.inbox: list[Report] = []
         self.view: ControllerView = controller.view
-        self.named: list[str] = []  # every worker id given to a launch, for close()
+        self.named: list[str] = []  # every worker id given to a launch (or adopted with one), for close()
+        self._named_set: set[str] = set()
         self._listed_at = float("-inf")
 
     # ---- observe ----------------------------------------------------------------------------------
@@ -90,8 +91,9 @@ class Round:
                 self.inbox.append(LaunchFailed(f.request_id, f.message, now))
 
     def listing_due(self, now: float) -> bool:
-        """List the provider now?  Only while launches are in flight, every ``LIST_EVERY`` s."""
-        if self.view.pending and now - self._listed_at >= LIST_EVERY:
+        """List the provider now?  Only while launches are in flight (or a restarted scheduler's
+        instances wait to be adopted), every ``LIST_EVERY`` s."""
+        if (self.view.pending or self.view.restoring) and now - self._listed_at >= LIST_EVERY:
             self._listed_at = now
             return True
         return False
@@ -108,6 +110,10 @@ class Round:
         actions = self.controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing,
                                                reports=reports, notices=notices, ends=ends))  # fmt: skip
         self.view = actions.view
+        for wid, row in actions.instances.items():  # adopted after a restart: terminated at close too
+            if row is not None and row.get("request") is not None and wid not in self._named_set:
+                self._named_set.add(wid)
+                self.named.append(wid)
         for rec in actions.records:
             self.journal.add(rec)
         return actions, want
@@ -116,6 +122,7 @@ class Round:
     def name(self, rid: str, ids: Sequence[str], now: float) -> None:
         """The provider named the workers of launch ``rid``."""
         self.named.extend(ids)
+        self._named_set.update(ids)
         self.inbox.append(Named(rid, tuple(ids), now))
 
     def launch_failed(self, rid: str, message: str, now: float) -> None:
