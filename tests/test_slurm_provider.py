@@ -33,9 +33,12 @@ from tidepool.providers.local import LocalProvider
 from tidepool.providers.slurm import (
     SlurmProvider,
     _Job,
+    cluster_tag,
     default_margin,
     format_walltime,
+    parse_tagged,
     parse_walltime,
+    tag_comment,
 )
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.policies import Adaptive, IdleRetire
@@ -103,6 +106,29 @@ def test_job_script_exports_the_token_and_starts_one_worker_per_id() -> None:
     with_file = SlurmProvider(token_file="/shared/tok")
     with_file.scheduler = "tcp://h:1"
     assert "export TIDEPOOL_TOKEN_FILE=/shared/tok" in with_file.job_script(nt, "r1", ["a", "b"])
+
+
+def test_tagged_jobs_are_parsed_from_squeue_and_other_jobs_skipped() -> None:
+    tag = cluster_tag("s3cret")
+    assert tag == cluster_tag("s3cret") and tag != cluster_tag("other") and "s3cret" not in tag
+    out = "\n".join([
+        f"12|RUNNING|{tag_comment(tag, 'big', 'r4', ['big-r4-1', 'big-r4-2'])}",
+        f"13|PENDING|{tag_comment(tag, 'small', 'r5', ['small-r5-3'])}",
+        f"14|RUNNING|{tag_comment(cluster_tag('other'), 'big', 'r4', ['big-r4-1'])}",  # another cluster
+        "15|RUNNING|(null)", "16|RUNNING|somebody's comment", "garbage", f"x|RUNNING|tidepool:{tag}:a:b:c",
+        f"17|RUNNING|tidepool:{tag}:big:r6:",  # no workers: not ours to manage
+    ])  # fmt: skip
+    jobs = parse_tagged(out, tag)
+    assert [(j.job_id, j.state, j.node_type, j.request_id, j.worker_ids) for j in jobs] == [
+        ("12", "RUNNING", "big", "r4", ["big-r4-1", "big-r4-2"]), ("13", "PENDING", "small", "r5", ["small-r5-3"])]
+    p = SlurmProvider()
+    p.bind("tcp://h:1", "t")
+    p.tag = tag
+    script = p.job_script(NodeType("big"), "r4", ["big-r4-1"]).splitlines()
+    assert f"#SBATCH --job-name=tidepool-{tag}-big-r4" in script
+    assert f"#SBATCH --comment=tidepool:{tag}:big:r4:big-r4-1" in script
+    with pytest.raises(ConfigError, match="tag"):
+        p.tag_with("a b")
 
 
 def test_missing_sbatch_is_a_provider_error_that_says_what_to_do() -> None:
@@ -518,3 +544,36 @@ def test_a_warm_slurm_pool_scales_to_zero_when_quiet_and_comes_back(slurm: Slurm
         wait_until(lambda: not slurm.active(list(provider.jobs())), 60, "its job to be cancelled")
         assert not cluster.workers and provider.poll_errors() == []
         assert client.submit(whereami, 7, 0.0).result(timeout=120)[0] == 7  # work brings it back
+
+
+@pytest.mark.integration
+def test_a_second_provider_with_the_same_tag_refinds_and_cancels_the_jobs(slurm: Slurm) -> None:
+    """What a restarted durable scheduler does: a new provider object, tagged alike, lists the
+    live jobs of the dead one's provider and can cancel them; another cluster's tag sees none."""
+    tag = cluster_tag("restart-test")
+    first = make_provider(slurm)
+    first.bind("tcp://127.0.0.1:1", "t")  # no scheduler there: the job just runs its (retrying) worker
+    first.tag_with(tag)
+    ids = first.submit_now(NodeType("re", {"cpu": 1}), 1, "r7")
+    job = next(iter(first.jobs()))
+    second = make_provider(slurm)
+    second.tag_with(tag)
+    other = make_provider(slurm)
+    other.tag_with(cluster_tag("another-cluster"))
+    assert other.list() == {}
+    listed = second.list()
+    assert set(listed) == set(ids)
+    assert listed[ids[0]]["job_id"] == job and listed[ids[0]]["request_id"] == "r7"
+    assert listed[ids[0]]["node_type"] == "re" and listed[ids[0]]["alive"]
+    second.terminate(ids)
+
+    def ended() -> bool:
+        second.refresh(force=True)
+        return second.jobs()[job] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")
+
+    wait_until(ended, 60, f"job {job} to be cancelled by the second provider")
+    assert not second.list()[ids[0]]["alive"]
+    third = make_provider(slurm)
+    third.tag_with(tag)
+    assert third.list() == {}  # an ended job is not re-found
+    first.close()
