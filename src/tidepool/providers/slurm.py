@@ -15,6 +15,11 @@ State (guarded by one lock, because the controller calls from several threads):
 - ``_requests``: request id -> worker ids (launching a request id twice submits once).
 - ``_worker_job``: worker id -> job id.
 
+Across scheduler restarts (``tag_with``, which a durable scheduler calls with a hash of its token):
+jobs carry the tag in their name and ``--comment`` (node type, request, worker ids), and a new
+provider takes the live jobs of this user with its tag into ``_jobs`` at once, so a restarted
+scheduler's autoscaler lists, adopts and cancels the jobs the dead one submitted.
+
 Observation is rate limited: ``squeue --states=all -j ID,...`` runs at most every ``poll_interval``
 seconds, however often ``poll_errors``/``expiring`` are called (slurmctld is shared; do not hammer
 it).  Jobs that left squeue's memory are looked up with ``scontrol show job``.  ``poll_errors``
