@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import pwd
 import shutil
@@ -33,9 +34,12 @@ from tidepool.providers.local import LocalProvider
 from tidepool.providers.slurm import (
     SlurmProvider,
     _Job,
+    cluster_tag,
     default_margin,
     format_walltime,
+    parse_tagged,
     parse_walltime,
+    tag_comment,
 )
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.policies import Adaptive, IdleRetire
@@ -103,6 +107,29 @@ def test_job_script_exports_the_token_and_starts_one_worker_per_id() -> None:
     with_file = SlurmProvider(token_file="/shared/tok")
     with_file.scheduler = "tcp://h:1"
     assert "export TIDEPOOL_TOKEN_FILE=/shared/tok" in with_file.job_script(nt, "r1", ["a", "b"])
+
+
+def test_tagged_jobs_are_parsed_from_squeue_and_other_jobs_skipped() -> None:
+    tag = cluster_tag("s3cret")
+    assert tag == cluster_tag("s3cret") and tag != cluster_tag("other") and "s3cret" not in tag
+    out = "\n".join([
+        f"12|RUNNING|{tag_comment(tag, 'big', 'r4', ['big-r4-1', 'big-r4-2'])}",
+        f"13|PENDING|{tag_comment(tag, 'small', 'r5', ['small-r5-3'])}",
+        f"14|RUNNING|{tag_comment(cluster_tag('other'), 'big', 'r4', ['big-r4-1'])}",  # another cluster
+        "15|RUNNING|(null)", "16|RUNNING|somebody's comment", "garbage", f"x|RUNNING|tidepool:{tag}:a:b:c",
+        f"17|RUNNING|tidepool:{tag}:big:r6:",  # no workers: not ours to manage
+    ])  # fmt: skip
+    jobs = parse_tagged(out, tag)
+    assert [(j.job_id, j.state, j.node_type, j.request_id, j.worker_ids) for j in jobs] == [
+        ("12", "RUNNING", "big", "r4", ["big-r4-1", "big-r4-2"]), ("13", "PENDING", "small", "r5", ["small-r5-3"])]
+    p = SlurmProvider()
+    p.bind("tcp://h:1", "t")
+    p.tag = tag
+    script = p.job_script(NodeType("big"), "r4", ["big-r4-1"]).splitlines()
+    assert f"#SBATCH --job-name=tidepool-{tag}-big-r4" in script
+    assert f"#SBATCH --comment=tidepool:{tag}:big:r4:big-r4-1" in script
+    with pytest.raises(ConfigError, match="tag"):
+        p.tag_with("a b")
 
 
 def test_missing_sbatch_is_a_provider_error_that_says_what_to_do() -> None:
@@ -518,3 +545,85 @@ def test_a_warm_slurm_pool_scales_to_zero_when_quiet_and_comes_back(slurm: Slurm
         wait_until(lambda: not slurm.active(list(provider.jobs())), 60, "its job to be cancelled")
         assert not cluster.workers and provider.poll_errors() == []
         assert client.submit(whereami, 7, 0.0).result(timeout=120)[0] == 7  # work brings it back
+
+
+@pytest.mark.integration
+def test_a_second_provider_with_the_same_tag_refinds_and_cancels_the_jobs(slurm: Slurm) -> None:
+    """What a restarted durable scheduler does: a new provider object, tagged alike, lists the
+    live jobs of the dead one's provider and can cancel them; another cluster's tag sees none."""
+    tag = cluster_tag("restart-test")
+    first = make_provider(slurm)
+    first.bind("tcp://127.0.0.1:1", "t")  # no scheduler there: the job just runs its (retrying) worker
+    first.tag_with(tag)
+    ids = first.submit_now(NodeType("re", {"cpu": 1}), 1, "r7")
+    job = next(iter(first.jobs()))
+    second = make_provider(slurm)
+    second.tag_with(tag)
+    other = make_provider(slurm)
+    other.tag_with(cluster_tag("another-cluster"))
+    assert other.list() == {}
+    listed = second.list()
+    assert set(listed) == set(ids)
+    assert listed[ids[0]]["job_id"] == job and listed[ids[0]]["request_id"] == "r7"
+    assert listed[ids[0]]["node_type"] == "re" and listed[ids[0]]["alive"]
+    second.terminate(ids)
+
+    def ended() -> bool:
+        second.refresh(force=True)
+        return second.jobs()[job] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")
+
+    wait_until(ended, 60, f"job {job} to be cancelled by the second provider")
+    assert not second.list()[ids[0]]["alive"]
+    third = make_provider(slurm)
+    third.tag_with(tag)
+    assert third.list() == {}  # an ended job is not re-found
+    first.close()
+
+
+def _records(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if r["kind"] == kind]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)  # process and job starts are slow on a loaded machine
+def test_a_restarted_durable_scheduler_adopts_its_slurm_job(slurm: Slurm, tmp_path: Path) -> None:
+    """kill -9 ``tidepool scheduler --state-dir --cluster`` (Slurm provider): the restarted one
+    re-finds the job by its tag, adopts its worker (no new sbatch) and cancels it at close."""
+    state = tmp_path / "state"
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    cluster = tidepool.LocalCluster(0, state_dir=str(state), reconnect_window=300.0, recovery_wait=120.0,
+                                    timeout=180)  # fmt: skip
+    try:
+        path = state / "cluster.toml"
+        path.write_text(
+            f'[provider]\nkind = "slurm"\nwalltime = "00:10:00"\npython = "{sys.executable}"\n'
+            f'log_dir = "{slurm.dir}"\nworkdir = "{slurm.dir}"\npoll_interval = 0.5\n'
+            f'env = {{ PYTHONPATH = "{os.environ.get("PYTHONPATH", "")}" }}\n\n'
+            '[[node_types]]\nname = "sl"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
+            "startup_estimate = 120\n"
+        )  # fmt: skip
+        cluster.cluster_file = str(path)
+        proc = cluster.scheduler_proc
+        assert proc is not None
+        proc.terminate()
+        proc.wait(60)
+        cluster.start_scheduler(str(before))
+        wait_until(lambda: len(cluster.workers()) == 1, 300, "the Slurm job's worker")
+        [worker] = cluster.workers()
+        with tidepool.Client(cluster.address, cluster.token, timeout=120) as client:
+            _, job, wid = client.submit(whereami, 1, 0.0, pure=False).result(timeout=120)
+            assert wid == worker and job and slurm.active([job])
+            cluster.kill_scheduler()
+            cluster.restart_scheduler(str(after))
+            wait_until(lambda: _records(after, "adopt"), 120, "the journal's adopt record")
+            _, job2, wid2 = client.submit(whereami, 2, 0.0, pure=False).result(timeout=300)
+            assert (job2, wid2) == (job, worker)  # the same job's worker serves the graph
+        adopted = _records(after, "adopt")
+        assert [(r["worker"], r["outcome"]) for r in adopted] == [(worker, "adopted")]
+        assert _records(after, "launch") == []  # no duplicate submitted
+    finally:
+        cluster.close()
+    wait_until(lambda: not slurm.active([job]), 120, "the adopted job to be cancelled at close")

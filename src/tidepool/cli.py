@@ -178,6 +178,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             provider = cfg.make_provider(s.address, tok, tls)
             if s.durable is not None and hasattr(provider, "remember_in"):  # the local provider's processes
                 provider.remember_in(os.path.join(args.state_dir, "local-workers"))
+            if s.durable is not None and hasattr(provider, "tag_with"):  # Slurm: jobs re-found by a tag
+                from tidepool.providers.slurm import cluster_tag
+
+                provider.tag_with(cluster_tag(tok))
             scaler = await AutoScaler(s, provider, controller, journal=Journal(args.journal)).start()
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip

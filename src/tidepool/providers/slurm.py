@@ -15,6 +15,11 @@ State (guarded by one lock, because the controller calls from several threads):
 - ``_requests``: request id -> worker ids (launching a request id twice submits once).
 - ``_worker_job``: worker id -> job id.
 
+Across scheduler restarts (``tag_with``, which a durable scheduler calls with a hash of its token):
+jobs carry the tag in their name and ``--comment`` (node type, request, worker ids), and a new
+provider takes the live jobs of this user with its tag into ``_jobs`` at once, so a restarted
+scheduler's autoscaler lists, adopts and cancels the jobs the dead one submitted.
+
 Observation is rate limited: ``squeue --states=all -j ID,...`` runs at most every ``poll_interval``
 seconds, however often ``poll_errors``/``expiring`` are called (slurmctld is shared; do not hammer
 it).  Jobs that left squeue's memory are looked up with ``scontrol show job``.  ``poll_errors``
@@ -40,11 +45,13 @@ from __future__ import annotations
 
 import builtins
 import datetime as _dt
+import hashlib
 import itertools
 import json
 import logging
 import math
 import os
+import pwd
 import re
 import shlex
 import subprocess
@@ -154,6 +161,41 @@ def default_margin(walltime: float | None) -> float:
     return min(max(60.0, 0.1 * walltime), walltime / 2)
 
 
+def cluster_tag(token: str) -> str:
+    """A tag naming one cluster's jobs, stable across scheduler restarts (the store keeps the
+    token): a hash of the token, which shows nothing of it."""
+    return "tp" + hashlib.sha256(b"tidepool-provider-tag:" + token.encode()).hexdigest()[:10]
+
+
+def tag_comment(tag: str, node_type: str, request_id: str, worker_ids: Sequence[str]) -> str:
+    """The ``--comment`` of a tagged job: ``tidepool:TAG:NODE_TYPE:REQUEST:W1,W2``."""
+    return f"tidepool:{tag}:{node_type}:{request_id}:{','.join(worker_ids)}"
+
+
+def _user() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def parse_tagged(text: str, tag: str) -> builtins.list[_Job]:
+    """Jobs carrying ``tag`` in ``squeue -h -o '%i|%T|%k'`` output (id, state, comment); lines
+    of other jobs (another tag, no comment, not tidepool's) are skipped."""
+    out: builtins.list[_Job] = []
+    prefix = f"tidepool:{tag}:"
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].startswith(prefix):
+            continue
+        fields = parts[2][len(prefix):].rsplit(":", 2)
+        if len(fields) != 3 or not fields[1]:
+            continue
+        workers = [w for w in fields[2].split(",") if w]
+        if not workers:
+            continue
+        state = parts[1].split()[0] if parts[1].strip() else "UNKNOWN"
+        out.append(_Job(parts[0], fields[1], fields[0], workers, state=state))
+    return out
+
+
 @dataclass
 class _Job:
     job_id: str
@@ -256,6 +298,7 @@ class SlurmProvider:
         self._lock = threading.RLock()
         self._last_refresh = -math.inf
         self._closed = False
+        self.tag = ""  # tag_with(): jobs carry it, so a restarted scheduler's provider re-finds them
 
     @staticmethod
     def _memory_mb(memory: str | int | float) -> int:
@@ -269,6 +312,33 @@ class SlurmProvider:
         if self.token_file and token:
             write_token_file(self.token_file, token)
 
+    # ---- across scheduler restarts -----------------------------------------------------------------
+    def tag_with(self, tag: str) -> None:
+        """Tag every job submitted from now on with ``tag`` (job name and ``--comment``) and take
+        over the live jobs of this user that carry it (submitted by the provider of an earlier
+        scheduler process of the same cluster): they are listed, terminated and closed like this
+        provider's own.  ``tag`` must be stable across restarts (:func:`cluster_tag`)."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+            raise ConfigError(f"SlurmProvider tag must be letters, digits, '.', '_' or '-', got {tag!r}")
+        with self._lock:
+            self.tag = tag
+            res = self._cmd([*self.squeue_command, "-h", "-u", _user(), "-o", "%i|%T|%k"])
+            if res.returncode != 0:
+                log.warning("squeue failed (%s): jobs of an earlier scheduler process not re-found",
+                            res.stderr.strip())  # fmt: skip
+                return
+            for job in parse_tagged(res.stdout, tag):
+                if job.job_id in self._jobs or job.ended:
+                    continue
+                self._jobs[job.job_id] = job
+                for w in job.worker_ids:
+                    self._worker_job[w] = job.job_id
+                self._requests.setdefault(job.request_id, []).extend(job.worker_ids)
+                self._names.setdefault(job.request_id, []).extend(job.worker_ids)
+                log.info("re-found Slurm job %s (launch %s, workers %s) by tag %s",
+                         job.job_id, job.request_id, job.worker_ids, tag)  # fmt: skip
+        self.refresh(force=True)
+
     # ---- the job script -------------------------------------------------------------------------
     def job_script(self, node_type: NodeType, request_id: str, worker_ids: Sequence[str],
                    redact: bool = False) -> str:  # fmt: skip
@@ -280,8 +350,10 @@ class SlurmProvider:
         mem = self.memory_mb
         if mem is None and nt.resources.get("memory"):
             mem = int(math.ceil(nt.resources["memory"] / 2**20))
-        d = ["--job-name=" + f"{self.job_name}-{nt.name}-{request_id}", "--nodes=1", "--ntasks=1",
-             f"--cpus-per-task={cores}"]  # fmt: skip
+        name = f"{self.job_name}-{self.tag}-{nt.name}-{request_id}" if self.tag else f"{self.job_name}-{nt.name}-{request_id}"
+        d = ["--job-name=" + name, "--nodes=1", "--ntasks=1", f"--cpus-per-task={cores}"]
+        if self.tag:  # what a provider of a restarted scheduler re-finds the job by (tag_with)
+            d.append(f"--comment={tag_comment(self.tag, nt.name, request_id, worker_ids)}")
         if mem:
             d.append(f"--mem={mem}M")
         if self.walltime_seconds is not None:
