@@ -388,10 +388,11 @@ class DaskHarness(Harness):
             self.cluster.close()
 
 
-class DurableHarness(Harness):
+class DurableHarness(TidepoolHarness):
     """tidepool with ``LocalCluster(state_dir=...)`` (its scheduler in a process of its own): every
     ``SCHEDULER_EVERY``-th kill SIGKILLs the scheduler and starts it again on the same state
-    directory instead of killing a worker; workers and the client reconnect by themselves."""
+    directory instead of killing a worker; workers and the client reconnect by themselves.  It
+    submits as the plain tidepool harness does; the scheduler's state cannot be read in-process."""
 
     system = "tidepool-durable"
     SCHEDULER_EVERY = 2
@@ -412,11 +413,8 @@ class DurableHarness(Harness):
             self.cluster.close()
             raise
 
-    def map(self, fn: Callable[..., Any], *its: Iterable[Any]) -> list[Any]:
-        return self.client.map(fn, *its)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.client.submit(fn, *args)
+    diagnose = Harness.diagnose  # the scheduler runs in a process of its own
+    check_state = Harness.check_state
 
     def victims(self) -> list[str]:
         info = call_with_timeout(self.client.scheduler_info, 30)
