@@ -19,17 +19,14 @@ within a reconnect window (``worker/reconnect.py``: it keeps its work and regist
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 import uuid
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -41,7 +38,7 @@ from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
 from tidepool.errors import CommError
 from tidepool.resources import worker_resources
-from tidepool.worker import jobs, reconnect
+from tidepool.worker import jobs, reconnect, workspace
 from tidepool.worker import state as ws
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 from tidepool.worker.jobs import metrics
@@ -96,8 +93,7 @@ class Worker:
         #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
         self.restartable = restartable
         self.preload = list(preload or [])
-        self.setup_dir = Path(tempfile.mkdtemp(prefix=f"tidepool-{self.id}-"))
-        atexit.register(shutil.rmtree, self.setup_dir, True)  # also on exits that skip close()
+        self.setup_dir = workspace.claim(self.id)  # removed at exit; killed workers' are swept
         self._initial_setups: list[list[Any]] = []
         self.data: MutableMapping[str, Any] = {}
         if self.memory_limit:  # values move to disk when the state says so (target: infinite)

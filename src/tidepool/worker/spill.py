@@ -19,7 +19,6 @@ memory (``pinned``) and never tried again; neither case ever retries the same ke
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import itertools
@@ -28,12 +27,12 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from tidepool.comm.serialize import Serialized, deserialize, serialize
+from tidepool.worker import workspace
 from tidepool.worker.sizeof import sizeof
 
 log = logging.getLogger("tidepool.worker")
@@ -322,8 +321,7 @@ def worker_store(setup_dir: Path, worker_id: str, spill_dir: str | None, spill_l
     (close, exit, the local provider after a SIGKILL) removes spilled values too."""
     spill = setup_dir / ".spill"
     if spill_dir:
-        spill = Path(tempfile.mkdtemp(prefix=f"tidepool-{worker_id}-", dir=spill_dir))
-        atexit.register(shutil.rmtree, spill, True)
+        spill = workspace.claim(worker_id, spill_dir)
     return SpillStore(spill, math.inf, resolve_spill_limit(spill_limit, spill), on_disable=on_disable, promote=False)
 
 
