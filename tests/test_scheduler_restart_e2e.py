@@ -153,3 +153,30 @@ def test_a_killed_client_re_attaches_to_its_keys_after_a_restart(tmp_path: Path)
             except Exception as exc:  # noqa: BLE001
                 assert type(exc).__name__ == "TaskCancelledError", exc
     assert all(n == 1 for n in _executions(runs).values())
+
+
+def test_a_client_cut_off_from_a_live_durable_scheduler_keeps_its_keys_and_one_that_closes_does_not(
+        tmp_path: Path) -> None:  # fmt: skip
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    n = 20
+    with LocalCluster(2, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        with Client(cluster, timeout=60) as client:
+            futs = client.map(quick, range(n), [str(runs)] * n, key=[f"cut-{i}" for i in range(n)])
+            assert client.gather(futs, timeout=120) == [2 * i for i in range(n)]
+            me, conn = client.id, client._connection
+            old = conn._conn
+            # the network drops this client's connection (a reset); the scheduler stays up
+            conn.loop.call_soon(old.transport.abort)
+            wait_until(lambda: conn._conn is not old and conn.resuming is None and not conn._conn.closed,
+                       timeout=120, what="the client's reconnection")  # fmt: skip
+            assert client.id == me  # the scheduler kept its id, and with it its keys
+            later = client.submit(after, futs[3], 3, str(runs), key="after-cut")
+            assert later.result(timeout=120) == 7
+            assert client.gather(futs, timeout=120) == [2 * i for i in range(n)]
+        # closed on purpose: its keys go at once, not after the reconnect window
+        with Client(cluster, timeout=60) as other:
+            wait_until(lambda: sum(other.scheduler_info()["tasks"].values()) == 0, timeout=60,
+                       what="the closed client's keys released")  # fmt: skip
+    counts = _executions(runs)
+    assert len(counts) == n + 1 and all(c == 1 for c in counts.values()), counts  # nothing ran twice

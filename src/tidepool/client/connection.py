@@ -53,6 +53,8 @@ log = logging.getLogger("tidepool.client")
 #: outbox (larger ones are encoded once, by the async drain, instead of tried twice)
 SEND_AT_ONCE_TASKS = 64
 SEND_AT_ONCE_KEYS = 4096
+#: seconds a closing client waits for a durable scheduler to take its goodbye
+GOODBYE_TIMEOUT = 5.0
 
 
 class HolderGone(ConnectionLostError):
@@ -112,6 +114,13 @@ class ClientConnection:
         self.reconnect_window = float(welcome.get("reconnect_window") or 0.0)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
+    async def _goodbye(self) -> None:
+        """Tell a scheduler that keeps lost clients' keys for their reconnection (a durable one)
+        that this client leaves on purpose, after everything queued before: it releases our keys
+        when the connection ends instead of keeping them for the reconnect window."""
+        with contextlib.suppress(TidepoolError, CommError, TimeoutError):
+            await asyncio.wait_for(self.request({"op": "bye"}), GOODBYE_TIMEOUT)
+
     @property
     def max_frame(self) -> int:
         return self._conn.max_frame
@@ -119,6 +128,8 @@ class ClientConnection:
     async def aclose(self) -> None:
         if not hasattr(self, "_conn"):  # asynchronous, never connected
             return
+        if self.reconnect_window > 0 and self.resuming is None and not self._conn.closed:
+            await self._goodbye()
         self._reader.cancel()
         if self.resume_task is not None:
             self.resume_task.cancel()

@@ -281,6 +281,11 @@ class Durability:
         the scheduler did not restart: then it is a new client with that id, wanting nothing)."""
         return bool(re.fullmatch(r"client-\d+", cid)) and self.restored_clients.pop(cid, None) is not None
 
+    def park_client(self, cid: str, now: float) -> None:
+        """A client's connection closed without its goodbye (a network cut, a client host that went
+        away): keep its wanted keys for the reconnect window, as for a client of a restart."""
+        self.restored_clients[cid] = now + self.reconnect_window
+
     def worker_joined(self, wid: str, now: float) -> list[ev.Event]:
         self.back.add(wid)
         return self._maybe_open(now)
@@ -290,8 +295,8 @@ class Durability:
         gone = [c for c, until in self.restored_clients.items() if now >= until]
         for c in gone:
             del self.restored_clients[c]
-            log.warning("client %s did not reconnect within %gs of the restart; its keys are released",
-                        c, self.reconnect_window)  # fmt: skip
+            log.warning("client %s did not reconnect within %gs; its keys are released", c,
+                        self.reconnect_window)  # fmt: skip
             out.append(ev.ClientGone(c, now))
         if self.reports:
             out.extend(self.reports)

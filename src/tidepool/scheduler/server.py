@@ -89,6 +89,7 @@ class Scheduler:
         self.state = SchedulerState(heartbeat_timeout=timeout, **state_kwargs)
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
+        self._said_bye: set[str] = set()  # clients that closed on purpose (durable: not kept for a reconnection)
         self.observers: list[Observer] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
         self.batches = 0
@@ -428,7 +429,12 @@ class Scheduler:
             pass
         finally:
             self.client_conns.pop(cid, None)
-            if not self._closed:
+            if self._closed:
+                pass
+            elif self.durable is not None and cid not in self._said_bye:
+                self.durable.park_client(cid, self.clock())  # it may come back within the window
+            else:
+                self._said_bye.discard(cid)
                 await self.apply([ev.ClientGone(cid, self.clock())])
 
     async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any]) -> None:
@@ -439,6 +445,9 @@ class Scheduler:
             specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
             await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)])
+        elif op == "bye":  # closing on purpose: release its keys when the connection ends
+            self._said_bye.add(cid)
+            await conn.send(Reply(int(msg.get("id") or 0)).encode())
         elif op == "release":
             await self.apply([ev.ReleaseKeys(cid, Release.decode(msg).keys, now)])
         elif op == "cancel":  # the outcome goes out as reports ("cancelled"/"running") before the reply
