@@ -27,6 +27,7 @@ from tidepool.providers.slurm import cluster_tag
 from tidepool.providers.ssh import EXIT_NO_WORKDIR, SSHProvider
 from tidepool.providers.ssh_adopt import (
     MARKER_VAR,
+    SCAN_COMMAND,
     TaggedProcess,
     durable_script,
     parse_tagged_processes,
@@ -92,7 +93,7 @@ def test_durable_script_worker_outlives_its_channel_and_reports_its_status(tmp_p
         assert first.startswith("tidepool-pid ") and second == "up s3cret\n"
         pid = int(first.split()[1])
         assert _cmdline(pid)[-2:] == ["--env", f"{MARKER_VAR}={marker}"]  # the tag is on its command line
-        ps = subprocess.run(["sh", "-c", "ps -ww -eo pid=,args="], capture_output=True, text=True).stdout
+        ps = subprocess.run(["sh", "-c", SCAN_COMMAND], capture_output=True, text=True).stdout  # what a provider runs
         assert TaggedProcess(pid, "nt", "r1", "w-1") in parse_tagged_processes(ps, TAG)
         for f in (proc.stdin, proc.stdout, proc.stderr):  # the channel is gone (a killed scheduler)
             f.close()

@@ -375,10 +375,14 @@ class SSHProvider:
     async def _scan_host(self, host: _Host) -> None:
         conn = await self._any_conn(host)
         res = await asyncio.wait_for(conn.conn.run(SCAN_COMMAND, check=False), self.connect_timeout + 10)
-        for p in parse_tagged_processes(str(res.stdout or ""), self.tag):
-            if p.worker_id in self._workers or p.request_id in self._launching:
-                continue  # ours already (or being started by this provider right now)
-            await self._watch_adopted(host, p)
+        # ours already (or being started by this provider right now): not taken twice
+        found = [p for p in parse_tagged_processes(str(res.stdout or ""), self.tag)
+                 if p.worker_id not in self._workers and p.request_id not in self._launching]  # fmt: skip
+        results = await asyncio.gather(*(self._watch_adopted(host, p) for p in found), return_exceptions=True)
+        for p, r in zip(found, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("SSHProvider: found worker %s (pid %d) on %s by its tag but cannot watch it (%s); "
+                            "it is not adopted", p.worker_id, p.pid, host.name, r)  # fmt: skip
 
     async def _watch_adopted(self, host: _Host, p: TaggedProcess) -> None:
         """Take over a tagged worker found on ``host``: a channel running :func:`watch_script`

@@ -23,8 +23,9 @@ from urllib.parse import quote, unquote
 
 MARKER_VAR = "TIDEPOOL_PROVIDER_TAG"
 PID_PREFIX = "tidepool-pid "
-# every process of the host with its whole command line (procps needs -ww not to cut it at 80 columns)
-SCAN_COMMAND = "ps -ww -eo pid=,args= 2>/dev/null || ps -eo pid,args"
+# this user's processes on the host with their whole command lines (procps needs -ww not to cut them
+# at 80 columns); a ps without these options lists every process
+SCAN_COMMAND = 'ps -ww -o pid=,args= -u "$(id -u)" 2>/dev/null || ps -eo pid,args'
 
 # Shell helper: is process $1 still the worker whose id is $2?  On Linux the id must be one argument
 # of /proc/$1/cmdline (so a pid recycled by another process is never signalled); elsewhere kill -0.
