@@ -143,7 +143,7 @@ def test_a_second_provider_with_the_same_tag_adopts_lists_and_terminates_the_wor
             first._run(_crash(first))
             wait_until(lambda: not any(i["alive"] for i in first.list().values()), 60, "the channels to close")
             # the workers outlive the connection and still serve tasks
-            got = client.submit(whereami, 1, 0.0, workers=[w1], pure=False).result(timeout=60)
+            got = client.submit(whereami, 1, 0.0, workers=[w1], pure=False).result(timeout=120)
             assert got[2:] == (pids[w1], w1)
 
             other = sshd.provider()
@@ -177,7 +177,7 @@ def test_a_second_provider_with_the_same_tag_adopts_lists_and_terminates_the_wor
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_an_orphaned_durable_ssh_worker_exits_past_its_reconnect_window(sshd: Sshd, tmp_path: Path) -> None:
-    cluster = tidepool.LocalCluster(0, state_dir=str(tmp_path / "state"), reconnect_window=15.0, timeout=120)
+    cluster = tidepool.LocalCluster(0, state_dir=str(tmp_path / "state"), reconnect_window=20.0, timeout=120)
     provider = sshd.provider()
     try:
         provider.bind(cluster.address, cluster.token)
@@ -187,9 +187,9 @@ def test_an_orphaned_durable_ssh_worker_exits_past_its_reconnect_window(sshd: Ss
         pid = provider.list()[wid]["pid"]
         provider._run(_crash(provider))  # the scheduler process and its provider die, for good
         cluster.kill_scheduler()
-        wait_until(lambda: not provider.list()[wid]["alive"], 60, "the channel to close")
         assert not pid_gone(pid)  # still there: retrying the scheduler within its window
-        wait_until(lambda: pid_gone(pid), 180, "the worker to exit past its 15 s window")
+        wait_until(lambda: not provider.list()[wid]["alive"], 60, "the channel to close")
+        wait_until(lambda: pid_gone(pid), 180, "the worker to exit past its 20 s window")
         wait_until(lambda: not _leftovers(wid), 60, "its shell and relay to exit with it")
     finally:
         provider.close()
