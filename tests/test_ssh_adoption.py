@@ -175,6 +175,22 @@ def test_a_second_provider_with_the_same_tag_adopts_lists_and_terminates_the_wor
 
 
 @pytest.mark.integration
+def test_a_tagged_worker_that_cannot_start_is_still_reported_with_its_exit_code(sshd: Sshd) -> None:
+    provider = sshd.provider(python="/nonexistent/python3")
+    provider.bind("tcp://127.0.0.1:9", "x" * 32)
+    provider.tag_with(TAG)
+    try:
+        [wid] = provider.worker_ids(NodeType("bad", {"cpu": 1}), 1, "r1")
+        provider.launch(NodeType("bad", {"cpu": 1}), 1, "r1")
+        errors: list[Any] = []
+        wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 60, "the failure report")
+        assert errors[0].request_id == "r1" and errors[0].worker_id == wid
+        assert "exited with code 127" in errors[0].message and "python=" in errors[0].message
+    finally:
+        provider.close()
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_an_orphaned_durable_ssh_worker_exits_past_its_reconnect_window(sshd: Sshd, tmp_path: Path) -> None:
     cluster = tidepool.LocalCluster(0, state_dir=str(tmp_path / "state"), reconnect_window=20.0, timeout=120)
