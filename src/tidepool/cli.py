@@ -178,7 +178,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             provider = cfg.make_provider(s.address, tok, tls)
             if s.durable is not None and hasattr(provider, "remember_in"):  # the local provider's processes
                 provider.remember_in(os.path.join(args.state_dir, "local-workers"))
-            if s.durable is not None and hasattr(provider, "tag_with"):  # Slurm: jobs re-found by a tag
+            if s.durable is not None and hasattr(provider, "tag_with"):  # Slurm jobs, SSH workers: re-found by a tag
                 from tidepool.providers.slurm import cluster_tag
 
                 provider.tag_with(cluster_tag(tok))

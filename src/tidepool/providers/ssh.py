@@ -48,6 +48,14 @@ what is left.  The watchdog is the safety net for crashes: it holds the channel'
 that reaches end-of-file (the channel or connection closed, e.g. because this process died), sends
 the worker ``TERM`` and later ``KILL``.  So nothing is left running even if ``close`` never ran.
 
+Durable mode (``tag_with``, which a durable scheduler calls with its cluster's tag): no watchdog.
+The worker runs behind a relay that survives the channel (``ssh_adopt.durable_script``), so a
+killed scheduler process leaves it running on its reconnect window, past which it exits by itself;
+its command line carries the tag, node type, request and worker id.  The provider of the restarted
+scheduler, the first time it lists, terminates or closes, runs ``ps`` on each host, adopts the
+processes with its tag (``_workers`` entries marked ``adopted``, watched by a channel that ends
+with the process) and from then on lists, terminates (by pid) and closes them like its own.
+
 Errors: a launch that cannot reach any host raises :class:`~tidepool.errors.ProviderError` with the
 request id, within ``connect_timeout`` per host (never hangs); an unreachable host is skipped for
 ``host_retry`` seconds while others work.  ``poll_errors`` reports workers whose remote process
@@ -77,6 +85,17 @@ from tidepool.comm.tls import TLSConfig
 from tidepool.errors import ConfigError, ProviderError
 from tidepool.providers._address import contact_address
 from tidepool.providers.base import ProviderFailure, worker_command
+from tidepool.providers.ssh_adopt import (
+    ALIVE_FN,
+    MARKER_VAR,
+    PID_PREFIX,
+    SCAN_COMMAND,
+    TaggedProcess,
+    durable_script,
+    parse_tagged_processes,
+    tag_marker,
+    watch_script,
+)
 from tidepool.scaling.node_types import NodeType
 
 if TYPE_CHECKING:
@@ -86,17 +105,11 @@ log = logging.getLogger("tidepool.providers.ssh")
 
 T = TypeVar("T")
 
-_PID_PREFIX = "tidepool-pid "
+_PID_PREFIX = PID_PREFIX
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DEFAULT_KNOWN_HOSTS: Any = ()  # asyncssh's own default: ~/.ssh/known_hosts
 EXIT_NO_WORKDIR = 97
-
-# Shell helper: is process $1 still the worker whose id is $2?  On Linux the id must be one argument
-# of /proc/$1/cmdline (so a pid recycled by another process is never signalled); elsewhere kill -0.
-_ALIVE_FN = (
-    'tp_alive() { if [ -d /proc/self ]; then tr "\\000" "\\n" < "/proc/$1/cmdline" 2>/dev/null '
-    '| grep -qxF -- "$2"; else kill -0 "$1" 2>/dev/null; fi; }'
-)
+_ALIVE_FN = ALIVE_FN  # is process $1 still the worker whose id is $2? (ssh_adopt.py)
 _SLEEP = "sleep 0.1 2>/dev/null || sleep 1"
 
 
@@ -238,6 +251,7 @@ class _SSHWorker:
     reported: bool = False
     ended: float | None = None
     task: asyncio.Task[None] | None = None
+    adopted: bool = False  # found by its tag after a restart: proc watches it, it is not its child
 
 
 class SSHProvider:
@@ -315,12 +329,80 @@ class SSHProvider:
         self._closing: asyncio.Task[None] | None = None  # close() called inside the owning loop
         self._inflight = 0  # calls waiting on the loop; close() lets them finish before stopping it
         self._closed = False
+        self.tag = ""  # tag_with(): workers outlive the connection and are re-found by this tag
+        self._unscanned: set[int] = set()  # hosts whose tagged processes are not looked for yet
+        self._scan_lock: asyncio.Lock | None = None
         _asyncssh()  # fail at construction, not at the first launch, when asyncssh is missing
 
     # ---- plumbing ---------------------------------------------------------------------------------
     def bind(self, scheduler: str, token: str) -> None:
         """Called by the cluster once the scheduler's address and token are known."""
         self.scheduler, self.token = scheduler, token
+
+    # ---- across scheduler restarts -----------------------------------------------------------------
+    def tag_with(self, tag: str) -> None:
+        """Durable mode: start every worker from now on so that it outlives the SSH connection (no
+        watchdog: a worker whose scheduler is gone exits past its own reconnect window), with
+        ``tag`` on its command line; and take over the live workers carrying ``tag`` (started by
+        the provider of an earlier scheduler process of the same cluster) on each host, the first
+        time the provider lists, terminates or closes: they are then listed, terminated and closed
+        like its own.  ``tag`` must be stable across restarts (``cluster_tag``).  Connects to
+        nothing here."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+            raise ConfigError(f"SSHProvider tag must be letters, digits, '.', '_' or '-', got {tag!r}")
+        with self._loop_lock:
+            self.tag = tag
+            self._unscanned = {h.index for h in self._hosts}
+
+    async def _adopt_tagged(self) -> None:
+        """Look for this provider's tagged workers on every host not looked at yet (once per host;
+        a host that cannot be reached is logged and not looked at again: its workers are not
+        adopted)."""
+        if not self._unscanned:
+            return
+        if self._scan_lock is None:
+            self._scan_lock = asyncio.Lock()
+        async with self._scan_lock:
+            hosts = [h for h in self._hosts if h.index in self._unscanned]
+            results = await asyncio.gather(*(self._scan_host(h) for h in hosts), return_exceptions=True)
+            for h, r in zip(hosts, results, strict=True):
+                self._unscanned.discard(h.index)
+                if isinstance(r, BaseException):
+                    log.warning("SSHProvider: could not look for the workers tagged %s on %s (%s); they are "
+                                "not adopted and exit past their reconnect window if no scheduler takes "
+                                "them", self.tag, h.name, r)  # fmt: skip
+
+    async def _scan_host(self, host: _Host) -> None:
+        conn = await self._any_conn(host)
+        res = await asyncio.wait_for(conn.conn.run(SCAN_COMMAND, check=False), self.connect_timeout + 10)
+        # ours already (or being started by this provider right now): not taken twice
+        found = [p for p in parse_tagged_processes(str(res.stdout or ""), self.tag)
+                 if p.worker_id not in self._workers and p.request_id not in self._launching]  # fmt: skip
+        results = await asyncio.gather(*(self._watch_adopted(host, p) for p in found), return_exceptions=True)
+        for p, r in zip(found, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("SSHProvider: found worker %s (pid %d) on %s by its tag but cannot watch it (%s); "
+                            "it is not adopted", p.worker_id, p.pid, host.name, r)  # fmt: skip
+
+    async def _watch_adopted(self, host: _Host, p: TaggedProcess) -> None:
+        """Take over a tagged worker found on ``host``: a channel running :func:`watch_script`
+        tells when it ends; it is listed, terminated and closed like a worker started here."""
+        conn = await self._session_conn(host)
+        try:
+            proc = await asyncio.wait_for(
+                conn.conn.create_process("sh -c " + shlex.quote(watch_script(p.pid, p.worker_id)),
+                                         encoding="utf-8", errors="replace"), self.connect_timeout)  # fmt: skip
+        except BaseException:
+            conn.sessions -= 1
+            raise
+        w = _SSHWorker(p.worker_id, p.node_type, p.request_id, host, conn, proc, p.pid, adopted=True)
+        self._workers[w.worker_id] = w
+        with self._loop_lock:
+            self._requests.setdefault(p.request_id, []).append(w.worker_id)
+            self._names.setdefault(p.request_id, []).append(w.worker_id)
+        w.task = asyncio.get_running_loop().create_task(self._watch(w))
+        log.info("re-found SSH worker %s (launch %s, pid %d) on %s by tag %s", p.worker_id, p.request_id, p.pid,
+                 host.name, self.tag)  # fmt: skip
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         """The loop that owns the state; binds the private loop thread, started here, when there is
@@ -535,14 +617,15 @@ class SSHProvider:
 
     async def terminate_async(self, worker_ids: builtins.list[str]) -> None:
         """``terminate`` awaited in the loop that owns the provider."""
-        if not worker_ids or self._closed or not self._bind_running(bind=False):
-            return  # nothing was ever started, or close() already stopped everything
+        if not worker_ids or self._closed or not self._bind_running(bind=bool(self._unscanned)):
+            return  # nothing was ever started (or re-found), or close() already stopped everything
         await self._terminate(list(worker_ids))
 
     async def list_async(self) -> dict[str, dict[str, Any]]:
-        """``list`` awaited in the loop that owns the provider."""
-        if not self._closed:
-            self._bind_running(bind=False)
+        """``list`` awaited in the loop that owns the provider (a tagged provider looks for its
+        workers of an earlier scheduler process first, once: ``tag_with``)."""
+        if not self._closed and self._bind_running(bind=bool(self._unscanned)):
+            await self._adopt_tagged()
         return self._list_now()
 
     async def poll_errors_async(self) -> builtins.list[ProviderFailure]:
@@ -655,7 +738,10 @@ class SSHProvider:
         try:
             cmd = worker_command(contact_address(self.scheduler, self.scheduler_host), wid, nt, self.python,
                                  self.heartbeat_interval, self.extra_args)  # fmt: skip
-            script = remote_script(cmd, wid, self.workdir, max(1, int(self.term_timeout * 2)))
+            if self.tag:  # durable: outlives the connection, found again by its tag (ssh_adopt.py)
+                script = durable_script(cmd, self.workdir, EXIT_NO_WORKDIR)
+            else:
+                script = remote_script(cmd, wid, self.workdir, max(1, int(self.term_timeout * 2)))
             proc = await asyncio.wait_for(
                 conn.conn.create_process("sh -c " + shlex.quote(script), encoding="utf-8", errors="replace"),
                 self.connect_timeout)  # fmt: skip
@@ -667,6 +753,8 @@ class SSHProvider:
                 raise ProviderError(f"cannot start {wid} on {host.name}: {exc}") from exc
             raise
         env = {**self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
+        if self.tag:
+            env[MARKER_VAR] = tag_marker(self.tag, nt.name, rid, wid)
         proc.stdin.write("".join(f"{k}={v}\n" for k, v in env.items()) + "\n")
         line, noise = "", builtins.list[str]()  # a chatty shell start-up file may print before the pid
         try:
@@ -711,8 +799,9 @@ class SSHProvider:
                 await w.proc.wait_closed()
         finally:
             rc = w.proc.returncode
-            w.returncode = rc
             w.lost = rc is None
+            w.returncode = None if w.adopted else rc  # an adopted worker is not the channel's process
+            w.reported = w.reported or (w.adopted and not w.lost)  # how it ended is not known: nothing to report
             w.ended = time.time()
             w.conn.sessions -= 1
             w.done.set()
@@ -723,11 +812,13 @@ class SSHProvider:
 
         Raises :class:`ProviderError` naming the workers it could not confirm stopped (host down).
         """
-        if not worker_ids or self._loop is None or self._closed:
-            return  # nothing was ever started, or close() already stopped everything
-        self._run(self._terminate(list(worker_ids)), self.term_timeout + 2 * self.connect_timeout + 15)
+        if not worker_ids or self._closed or (self._loop is None and not self._unscanned):
+            return  # nothing was ever started (or re-found), or close() already stopped everything
+        self._run(self._terminate(list(worker_ids)),
+                  self.term_timeout + 2 * self.connect_timeout + 15 + self._scan_budget())  # fmt: skip
 
     async def _terminate(self, ids: builtins.list[str]) -> None:
+        await self._adopt_tagged()  # the ids may name workers of an earlier scheduler process
         ws = [self._workers[w] for w in ids if w in self._workers]
         await self._stop(ws)
 
@@ -771,17 +862,30 @@ class SSHProvider:
     def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
         """Worker id -> {node_type, request_id, host, pid, alive, returncode, started}."""
         loop = self._loop
-        if loop is None or self._closed or loop.is_closed() or _running_loop() is loop:
+        running = _running_loop()
+        if self._unscanned and not self._closed and not (loop is not None and loop.is_closed()):
+            if loop is None or running is not loop:  # look for the tagged workers first (tag_with)
+                return self._run(self._list_adopting(), self._scan_budget() + 10)
+            self._spawn(self._adopt_tagged())  # inside the owning loop: cannot wait; the next list shows them
+        if loop is None or self._closed or loop.is_closed() or running is loop:
             return self._list_now()  # nothing can change under us (no loop runs it), or on that loop
         return self._run(self._async(self._list_now), 10)
 
     async def _async(self, fn: Any) -> Any:
         return fn()
 
+    async def _list_adopting(self) -> dict[str, dict[str, Any]]:
+        await self._adopt_tagged()
+        return self._list_now()
+
+    def _scan_budget(self) -> float:
+        """How long looking for the tagged workers may take (0 once it is done)."""
+        return 2 * self.connect_timeout + 15 if self._unscanned else 0.0
+
     def _list_now(self) -> dict[str, dict[str, Any]]:
         out = {w.worker_id: {"node_type": w.node_type, "request_id": w.request_id, "host": w.host.name,
                              "pid": w.pid, "alive": not w.done.is_set(), "returncode": w.returncode,
-                             "started": w.started, "stopping": w.stopping}
+                             "started": w.started, "stopping": w.stopping, "adopted": w.adopted}
                for w in self._workers.values()}  # fmt: skip
         with self._loop_lock:
             for rid in self._starting:  # sessions still opening: listed, so not reconciled away
@@ -824,8 +928,9 @@ class SSHProvider:
         tail = " | ".join(list(w.output)[-6:])
         where = f"worker {w.worker_id} on {w.host.name} (pid {w.pid})"
         if w.lost:
-            return (f"{where}: lost the SSH connection; the worker's watchdog stops it on the host. "
-                    f"Last output: {tail or '(none)'}")  # fmt: skip
+            fate = ("it keeps running on the host and exits past its reconnect window if no scheduler "
+                    "takes it" if self.tag else "the worker's watchdog stops it on the host")  # fmt: skip
+            return f"{where}: lost the SSH connection; {fate}. Last output: {tail or '(none)'}"
         rc = w.returncode
         hint = ""
         if rc == 127:
@@ -846,6 +951,12 @@ class SSHProvider:
             if self._closed:
                 return
             self._closed = True
+            if self._loop is None and self._unscanned:  # tagged: stop the workers it re-finds too
+                running = _running_loop()
+                if running is not None:
+                    self._loop = running
+                else:
+                    self._ensure_loop()
             loop, lt = self._loop, self._loop_thread
         if loop is None:
             return
@@ -858,8 +969,10 @@ class SSHProvider:
         problem = None if lt is not None else self._blocking_problem(loop)
         if problem is not None:  # the owning loop is gone: no coroutine can run on it any more
             cut = self._cut_connections()
-            log.warning("SSHProvider.close: %s; shut its %d SSH connection(s) down instead, so the "
-                        "workers' watchdogs stop them", problem, cut)  # fmt: skip
+            fate = ("the tagged workers keep running until their reconnect window ends" if self.tag
+                    else "so the workers' watchdogs stop them")  # fmt: skip
+            log.warning("SSHProvider.close: %s; shut its %d SSH connection(s) down instead; %s", problem, cut,
+                        fate)  # fmt: skip
             return
         try:
             self._wait_on(loop, self._close(), self._close_budget())
@@ -876,6 +989,8 @@ class SSHProvider:
         there (no thread); from any other loop the owner closes them while this loop waits."""
         loop = asyncio.get_running_loop()
         with self._loop_lock:
+            if self._loop is None and self._unscanned and not self._closed:
+                self._loop = loop  # tagged: stop the workers it re-finds too
             owner, closing, already = self._loop, self._closing, self._closed
             if owner is None or owner is loop:
                 self._closed = True
@@ -908,7 +1023,7 @@ class SSHProvider:
         return n
 
     def _close_budget(self) -> float:
-        return 2 * self.term_timeout + 3 * self.connect_timeout + 25
+        return 2 * self.term_timeout + 3 * self.connect_timeout + 25 + self._scan_budget()
 
     async def _close(self) -> None:
         launches = [t for t in self._tasks if not t.done()]
@@ -919,6 +1034,10 @@ class SSHProvider:
         with self._loop_lock:
             self._starting.clear()
         try:
+            try:
+                await asyncio.wait_for(self._adopt_tagged(), self._scan_budget() + 1)
+            except Exception as exc:  # noqa: BLE001 - what was found is stopped below all the same
+                log.warning("SSHProvider.close: looking for the tagged workers failed: %s", exc)
             await self._stop(list(self._workers.values()))
         finally:
             for h in self._hosts:
