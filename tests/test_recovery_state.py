@@ -153,3 +153,15 @@ def test_restored_clients_that_do_not_come_back_are_released(tmp_path: Path) -> 
     assert "x-0" not in d2.state.tasks
     assert not dur.claim_client("client-7")  # too late to claim it
     dur.close()
+
+
+def test_setup_hooks_are_stored_at_the_next_tick_and_given_back_at_a_restart(tmp_path: Path) -> None:
+    from tidepool.comm.serialize import serialize
+
+    dur, d = _restart(tmp_path)  # a fresh durable scheduler
+    dur.record_setup("one", serialize("spec-1"))
+    dur.record_setup("two", serialize("spec-2"))
+    dur.close()  # the last tick's batch is flushed at close; a crash before a tick would lose it
+    dur2, _ = _restart(tmp_path)
+    assert [(n, blob.load()) for n, blob in dur2.setups] == [("one", "spec-1"), ("two", "spec-2")]
+    dur2.close()

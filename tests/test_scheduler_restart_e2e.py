@@ -153,3 +153,32 @@ def test_a_killed_client_re_attaches_to_its_keys_after_a_restart(tmp_path: Path)
             except Exception as exc:  # noqa: BLE001
                 assert type(exc).__name__ == "TaskCancelledError", exc
     assert all(n == 1 for n in _executions(runs).values())
+
+
+def env_of(name: str) -> str:
+    return os.environ.get(name, "<unset>")
+
+
+def test_setup_hooks_reach_workers_started_after_a_restart(tmp_path: Path) -> None:
+    """The setups a client registered are in the store: a worker that joins the restarted
+    scheduler runs them although no client registers them again."""
+    with LocalCluster(1, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        with Client(cluster, timeout=60) as client:
+            client.register_setup(name="mark", env={"TP_RESTART_MARK": "kept"})
+            assert client.submit(env_of, "TP_RESTART_MARK", pure=False).result(timeout=60) == "kept"
+        wait_until(lambda: _stored_setups(tmp_path / "state") == ["mark"], timeout=60, what="the setup in the store")
+        cluster.kill_scheduler()
+        cluster.restart_scheduler()
+        (new,) = cluster.add_workers(1)
+        with Client(cluster, timeout=60) as client:
+            assert client.submit(env_of, "TP_RESTART_MARK", pure=False, workers=[new]).result(timeout=120) == "kept"
+
+
+def _stored_setups(state: Path) -> list[str]:
+    import sqlite3
+
+    db = sqlite3.connect(state / "state.sqlite3")
+    try:
+        return [str(r[0]) for r in db.execute("SELECT name FROM setups ORDER BY seq")]
+    finally:
+        db.close()

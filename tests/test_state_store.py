@@ -139,3 +139,21 @@ def test_writes_on_the_writer_thread_arrive_in_order(tmp_path: Path) -> None:
     assert [t.key for t in s.load().tasks] == ["k19"]
     assert s.written == 20
     s.close()
+
+
+def test_setup_hooks_round_trip_in_registration_order(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    s.write(Batch(setups={"first": serialize("spec-1"), "second": serialize("spec-2")}))
+    s.write(Batch(setups={"first": serialize("spec-1b")}))  # registered again: replaced, moved last
+    s.close()
+    snap = StateStore(tmp_path, TOKEN).load()
+    assert [(n, blob.load()) for n, blob in snap.setups] == [("second", "spec-2"), ("first", "spec-1b")]
+
+
+def test_a_store_written_before_setups_were_kept_opens_without_any(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    s.write(Batch(new_tasks=[_task("a")]))
+    s._db.execute("DROP TABLE setups")  # the layout as the first version wrote it
+    s.close()
+    snap = StateStore(tmp_path, TOKEN).load()
+    assert [t.key for t in snap.tasks] == ["a"] and snap.setups == []

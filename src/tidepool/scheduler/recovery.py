@@ -15,6 +15,10 @@ Running: :class:`SchedulerState` adds every record whose state changes, or that 
 that set and the tick's worker/client events into one batch: new tasks with their spec, outcome
 changes, forgotten keys, wanted keys added or dropped; the store writes it on its own thread.
 
+The setup hooks clients register (``register_setup``) are stored as they come, in their order,
+and given back to the server at a restart (:attr:`Durability.setups`), so workers that join
+afterwards run them too.
+
 Restart: :func:`restore_events` turns the stored snapshot into ordinary events (one graph update
 with every task, each client's wanted keys, the errors of tasks that had erred), applied before the
 listener opens, so nothing runs yet: there are no workers.  Workers re-register with what they hold
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tidepool.comm.auth import new_token
+from tidepool.comm.serialize import Serialized
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.intake import LINE, PRIORITY_STEP
 from tidepool.scheduler.kinds import TaskState as TS
@@ -232,6 +237,8 @@ class Durability:
         self.reconnect_window = reconnect_window
         self.recovery_wait = recovery_wait
         self.snapshot = self.store.load()  # refused whole, before anything listens
+        #: the setup hooks clients had registered (name, pickled spec), for workers that join from now on
+        self.setups: list[tuple[str, Serialized]] = list(self.snapshot.setups)
         self.expected: set[str] = set()
         self.back: set[str] = set()
         self.gate_until = 0.0
@@ -324,6 +331,13 @@ class Durability:
             "seconds_since_start": round(time.monotonic() - self._began, 3),
         }, now))  # fmt: skip
         return ready
+
+    def record_setup(self, name: str, blob: Serialized) -> None:
+        """A client registered a setup hook: stored at the next tick (workers that join after a
+        restart run it, as they would have before)."""
+        if self.persister is not None:
+            self.persister.batch.setups.pop(name, None)
+            self.persister.batch.setups[name] = blob
 
     def record_instances(self, rows: dict[str, dict[str, Any] | None]) -> None:
         """The autoscaler's instance rows that changed (``None``: ended), stored at the next tick."""
