@@ -77,7 +77,10 @@ def restore_events(snap: Snapshot, now: float) -> list[ev.Event]:
     events: list[ev.Event] = [ev.UpdateGraph(RESTORING, specs, [k for k in known if k in wanted], now,
                                              dict(snap.functions))]  # fmt: skip
     for client, keys in sorted(snap.wants.items()):
-        events.append(ev.UpdateGraph(client, [], keys, now))
+        if client == FIRE_AND_FORGET:  # kept running for nobody, to the end (fire_and_forget)
+            events.append(ev.FireAndForget(list(keys), now))
+        else:
+            events.append(ev.UpdateGraph(client, [], keys, now))
     errors = {t.key: t.error for t in snap.tasks if t.status == "e" and t.error is not None}
     if errors:
         events.append(ev.RestoreErrors(errors, now))
@@ -114,6 +117,9 @@ class Persister:
         self.stored: dict[str, tuple[TaskRecord, str]] = {}
         self.wants: dict[str, set[str]] = {}
         self.touched: set[str] = set()
+        #: keys stored as wanted by nobody but fire_and_forget, and keys whose such want may have changed
+        self.forgotten_wants: set[str] = set()
+        self.faf_touched: set[str] = set()
         self.functions: set[str] = set()
         self.batch = Batch()
         self.paused = False  # while a restarted scheduler waits for its workers
@@ -126,6 +132,10 @@ class Persister:
             self.stored[key] = (ts, status.get(key, "p"))
         self.batch.forgotten.extend(k for k in status if k not in st.tasks)
         for client, keys in snap.wants.items():
+            if client == FIRE_AND_FORGET:
+                self.forgotten_wants = set(keys)
+                self.faf_touched.update(keys)
+                continue
             self.wants[client] = set(keys)
             self.touched.add(client)
         self.functions.update(snap.functions)
@@ -144,6 +154,8 @@ class Persister:
                         b.functions[fid] = blob
             elif isinstance(e, (ev.ReleaseKeys, ev.ClientGone)):
                 self.touched.add(e.client)
+            elif isinstance(e, ev.FireAndForget):
+                self.faf_touched.update(e.keys)
             elif isinstance(e, ev.WorkerJoin):
                 b.workers_left = [w for w in b.workers_left if w != e.worker]
                 b.workers_joined.append((e.worker, e.address))
@@ -156,6 +168,8 @@ class Persister:
                 self.state.tally.dirty.clear()
                 self.stored.clear()
                 self.wants.clear()
+                self.forgotten_wants.clear()
+                self.faf_touched.clear()
                 self.batch.clear_tasks = True
             elif isinstance(e, ev.Tick) and not self.paused:
                 self.flush()
@@ -168,8 +182,12 @@ class Persister:
         st.tally.dirty = set()
         tasks, stored = st.tasks, self.stored
         new: list[TaskRecord] = []
+        faf = self.faf_touched
+        self.faf_touched = set()
         for old in dirty:
             key = old.key
+            if key in self.forgotten_wants:
+                faf.add(key)
             ts = tasks.get(key)
             prev = stored.get(key)
             if ts is None:
@@ -200,6 +218,15 @@ class Persister:
             else:
                 self.wants.pop(client, None)
         self.touched.clear()
+        for key in faf:  # fire-and-forget wants: a row while the task is kept for nobody
+            ts = tasks.get(key)
+            keep = ts is not None and FIRE_AND_FORGET in ts.wanted_by
+            if keep and key not in self.forgotten_wants:
+                self.forgotten_wants.add(key)
+                b.wants_added.append((FIRE_AND_FORGET, key))
+            elif not keep and key in self.forgotten_wants:
+                self.forgotten_wants.discard(key)
+                b.wants_removed.append((FIRE_AND_FORGET, key))
         if b:
             self.store.submit(b)
 
@@ -273,11 +300,11 @@ class Durability:
             self.gate_open = False
             self.gate_until = now + self.recovery_wait
             self.persister.paused = True
-        self.restored_clients = {c: now + self.reconnect_window for c in snap.wants}
+        self.restored_clients = {c: now + self.reconnect_window for c in snap.wants if c != FIRE_AND_FORGET}
         numbers = [int(m.group(1)) for c in snap.wants if (m := re.fullmatch(r"client-(\d+)", c))]
         self.reports.append(ev.RecoveryReport("loaded", {
             "tasks": len(snap.tasks), "finished": len(self._finished_before),
-            "erred": sum(1 for t in snap.tasks if t.status == "e"), "clients": len(snap.wants),
+            "erred": sum(1 for t in snap.tasks if t.status == "e"), "clients": len(self.restored_clients),
             "workers_expected": len(self.expected), "load_seconds": round(time.perf_counter() - began, 4),
         }, now))  # fmt: skip
         self.snapshot = Snapshot(snap.address, [], {}, {}, {}, snap.instances)  # free the memory
