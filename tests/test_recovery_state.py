@@ -197,3 +197,15 @@ def test_fire_and_forget_tasks_wanted_by_no_client_are_kept_and_run_after_a_rest
     snap = left.load()
     assert snap.tasks == [] and snap.wants == {}, "their rows and the want leave the store"
     left.close()
+
+
+def test_the_cost_meter_is_stored_at_the_next_tick_and_given_back_at_a_restart(tmp_path: Path) -> None:
+    dur, d = _restart(tmp_path)
+    assert dur.cost is None
+    dur.record_cost({"spent": 3.0, "open": [["worker", "w1", 2.0]], "at": 99.0, "wall": 5000.0})
+    d.send(ev.Tick(d.clock.advance(0.5)))  # the tick's flush
+    dur.store.drain()
+    dur.store.close()  # dies after that tick
+    dur2, _ = _restart(tmp_path)
+    assert dur2.cost == {"spent": 3.0, "open": [["worker", "w1", 2.0]], "at": 99.0, "wall": 5000.0}
+    dur2.close()

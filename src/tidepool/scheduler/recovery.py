@@ -307,7 +307,7 @@ class Durability:
             "erred": sum(1 for t in snap.tasks if t.status == "e"), "clients": len(self.restored_clients),
             "workers_expected": len(self.expected), "load_seconds": round(time.perf_counter() - began, 4),
         }, now))  # fmt: skip
-        self.snapshot = Snapshot(snap.address, [], {}, {}, {}, snap.instances)  # free the memory
+        self.snapshot = Snapshot(snap.address, [], {}, {}, {}, snap.instances, [], snap.cost)  # free the memory
         return max(numbers, default=0)
 
     def claim_client(self, cid: str) -> bool:
@@ -370,6 +370,16 @@ class Durability:
         """The autoscaler's instance rows that changed (``None``: ended), stored at the next tick."""
         if self.persister is not None:
             self.persister.batch.instances.update(rows)
+
+    def record_cost(self, meter: dict[str, Any]) -> None:
+        """The autoscaler's cost meter (``CostMeter.export`` with its wall time), stored at the next tick."""
+        if self.persister is not None:
+            self.persister.batch.cost = meter
+
+    @property
+    def cost(self) -> dict[str, Any] | None:
+        """The autoscaler's cost meter as the store held it at the start (None: nothing billed)."""
+        return self.snapshot.cost
 
     @property
     def instances(self) -> dict[str, dict[str, Any]]:

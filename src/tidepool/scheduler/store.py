@@ -3,7 +3,7 @@
 State
 -----
 One file, ``state.sqlite3``, in the directory given by ``--state-dir`` (created mode 700; the
-token is in it).  Tables: ``meta`` (layout version, token, address), ``functions`` (function id ->
+token is in it).  Tables: ``meta`` (layout version, token, address, the autoscaler's cost meter as of the last tick), ``functions`` (function id ->
 pickled callable), ``tasks`` (one row per task the scheduler knows: its spec as submitted, and its
 outcome: ``p`` pending, ``m`` finished with the workers holding the value, ``e`` erred with the
 error), ``wants`` (client id -> keys it holds futures of), ``workers`` (workers registered at the
@@ -91,12 +91,13 @@ class Batch:
     workers_left: list[str] = field(default_factory=list)
     instances: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # None: gone
     setups: dict[str, Serialized] = field(default_factory=dict)  # name -> pickled SetupSpec (latest wins)
+    cost: dict[str, Any] | None = None  # the autoscaler's cost meter (replaces the stored one)
     clear_tasks: bool = False  # client.restart(): every task is forgotten first
 
     def __bool__(self) -> bool:
         return bool(self.new_tasks or self.outcomes or self.forgotten or self.functions or self.wants_added
                     or self.wants_removed or self.workers_joined or self.workers_left or self.instances
-                    or self.setups or self.clear_tasks)  # fmt: skip
+                    or self.setups or self.cost is not None or self.clear_tasks)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -110,6 +111,7 @@ class Snapshot:
     workers: dict[str, str]
     instances: dict[str, dict[str, Any]]
     setups: list[tuple[str, Serialized]] = field(default_factory=list)  # in registration order
+    cost: dict[str, Any] | None = None  # the autoscaler's cost meter at the last flush
 
 
 # ---- payload encoding ---------------------------------------------------------------------------
@@ -154,6 +156,13 @@ def _unpack_error(blob: bytes | None) -> dict[str, Any] | None:
     rest = blob[8 + n:]
     error["exception"] = unpack(rest) if rest else None
     return error
+
+
+def _cost(text: str) -> dict[str, Any]:
+    cost = json.loads(text)
+    if not isinstance(cost, dict) or not isinstance(cost.get("open", []), list):
+        raise ValueError("the stored cost meter is unreadable")
+    return cost
 
 
 # ---- the store ------------------------------------------------------------------------------------
@@ -304,6 +313,8 @@ class StateStore:
                     db.execute("DELETE FROM instances WHERE id = ?", (iid,))
                 else:
                     db.execute("INSERT OR REPLACE INTO instances VALUES (?, ?)", (iid, json.dumps(data)))
+            if b.cost is not None:
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('cost', ?)", (json.dumps(b.cost),))
             if b.setups:  # a name registered again moves to the end (a new seq), as in the scheduler
                 db.executemany("INSERT OR REPLACE INTO setups (name, blob) VALUES (?, ?)",
                                [(n, pack(blob)) for n, blob in b.setups.items()])  # fmt: skip
@@ -326,6 +337,7 @@ class StateStore:
                 workers = db.execute("SELECT id, address FROM workers").fetchall()
                 instances = db.execute("SELECT id, data FROM instances").fetchall()
                 setup_rows = db.execute("SELECT name, blob FROM setups ORDER BY seq").fetchall()
+                cost_row = db.execute("SELECT v FROM meta WHERE k = 'cost'").fetchone()
             finally:
                 db.execute("COMMIT")
             tasks = [StoredTask(k, json.loads(spec), unpack(payload), status, json.loads(holders),
@@ -347,7 +359,8 @@ class StateStore:
                 assert ser is not None
                 setups.append((str(name), ser))
             return Snapshot(self.address, tasks, functions, by_client, dict(workers),
-                            {i: json.loads(d) for i, d in instances}, setups)  # fmt: skip
+                            {i: json.loads(d) for i, d in instances}, setups,
+                            _cost(cost_row[0]) if cost_row else None)  # fmt: skip
         except (sqlite3.DatabaseError, ValueError, TypeError, struct.error, AssertionError) as exc:
             raise StoreCorruptError(self._corrupt(exc)) from exc
 
