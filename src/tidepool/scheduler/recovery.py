@@ -15,6 +15,8 @@ Running: :class:`SchedulerState` adds every record whose state changes, or that 
 that set and the tick's worker/client events into one batch: new tasks with their spec, outcome
 changes, forgotten keys, wanted keys added or dropped; the store writes it on its own thread.
 
+Tasks kept running for nobody (``fire_and_forget``) are stored as wants of the pseudo-client
+``FIRE_AND_FORGET`` while it holds them (``forgotten_wants``), and kept so again at a restart.
 The setup hooks clients register (``register_setup``) are stored as they come, in their order,
 and given back to the server at a restart (:attr:`Durability.setups`), so workers that join
 afterwards run them too.
