@@ -26,6 +26,7 @@ Usage: ``python benchmarks/recovery.py [--sizes 10000 100000] [--end-to-end 2000
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def restart(n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         _build(d, n)
         size = sum(f.stat().st_size for f in Path(d).iterdir())
+        gc.collect()  # the build's garbage is not the restart's to collect (a restarted process has none)
         t0 = time.perf_counter()
         dur = Durability(d, TOKEN)
         st = SchedulerState(no_worker_timeout=None)

@@ -10,9 +10,10 @@ import pytest
 
 import tidepool
 from tidepool.errors import ConfigError
+from tidepool.scaling.adoption import instance_rows
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.instances import IS, InstanceTable
-from tidepool.scaling.limits import CostLimits, CostMeter, cap_launches, over_budget
+from tidepool.scaling.limits import CostLimits, CostMeter, cap_launches, on_this_clock, over_budget
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import Joined, Named, step_with_state
 from tidepool.scaling.snapshot import ScaleDecision
@@ -115,6 +116,58 @@ def test_controller_with_a_spent_budget_launches_nothing_and_retires_idle_worker
     assert not acts.retire
     acts = step_with_state(c2, d.state, 120.0)  # 2 minutes at 3600/h: 120 > 100 spent
     assert acts.retire == [wid] and "budget 100 spent" in acts.records[-1]["reason"]
+
+
+def test_the_meter_goes_on_after_a_restart_and_bills_adopted_instances_for_the_downtime() -> None:
+    table = InstanceTable()
+    meter = CostMeter(TYPES)
+    table.request("a1", "cpu", 2, 0.0, 100.0, "test")
+    meter.launched("a1", "cpu", 2, 0.0)
+    table.move_request(table.requests["a1"], IS.NAMED, 0.0, "named")
+    for w in ("w1", "w2"):
+        table.add(w, "cpu", "a1", IS.NAMED, 0.0, "named")
+        table.requests["a1"].workers.append(w)
+    meter.settle(table)
+    stored = meter.export(1800.0)  # the last step the dead scheduler stored
+    assert stored is not None and stored["spent"] == pytest.approx(2.0)  # two 2/h workers for half an hour
+    assert sorted(stored["open"]) == [["worker", "w1", 2.0], ["worker", "w2", 2.0]]
+    # the new process's clock starts elsewhere; 600 s of wall time passed while it was down
+    here = on_this_clock({**stored, "wall": 10_000.0}, 50.0, 10_600.0)
+    assert here is not None and here["at"] == pytest.approx(-550.0)
+    adopted = InstanceTable()
+    adopted.add("w1", "cpu", "a1", IS.NAMED, 50.0, "adopted")  # w2 is gone: not listed any more
+    meter2 = CostMeter(TYPES)
+    meter2.restore(here, adopted, 50.0)
+    meter2.settle(adopted)
+    assert meter2.rate == pytest.approx(2.0)
+    assert meter2.spent(50.0) == pytest.approx(2.0 + 2.0 * 600 / 3600)  # w1 billed while the scheduler was down
+    assert meter2.spent(1850.0) == pytest.approx(2.0 + 2.0 * 2400 / 3600)
+    assert CostMeter(TYPES).export(10.0) is None  # nothing billed: nothing to store
+    assert on_this_clock(None, 1.0, 2.0) is None
+
+
+def test_a_restarted_controller_keeps_the_spent_budget_and_launches_nothing_over_it() -> None:
+    d = StateDriver()
+    floor = NodeType("cpu", {"cpu": 1}, min_nodes=1, max_nodes=3, cost=3600.0, startup_estimate=1.0)
+    c = ScalingController((floor,), lambda s: None, budget=100.0, forecast_interval=0.25)
+    (rid, _, _), = step_with_state(c, d.state, 0.0).launch
+    wid = f"cpu-{rid}-1"
+    d.add_worker(wid, node_type="cpu")
+    step_with_state(c, d.state, 0.5, reports=[Named(rid, (wid,), 0.0), Joined(wid, 0.5, ready=True)])
+    acts = step_with_state(c, d.state, 80.0)
+    assert acts.cost is not None and acts.cost["spent"] == pytest.approx(80.0)
+    rows = instance_rows(c.instances)  # the instance rows the durable scheduler stored
+    stored = {**acts.cost, "wall": 1000.0}
+    # the scheduler dies with its worker (not listed any more); 10 s later a new one starts at clock 0
+    d2 = StateDriver()
+    c2 = ScalingController((floor,), lambda s: None, budget=100.0, forecast_interval=0.25, restored=rows,
+                           restored_cost=on_this_clock(stored, 0.0, 1010.0))  # fmt: skip
+    acts = step_with_state(c2, d2.state, 0.0, listing={})
+    assert acts.launch == [], "80 of the budget of 100 are spent: min_nodes may not launch a node held 60 s"
+    assert [r for r in acts.records if r["kind"] == "cost-limit"]
+    assert acts.cost is not None and acts.cost["spent"] == pytest.approx(80.0)
+    fresh = ScalingController((floor,), lambda s: None, budget=100.0, forecast_interval=0.25, restored=rows)
+    assert step_with_state(fresh, StateDriver().state, 0.0, listing={}).launch != []  # the control: budget reset
 
 
 # ---- real processes ---------------------------------------------------------------------------

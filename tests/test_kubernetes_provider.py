@@ -284,6 +284,93 @@ def test_pods_left_by_an_earlier_scheduler_with_the_same_cluster_id_are_deleted(
             old._loop_thread.stop()
 
 
+def test_a_provider_tagged_alike_takes_over_the_pods_of_an_earlier_one(emu: EmulatorThread, tmp_path: Path) -> None:
+    """What a restarted durable scheduler's provider does (tag_with): the live pods of the dead
+    one's provider are listed (same workers, request, node type) and deleted at close, not at start."""
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=4)
+    old = provider(emu, tmp_path, scheduler="tcp://127.0.0.1:1", token="a" * 64)
+    old.tag_with("tpfeed")
+    assert old.cluster_id == "tpfeed"  # no cluster_id given: the tag names the cluster
+    old.launch(nt, 1, "a3")
+    mine = old.worker_ids(nt, 1, "a3")
+    wait_until(lambda: [p["status"].get("phase") for p in pods(emu)] == ["Running"], 30, "the first scheduler's pod")
+    (pod,) = pods(emu)
+    new = provider(emu, tmp_path, scheduler="tcp://127.0.0.1:1", token="a" * 64)
+    new.tag_with("tpfeed")
+    other = provider(emu, tmp_path, scheduler="tcp://127.0.0.1:1", token="a" * 64)
+    other.tag_with("tpother")
+    try:
+        listed = new.list()  # the first listing already shows it (no watch event waited for)
+        assert set(listed) == set(mine)
+        assert listed[mine[0]]["request_id"] == "a3" and listed[mine[0]]["node_type"] == "cpu"
+        assert listed[mine[0]]["alive"] and listed[mine[0]]["pod"] == pod["metadata"]["name"]
+        assert new.worker_ids(nt, 1, "a3") == mine
+        assert other.list() == {}  # another cluster's pods are not taken
+        assert [p["metadata"]["name"] for p in pods(emu)] == [pod["metadata"]["name"]]  # not deleted
+        assert not pods(emu)[0]["metadata"].get("deletionTimestamp")
+        assert new.poll_errors() == []
+    finally:
+        other.close()
+        new.close()
+        old._closed = True  # it "died": nothing of it is left to close
+        if old._loop_thread is not None:
+            old._loop_thread.stop()
+    wait_until(lambda: pods(emu) == [], 30, "the taken-over pod deleted at close")
+
+
+def where(x: int) -> tuple[int, str, int]:
+    return x, os.environ.get("TIDEPOOL_WORKER_ID", ""), os.getpid()
+
+
+def _records(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if r["kind"] == kind]
+
+
+@pytest.mark.timeout(900)  # process starts are slow on a loaded machine
+def test_a_restarted_durable_scheduler_adopts_its_pod(emu: EmulatorThread, tmp_path: Path) -> None:
+    """kill -9 ``tidepool scheduler --state-dir --cluster`` (Kubernetes provider): the restarted one
+    takes over the pod by its cluster label, adopts its worker (no new pod) and deletes it at close."""
+    state = tmp_path / "state"
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    kubeconfig = emu.emulator.write_kubeconfig(str(tmp_path / "kubeconfig"))
+    cluster = tidepool.LocalCluster(0, state_dir=str(state), reconnect_window=300.0, recovery_wait=120.0,
+                                    timeout=180)  # fmt: skip
+    try:
+        path = state / "cluster.toml"
+        path.write_text(
+            f'[provider]\nkind = "kubernetes"\nkubeconfig = "{kubeconfig}"\nterminate_grace = 5\n\n'
+            '[[node_types]]\nname = "kp"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
+            "startup_estimate = 60\n"
+        )  # fmt: skip
+        cluster.cluster_file = str(path)
+        proc = cluster.scheduler_proc
+        assert proc is not None
+        proc.terminate()
+        proc.wait(60)
+        cluster.start_scheduler(str(before))
+        wait_until(lambda: len(cluster.workers()) == 1, 300, "the pod's worker")
+        [worker] = cluster.workers()
+        [pod] = pods(emu)
+        with tidepool.Client(cluster.address, cluster.token, timeout=120) as client:
+            _, wid, pid = client.submit(where, 1, pure=False).result(timeout=120)
+            assert wid == worker
+            cluster.kill_scheduler()
+            cluster.restart_scheduler(str(after))
+            wait_until(lambda: _records(after, "adopt"), 120, "the journal's adopt record")
+            _, wid2, pid2 = client.submit(where, 2, pure=False).result(timeout=300)
+            assert (wid2, pid2) == (worker, pid)  # the same pod's worker process serves the graph
+        adopted = _records(after, "adopt")
+        assert [(r["worker"], r["outcome"]) for r in adopted] == [(worker, "adopted")]
+        assert _records(after, "launch") == []  # no second pod
+        assert [p["metadata"]["uid"] for p in pods(emu)] == [pod["metadata"]["uid"]]
+    finally:
+        cluster.close()
+    wait_until(lambda: pods(emu) == [], 120, "the adopted pod deleted at close")
+
+
 def test_close_while_a_create_awaits_its_answer_leaves_no_pod(emu: EmulatorThread, tmp_path: Path) -> None:
     prov = provider(emu, tmp_path, cluster_id="inflight", scheduler="tcp://127.0.0.1:1", token="t" * 64)
     prov.launch(NodeType("cpu", {"cpu": 1}), 0, "r0")  # connected and watching, no pod

@@ -153,3 +153,59 @@ def test_restored_clients_that_do_not_come_back_are_released(tmp_path: Path) -> 
     assert "x-0" not in d2.state.tasks
     assert not dur.claim_client("client-7")  # too late to claim it
     dur.close()
+
+
+def test_setup_hooks_are_stored_at_the_next_tick_and_given_back_at_a_restart(tmp_path: Path) -> None:
+    from tidepool.comm.serialize import serialize
+
+    dur, d = _restart(tmp_path)  # a fresh durable scheduler
+    dur.record_setup("one", serialize("spec-1"))
+    dur.record_setup("two", serialize("spec-2"))
+    dur.close()  # the last tick's batch is flushed at close; a crash before a tick would lose it
+    dur2, _ = _restart(tmp_path)
+    assert [(n, blob.load()) for n, blob in dur2.setups] == [("one", "spec-1"), ("two", "spec-2")]
+    dur2.close()
+
+
+def test_fire_and_forget_tasks_wanted_by_no_client_are_kept_and_run_after_a_restart(tmp_path: Path) -> None:
+    from tidepool.scheduler.state import FIRE_AND_FORGET
+
+    d, p, store = _durable_driver(tmp_path)
+    d.submit(_chain_graph(2), ["b-0", "b-1"], client="client-3")
+    d.send(ev.FireAndForget(["b-0"], d.clock()))
+    d.send(ev.ClientGone("client-3", d.clock()))  # nobody holds a future of b-0 any more; b-1 goes
+    assert set(d.state.tasks) == {"a-0", "b-0"}
+    _tick(d)
+    store.drain()
+    assert store.load().wants == {FIRE_AND_FORGET: ["b-0"]}
+    store.close()  # the scheduler dies before any worker ran them
+
+    dur, d2 = _restart(tmp_path)
+    st = d2.state
+    assert set(st.tasks) == {"a-0", "b-0"} and FIRE_AND_FORGET in st.tasks["b-0"].wanted_by
+    assert dur.restored_clients == {}  # not a client that must reconnect
+    d2.add_worker("w1")
+    d2.run_until_idle()
+    for key in ("a-0", "b-0"):
+        assert [c.key for c in d2.log if isinstance(c, ev.Execute) and c.key == key] == [key]
+        d2.finish("w1", key)
+        d2.run_until_idle()
+    assert st.tasks == {}, "run to the end, then forgotten as before the restart"
+    d2.send(*dur.on_tick(d2.clock.advance(0.5)), ev.Tick(d2.clock()))
+    dur.close()
+    left = StateStore(tmp_path, TOKEN)
+    snap = left.load()
+    assert snap.tasks == [] and snap.wants == {}, "their rows and the want leave the store"
+    left.close()
+
+
+def test_the_cost_meter_is_stored_at_the_next_tick_and_given_back_at_a_restart(tmp_path: Path) -> None:
+    dur, d = _restart(tmp_path)
+    assert dur.cost is None
+    dur.record_cost({"spent": 3.0, "open": [["worker", "w1", 2.0]], "at": 99.0, "wall": 5000.0})
+    d.send(ev.Tick(d.clock.advance(0.5)))  # the tick's flush
+    dur.store.drain()
+    dur.store.close()  # dies after that tick
+    dur2, _ = _restart(tmp_path)
+    assert dur2.cost == {"spent": 3.0, "open": [["worker", "w1", 2.0]], "at": 99.0, "wall": 5000.0}
+    dur2.close()

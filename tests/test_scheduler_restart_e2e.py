@@ -180,3 +180,64 @@ def test_a_client_cut_off_from_a_live_durable_scheduler_keeps_its_keys_and_one_t
                        what="the closed client's keys released")  # fmt: skip
     counts = _executions(runs)
     assert len(counts) == n + 1 and all(c == 1 for c in counts.values()), counts  # nothing ran twice
+
+
+def env_of(name: str) -> str:
+    return os.environ.get(name, "<unset>")
+
+
+def test_setup_hooks_reach_workers_started_after_a_restart(tmp_path: Path) -> None:
+    """The setups a client registered are in the store: a worker that joins the restarted
+    scheduler runs them although no client registers them again."""
+    with LocalCluster(1, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        with Client(cluster, timeout=60) as client:
+            client.register_setup(name="mark", env={"TP_RESTART_MARK": "kept"})
+            assert client.submit(env_of, "TP_RESTART_MARK", pure=False).result(timeout=60) == "kept"
+        wait_until(lambda: _stored_setups(tmp_path / "state") == ["mark"], timeout=60, what="the setup in the store")
+        cluster.kill_scheduler()
+        cluster.restart_scheduler()
+        (new,) = cluster.add_workers(1)
+        with Client(cluster, timeout=60) as client:
+            assert client.submit(env_of, "TP_RESTART_MARK", pure=False, workers=[new]).result(timeout=120) == "kept"
+
+
+def _stored_setups(state: Path) -> list[str]:
+    import sqlite3
+
+    db = sqlite3.connect(state / "state.sqlite3")
+    try:
+        return [str(r[0]) for r in db.execute("SELECT name FROM setups ORDER BY seq")]
+    finally:
+        db.close()
+
+
+def write_when(flag: str, out: str) -> str:
+    """Waits for ``flag``, then leaves ``out`` behind (its only visible effect)."""
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    Path(out).write_text("done")
+    return out
+
+
+def test_a_fire_and_forget_task_runs_to_the_end_after_a_restart(tmp_path: Path) -> None:
+    """Kept for nobody (its client is gone), its worker killed with the scheduler: the restarted
+    scheduler still has it and runs it on a new worker."""
+    flag, out = str(tmp_path / "go"), str(tmp_path / "out")
+    with LocalCluster(1, state_dir=str(tmp_path / "state"), reconnect_window=120.0, recovery_wait=5.0,
+                      timeout=120) as cluster:  # fmt: skip
+        (old,) = cluster.workers()
+        with Client(cluster, timeout=60) as client:
+            fut = client.submit(write_when, flag, out, key="forgotten-1")
+            client.fire_and_forget(fut)
+        wait_until(lambda: _stored_wants(tmp_path / "state", "forgotten-") == 1, timeout=60,
+                   what="the fire-and-forget task in the store")  # fmt: skip
+        cluster.kill_scheduler()
+        proc = cluster.provider.procs[old].proc
+        proc.kill()  # the task's run is lost with its worker
+        proc.wait(60)
+        cluster.restart_scheduler()
+        cluster.add_workers(1)
+        Path(flag).touch()
+        wait_until(lambda: os.path.exists(out), timeout=120, what="the fire-and-forget task to run to its end")
+        wait_until(lambda: _stored_wants(tmp_path / "state", "forgotten-") == 0, timeout=60,
+                   what="its want to leave the store once it ran")  # fmt: skip

@@ -139,3 +139,40 @@ def test_writes_on_the_writer_thread_arrive_in_order(tmp_path: Path) -> None:
     assert [t.key for t in s.load().tasks] == ["k19"]
     assert s.written == 20
     s.close()
+
+
+def test_setup_hooks_round_trip_in_registration_order(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    s.write(Batch(setups={"first": serialize("spec-1"), "second": serialize("spec-2")}))
+    s.write(Batch(setups={"first": serialize("spec-1b")}))  # registered again: replaced, moved last
+    s.close()
+    snap = StateStore(tmp_path, TOKEN).load()
+    assert [(n, blob.load()) for n, blob in snap.setups] == [("second", "spec-2"), ("first", "spec-1b")]
+
+
+def test_a_store_written_before_setups_were_kept_opens_without_any(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    s.write(Batch(new_tasks=[_task("a")]))
+    s._db.execute("DROP TABLE setups")  # the layout as the first version wrote it
+    s.close()
+    snap = StateStore(tmp_path, TOKEN).load()
+    assert [t.key for t in snap.tasks] == ["a"] and snap.setups == []
+
+
+def test_the_cost_meter_round_trips_and_the_last_one_wins(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    assert s.load().cost is None
+    s.write(Batch(cost={"spent": 1.5, "open": [["worker", "w1", 2.0]], "at": 10.0, "wall": 100.0}))
+    s.write(Batch(cost={"spent": 2.5, "open": [], "at": 40.0, "wall": 130.0}))
+    assert Batch(cost={"spent": 0.0, "open": []})  # a batch with only the meter is written
+    s.close()
+    assert StateStore(tmp_path, TOKEN).load().cost == {"spent": 2.5, "open": [], "at": 40.0, "wall": 130.0}
+
+
+def test_an_unreadable_cost_meter_refuses_the_store(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, TOKEN)
+    s.write(Batch(new_tasks=[_task("a")]))
+    s._db.execute("INSERT INTO meta VALUES ('cost', '[1, 2]')")
+    s.close()
+    with pytest.raises(StoreCorruptError, match="corrupt"):
+        StateStore(tmp_path, TOKEN).load()

@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -174,7 +175,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
             # a durable scheduler adopts the instances its provider still lists (docs/recovery.md)
             restored = s.durable.instances if s.durable is not None else None
-            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler, restored=restored)
+            from tidepool.scaling.limits import on_this_clock
+
+            cost = on_this_clock(s.durable.cost, s.clock(), time.time()) if s.durable is not None else None
+            controller = ScalingController(cfg.node_types, cfg.make_policy(), **cfg.autoscaler, restored=restored,
+                                           restored_cost=cost)  # fmt: skip
             provider = cfg.make_provider(s.address, tok, tls)
             if s.durable is not None and hasattr(provider, "remember_in"):  # the local provider's processes
                 provider.remember_in(os.path.join(args.state_dir, "local-workers"))

@@ -33,6 +33,12 @@ loop, and a caller without any loop gets a private loop thread (``tidepool-kuber
   an ownerReference to the scheduler's pod, so the garbage collector removes them if the scheduler
   dies without closing.
 
+Across scheduler restarts (``tag_with``, which a durable scheduler calls with a hash of its token,
+the cluster id unless ``cluster_id`` was given): instead of deleting the pods with its cluster label
+found at the start as left-overs, the provider takes the live ones over (``_created``, its cache)
+before its first listing returns, so a restarted scheduler's autoscaler adopts their workers, and
+terminates and closes them like its own.
+
 API calls (``kubernetes_api.py``) have a timeout (``request_timeout``); throttling and server
 errors (429, 5xx) are retried with jittered backoff for up to ``retry_for`` seconds, then reported
 with the API server's message and what to do.
@@ -58,6 +64,7 @@ from tidepool.providers.base import IdNames, ProviderFailure, worker_command
 from tidepool.providers.kubernetes_api import api_message, call_api, hint, kube, load_configuration
 from tidepool.providers.kubernetes_pods import (
     LABEL_CLUSTER,
+    LABEL_REQUEST,
     PodTemplate,
     dns_name,
     label_value,
@@ -101,7 +108,8 @@ class KubernetesProvider:
     the cluster (``in_cluster``; default: when ``$KUBERNETES_SERVICE_HOST`` is set and no
     kubeconfig is given).  ``cluster_id`` labels everything this provider creates (default: a new
     random id; give a fixed one so an operator can find the pods, and only one running scheduler per
-    id: pods with that label found before the first launch are deleted as left-overs).  Workers dial
+    id: pods with that label found before the first launch are deleted as left-overs, unless
+    :meth:`tag_with` made it a durable scheduler's provider: then they are taken over).  Workers dial
     ``scheduler_service`` (``name`` or ``name:port``, resolved as ``name.<namespace>.svc``) if
     given, else the scheduler's address with ``scheduler_host`` as its host.
     """
@@ -136,6 +144,8 @@ class KubernetesProvider:
                 raise ConfigError(f"KubernetesProvider: templates[{name!r}] must be a PodTemplate, got {t!r}")
         self.env = dict(env or {})  # a dict: the cluster file adds the TLS variables here
         self.cluster_id = cluster_id or f"tp{secrets.token_hex(4)}"
+        self._fixed_id = cluster_id is not None
+        self.adopting = False  # tag_with(): take over an earlier scheduler process's pods, not delete them
         self.kubeconfig, self.context, self.in_cluster = kubeconfig, context, in_cluster
         self.scheduler, self.token = scheduler, token
         self.scheduler_host, self.scheduler_service = scheduler_host, scheduler_service
@@ -170,6 +180,22 @@ class KubernetesProvider:
         self._owner: dict[str, Any] | None = None
         self._closed = False
         kube()  # fail at construction, not at the first launch, when the client is missing
+
+    # ---- across scheduler restarts -----------------------------------------------------------------
+    def tag_with(self, tag: str) -> None:
+        """A durable scheduler's provider: the pods with its cluster label found at the start (left
+        by the provider of an earlier scheduler process of the same cluster) are taken over --
+        listed, terminated and closed like this provider's own -- instead of deleted, so the
+        autoscaler adopts their workers.  ``tag`` (stable across restarts: a hash of the token,
+        :func:`~tidepool.providers.slurm.cluster_tag`) is the cluster id when none was given."""
+        if dns_name(tag, 40) != tag:
+            raise ConfigError(f"KubernetesProvider tag must be lowercase letters, digits and '-', got {tag!r}")
+        with self._lock:
+            if self._watches or self._api is not None:
+                raise ProviderError("KubernetesProvider.tag_with must be called before the provider starts")
+            if not self._fixed_id:
+                self.cluster_id = tag
+            self.adopting = True
 
     # ---- the owning loop --------------------------------------------------------------------------
     def bind(self, scheduler: str, token: str) -> None:
@@ -269,7 +295,10 @@ class KubernetesProvider:
                 except Exception as exc2:
                     raise ProviderError(f"cannot update the token Secret {body['metadata']['name']!r}: "
                                         f"{api_message(exc2)}{hint(exc2, 'update secrets', self.namespace)}") from exc2  # fmt: skip
-            await self._delete_leftovers()
+            if self.adopting:
+                await self._take_over()
+            else:
+                await self._delete_leftovers()
             self._watches = [asyncio.get_running_loop().create_task(self._watch_pods()),
                              asyncio.get_running_loop().create_task(self._watch_events())]  # fmt: skip
 
@@ -288,6 +317,32 @@ class KubernetesProvider:
             with self._lock:
                 self._deleting.update(names)
             await self._delete(names)
+
+    async def _take_over(self) -> None:
+        """Pods with our cluster label that exist before our first create (a durable scheduler's
+        restart): the live ones become this provider's (its cache lists them at once, so the first
+        listing shows them to the autoscaler); ended ones are deleted."""
+        try:
+            resp = await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=self._selector())
+        except Exception as exc:
+            raise ProviderError(f"cannot list pods in namespace {self.namespace!r}: {api_message(exc)}"
+                                f"{hint(exc, 'list pods', self.namespace)}") from exc  # fmt: skip
+        items = [self._api.sanitize_for_serialization(p) for p in resp.items]
+        ended = [p["metadata"]["name"] for p in items if pod_ended(p) or p["metadata"].get("deletionTimestamp")]
+        live = [p for p in items if p["metadata"]["name"] not in ended]
+        with self._lock:
+            for pod in live:
+                name, wids = pod["metadata"]["name"], workers_of(pod)
+                rid = str((pod["metadata"].get("labels") or {}).get(LABEL_REQUEST) or "")
+                self._created[name] = (rid, wids)
+                self._requests.setdefault(rid, []).extend(wids)
+                self._names.by_request.setdefault(rid, []).extend(wids)
+                log.info("KubernetesProvider: took over pod %s (launch %s, workers %s) of an earlier scheduler "
+                         "process of cluster %r", name, rid, wids, self.cluster_id)  # fmt: skip
+            self._deleting.update(ended)
+        self.cache.replace_pods(live)
+        if ended:
+            await self._delete_quietly(ended)
 
     def _selector(self) -> str:
         return f"{LABEL_CLUSTER}={label_value(self.cluster_id)}"
@@ -486,7 +541,12 @@ class KubernetesProvider:
                 raise
 
     def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
-        """Worker id -> {node_type, request_id, pod, phase, alive, returncode, state}, from the cache."""
+        """Worker id -> {node_type, request_id, pod, phase, alive, returncode, state}, from the cache
+        (after :meth:`tag_with`, the first call from a plain thread starts the provider and waits
+        for the pods it takes over)."""
+        if self.adopting and not self._watches and not self._closed and _running_loop() is None:
+            self._ensure_loop()
+            self._wait(self._start(), self.retry_for + 3 * self.request_timeout + 5)
         pods, gone, _ = self.cache.snapshot()
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
@@ -502,6 +562,8 @@ class KubernetesProvider:
 
     async def list_async(self) -> dict[str, dict[str, Any]]:
         self._bind_running()
+        if self.adopting and not self._closed:
+            await self._start()  # a restarted scheduler's first listing must show the pods it takes over
         return self.list()
 
     def poll_errors(self) -> builtins.list[ProviderFailure]:

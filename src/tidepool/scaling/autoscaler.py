@@ -214,6 +214,8 @@ class AutoScaler:
         durable = getattr(self.scheduler, "durable", None)
         if actions.instances and durable is not None:  # the instance table, stored once a tick
             durable.record_instances(actions.instances)
+        if actions.cost is not None and durable is not None:  # so is the cost meter (a restart goes on)
+            durable.record_cost({**actions.cost, "wall": time.time()})
         if actions.feasibility is not None:
             await self.scheduler.apply([ev.CheckFeasible(now, actions.feasibility)])
         for rid, nt, n in actions.launch:

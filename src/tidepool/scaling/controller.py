@@ -40,7 +40,9 @@ tests.
 
 After a scheduler restart (``restored=``: the instance rows a durable scheduler stored; each step's
 changed rows go out in ``Actions.instances``) the controller launches nothing until an observation
-carries the provider's listing, then adopts the listed instances (``adoption.py``).
+carries the provider's listing, then adopts the listed instances (``adoption.py``) and carries the
+stored cost meter on (``restored_cost=``, ``limits.py``; each step's meter goes out in
+``Actions.cost``), so a restart neither resets the budget nor bills adopted instances from zero.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ class Actions:
     view: ControllerView = ControllerView()
     #: instance rows changed in this step, for a durable scheduler's store (worker -> row, None: ended)
     instances: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    #: the cost meter's state (``CostMeter.export``) for a durable scheduler's store; None: nothing billed
+    cost: dict[str, Any] | None = None
 
 
 # ---- pure pieces of the decision ---------------------------------------------------------------
@@ -240,7 +244,8 @@ class ScalingController(Replacing):
                  forecast_interval: float | None = None, manage_foreign: bool = False,
                  max_cost_per_hour: float | None = None, budget: float | None = None,
                  scale_to_zero_after: float | None = None,
-                 restored: Mapping[str, Mapping[str, Any]] | None = None) -> None:  # fmt: skip
+                 restored: Mapping[str, Mapping[str, Any]] | None = None,
+                 restored_cost: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         if not node_types:
             raise ConfigError("the scaling controller needs at least one node type")
         names = [nt.name for nt in node_types]
@@ -300,6 +305,10 @@ class ScalingController(Replacing):
         #: a restarted scheduler's stored instance rows, adopted at the first listing (``adoption.py``)
         self._restoring = {w: dict(r) for w, r in restored.items()} if restored is not None else None
         self._rows: dict[str, dict[str, Any]] = dict(self._restoring or {})
+        #: the stored cost meter (``limits.on_this_clock``), carried on once the instances are adopted
+        self._restored_cost = dict(restored_cost) if restored_cost is not None else None
+        if self._restored_cost is not None and self._restoring is None:
+            self._restoring = {}
         self._ids = itertools.count(1)
         self._last_reason = ""
         self._last_reason_t = -1e9
@@ -380,6 +389,9 @@ class ScalingController(Replacing):
             for rec in adopt(self.instances, self._restoring, obs.listing, obs.now, self._launch_timeout):
                 self.journal.record("adopt", obs.now, **rec)
             self._restoring = None
+            if self._restored_cost is not None:  # the budget goes on; adopted instances billed on
+                self.cost.restore(self._restored_cost, self.instances, obs.now)
+                self._restored_cost = None
             numbers = [int(m.group(1)) for rid in self.instances.requests if (m := re.fullmatch(r"a(\d+)", rid))]
             self._ids = itertools.count(max(numbers, default=0) + 1)  # never an adopted launch's id again
         if obs.listing is not None:
@@ -843,4 +855,6 @@ class ScalingController(Replacing):
         rows = instance_rows(self.instances) if self._restoring is None else self._rows
         actions.instances = row_changes(self._rows, rows)
         self._rows = rows
+        if snap is not None and self._restoring is None:  # not before the stored meter is carried on
+            actions.cost = self.cost.export(snap.now)
         return actions

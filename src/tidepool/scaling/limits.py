@@ -15,6 +15,15 @@ Place in the data flow: ``ScalingController.step`` asks the policy, clamps its l
 policy asked for: those are the last word, like ``max_nodes``.  Each cut comes back with its
 reason, which the controller journals (``cost-limit`` records).
 
+Across a scheduler restart: a durable scheduler stores :meth:`CostMeter.export` each step (the cost
+so far and every allocation still billed, with its price per hour), with the wall time.  The
+restarted one puts the stored time on its own clock (:func:`on_this_clock`: the scheduler was down
+meanwhile) and, once the autoscaler has adopted what the provider still lists,
+:meth:`CostMeter.restore` counts the stored cost as spent and bills the adopted allocations on from
+the stored step: the budget is not reset by a restart, and the adopted instances are billed for the
+time the scheduler was down.  Allocations not adopted ended with the old scheduler (at most one
+step of them is not billed).
+
 Budget rule: a launch must leave, after the pool as it will be (the new nodes included) has run
 for ``hold`` seconds more (the node type's start-up, at least :data:`MIN_HOLD`: a node is billed
 at least that long however soon it is retired), the spent cost within the budget.  Once the budget
@@ -154,6 +163,40 @@ class CostMeter:
 
     def view(self, now: float, limits: CostLimits) -> CostView:
         return CostView(self.spent(now), self.rate, now, limits)
+
+    # ---- across scheduler restarts ---------------------------------------------------------------
+    def export(self, now: float) -> dict[str, Any] | None:
+        """What a durable scheduler stores: the cost so far at ``now`` and the allocations billed
+        now (kind, id, price per hour); ``None`` while nothing was ever billed."""
+        billed = [[kind, ident, per_hour] for (kind, ident), (per_hour, _) in self._open.items() if per_hour > 0]
+        spent = self.spent(now)
+        if not billed and spent <= 0:
+            return None
+        return {"spent": spent, "open": billed, "at": now}
+
+    def restore(self, stored: Mapping[str, Any], table: InstanceTable, now: float) -> None:
+        """Carry on from ``stored`` (an :meth:`export` whose ``at`` is on this meter's clock, see
+        :func:`on_this_clock`) once ``table`` holds the adopted instances: the stored cost is spent;
+        the allocations still in ``table`` are billed on from ``at``."""
+        self.closed += max(0.0, float(stored.get("spent", 0.0)))
+        at = min(float(stored.get("at", now)), now)
+        for kind, ident, per_hour in stored.get("open", ()):
+            if kind == "request":
+                present = str(ident) in table.requests
+            else:
+                inst = table.get(str(ident))
+                present = inst is not None and inst.state not in FINAL
+            if present:
+                self._start((str(kind), str(ident)), float(per_hour), at)
+
+
+def on_this_clock(stored: Mapping[str, Any] | None, now: float, wall_now: float) -> dict[str, Any] | None:
+    """A stored :meth:`CostMeter.export` (with the ``wall`` time it was stored at) with its ``at``
+    moved to this process's clock: ``now`` less the wall time that passed since (never negative)."""
+    if stored is None:
+        return None
+    down = max(0.0, wall_now - float(stored.get("wall", wall_now)))
+    return {**stored, "at": now - down}
 
 
 def cap_launches(planned: Mapping[str, int], node_types: Mapping[str, NodeType], limits: CostLimits, *,

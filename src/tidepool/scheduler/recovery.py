@@ -15,6 +15,12 @@ Running: :class:`SchedulerState` adds every record whose state changes, or that 
 that set and the tick's worker/client events into one batch: new tasks with their spec, outcome
 changes, forgotten keys, wanted keys added or dropped; the store writes it on its own thread.
 
+Tasks kept running for nobody (``fire_and_forget``) are stored as wants of the pseudo-client
+``FIRE_AND_FORGET`` while it holds them (``forgotten_wants``), and kept so again at a restart.
+The setup hooks clients register (``register_setup``) are stored as they come, in their order,
+and given back to the server at a restart (:attr:`Durability.setups`), so workers that join
+afterwards run them too.
+
 Restart: :func:`restore_events` turns the stored snapshot into ordinary events (one graph update
 with every task, each client's wanted keys, the errors of tasks that had erred), applied before the
 listener opens, so nothing runs yet: there are no workers.  Workers re-register with what they hold
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tidepool.comm.auth import new_token
+from tidepool.comm.serialize import Serialized
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.intake import LINE, PRIORITY_STEP
 from tidepool.scheduler.kinds import TaskState as TS
@@ -72,7 +79,10 @@ def restore_events(snap: Snapshot, now: float) -> list[ev.Event]:
     events: list[ev.Event] = [ev.UpdateGraph(RESTORING, specs, [k for k in known if k in wanted], now,
                                              dict(snap.functions))]  # fmt: skip
     for client, keys in sorted(snap.wants.items()):
-        events.append(ev.UpdateGraph(client, [], keys, now))
+        if client == FIRE_AND_FORGET:  # kept running for nobody, to the end (fire_and_forget)
+            events.append(ev.FireAndForget(list(keys), now))
+        else:
+            events.append(ev.UpdateGraph(client, [], keys, now))
     errors = {t.key: t.error for t in snap.tasks if t.status == "e" and t.error is not None}
     if errors:
         events.append(ev.RestoreErrors(errors, now))
@@ -109,6 +119,9 @@ class Persister:
         self.stored: dict[str, tuple[TaskRecord, str]] = {}
         self.wants: dict[str, set[str]] = {}
         self.touched: set[str] = set()
+        #: keys stored as wanted by nobody but fire_and_forget, and keys whose such want may have changed
+        self.forgotten_wants: set[str] = set()
+        self.faf_touched: set[str] = set()
         self.functions: set[str] = set()
         self.batch = Batch()
         self.paused = False  # while a restarted scheduler waits for its workers
@@ -121,6 +134,10 @@ class Persister:
             self.stored[key] = (ts, status.get(key, "p"))
         self.batch.forgotten.extend(k for k in status if k not in st.tasks)
         for client, keys in snap.wants.items():
+            if client == FIRE_AND_FORGET:
+                self.forgotten_wants = set(keys)
+                self.faf_touched.update(keys)
+                continue
             self.wants[client] = set(keys)
             self.touched.add(client)
         self.functions.update(snap.functions)
@@ -139,6 +156,8 @@ class Persister:
                         b.functions[fid] = blob
             elif isinstance(e, (ev.ReleaseKeys, ev.ClientGone)):
                 self.touched.add(e.client)
+            elif isinstance(e, ev.FireAndForget):
+                self.faf_touched.update(e.keys)
             elif isinstance(e, ev.WorkerJoin):
                 b.workers_left = [w for w in b.workers_left if w != e.worker]
                 b.workers_joined.append((e.worker, e.address))
@@ -151,6 +170,8 @@ class Persister:
                 self.state.tally.dirty.clear()
                 self.stored.clear()
                 self.wants.clear()
+                self.forgotten_wants.clear()
+                self.faf_touched.clear()
                 self.batch.clear_tasks = True
             elif isinstance(e, ev.Tick) and not self.paused:
                 self.flush()
@@ -163,8 +184,12 @@ class Persister:
         st.tally.dirty = set()
         tasks, stored = st.tasks, self.stored
         new: list[TaskRecord] = []
+        faf = self.faf_touched
+        self.faf_touched = set()
         for old in dirty:
             key = old.key
+            if key in self.forgotten_wants:
+                faf.add(key)
             ts = tasks.get(key)
             prev = stored.get(key)
             if ts is None:
@@ -195,6 +220,15 @@ class Persister:
             else:
                 self.wants.pop(client, None)
         self.touched.clear()
+        for key in faf:  # fire-and-forget wants: a row while the task is kept for nobody
+            ts = tasks.get(key)
+            keep = ts is not None and FIRE_AND_FORGET in ts.wanted_by
+            if keep and key not in self.forgotten_wants:
+                self.forgotten_wants.add(key)
+                b.wants_added.append((FIRE_AND_FORGET, key))
+            elif not keep and key in self.forgotten_wants:
+                self.forgotten_wants.discard(key)
+                b.wants_removed.append((FIRE_AND_FORGET, key))
         if b:
             self.store.submit(b)
 
@@ -232,6 +266,8 @@ class Durability:
         self.reconnect_window = reconnect_window
         self.recovery_wait = recovery_wait
         self.snapshot = self.store.load()  # refused whole, before anything listens
+        #: the setup hooks clients had registered (name, pickled spec), for workers that join from now on
+        self.setups: list[tuple[str, Serialized]] = list(self.snapshot.setups)
         self.expected: set[str] = set()
         self.back: set[str] = set()
         self.gate_until = 0.0
@@ -266,14 +302,14 @@ class Durability:
             self.gate_open = False
             self.gate_until = now + self.recovery_wait
             self.persister.paused = True
-        self.restored_clients = {c: now + self.reconnect_window for c in snap.wants}
+        self.restored_clients = {c: now + self.reconnect_window for c in snap.wants if c != FIRE_AND_FORGET}
         numbers = [int(m.group(1)) for c in snap.wants if (m := re.fullmatch(r"client-(\d+)", c))]
         self.reports.append(ev.RecoveryReport("loaded", {
             "tasks": len(snap.tasks), "finished": len(self._finished_before),
-            "erred": sum(1 for t in snap.tasks if t.status == "e"), "clients": len(snap.wants),
+            "erred": sum(1 for t in snap.tasks if t.status == "e"), "clients": len(self.restored_clients),
             "workers_expected": len(self.expected), "load_seconds": round(time.perf_counter() - began, 4),
         }, now))  # fmt: skip
-        self.snapshot = Snapshot(snap.address, [], {}, {}, {}, snap.instances)  # free the memory
+        self.snapshot = Snapshot(snap.address, [], {}, {}, {}, snap.instances, [], snap.cost)  # free the memory
         return max(numbers, default=0)
 
     def claim_client(self, cid: str) -> bool:
@@ -330,10 +366,27 @@ class Durability:
         }, now))  # fmt: skip
         return ready
 
+    def record_setup(self, name: str, blob: Serialized) -> None:
+        """A client registered a setup hook: stored at the next tick (workers that join after a
+        restart run it, as they would have before)."""
+        if self.persister is not None:
+            self.persister.batch.setups.pop(name, None)
+            self.persister.batch.setups[name] = blob
+
     def record_instances(self, rows: dict[str, dict[str, Any] | None]) -> None:
         """The autoscaler's instance rows that changed (``None``: ended), stored at the next tick."""
         if self.persister is not None:
             self.persister.batch.instances.update(rows)
+
+    def record_cost(self, meter: dict[str, Any]) -> None:
+        """The autoscaler's cost meter (``CostMeter.export`` with its wall time), stored at the next tick."""
+        if self.persister is not None:
+            self.persister.batch.cost = meter
+
+    @property
+    def cost(self) -> dict[str, Any] | None:
+        """The autoscaler's cost meter as the store held it at the start (None: nothing billed)."""
+        return self.snapshot.cost
 
     @property
     def instances(self) -> dict[str, dict[str, Any]]:

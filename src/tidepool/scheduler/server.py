@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tidepool.comm import Connection, listen
+from tidepool.comm import Connection, Serialized, listen
 from tidepool.comm.auth import new_token
 from tidepool.comm.messages import (
     Cancel,
@@ -118,6 +118,7 @@ class Scheduler:
         if self.durable is not None:  # rebuilt before anybody can connect; the same address as before
             where = self.durable.address(where)
             self._client_ids = self.durable.restore(self.state, self.clock())
+            self.setups.update(self.durable.setups)  # workers that join from now on run them
             self.subscribe(self.durable.observe)
         self.listener = await listen(where, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
@@ -271,6 +272,8 @@ class Scheduler:
         """Store a setup for future workers and run it on every current one; worker -> outcome."""
         self.setups.pop(name, None)
         self.setups[name] = blob
+        if self.durable is not None and isinstance(blob, Serialized):
+            self.durable.record_setup(name, blob)
         loop = asyncio.get_running_loop()
         futs: dict[str, asyncio.Future[str]] = {}
         for wid in list(self.worker_conns):

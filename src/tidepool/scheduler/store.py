@@ -3,12 +3,15 @@
 State
 -----
 One file, ``state.sqlite3``, in the directory given by ``--state-dir`` (created mode 700; the
-token is in it).  Tables: ``meta`` (layout version, token, address), ``functions`` (function id ->
+token is in it).  Tables: ``meta`` (layout version, token, address, the autoscaler's cost meter as of the last tick), ``functions`` (function id ->
 pickled callable), ``tasks`` (one row per task the scheduler knows: its spec as submitted, and its
 outcome: ``p`` pending, ``m`` finished with the workers holding the value, ``e`` erred with the
 error), ``wants`` (client id -> keys it holds futures of), ``workers`` (workers registered at the
 last flush: a restarted scheduler waits for them a little before it recomputes what they hold),
-``instances`` (the autoscaler's launched instances and their provider ids).
+``instances`` (the autoscaler's launched instances and their provider ids), ``setups`` (the
+setup hooks clients registered, pickled, in registration order: workers that join after a restart
+run them).  Tables added after layout version 1 (``setups``) are created empty when an older store
+is opened: a store without them reads as one without setups.
 
 Data flow
 ---------
@@ -55,6 +58,7 @@ CREATE TABLE IF NOT EXISTS wants (client TEXT NOT NULL, key TEXT NOT NULL, PRIMA
     WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, address TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS instances (id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS setups (seq INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, blob BLOB NOT NULL);
 """
 
 
@@ -86,12 +90,14 @@ class Batch:
     workers_joined: list[tuple[str, str]] = field(default_factory=list)
     workers_left: list[str] = field(default_factory=list)
     instances: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # None: gone
+    setups: dict[str, Serialized] = field(default_factory=dict)  # name -> pickled SetupSpec (latest wins)
+    cost: dict[str, Any] | None = None  # the autoscaler's cost meter (replaces the stored one)
     clear_tasks: bool = False  # client.restart(): every task is forgotten first
 
     def __bool__(self) -> bool:
         return bool(self.new_tasks or self.outcomes or self.forgotten or self.functions or self.wants_added
                     or self.wants_removed or self.workers_joined or self.workers_left or self.instances
-                    or self.clear_tasks)  # fmt: skip
+                    or self.setups or self.cost is not None or self.clear_tasks)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -104,6 +110,8 @@ class Snapshot:
     wants: dict[str, list[str]]
     workers: dict[str, str]
     instances: dict[str, dict[str, Any]]
+    setups: list[tuple[str, Serialized]] = field(default_factory=list)  # in registration order
+    cost: dict[str, Any] | None = None  # the autoscaler's cost meter at the last flush
 
 
 # ---- payload encoding ---------------------------------------------------------------------------
@@ -148,6 +156,13 @@ def _unpack_error(blob: bytes | None) -> dict[str, Any] | None:
     rest = blob[8 + n:]
     error["exception"] = unpack(rest) if rest else None
     return error
+
+
+def _cost(text: str) -> dict[str, Any]:
+    cost = json.loads(text)
+    if not isinstance(cost, dict) or not isinstance(cost.get("open", []), list):
+        raise ValueError("the stored cost meter is unreadable")
+    return cost
 
 
 # ---- the store ------------------------------------------------------------------------------------
@@ -298,6 +313,11 @@ class StateStore:
                     db.execute("DELETE FROM instances WHERE id = ?", (iid,))
                 else:
                     db.execute("INSERT OR REPLACE INTO instances VALUES (?, ?)", (iid, json.dumps(data)))
+            if b.cost is not None:
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('cost', ?)", (json.dumps(b.cost),))
+            if b.setups:  # a name registered again moves to the end (a new seq), as in the scheduler
+                db.executemany("INSERT OR REPLACE INTO setups (name, blob) VALUES (?, ?)",
+                               [(n, pack(blob)) for n, blob in b.setups.items()])  # fmt: skip
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -316,6 +336,8 @@ class StateStore:
                 wants = db.execute("SELECT client, key FROM wants").fetchall()
                 workers = db.execute("SELECT id, address FROM workers").fetchall()
                 instances = db.execute("SELECT id, data FROM instances").fetchall()
+                setup_rows = db.execute("SELECT name, blob FROM setups ORDER BY seq").fetchall()
+                cost_row = db.execute("SELECT v FROM meta WHERE k = 'cost'").fetchone()
             finally:
                 db.execute("COMMIT")
             tasks = [StoredTask(k, json.loads(spec), unpack(payload), status, json.loads(holders),
@@ -331,8 +353,14 @@ class StateStore:
             by_client: dict[str, list[str]] = {}
             for client, key in wants:
                 by_client.setdefault(client, []).append(key)
+            setups = []
+            for name, blob in setup_rows:
+                ser = unpack(blob)
+                assert ser is not None
+                setups.append((str(name), ser))
             return Snapshot(self.address, tasks, functions, by_client, dict(workers),
-                            {i: json.loads(d) for i, d in instances})  # fmt: skip
+                            {i: json.loads(d) for i, d in instances}, setups,
+                            _cost(cost_row[0]) if cost_row else None)  # fmt: skip
         except (sqlite3.DatabaseError, ValueError, TypeError, struct.error, AssertionError) as exc:
             raise StoreCorruptError(self._corrupt(exc)) from exc
 
