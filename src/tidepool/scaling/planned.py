@@ -33,9 +33,12 @@ shortens the run, and the savings come from retiring by the forecast width), ``f
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
 seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
 x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
-units (cost per node-hour, as the simulator bills): the fastest pool whose forecast cost fits
-``BUDGET_MARGIN`` of what is left, one node while durations are guesses, and a notice as soon as
-even the cheapest does not fit.  Both retire as ``cheapest`` does.
+units (cost per node-hour, as the simulator bills), a ceiling: what finishing costs on the nodes
+held is reserved first, extra nodes are bought only if their own cost fits with that reserve in
+``BUDGET_MARGIN`` of what is left, the pool grows at most ``BUDGET_GROWTH``-fold on joined nodes,
+one node while durations are guesses; over the ceiling nothing is bought and idle nodes retire at
+once, and a notice comes as soon as even the cheapest forecast does not fit.  A deadline retires
+as ``cheapest`` does; a budget too, but holds no idle node when no work is known.
 """
 
 from __future__ import annotations
