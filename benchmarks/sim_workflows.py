@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 or below that of every rule within 5% of the best makespan; **slower** / **dearer** otherwise.
 {failures} of {2 * len(summary)} checks failed.
 
-Measured {when} with `.venv/bin/python benchmarks/sim_workflows.py --clusters {args.clusters} --write-docs`
+Measured {when} with `.venv/bin/python benchmarks/sim_workflows.py --clusters {args.clusters}{' --objectives' if args.objectives else ''} --write-docs`
 (seed {args.seed}; {total:.0f} s of wall time for all runs; load average at the end {load}, the machine
 shared with other engineers: wall time does not change simulated results)."""
         write_section(DOCS, "workflows", section, header="# Simulation\n")

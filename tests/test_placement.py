@@ -207,3 +207,22 @@ def test_a_dependent_takes_its_unfinished_inputs_place_in_line() -> None:
         order.append(key)
         d.finish("w1", key)
     assert order == ["busy", "first", "second", "late"]
+
+
+def test_an_over_provisioned_pool_packs_tasks_so_whole_workers_stay_idle() -> None:
+    d = StateDriver()
+    for i in range(3):
+        d.add_worker(f"w{i}", {"cpu": 4.0})  # 12 free slots
+    d.submit([(f"t-{i}", []) for i in range(5)], [f"t-{i}" for i in range(5)])
+    used = set(_where(d).values())
+    assert len(used) == 2  # four on one worker, one on the next; the third stays idle to be retired
+    assert sorted(list(_where(d).values()).count(w) for w in used) == [1, 4]
+
+
+def test_a_pool_with_fewer_free_slots_than_ready_tasks_spreads_by_load() -> None:
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    for i in range(2):
+        d.add_worker(f"w{i}", {"cpu": 2.0})  # 4 free slots, 6 ready tasks: every slot fills anyway
+    d.submit([(f"t-{i}", []) for i in range(6)], [f"t-{i}" for i in range(6)])
+    counts = sorted(list(_where(d).values()).count(w) for w in ("w0", "w1"))
+    assert counts == [3, 3]  # the queue beyond the slots is shared by load, not piled on one

@@ -11,7 +11,7 @@ from tidepool.errors import ConfigError
 from tidepool.scaling.forecast import RemainingWork, type_forecasts
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import GraphView
-from tidepool.scaling.planned import BUDGET_MARGIN, GraphPlan, default_policy
+from tidepool.scaling.planned import BUDGET_GROWTH, BUDGET_MARGIN, GraphPlan, default_policy
 from tidepool.scaling.policies import Adaptive
 from tidepool.scaling.snapshot import ClusterSnapshot, Demand, WorkerView
 
@@ -176,16 +176,24 @@ def test_budget_buys_the_fastest_pool_it_can_pay_for() -> None:
     k = d.launch["default"]
     cost = k * f.etas[f.extra.index(k)] * 0.001
     assert cost <= BUDGET_MARGIN * budget
+    # no node has joined yet: the pool grows at most BUDGET_GROWTH-fold on one
+    assert k <= BUDGET_GROWTH
     faster = [j for j in range(len(f.extra)) if f.etas[j] < f.etas[f.extra.index(k)]]
-    assert all(f.extra[j] * f.etas[j] * 0.001 > BUDGET_MARGIN * budget for j in faster)
+    assert all(f.extra[j] * f.etas[j] * 0.001 > BUDGET_MARGIN * budget or f.extra[j] > BUDGET_GROWTH
+               for j in faster)  # fmt: skip
     assert "the fastest that fits" in d.reasons[0]
+    # with 10 nodes joined and busy the cap is 40 nodes held: a faster pool that fits is bought
+    ws = tuple(worker(f"w{i}", running=1) for i in range(10))
+    snap = snapshot(0.0, nt, ws, wide(100, 60.0), (Demand(CPU, "work", 90, 60.0),))
+    more = GraphPlan(budget=20.0)(snap).launch.get("default", 0)
+    assert BUDGET_GROWTH < more <= 30
 
 
 def test_an_infeasible_budget_says_so_at_once() -> None:
     nt = NodeType("default", max_nodes=100, startup_estimate=10.0, cost=3.6)
     demand = (Demand(CPU, "work", 100, 60.0),)
     d = GraphPlan(budget=0.5)(snapshot(0.0, nt, (), wide(100, 60.0), demand))
-    assert any("budget 0.5 infeasible" in r and "> 80% of 0.500 left" in r for r in d.reasons)
+    assert any("budget 0.5 infeasible" in r and "> 0.500 left" in r for r in d.reasons)
     assert d.launch == {"default": 1}  # the least cost: one node
 
 
@@ -244,3 +252,48 @@ def test_balanced_does_not_buy_a_node_that_would_barely_work() -> None:
     assert f.etas[1] < f.etas[0] * 0.995 and f.new_busy[1] < 0.1 * f.startup
     assert GraphPlan("fastest")(snap).launch == {"default": 1}  # fastest takes every node that shortens
     assert GraphPlan()(snap).launch == {}
+
+
+def test_a_budget_reserves_finishing_on_the_held_nodes_before_it_buys_more() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=10.0, cost=3.6)  # 0.001 per node-second
+    ws = tuple(worker(f"w{i}", running=1) for i in range(10))
+    demand = (Demand(CPU, "work", 90, 60.0),)
+    snap = snapshot(0.0, nt, ws, wide(100, 60.0), demand)
+    f = snap.forecasts[0]
+    budget = 9.0  # finishing on the 10 held costs 6; 80% of 9 leaves 1.2 for more nodes
+    d = GraphPlan(budget=budget)(snap)
+    reserve = 10 * f.etas[0] * 0.001
+    k = d.launch.get("default", 0)
+    assert k > 0
+    # the margin bounds reserve + purchase together, not the purchase alone
+    assert reserve + k * f.etas[f.extra.index(k)] * 0.001 <= BUDGET_MARGIN * budget
+    assert "reserved for the 10 node(s) held" in d.reasons[0]
+
+
+def test_a_budget_the_held_nodes_already_use_up_buys_nothing_and_retires_idle_nodes_at_once() -> None:
+    nt = NodeType("default", max_nodes=10, startup_estimate=10.0, cost=3.6)
+    # a 5 s task runs, then four 100 s tasks need it: the idle nodes are needed within a start-up
+    work = RemainingWork((5.0, 100.0, 100.0, 100.0, 100.0), ((), (0,), (0,), (0,), (0,)), (0,))
+    ws = (worker("w0", running=1), *(worker(f"w{i}", idle_since=0.0) for i in (1, 2, 3)))
+    snap = snapshot(1.0, nt, ws, work)
+    assert GraphPlan(objective="cheapest")(snap).retire == ()  # without a budget they are kept
+    d = GraphPlan(budget=0.2)(snap)  # 4 nodes x ~105 s = 0.42 > 0.2: over the ceiling already
+    assert d.launch == {}
+    assert set(d.retire) == {"w1", "w2", "w3"}
+
+
+def test_a_missed_deadline_is_said_while_nothing_is_runnable() -> None:
+    nt = NodeType("default", max_nodes=10, startup_estimate=10.0)
+    work = RemainingWork((100.0, 100.0), ((), (0,)), (0,))  # a chain: nothing to launch for
+    snap = snapshot(0.0, nt, (worker("w0", running=1),), work)
+    d = GraphPlan(deadline=50.0)(snap)
+    assert d.launch == {}
+    assert any("deadline 50s cannot be met" in r for r in d.reasons)
+
+
+def test_a_deadline_shorter_than_any_start_up_is_said_before_a_forecast_exists() -> None:
+    nt = NodeType("default", max_nodes=4, startup_estimate=10.0)
+    demand = (Demand(CPU, "work", 4, 1.0),)
+    snap = ClusterSnapshot(now=0.0, node_types=(nt,), demand=demand, workers=(), finished=0)
+    assert any("cannot be met" in r for r in GraphPlan(deadline=5.0)(snap).reasons)
+    assert not any("cannot be met" in r for r in GraphPlan(deadline=50.0)(snap).reasons)

@@ -33,9 +33,12 @@ shortens the run, and the savings come from retiring by the forecast width), ``f
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
 seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
 x forecast time), and a notice as soon as no pool can; ``budget=`` in the node types' ``cost``
-units (cost per node-hour, as the simulator bills): the fastest pool whose forecast cost fits
-``BUDGET_MARGIN`` of what is left, one node while durations are guesses, and a notice as soon as
-even the cheapest does not fit.  Both retire as ``cheapest`` does.
+units (cost per node-hour, as the simulator bills), a ceiling: what finishing costs on the nodes
+held is reserved first, extra nodes are bought only if their own cost fits with that reserve in
+``BUDGET_MARGIN`` of what is left, the pool grows at most ``BUDGET_GROWTH``-fold on joined nodes,
+one node while durations are guesses; over the ceiling nothing is bought and idle nodes retire at
+once, and a notice comes as soon as even the cheapest forecast does not fit.  A deadline retires
+as ``cheapest`` does; a budget too, but holds no idle node when no work is known.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ log = logging.getLogger("tidepool.scaling")
 OBJECTIVES = ("balanced", "fastest", "cheapest")
 #: a budget plans on this share of what is left (forecasts are estimates; nodes retire late)
 BUDGET_MARGIN = 0.8
+#: a budget grows the pool at most this many times the nodes that have joined, per decision
+BUDGET_GROWTH = 4
 #: objective -> (launch_factor, slack, guess launches before anything finished)
 _RULES = {"balanced": (0.1, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
@@ -95,6 +100,8 @@ class GraphPlan:
     _last: float | None = field(default=None, init=False)
     _start: float | None = field(default=None, init=False)
     _said: set[str] = field(default_factory=set, init=False)
+    #: a budget whose reserve for the nodes held leaves nothing: retire idle nodes at once
+    _tight: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.deadline, self.budget)
@@ -138,9 +145,13 @@ class GraphPlan:
             if len(f.extra) < 2 or snap.blocked(f.node_type):
                 continue
             soon = f.startup * (1.0 + slack)
+            guessing = snap.finished == 0  # every duration is the scheduler's prior until a task finished
+            if self.deadline is not None:
+                # said as soon as the fastest forecast misses it, launches or not (on guesses too:
+                # the prior is short, so a deadline missed even then is missed whatever the durations)
+                self._deadline_feasible(snap, f, reasons)
             if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > soon):
                 continue  # nothing can run before a new node would arrive: launch when it can
-            guessing = snap.finished == 0  # every duration is the scheduler's prior until a task finished
             if guessing and self.budget is not None:
                 # a budget is not spent on guesses: one node until durations are measured
                 i = 1 if snap.nodes_of(f.node_type) == 0 else 0
@@ -149,7 +160,6 @@ class GraphPlan:
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
                 i, text = self._for_objective(f, 0.0, f.startup * (1.0 + _RULES["balanced"][1]), True)
-                self._deadline_feasible(snap, f, reasons)  # even the guessed (short) durations miss it: say so now
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
             elif left is not None:
@@ -163,6 +173,16 @@ class GraphPlan:
                 reasons.append(text)
             if i > 0:
                 launch[f.node_type] = f.extra[i]
+        if self.deadline is not None and not snap.forecasts and not snap.workers and snap.node_types:
+            # no forecast yet (none computed, or no graph): whatever the durations, the first node
+            # must start; a deadline shorter than the quickest start-up is missed
+            start = self._start if self._start is not None else snap.now
+            left = start + self.deadline - snap.now
+            quickest = min(nt.startup_estimate for nt in snap.node_types)
+            if quickest > left:
+                self._notice("deadline", f"deadline {self.deadline:g}s cannot be met: {left:.0f}s left and the "
+                             f"quickest node type takes {quickest:.1f}s to start; running as fast as possible",
+                             reasons)  # fmt: skip
         # durations are guesses until a task finished: a deadline is not planned on them either
         if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
             p = plan(snap)
@@ -226,30 +246,62 @@ class GraphPlan:
             return i, (f"deadline {self.deadline:g}s ({left:.0f}s left): {f.extra[i]} more {f.node_type} node(s) "
                        f"finish in {_fmt(f.etas[i])}, the least cost that meets it")  # fmt: skip
         i = min(range(len(f.extra)), key=lambda j: (f.etas[j], j))
-        self._deadline_feasible(snap, f, [])
         return i, (f"deadline {self.deadline:g}s infeasible: fastest forecast {_fmt(f.etas[i])} > {left:.0f}s left; "
                    f"{f.extra[i]} more node(s), as fast as possible")  # fmt: skip
 
     def _for_budget(self, snap: ClusterSnapshot, f: TypeForecast, left: float) -> tuple[int, str]:
+        """The budget is a ceiling: first reserve what finishing costs on the nodes already held
+        (they are held to the forecast's end, as if no node came), then buy only nodes whose whole
+        cost (billed from launch, start-up included, to the end of the run they make) fits with the
+        reserve in ``BUDGET_MARGIN`` of what is left.  The margin bounds the total, not each step's
+        purchase (a share of the rest at every step would add up to all of it).  When even the
+        reserve does not fit, launch nothing and retire idle nodes at once."""
         assert self.budget is not None
-        costs = [self._cost(snap, f, i) for i in range(len(f.extra))]
-        ok = [i for i, c in enumerate(costs) if c <= BUDGET_MARGIN * left and f.etas[i] < float("inf")]
+        nt = snap.node_type(f.node_type)
+        rate = (nt.cost if nt is not None else 1.0) / 3600.0
+        held = snap.nodes_of(f.node_type)
+        eta0 = f.etas[0]
+        reserve = held * eta0 * rate if eta0 < float("inf") else 0.0
+        spare = BUDGET_MARGIN * left - reserve
+        self._tight = held > 0 and reserve > BUDGET_MARGIN * left
+        # and it grows the pool at most ``BUDGET_GROWTH``-fold on the nodes that have joined: a
+        # node bought on a forecast that proves wrong (kinds not measured yet) is billed all the
+        # same, so the pool grows only as fast as the nodes of the last forecast arrive and work
+        per = nt.workers_per_node if nt is not None else 1
+        live = -(-sum(1 for w in snap.workers if w.node_type == f.node_type) // max(1, per))
+        cap = BUDGET_GROWTH * max(1, live)
+        ok = [i for i in range(1, len(f.extra))
+              if f.etas[i] < eta0 and f.extra[i] * f.etas[i] * rate <= spare and held + f.extra[i] <= cap]  # fmt: skip
         if ok:
             i = min(ok, key=lambda j: (f.etas[j], j))
-            if i == 0:
-                return 0, ""
-            return i, (f"budget {self.budget:g} ({left:.3f} left): {f.extra[i]} more {f.node_type} node(s) "
-                       f"finish in {_fmt(f.etas[i])} for a forecast {costs[i]:.3f}, the fastest that fits")  # fmt: skip
-        i = min(range(len(f.extra)), key=lambda j: (costs[j], j))
-        self._notice("budget", f"budget {self.budget:g} cannot cover the rest of the run: {left:.3f} left and the "
-                     f"cheapest forecast costs {costs[i]:.3f} (current estimates); running at least cost", [])  # fmt: skip
-        return i, (f"budget {self.budget:g} infeasible: cheapest forecast {costs[i]:.3f} > {BUDGET_MARGIN:.0%} of "
-                   f"{left:.3f} left")  # fmt: skip
+            return i, (f"budget {self.budget:g} ({left:.3f} left, {reserve:.3f} reserved for the {held} node(s) "
+                       f"held): {f.extra[i]} more {f.node_type} node(s) finish in {_fmt(f.etas[i])} for "
+                       f"{f.extra[i] * f.etas[i] * rate:.3f} more, the fastest that fits")  # fmt: skip
+        costs = [self._cost(snap, f, i) for i in range(len(f.extra))]
+        cheapest = min(range(len(f.extra)), key=lambda j: (costs[j], j))
+        if costs[cheapest] > left:
+            self._notice("budget", f"budget {self.budget:g} cannot cover the rest of the run: {left:.3f} left and "
+                         f"the cheapest forecast costs {costs[cheapest]:.3f} (current estimates); running at least "
+                         "cost", [])  # fmt: skip
+            if held == 0:  # nothing held: the least cost is one node
+                return 1, (f"budget {self.budget:g} infeasible: cheapest forecast {costs[cheapest]:.3f} > "
+                           f"{left:.3f} left; one node")  # fmt: skip
+            return 0, (f"budget {self.budget:g} infeasible: cheapest forecast {costs[cheapest]:.3f} > "
+                       f"{left:.3f} left; no more nodes, idle ones retire at once")  # fmt: skip
+        if held == 0:  # nothing held and no pool fits the margin: the least cost is one node
+            return 1, (f"budget {self.budget:g}: cheapest forecast {costs[cheapest]:.3f} is over "
+                       f"{BUDGET_MARGIN:.0%} of {left:.3f} left; one node")  # fmt: skip
+        if self._tight:
+            return 0, (f"budget {self.budget:g}: finishing on the {held} node(s) held needs {reserve:.3f} of "
+                       f"{left:.3f} left; no more nodes, idle ones retire at once")  # fmt: skip
+        return 0, ""
 
     # ---- retirements --------------------------------------------------------------------------
     def _hold_empty(self, startup: float) -> float:
         """How long an idle node is kept when no work is known: its start-up (a relaunch's cost)."""
-        if self.objective == "cheapest" or self.budget is not None or self.deadline is not None:
+        if self.budget is not None:
+            return self.min_idle  # a budget does not pay for idle time on speculation
+        if self.objective == "cheapest" or self.deadline is not None:
             return min(self.hold_cap, startup / 4)
         if self.objective == "fastest":
             return min(2 * self.hold_cap, startup)
@@ -258,6 +310,8 @@ class GraphPlan:
     def _retire(self, snap: ClusterSnapshot, launch: dict[str, int],
                 reasons: list[str]) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
         _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
+        if self.budget is not None and self._tight:
+            slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
         by_type = {f.node_type: f for f in snap.forecasts}
         surplus: dict[str, int] = {}
         retire: list[str] = []

@@ -17,7 +17,12 @@ Choosing a worker for a ready task, in order:
    does not need it only into a free slot, never into its queue, and not at all while ready tasks
    that need that resource could run on it (:func:`allowed`);
 3. prefer the worker that already holds the most bytes of the task's inputs (data locality);
-4. then the least loaded (estimated queued seconds per slot), then the fewest queued tasks;
+4. then the least loaded (estimated queued seconds per slot), then the fewest queued tasks; but
+   when the pool is over-provisioned (more free slots than ready tasks: :func:`over_provisioned`)
+   **pack** instead: the worker with a free slot and the fewest free slots left.  Spreading then
+   gains nothing (every ready task gets a slot either way) and leaves every node partly used, so
+   none is ever idle and none can be retired; packing leaves whole nodes idle for the scaling
+   policy to take back (on a one-slot pool both rules are the same);
 5. ties break on the worker's join sequence number, so runs replay deterministically.
 Workers whose copy of the task went silent (``ts.avoid``) are used only when no other can.
 
@@ -214,12 +219,28 @@ def restricted_candidates(ts: TaskRecord, workers: Mapping[str, WorkerRecord], r
     return out
 
 
-def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecord:
+def over_provisioned(workers: Mapping[str, WorkerRecord], room: Collection[str], ready: int) -> bool:
+    """More free slots on the workers with room than ``ready`` tasks: placement packs."""
+    free = 0
+    for wid in room:
+        w = workers[wid]
+        free += max(0, w.slots - (len(w.processing) - w.seceded))
+        if free > ready:
+            return True
+    return False
+
+
+def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord], pack: bool = False) -> WorkerRecord:
     """The best of ``candidates`` (non-empty, all able to run ``ts``) for ``ts``; workers whose copy
-    of ``ts`` went silent (``ts.avoid``) only when no other candidate is left."""
+    of ``ts`` went silent (``ts.avoid``) only when no other candidate is left.  ``pack``: the pool
+    is over-provisioned, so fill partly used workers' free slots first (module docstring)."""
     if ts.avoid:
         elsewhere = [w for w in candidates if w.id not in ts.avoid]
         candidates = elsewhere or candidates
+    if pack:
+        free = [w for w in candidates if len(w.processing) - w.seceded < w.slots]
+        candidates = free or candidates
+        pack = bool(free)
     if len(candidates) == 1:
         return candidates[0]
     local: dict[str, int] = {}
@@ -228,10 +249,11 @@ def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecor
         for wid in dep.who_has:
             local[wid] = local.get(wid, 0) + nb
     needs = frozenset(name for name, _ in ts.shape)
+    rank = _pack_rank if pack else _rank
     best = candidates[0]
-    best_key = _rank(best, local, needs)
+    best_key = rank(best, local, needs)
     for w in candidates[1:]:
-        k = _rank(w, local, needs)
+        k = rank(w, local, needs)
         if k < best_key:
             best, best_key = w, k
     return best
@@ -240,6 +262,12 @@ def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord]) -> WorkerRecor
 def _rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) -> tuple[int, float, float, int, int]:
     waste = len(w.special - needs) if w.special else 0
     return (waste, -local.get(w.id, 0), w.occupancy / w.slots, len(w.processing) - w.seceded, w.seq)
+
+
+def _pack_rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) -> tuple[int, float, float, int, int]:
+    waste = len(w.special - needs) if w.special else 0
+    free = w.slots - (len(w.processing) - w.seceded)
+    return (waste, -local.get(w.id, 0), free, -len(w.processing), w.seq)
 
 
 def copies_everywhere(keys: Iterable[str], tasks: Mapping[str, TaskRecord],

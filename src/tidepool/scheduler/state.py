@@ -340,6 +340,8 @@ class SchedulerState:
         if self.ready.restricted:
             self._schedule_restricted(out)
         deferred: list[TaskRecord] = []
+        # over-provisioned stays so while this loop places (each placement uses one ready task and one slot)
+        pack = pl.over_provisioned(self.workers, self.room, self.counts.get(TS.READY, 0))
         try:
             while self.room:
                 choice = pl.next_shape(self.ready, self.workers, self.room, self._fit_any)
@@ -351,7 +353,7 @@ class SchedulerState:
                         self._to_no_worker(ts)
                     continue
                 ts = self.ready.pop(shape)
-                target = pl.choose_worker(ts, cands)
+                target = pl.choose_worker(ts, cands, pack)
                 if ts.deps and self._transfer_outweighs(target, ts) and pl.holder_busy(ts, self.workers, self.room):
                     deferred.append(ts)  # its inputs' holder is only full for now: wait for it
                     continue
