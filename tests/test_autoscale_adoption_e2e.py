@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tidepool import Client, LocalCluster
-from tidepool.testing import wait_until
+from tidepool.testing import journal_records, wait_until
 
 
 def slow(i: int, flag: str) -> int:
@@ -26,11 +26,6 @@ def slow(i: int, flag: str) -> int:
         time.sleep(0.05)
     return i + 100
 
-
-def _journal(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _stored_instances(state: Path) -> dict[str, dict[str, object]]:
@@ -74,13 +69,13 @@ def test_a_restarted_scheduler_adopts_the_workers_its_autoscaler_launched(tmp_pa
             cluster.kill_scheduler()
             assert all(_alive(p) for p in pids.values())  # workers outlive the scheduler (their window)
             cluster.restart_scheduler(journal=str(after))
-            wait_until(lambda: any(r["kind"] == "adopt" for r in _journal(after)), timeout=120,
+            wait_until(lambda: any(r["kind"] == "adopt" for r in journal_records(after)), timeout=120,
                        what="the journal's adopt records")  # fmt: skip
             Path(flag).touch()
             assert client.gather(futures, timeout=300) == [i + 100 for i in range(6)]
             assert sorted(cluster.workers()) == workers
             assert _pids(state / "local-workers") == pids and all(_alive(p) for p in pids.values())
-    recs = _journal(after)
+    recs = journal_records(after)
     adopted = {r["worker"]: (r["outcome"], r["request"]) for r in recs if r["kind"] == "adopt"}
     assert adopted == {w: ("adopted", "a1") for w in workers}
     assert [r for r in recs if r["kind"] == "launch"] == []  # no duplicate launched
@@ -109,22 +104,15 @@ def test_the_spent_budget_survives_a_restart_and_the_adopted_worker_is_billed_on
     state = tmp_path / "state"
     after = tmp_path / "after.jsonl"
     with LocalCluster(0, state_dir=str(state), reconnect_window=180.0, recovery_wait=120.0, timeout=120) as cluster:
-        path = state / "cluster.toml"
-        path.write_text('[provider]\nkind = "local"\n\n[autoscaler]\nbudget = 1000000\n\n'
+        cluster.use_cluster_file('[provider]\nkind = "local"\n\n[autoscaler]\nbudget = 1000000\n\n'
                         '[[node_types]]\nname = "paid"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
                         "cost = 3600\nstartup_estimate = 0.5\n")  # fmt: skip
-        cluster.cluster_file = str(path)
-        proc = cluster.scheduler_proc
-        assert proc is not None
-        proc.terminate()
-        proc.wait(60)
-        cluster.start_scheduler()
         wait_until(lambda: _spent(state) >= 3.0, timeout=180, what="three seconds of the paid node billed")
         cluster.kill_scheduler()
         before = _stored_cost(state)
         assert before is not None
         cluster.restart_scheduler(journal=str(after))
-        wait_until(lambda: any(r["kind"] == "adopt" for r in _journal(after)), timeout=120, what="the adoption")
+        wait_until(lambda: any(r["kind"] == "adopt" for r in journal_records(after)), timeout=120, what="the adoption")
         wait_until(lambda: (_stored_cost(state) or {}).get("wall") != before["wall"], timeout=60,
                    what="the restarted scheduler's first stored meter")  # fmt: skip
         now = _stored_cost(state)
@@ -132,4 +120,4 @@ def test_the_spent_budget_survives_a_restart_and_the_adopted_worker_is_billed_on
         down = float(now["wall"]) - float(before["wall"])  # type: ignore[arg-type]
         # billed on from the stored step at 1/s, through the downtime (a little slack for rounding)
         assert float(now["spent"]) >= float(before["spent"]) + 0.9 * down  # type: ignore[arg-type]
-        assert [r["outcome"] for r in _journal(after) if r["kind"] == "adopt"] == ["adopted"]
+        assert [r["outcome"] for r in journal_records(after) if r["kind"] == "adopt"] == ["adopted"]

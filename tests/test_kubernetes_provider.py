@@ -26,7 +26,7 @@ from tidepool.providers.kubernetes_pods import PodTemplate, dns_name, label_valu
 from tidepool.providers.kubernetes_watch import PodEvents, pod_problem
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.policies import Adaptive, IdleRetire
-from tidepool.testing import wait_until
+from tidepool.testing import journal_records, wait_until
 from tidepool.testing_k8s import EmulatorThread, EmuNode, KubeEmulator
 
 pytestmark = pytest.mark.integration
@@ -322,12 +322,6 @@ def where(x: int) -> tuple[int, str, int]:
     return x, os.environ.get("TIDEPOOL_WORKER_ID", ""), os.getpid()
 
 
-def _records(path: Path, kind: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == kind]
-
 
 @pytest.mark.timeout(900)  # process starts are slow on a loaded machine
 def test_a_restarted_durable_scheduler_adopts_its_pod(emu: EmulatorThread, tmp_path: Path) -> None:
@@ -339,18 +333,12 @@ def test_a_restarted_durable_scheduler_adopts_its_pod(emu: EmulatorThread, tmp_p
     cluster = tidepool.LocalCluster(0, state_dir=str(state), reconnect_window=300.0, recovery_wait=120.0,
                                     timeout=180)  # fmt: skip
     try:
-        path = state / "cluster.toml"
-        path.write_text(
+        cluster.use_cluster_file(
             f'[provider]\nkind = "kubernetes"\nkubeconfig = "{kubeconfig}"\nterminate_grace = 5\n\n'
             '[[node_types]]\nname = "kp"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
-            "startup_estimate = 60\n"
+            "startup_estimate = 60\n",
+            journal=str(before),
         )  # fmt: skip
-        cluster.cluster_file = str(path)
-        proc = cluster.scheduler_proc
-        assert proc is not None
-        proc.terminate()
-        proc.wait(60)
-        cluster.start_scheduler(str(before))
         wait_until(lambda: len(cluster.workers()) == 1, 300, "the pod's worker")
         [worker] = cluster.workers()
         [pod] = pods(emu)
@@ -359,12 +347,12 @@ def test_a_restarted_durable_scheduler_adopts_its_pod(emu: EmulatorThread, tmp_p
             assert wid == worker
             cluster.kill_scheduler()
             cluster.restart_scheduler(str(after))
-            wait_until(lambda: _records(after, "adopt"), 120, "the journal's adopt record")
+            wait_until(lambda: journal_records(after, "adopt"), 120, "the journal's adopt record")
             _, wid2, pid2 = client.submit(where, 2, pure=False).result(timeout=300)
             assert (wid2, pid2) == (worker, pid)  # the same pod's worker process serves the graph
-        adopted = _records(after, "adopt")
+        adopted = journal_records(after, "adopt")
         assert [(r["worker"], r["outcome"]) for r in adopted] == [(worker, "adopted")]
-        assert _records(after, "launch") == []  # no second pod
+        assert journal_records(after, "launch") == []  # no second pod
         assert [p["metadata"]["uid"] for p in pods(emu)] == [pod["metadata"]["uid"]]
     finally:
         cluster.close()

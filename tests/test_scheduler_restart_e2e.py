@@ -7,13 +7,12 @@ so executions are counted, not guessed.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 from tidepool import Client, LocalCluster
-from tidepool.testing import wait_until
+from tidepool.testing import journal_records, wait_until
 
 
 def _log_run(runs: str, key: str) -> None:
@@ -47,11 +46,6 @@ def _executions(runs: Path) -> dict[str, int]:
     return counts
 
 
-def _journal(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
@@ -73,7 +67,7 @@ def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Pat
             cluster.kill_scheduler()
             assert not any(f.done() for f in waits)
             cluster.restart_scheduler(journal=str(journal))
-            wait_until(lambda: any(r.get("stage") == "resumed" for r in _journal(journal)), timeout=120,
+            wait_until(lambda: any(r.get("stage") == "resumed" for r in journal_records(journal)), timeout=120,
                        what="the journal's 'resumed' record")  # fmt: skip
             Path(flag).touch()  # the slow tasks, still running on their workers, finish now
             assert client.gather(slows, timeout=300) == [1000 + i for i in range(n_slow)]
@@ -83,8 +77,8 @@ def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Pat
     assert len(counts) == 5000
     reran = {k: n for k, n in counts.items() if n != 1}
     assert not reran, f"tasks executed more than once: {dict(list(reran.items())[:10])}"
-    resumed = next(r for r in _journal(journal) if r.get("stage") == "resumed")
-    loaded = next(r for r in _journal(journal) if r.get("stage") == "loaded")
+    resumed = next(r for r in journal_records(journal) if r.get("stage") == "resumed")
+    loaded = next(r for r in journal_records(journal) if r.get("stage") == "loaded")
     assert int(loaded["finished"]) > 0  # type: ignore[call-overload]
     assert int(resumed["recovered"]) > 0 and int(resumed["adopted_running"]) >= n_slow  # type: ignore[call-overload]
     assert resumed["recomputed"] == 0 and resumed["workers_missing"] == []

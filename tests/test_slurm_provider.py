@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import pwd
 import shutil
@@ -43,6 +42,7 @@ from tidepool.providers.slurm import (
 )
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.policies import Adaptive, IdleRetire
+from tidepool.testing import journal_records
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 
@@ -580,12 +580,6 @@ def test_a_second_provider_with_the_same_tag_refinds_and_cancels_the_jobs(slurm:
     first.close()
 
 
-def _records(path: Path, kind: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == kind]
-
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)  # process and job starts are slow on a loaded machine
@@ -597,20 +591,14 @@ def test_a_restarted_durable_scheduler_adopts_its_slurm_job(slurm: Slurm, tmp_pa
     cluster = tidepool.LocalCluster(0, state_dir=str(state), reconnect_window=300.0, recovery_wait=120.0,
                                     timeout=180)  # fmt: skip
     try:
-        path = state / "cluster.toml"
-        path.write_text(
+        cluster.use_cluster_file(
             f'[provider]\nkind = "slurm"\nwalltime = "00:10:00"\npython = "{sys.executable}"\n'
             f'log_dir = "{slurm.dir}"\nworkdir = "{slurm.dir}"\npoll_interval = 0.5\n'
             f'env = {{ PYTHONPATH = "{os.environ.get("PYTHONPATH", "")}" }}\n\n'
             '[[node_types]]\nname = "sl"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
-            "startup_estimate = 120\n"
+            "startup_estimate = 120\n",
+            journal=str(before),
         )  # fmt: skip
-        cluster.cluster_file = str(path)
-        proc = cluster.scheduler_proc
-        assert proc is not None
-        proc.terminate()
-        proc.wait(60)
-        cluster.start_scheduler(str(before))
         wait_until(lambda: len(cluster.workers()) == 1, 300, "the Slurm job's worker")
         [worker] = cluster.workers()
         with tidepool.Client(cluster.address, cluster.token, timeout=120) as client:
@@ -618,12 +606,12 @@ def test_a_restarted_durable_scheduler_adopts_its_slurm_job(slurm: Slurm, tmp_pa
             assert wid == worker and job and slurm.active([job])
             cluster.kill_scheduler()
             cluster.restart_scheduler(str(after))
-            wait_until(lambda: _records(after, "adopt"), 120, "the journal's adopt record")
+            wait_until(lambda: journal_records(after, "adopt"), 120, "the journal's adopt record")
             _, job2, wid2 = client.submit(whereami, 2, 0.0, pure=False).result(timeout=300)
             assert (job2, wid2) == (job, worker)  # the same job's worker serves the graph
-        adopted = _records(after, "adopt")
+        adopted = journal_records(after, "adopt")
         assert [(r["worker"], r["outcome"]) for r in adopted] == [(worker, "adopted")]
-        assert _records(after, "launch") == []  # no duplicate submitted
+        assert journal_records(after, "launch") == []  # no duplicate submitted
     finally:
         cluster.close()
     wait_until(lambda: not slurm.active([job]), 120, "the adopted job to be cancelled at close")

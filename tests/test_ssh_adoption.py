@@ -10,7 +10,6 @@ worker it autoscaled (same pid), launches nothing, and stops it when it is close
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from tidepool.providers.ssh_adopt import (
     watch_script,
 )
 from tidepool.scaling.node_types import NodeType
+from tidepool.testing import journal_records
 
 keys = test_ssh_provider.keys  # the session fixtures: sshd on 127.0.0.1 with throw-away keys
 sshd = test_ssh_provider.sshd
@@ -212,12 +212,6 @@ def test_an_orphaned_durable_ssh_worker_exits_past_its_reconnect_window(sshd: Ss
         cluster.close()
 
 
-def _records(path: Path, kind: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == kind]
-
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)  # process starts are slow on a loaded machine
@@ -230,23 +224,17 @@ def test_a_restarted_durable_scheduler_adopts_its_ssh_worker(sshd: Sshd, tmp_pat
                                     timeout=180)  # fmt: skip
     pid = 0
     try:
-        path = state / "cluster.toml"
-        path.write_text(
+        cluster.use_cluster_file(
             f'[provider]\nkind = "ssh"\nhosts = ["{sshd.host}:{sshd.port}"]\nclient_keys = ["{sshd.client_key}"]\n'
             f'known_hosts = "{sshd.known_hosts}"\npython = "{sys.executable}"\nconnect_timeout = 10.0\n'
             f'term_timeout = 3.0\nenv = {{ PYTHONPATH = "{os.environ.get("PYTHONPATH", "")}" }}\n\n'
             '[[node_types]]\nname = "sh"\nresources = { cpu = 1 }\nmin_nodes = 1\nmax_nodes = 1\n'
-            "startup_estimate = 60\n"
+            "startup_estimate = 60\n",
+            journal=str(before),
         )  # fmt: skip
-        cluster.cluster_file = str(path)
-        proc = cluster.scheduler_proc
-        assert proc is not None
-        proc.terminate()
-        proc.wait(60)
-        cluster.start_scheduler(str(before))
         wait_until(lambda: len(cluster.workers()) == 1, 300, "the SSH worker")
         [worker] = cluster.workers()
-        wait_until(lambda: [r["request"] for r in _records(before, "launch")] == [worker.split("-")[1]], 60,
+        wait_until(lambda: [r["request"] for r in journal_records(before, "launch")] == [worker.split("-")[1]], 60,
                    "the journal's launch record")  # fmt: skip
         with tidepool.Client(cluster.address, cluster.token, timeout=120) as client:
             _, _, pid, wid = client.submit(whereami, 1, 0.0, pure=False).result(timeout=120)
@@ -254,12 +242,12 @@ def test_a_restarted_durable_scheduler_adopts_its_ssh_worker(sshd: Sshd, tmp_pat
             cluster.kill_scheduler()
             assert not pid_gone(pid)
             cluster.restart_scheduler(str(after))
-            wait_until(lambda: _records(after, "adopt"), 120, "the journal's adopt record")
+            wait_until(lambda: journal_records(after, "adopt"), 120, "the journal's adopt record")
             _, _, pid2, wid2 = client.submit(whereami, 2, 0.0, pure=False).result(timeout=300)
             assert (pid2, wid2) == (pid, worker)  # the same process serves the graph
-        adopted = _records(after, "adopt")
+        adopted = journal_records(after, "adopt")
         assert [(r["worker"], r["outcome"]) for r in adopted] == [(worker, "adopted")]
-        assert _records(after, "launch") == []  # no duplicate launched
+        assert journal_records(after, "launch") == []  # no duplicate launched
     finally:
         cluster.close()
     assert pid

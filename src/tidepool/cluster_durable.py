@@ -132,15 +132,22 @@ class DurableLocalCluster(ClosesOnExit):
         top = maximum if maximum is not None else max(minimum, os.cpu_count() or 1)
         if minimum < 0 or top < max(1, minimum):
             raise ConfigError(f"adapt(): need 0 <= minimum <= maximum and maximum >= 1, got {minimum}, {maximum}")
-        path = Path(self.state_dir) / "cluster.toml"
         res = ", ".join(f"{k} = {v!r}" for k, v in self.default_type.worker_resources.items())
-        path.write_text('[provider]\nkind = "local"\n\n[[node_types]]\nname = "default"\n'
-                        f"resources = {{ {res} }}\nmin_nodes = {minimum}\nmax_nodes = {top}\nstartup_estimate = 0.5\n")  # fmt: skip
+        self.use_cluster_file('[provider]\nkind = "local"\n\n[[node_types]]\nname = "default"\n'
+                              f"resources = {{ {res} }}\nmin_nodes = {minimum}\nmax_nodes = {top}\n"
+                              "startup_estimate = 0.5\n", journal=journal)  # fmt: skip
+
+    def use_cluster_file(self, text: str, *, journal: str | None = None) -> None:
+        """Run the scheduler with the cluster file ``text`` (any provider; written to
+        ``cluster.toml`` in the state directory): the running scheduler stops gracefully, closing
+        the workers it has, and a new one starts with ``--cluster``."""
+        path = Path(self.state_dir) / "cluster.toml"
+        path.write_text(text)
         self.cluster_file = str(path)
         proc = self.scheduler_proc
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            proc.wait(60)  # a graceful stop closes the workers: slow on a loaded machine
         self.start_scheduler(journal)
 
     # ---- workers ----------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ moves it.  Commands are recorded in ``log`` so tests can assert on them.
 from __future__ import annotations
 
 import builtins
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from tidepool.scheduler import events as ev
@@ -31,6 +34,16 @@ def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         tick.wait(interval)
+
+
+def journal_records(path: str | os.PathLike[str], kind: str | None = None) -> builtins.list[dict[str, Any]]:
+    """The records of a scheduler's JSON-lines journal (``--journal``) written so far, or only those
+    of one ``kind``; none while the file does not exist yet (the scheduler is still starting)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r for r in records if kind is None or r.get("kind") == kind]
 
 
 class FakeClock:
