@@ -213,7 +213,7 @@ def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
     for ws in state.workers.values():
         unique = state.unique_data(ws)
         out.append(WorkerView(
-            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, len(ws.processing) - ws.seceded,
+            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, ws.assigned,
             ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since, ws.joined,
             ws.memory_limit,
         ))  # fmt: skip

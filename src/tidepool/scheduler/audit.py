@@ -57,7 +57,7 @@ def worker_rows(state: StateView) -> list[dict[str, Any]]:
 def validate(state: StateView) -> None:
     """Check cross-references; raises AssertionError on an inconsistency."""
     for wid, wrec in state.workers.items():
-        assert (wid in state.overloaded) == (len(wrec.processing) - wrec.seceded > wrec.slots), ("overloaded", wid)
+        assert (wid in state.overloaded) == (wrec.assigned > wrec.slots), ("overloaded", wid)
     assert state.overloaded <= set(state.workers), ("overloaded", state.overloaded - set(state.workers))
     for wid in state.room:  # new work goes only to running workers that answer
         assert wid in state.workers and state.workers[wid].state == "running", ("room", wid)

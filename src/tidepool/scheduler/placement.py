@@ -142,7 +142,7 @@ def allowed(ws: WorkerRecord, shape: Shape, ready: Mapping[Shape, list[Entry]]) 
     extra = ws.special.difference(name for name, _ in shape)
     if not extra:
         return True
-    if len(ws.processing) - ws.seceded >= ws.slots:
+    if ws.assigned >= ws.slots:
         return False  # never queue ordinary work behind a GPU
     for s, heap in ready.items():  # ready work that needs what ws has spare comes first
         if heap and any(name in extra for name, _ in s) and fits_on(ws, s):
@@ -152,7 +152,7 @@ def allowed(ws: WorkerRecord, shape: Shape, ready: Mapping[Shape, list[Entry]]) 
 
 def has_room(ws: WorkerRecord, queue_seconds: float, max_queue_per_slot: int) -> bool:
     """May ``ws`` be given another task: running, answering, a free slot or a short queue?"""
-    n = len(ws.processing) - ws.seceded
+    n = ws.assigned
     if ws.state != "running" or ws.suspect or n >= ws.slots * max_queue_per_slot:
         return False
     return n < ws.slots or ws.occupancy < queue_seconds * ws.slots
@@ -224,7 +224,7 @@ def over_provisioned(workers: Mapping[str, WorkerRecord], room: Collection[str],
     free = 0
     for wid in room:
         w = workers[wid]
-        free += max(0, w.slots - (len(w.processing) - w.seceded))
+        free += max(0, w.slots - w.assigned)
         if free > ready:
             return True
     return False
@@ -238,7 +238,7 @@ def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord], pack: bool = F
         elsewhere = [w for w in candidates if w.id not in ts.avoid]
         candidates = elsewhere or candidates
     if pack:
-        free = [w for w in candidates if len(w.processing) - w.seceded < w.slots]
+        free = [w for w in candidates if w.assigned < w.slots]
         candidates = free or candidates
         pack = bool(free)
     if len(candidates) == 1:
@@ -261,12 +261,12 @@ def choose_worker(ts: TaskRecord, candidates: list[WorkerRecord], pack: bool = F
 
 def _rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) -> tuple[int, float, float, int, int]:
     waste = len(w.special - needs) if w.special else 0
-    return (waste, -local.get(w.id, 0), w.occupancy / w.slots, len(w.processing) - w.seceded, w.seq)
+    return (waste, -local.get(w.id, 0), w.occupancy / w.slots, w.assigned, w.seq)
 
 
 def _pack_rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) -> tuple[int, float, float, int, int]:
     waste = len(w.special - needs) if w.special else 0
-    free = w.slots - (len(w.processing) - w.seceded)
+    free = w.slots - w.assigned
     return (waste, -local.get(w.id, 0), free, -len(w.processing), w.seq)
 
 
@@ -292,18 +292,18 @@ def plan_steals(workers: Mapping[str, WorkerRecord], overloaded: Iterable[str], 
     victims = [workers[w] for w in overloaded if w in workers and workers[w].state in ("running", "retiring")]
     if not victims:
         return {}
-    idle = [workers[w] for w in sorted(room) if len(workers[w].processing) - workers[w].seceded < workers[w].slots]
+    idle = [workers[w] for w in sorted(room) if workers[w].assigned < workers[w].slots]
     if not idle:
         return {}
-    victims.sort(key=lambda w: (-(len(w.processing) - w.seceded - w.slots), w.seq))
+    victims.sort(key=lambda w: (-(w.assigned - w.slots), w.seq))
     asks: dict[str, list[TaskRecord]] = {}
     asked: set[TaskRecord] = set()
     for thief in idle:
-        want = thief.slots - (len(thief.processing) - thief.seceded)
+        want = thief.slots - thief.assigned
         for victim in victims:
             if victim is thief or want <= 0:
                 continue
-            queued = len(victim.processing) - victim.seceded - victim.slots
+            queued = victim.assigned - victim.slots
             take = min(want, (queued + 1) // 2)
             for ts in reversed(list(victim.processing)):  # the most recently queued first
                 if take <= 0:

@@ -112,6 +112,12 @@ class WorkerRecord:
         #: it gets no new work until it is heard from again; it is not declared dead for that
         self.suspect = False
 
+    @property
+    def assigned(self) -> int:
+        """Tasks that count against its slots: those assigned to it (running or queued) but for
+        the ones that left their slot (``seceded``)."""
+        return len(self.processing) - self.seceded
+
     def forget_tasks(self, now: float) -> None:
         """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
         self.processing.clear()

@@ -797,7 +797,7 @@ class SchedulerState:
     # ---- work stealing and seceded tasks -------------------------------------------------------
     def _load_changed(self, ws: WorkerRecord) -> None:
         """Keep ``overloaded`` (workers with tasks queued beyond their slots) exact."""
-        if len(ws.processing) - ws.seceded > ws.slots:
+        if ws.assigned > ws.slots:
             self.overloaded.add(ws.id)
         else:
             self.overloaded.discard(ws.id)
