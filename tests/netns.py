@@ -134,6 +134,15 @@ class Hosts:
         for pref in self._rules.pop((a, b), []):
             _ip("rule", "del", "pref", str(pref), check=False)
 
+    def limit_rate(self, name: str, mbit: int) -> None:
+        """Cap the traffic the router sends into host ``name`` at ``mbit`` Mbit/s (a token bucket on
+        the root end of its link), so a large copy into it lasts seconds, not a blink.  Gone with
+        the link in :meth:`down`."""
+        dev = f"tpr{self.tag}{self.names.index(name) + 1}"
+        subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                        "burst", "256kb", "latency", "500ms"],
+                       capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+
 
 @contextlib.contextmanager
 def hosts(*names: str) -> Iterator[Hosts]:
