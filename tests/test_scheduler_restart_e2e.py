@@ -64,6 +64,10 @@ def test_kill_9_the_scheduler_under_a_running_graph_and_restart_it(tmp_path: Pat
             wait_until(lambda: sum(f.done() for f in quicks) >= n_quick // 2, timeout=300, what="half the quick tasks")
             wait_until(lambda: all(c == 1 for c in [_executions(runs).get(f"slow-{i}", 0) for i in range(n_slow)]),
                        timeout=300, what="every slow task executing")  # fmt: skip
+            # the store writes in batches: kill only once some finished results are on disk, or the
+            # restarted scheduler has nothing finished to load (a faster map can outrun the writer)
+            wait_until(lambda: _stored_finished(tmp_path / "state", "quick-") > 0, timeout=60,
+                       what="finished quick tasks in the store")  # fmt: skip
             cluster.kill_scheduler()
             assert not any(f.done() for f in waits)
             cluster.restart_scheduler(journal=str(journal))
@@ -99,6 +103,17 @@ def _stored_wants(state: Path, prefix: str) -> int:
     db = sqlite3.connect(state / "state.sqlite3")
     try:
         return int(db.execute("SELECT count(*) FROM wants WHERE key LIKE ?", (prefix + "%",)).fetchone()[0])
+    finally:
+        db.close()
+
+
+def _stored_finished(state: Path, prefix: str) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{state / 'state.sqlite3'}?mode=ro", uri=True)
+    try:
+        return int(db.execute("SELECT count(*) FROM tasks WHERE status = 'm' AND key LIKE ?",
+                              (prefix + "%",)).fetchone()[0])  # fmt: skip
     finally:
         db.close()
 
