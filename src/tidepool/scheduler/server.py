@@ -34,6 +34,7 @@ from tidepool.comm.messages import (
     Release,
     Reply,
     ReportItem,
+    TaskBatch,
     UpdateGraph,
 )
 from tidepool.comm.tls import TLSConfig
@@ -44,6 +45,7 @@ from tidepool.scheduler.explain import explain
 from tidepool.scheduler.recovery import Durability, rejoin_event
 from tidepool.scheduler.stalls import StallLog
 from tidepool.scheduler.state import SchedulerState
+from tidepool.scheduler.worker_reports import batch_events
 
 log = logging.getLogger("tidepool.scheduler")
 
@@ -367,7 +369,7 @@ class Scheduler:
                 now = self.clock()
                 op = msg.get("op")
                 if op == "task-batch":
-                    await self.apply(_batch_events(wid, msg, now))
+                    await self.apply(batch_events(wid, TaskBatch.decode(msg), now))
                 elif op == "heartbeat":
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
@@ -633,28 +635,3 @@ class Scheduler:
 
 def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
-    out: list[ev.Event] = []
-    started = msg.get("started")
-    if started:
-        out.append(ev.TasksStarted(wid, list(started), now))
-    for key, nbytes, duration in msg.get("finished", ()):
-        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
-    for e in msg.get("erred", ()):
-        out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
-                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
-    for item in msg.get("missing", ()):
-        key, dep, holder = item[0], item[1], item[2]
-        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else "",
-                                  silent=bool(item[4]) if len(item) > 4 else False))  # fmt: skip
-    for key, nbytes in msg.get("replicas", ()):
-        out.append(ev.AddReplica(wid, key, int(nbytes), now))
-    if "stolen" in msg or "kept" in msg:
-        out.append(ev.StealReply(wid, list(msg.get("stolen") or ()), list(msg.get("kept") or ()), now))
-    for key in msg.get("seceded", ()):
-        out.append(ev.TaskSeceded(wid, str(key), now))
-    for key, typ, message in msg.get("unservable", ()):
-        out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
-    return out
