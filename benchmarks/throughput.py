@@ -149,6 +149,11 @@ class TidepoolBackend:
     def scheduler_thread(self) -> threading.Thread | None:
         return self.cluster._loop.thread
 
+    def sent(self) -> int:
+        """Messages the scheduler has sent for its commands (0 where it does not count them)."""
+        out = getattr(self.cluster.scheduler, "outgoing", None)
+        return int(getattr(out, "messages", 0))
+
     def worker_pids(self) -> list[int]:
         return [p.proc.pid for p in self.cluster.provider.procs.values()]
 
@@ -376,6 +381,7 @@ def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: b
                 for workload, fn in chosen.items():
                     tp = b if isinstance(b, TidepoolBackend) else None
                     before = tp.executed() if tp is not None else []
+                    sent0 = tp.sent() if tp is not None else 0
                     cpu0 = meter.read()
                     seconds, tasks = fn(b, n, timeout)
                     cpu1 = meter.read()
@@ -388,7 +394,10 @@ def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: b
                         line[-1] += f", median {m.latency_us(name, 0.5):.0f} µs"
                     if tp is not None:
                         split = [a - z for a, z in zip(tp.executed(), before, strict=False)]
-                        line[-1] += f" (per worker {split})"
+                        line[-1] += f" (per worker {split}"
+                        if sent := tp.sent() - sent0:
+                            line[-1] += f", scheduler messages/task {sent / tasks:.2f}"
+                        line[-1] += ")"
                     wait_idle(b)
                 print("  " + "  ".join(line), flush=True)
             finally:
