@@ -66,3 +66,16 @@ def test_a_gone_peer_is_skipped() -> None:
     out.report("c", [ReportItem("a", "lost")])
     asyncio.run(out.flush())
     assert not out and out.messages == 0
+
+
+def test_a_reader_takes_only_buffered_messages_of_the_asked_op() -> None:
+    from tidepool.comm.core import MemoryConnection
+
+    conn = MemoryConnection()
+    for m in ({"op": "task-batch", "n": 1}, {"op": "task-batch", "n": 2}, {"op": "heartbeat"}):
+        conn._on_frame(m)
+    assert conn.recv_buffered("task-batch") == {"op": "task-batch", "n": 1}
+    assert conn.recv_buffered("task-batch") == {"op": "task-batch", "n": 2}
+    assert conn.recv_buffered("task-batch") is None  # a heartbeat is next: left for recv()
+    assert asyncio.run(conn.recv()) == {"op": "heartbeat"}
+    assert conn.recv_buffered("task-batch") is None

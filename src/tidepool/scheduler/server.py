@@ -374,7 +374,10 @@ class Scheduler:
                 now = self.clock()
                 op = msg.get("op")
                 if op == "task-batch":
-                    await self.apply(batch_events(wid, TaskBatch.decode(msg), now), defer=True)
+                    events = batch_events(wid, TaskBatch.decode(msg), now)
+                    while (more := conn.recv_buffered("task-batch")) is not None:  # read in one go: one batch
+                        events += batch_events(wid, TaskBatch.decode(more), now)
+                    await self.apply(events, defer=True)
                 elif op == "heartbeat":
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
