@@ -1,11 +1,24 @@
 """Throughput: tidepool against Dask distributed on tiny tasks, in the same run, on this machine.
 
-Two workloads, each run on both schedulers with the same client-side code:
+Three workloads, each run on both schedulers with the same client-side code:
 
 - ``map``: ``client.map(noop, range(N))`` then ``client.gather`` of all N results (N tasks).
 - ``tree``: the same N leaves, reduced pairwise with ``client.submit(add, a, b)`` level by level
   until one future remains (the tree reduction from Dask's futures documentation), then its result
   (2N - 1 tasks).
+- ``roundtrip``: ``client.submit(inc, i).result()`` one at a time, ``ROUNDTRIPS`` times; each call
+  is timed on its own and the median and 90th percentile are reported (µs).
+
+Besides tasks/s, every timed run reports CPU µs per task, split three ways:
+
+- scheduler: the CPU time of the thread that runs the scheduler's event loop (both LocalClusters run
+  the scheduler in this process, on a thread of its own); for Dask that thread also runs the
+  client's comm handling (``Client(cluster)`` shares the cluster's loop), for tidepool it does not.
+- client: the rest of this process (``time.process_time`` less the scheduler thread).
+- workers: psutil ``cpu_times()`` (user + system) of each worker process, summed (tidepool: the
+  provider's worker pids; Dask: ``client.run(os.getpid)``; Dask's nanny processes are not counted).
+
+Each is the delta over the timed workload divided by the workload's tasks.
 
 Both clusters have 2 worker processes running 1 task at a time each.  Every repetition starts a
 fresh cluster per scheduler (startup is not timed), warms it up with a small map and tree, waits
@@ -16,6 +29,7 @@ checked (the map must give back ``range(N)``, the tree ``sum(range(N))``); a wro
 Run from the repository root::
 
     .venv/bin/python benchmarks/throughput.py [--write-docs] [--tasks N] [--repeat K]
+        [--only map|tree|roundtrip ...]
 
 ``--write-docs`` rewrites only the part of ``docs/benchmarks.md`` between the
 ``<!-- throughput:start -->`` / ``<!-- throughput:end -->`` markers (other benchmarks own other
@@ -44,6 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 TARGET_RATIO = 5.0
 WARMUP_TASKS = 100
+ROUNDTRIPS = 500
+ROLES = ("client", "scheduler", "workers")
 DOCS_HEADER = """# Benchmarks
 
 tidepool measured against Dask distributed in the same run, on the same machine.  Each benchmark
@@ -61,6 +77,10 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+def inc(x: int) -> int:
+    return x + 1
+
+
 class WrongResultError(Exception):
     """A workload gave back a wrong value: the measurement cannot be trusted."""
 
@@ -75,6 +95,8 @@ class Backend(Protocol):
     def gather(self, futures: list[Any], timeout: float) -> list[Any]: ...
     def result(self, future: Any, timeout: float) -> Any: ...
     def n_tasks(self) -> int: ...
+    def scheduler_thread(self) -> threading.Thread | None: ...
+    def worker_pids(self) -> list[int]: ...
     def close(self) -> None: ...
 
 
@@ -124,6 +146,17 @@ class TidepoolBackend:
     def executed(self) -> list[int]:
         return [w.get("executed", 0) for w in self.client.scheduler_info()["workers"]]
 
+    def scheduler_thread(self) -> threading.Thread | None:
+        return self.cluster._loop.thread
+
+    def sent(self) -> int:
+        """Messages the scheduler has sent for its commands (0 where it does not count them)."""
+        out = getattr(self.cluster.scheduler, "outgoing", None)
+        return int(getattr(out, "messages", 0))
+
+    def worker_pids(self) -> list[int]:
+        return [p.proc.pid for p in self.cluster.provider.procs.values()]
+
     def close(self) -> None:
         self.client.close()
         self.cluster.close()
@@ -168,6 +201,13 @@ class DaskBackend:
     def n_tasks(self) -> int:
         return int(self.client.run_on_scheduler(_dask_scheduler_tasks))
 
+    def scheduler_thread(self) -> threading.Thread | None:
+        ident = self.client.run_on_scheduler(threading.get_ident)  # the cluster's loop thread
+        return next((t for t in threading.enumerate() if t.ident == ident), None)
+
+    def worker_pids(self) -> list[int]:
+        return [int(pid) for pid in self.client.run(os.getpid).values()]
+
     def close(self) -> None:
         self.client.close()
         self.cluster.close()
@@ -206,10 +246,52 @@ def run_tree(b: Backend, n: int, timeout: float) -> tuple[float, int]:
     return elapsed, 2 * n - 1
 
 
+#: the latencies (seconds) of the last roundtrip run, per backend name
+LATENCIES: dict[str, list[float]] = {}
+
+
+def run_roundtrip(b: Backend, n: int, timeout: float) -> tuple[float, int]:
+    """``submit(inc, i).result()`` one at a time, ``min(n, ROUNDTRIPS)`` times; returns (seconds, tasks).
+
+    Each call's latency is kept in ``LATENCIES[b.name]``."""
+    count = min(n, ROUNDTRIPS)
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(count):
+        t = time.perf_counter()
+        value = b.result(b.submit(inc, i), timeout)
+        lat.append(time.perf_counter() - t)
+        if value != i + 1:
+            raise WrongResultError(f"{b.name} roundtrip: inc({i}) gave {value!r}")
+    elapsed = time.perf_counter() - t0
+    LATENCIES[b.name] = lat
+    return elapsed, count
+
+
 WORKLOADS: dict[str, Callable[[Backend, int, float], tuple[float, int]]] = {
     "map": run_map,
     "tree": run_tree,
+    "roundtrip": run_roundtrip,
 }
+
+
+class CpuMeter:
+    """CPU seconds so far of the client, the scheduler thread and the worker processes."""
+
+    def __init__(self, b: Backend) -> None:
+        import psutil
+
+        thread = b.scheduler_thread()
+        self._clock = time.pthread_getcpuclockid(thread.ident) if thread and thread.ident else None
+        self._workers = [psutil.Process(pid) for pid in b.worker_pids()]
+
+    def read(self) -> dict[str, float]:
+        sched = time.clock_gettime(self._clock) if self._clock is not None else 0.0
+        workers = 0.0
+        for p in self._workers:
+            t = p.cpu_times()
+            workers += t.user + t.system
+        return {"client": time.process_time() - sched, "scheduler": sched, "workers": workers}
 
 
 def wait_idle(b: Backend, timeout: float = 15.0) -> None:
@@ -228,13 +310,29 @@ def wait_idle(b: Backend, timeout: float = 15.0) -> None:
 class Measurements:
     tasks: dict[str, int] = field(default_factory=dict)
     seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (workload, backend)
+    #: (workload, backend) -> one dict role -> CPU µs per task for every timed run
+    cpu: dict[tuple[str, str], list[dict[str, float]]] = field(default_factory=dict)
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # backend -> roundtrip seconds
 
-    def add(self, workload: str, backend: str, seconds: float, tasks: int) -> None:
+    def add(self, workload: str, backend: str, seconds: float, tasks: int,
+            cpu: dict[str, float] | None = None) -> None:  # fmt: skip
         self.tasks[workload] = tasks
         self.seconds.setdefault((workload, backend), []).append(seconds)
+        if cpu is not None:
+            self.cpu.setdefault((workload, backend), []).append(cpu)
 
     def rate(self, workload: str, backend: str) -> float:
         return self.tasks[workload] / statistics.median(self.seconds[(workload, backend)])
+
+    def cpu_us(self, workload: str, backend: str, role: str) -> float:
+        return statistics.median(c[role] for c in self.cpu[(workload, backend)])
+
+    def latency_us(self, backend: str, q: float) -> float:
+        lat = sorted(self.latencies[backend])
+        return 1e6 * lat[min(len(lat) - 1, int(q * len(lat)))]
+
+    def workloads(self) -> list[str]:
+        return [w for w in WORKLOADS if w in self.tasks]
 
 
 def _watch_stream(url: str) -> None:
@@ -263,8 +361,10 @@ FACTORIES: dict[str, Callable[[], Backend]] = {"tidepool": TidepoolBackend, "das
                                                "tidepool-dashboard": TidepoolDashboardBackend}  # fmt: skip
 
 
-def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: bool = False) -> Measurements:
+def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: bool = False,
+            only: list[str] | None = None) -> Measurements:  # fmt: skip
     m = Measurements()
+    chosen = {w: fn for w, fn in WORKLOADS.items() if not only or w in only}
     names = ["tidepool", "dask"] + (["tidepool-tls"] if tls else []) + (["tidepool-dashboard"] if dashboard else [])
     for rep in range(repeat):
         order = names if rep % 2 == 0 else names[::-1]
@@ -273,19 +373,31 @@ def measure(n: int, repeat: int, timeout: float, tls: bool = False, dashboard: b
             b = FACTORIES[name]()
             started = time.perf_counter() - t0
             try:
-                for fn in WORKLOADS.values():  # warm-up: start-up costs, function shipping
+                for fn in chosen.values():  # warm-up: start-up costs, function shipping
                     fn(b, min(WARMUP_TASKS, n), timeout)
                 wait_idle(b)
+                meter = CpuMeter(b)
                 line = [f"rep {rep + 1}/{repeat} {name:8} (startup {started:.1f}s, untimed)"]
-                for workload, fn in WORKLOADS.items():
+                for workload, fn in chosen.items():
                     tp = b if isinstance(b, TidepoolBackend) else None
                     before = tp.executed() if tp is not None else []
+                    sent0 = tp.sent() if tp is not None else 0
+                    cpu0 = meter.read()
                     seconds, tasks = fn(b, n, timeout)
-                    m.add(workload, name, seconds, tasks)
-                    line.append(f"{workload} {seconds:.2f}s = {tasks / seconds:,.0f}/s")
+                    cpu1 = meter.read()
+                    cpu = {r: 1e6 * (cpu1[r] - cpu0[r]) / tasks for r in ROLES}
+                    m.add(workload, name, seconds, tasks, cpu)
+                    line.append(f"{workload} {seconds:.2f}s = {tasks / seconds:,.0f}/s, CPU µs/task "
+                                + "/".join(f"{cpu[r]:.0f}" for r in ROLES))  # fmt: skip
+                    if workload == "roundtrip":
+                        m.latencies.setdefault(name, []).extend(LATENCIES[name])
+                        line[-1] += f", median {m.latency_us(name, 0.5):.0f} µs"
                     if tp is not None:
                         split = [a - z for a, z in zip(tp.executed(), before, strict=False)]
-                        line[-1] += f" (per worker {split})"
+                        line[-1] += f" (per worker {split}"
+                        if sent := tp.sent() - sent0:
+                            line[-1] += f", scheduler messages/task {sent / tasks:.2f}"
+                        line[-1] += ")"
                     wait_idle(b)
                 print("  " + "  ".join(line), flush=True)
             finally:
@@ -298,21 +410,32 @@ def table(m: Measurements) -> list[list[str]]:
     tls = any(b == "tidepool-tls" for _, b in m.seconds)
     dash = any(b == "tidepool-dashboard" for _, b in m.seconds)
     rows = [["workload", "tasks", "tidepool tasks/s", "dask tasks/s", "ratio (tidepool/dask)"]]
+    rows[0] += [f"{b} CPU µs/task {r}" for b in ("tidepool", "dask") for r in ROLES]
     if tls:
         rows[0] += ["tidepool TLS tasks/s", "TLS / TCP", "ratio (tidepool TLS/dask)"]
     if dash:
         rows[0] += ["with dashboard + page tasks/s", "dashboard / plain"]
-    for workload in WORKLOADS:
+    for workload in m.workloads():
         tp, dk = m.rate(workload, "tidepool"), m.rate(workload, "dask")
         rows.append(
             [workload, f"{m.tasks[workload]:,}", f"{tp:,.0f}", f"{dk:,.0f}", f"{tp / dk:.1f}x"]
         )
+        rows[-1] += [f"{m.cpu_us(workload, b, r):.0f}" for b in ("tidepool", "dask") for r in ROLES]
         if tls:
             tt = m.rate(workload, "tidepool-tls")
             rows[-1] += [f"{tt:,.0f}", f"{tt / tp:.2f}", f"{tt / dk:.1f}x"]
         if dash:
             td = m.rate(workload, "tidepool-dashboard")
             rows[-1] += [f"{td:,.0f}", f"{td / tp:.2f}"]
+    return rows
+
+
+def latency_table(m: Measurements) -> list[list[str]]:
+    """The synchronous round trip: median and 90th percentile µs per backend (all runs pooled)."""
+    rows = [["round trip (submit(...).result())", "calls", "median µs", "p90 µs"]]
+    for b in sorted(m.latencies, key=lambda n: (n != "tidepool", n)):
+        lat = m.latencies[b]
+        rows.append([b, f"{len(lat):,}", f"{m.latency_us(b, 0.5):.0f}", f"{m.latency_us(b, 0.9):.0f}"])
     return rows
 
 
@@ -386,7 +509,7 @@ def git_revision() -> str:
 
 def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], command: str,
                  n: int, repeat: int, when: str, wall: float) -> str:  # fmt: skip
-    ratios = {w: m.rate(w, "tidepool") / m.rate(w, "dask") for w in WORKLOADS}
+    ratios = {w: m.rate(w, "tidepool") / m.rate(w, "dask") for w in m.workloads()}
     verdict = ", ".join(
         f"{w} {r:.1f}x ({'meets' if r >= TARGET_RATIO else 'misses'} it)" for w, r in ratios.items()
     )
@@ -400,6 +523,7 @@ def docs_section(m: Measurements, rows: list[list[str]], info: dict[str, str], c
     tls_note = ("; with `--tls`, also `LocalCluster(..., tls=make_certs(dir))`: TLS 1.2+ on every connection "
                 "(client, workers, worker to worker), the token handshake inside it"
                 if any(b == "tidepool-tls" for _, b in m.seconds) else "")
+    lat_md = f"\n{render_markdown(latency_table(m))}\n" if m.latencies else ""
     busy = (
         " (the machine was already busy: other processes shared its CPUs during the run)"
         if float(info["load"].split()[0]) > 0.5
@@ -412,7 +536,7 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
 {verdict}.
 
 {render_markdown(rows)}
-
+{lat_md}
 - Measured {when} with `{command}` (run from the repository root;
   {wall:.0f} s in all).
 - Machine: {info["nproc"]} CPUs (nproc), {info["cpu"]}; {info["os"]}; load average at start
@@ -429,6 +553,13 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
   up with a {min(WARMUP_TASKS, n)}-leaf map and tree, waits until the scheduler has forgotten every
   key, then times each workload; the schedulers take turns going first.  Medians are reported.
   Results are checked (the map gives back `range(N)`, the tree `sum(range(N))`).
+- `roundtrip`: `client.submit(inc, i).result()` one call at a time, {min(n, ROUNDTRIPS)} calls per
+  run; the latency table pools every run's calls.
+- CPU µs per task (medians over the runs): scheduler = the thread running the scheduler's event
+  loop (in this process for both; for Dask it also runs the client's comm handling, which shares
+  that loop), client = the rest of this process, workers = user + system CPU of the worker
+  processes summed (Dask's nannies not counted); each a delta over the timed workload divided by
+  its tasks.
 
 Every timed run, in seconds:
 
@@ -462,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true", help="also time tidepool with TLS on every connection")
     ap.add_argument("--dashboard", action="store_true",
                     help="also time tidepool with the dashboard on and a page reading its live stream")
+    ap.add_argument("--only", action="append", choices=list(WORKLOADS),
+                    help="run only this workload (repeatable); default: all")
     ap.add_argument(
         "--write-docs",
         action="store_true",
@@ -485,13 +618,17 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = measure(args.tasks, args.repeat, args.timeout, tls=args.tls, dashboard=args.dashboard)
+        m = measure(args.tasks, args.repeat, args.timeout, tls=args.tls, dashboard=args.dashboard,
+                    only=args.only)
     except WrongResultError as exc:
         print(f"WRONG RESULT: {exc}", file=sys.stderr)
         return 1
     rows = table(m)
     print()
     print(render_text(rows))
+    if m.latencies:
+        print()
+        print(render_text(latency_table(m)))
     wall = time.perf_counter() - t0
     print(f"\n(medians of {args.repeat}; target ratio >= {TARGET_RATIO:.0f}x; {wall:.0f}s in all)")
     if args.write_docs:

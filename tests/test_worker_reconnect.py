@@ -9,6 +9,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any, cast
 
+from tidepool.comm.messages import TaskBatch
 from tidepool.worker import reconnect
 from tidepool.worker import state as ws
 from tidepool.worker.outbox import Outbox
@@ -67,7 +68,7 @@ def test_the_scheduler_announces_the_window_unless_the_worker_sets_its_own() -> 
 
 
 def test_reports_wait_in_a_holding_outbox_while_the_connection_is_closed() -> None:
-    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+    async def main() -> tuple[TaskBatch, TaskBatch]:
         held, dropped = Outbox(), Outbox()
         held.hold = True
         for box in (held, dropped):
@@ -78,5 +79,5 @@ def test_reports_wait_in_a_holding_outbox_while_the_connection_is_closed() -> No
         return held.batch, dropped.batch
 
     held, dropped = asyncio.run(main())
-    assert held == {"finished": [["a", 40, 0.1]], "erred": [{"key": "e"}]}
-    assert dropped == {}
+    assert held.encode() == {"op": "task-batch", "finished": [["a", 40, 0.1]], "erred": [{"key": "e"}]}
+    assert not dropped

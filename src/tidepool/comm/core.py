@@ -118,6 +118,14 @@ class Connection:
                 self._waiters.discard(w)
         return self._inbox.popleft()
 
+    def recv_buffered(self, op: str) -> Any:
+        """The next message if it has already arrived and is an ``op`` message, else None (nothing
+        taken): lets a reader handle a run of like messages read in one go as one batch."""
+        inbox = self._inbox
+        if inbox and isinstance(inbox[0], dict) and inbox[0].get("op") == op:
+            return inbox.popleft()
+        return None
+
     async def recv_unless_silent(self, idle: float) -> Any:
         """:meth:`recv`, but give up (closing this connection) once the peer has sent nothing at
         all for ``idle`` seconds: a frozen or partitioned peer never closes its socket, so without

@@ -203,6 +203,83 @@ class DataReply:
                          list(msg.get("deferred") or ()))  # fmt: skip
 
 
+# ---- worker -> scheduler ---------------------------------------------------------------------------
+#: the kinds a ``task-batch`` carries, each a list of entries (in the order the scheduler reads them):
+#: ``started`` keys; ``finished`` [key, nbytes, duration]; ``erred`` {key, exception, traceback, type,
+#: message, duration}; ``missing`` [key, dep, holder, why?, silent?]; ``replicas`` [key, nbytes];
+#: ``stolen`` / ``kept`` keys (a steal reply: both or neither); ``seceded`` keys; ``unservable``
+#: [key, type, message]
+BATCH_KINDS = ("started", "finished", "erred", "missing", "replicas", "stolen", "kept", "seceded", "unservable")
+
+
+@dataclass(slots=True)
+class TaskBatch:
+    """``task-batch``: a worker's reports of one loop turn, one list per kind.
+
+    Only the kinds with entries go on the wire (an absent kind costs nothing); a steal reply
+    (``stolen`` or ``kept`` given) always carries both lists, even if one is empty, because the
+    scheduler reads them as one answer."""
+
+    started: list[str] = field(default_factory=list)
+    finished: list[Any] = field(default_factory=list)
+    erred: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[Any] = field(default_factory=list)
+    replicas: list[Any] = field(default_factory=list)
+    stolen: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    seceded: list[str] = field(default_factory=list)
+    unservable: list[Any] = field(default_factory=list)
+    steal_reply: bool = False
+    #: kinds this version does not know: sent as they are, and ignored by a reader that does not know
+    #: them either (so a worker may report a new kind before every scheduler reads it)
+    other: dict[str, list[Any]] | None = None
+
+    def add(self, kind: str, item: Any) -> None:
+        if kind not in BATCH_KINDS:
+            if self.other is None:
+                self.other = {}
+            self.other.setdefault(kind, []).append(item)
+            return
+        getattr(self, kind).append(item)
+        if kind == "stolen" or kind == "kept":
+            self.steal_reply = True
+
+    def clear(self, kind: str) -> None:
+        """Drop every entry of ``kind`` (a steal reply as a whole with ``stolen`` or ``kept``)."""
+        if kind not in BATCH_KINDS:
+            if self.other is not None:
+                self.other.pop(kind, None)
+            return
+        getattr(self, kind).clear()
+        if kind == "stolen" or kind == "kept":
+            self.steal_reply = bool(self.stolen or self.kept)
+
+    def __bool__(self) -> bool:
+        return self.steal_reply or bool(self.other) or any(getattr(self, k) for k in BATCH_KINDS)
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "task-batch", **self.other} if self.other else {"op": "task-batch"}
+        for k in BATCH_KINDS:
+            v = getattr(self, k)
+            if v:
+                msg[k] = v
+        if self.steal_reply:
+            msg["stolen"], msg["kept"] = self.stolen, self.kept
+        return msg
+
+    @staticmethod
+    def decode(msg: dict[str, Any]) -> TaskBatch:
+        try:
+            return TaskBatch(
+                list(msg.get("started") or ()), list(msg.get("finished") or ()), list(msg.get("erred") or ()),
+                list(msg.get("missing") or ()), list(msg.get("replicas") or ()), list(msg.get("stolen") or ()),
+                list(msg.get("kept") or ()), list(msg.get("seceded") or ()), list(msg.get("unservable") or ()),
+                "stolen" in msg or "kept" in msg,
+            )  # fmt: skip
+        except TypeError as exc:
+            raise ProtocolError(f"malformed task-batch ({exc})") from None
+
+
 # ---- scheduler -> client ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ReportItem:
@@ -279,4 +356,4 @@ def decode_from_scheduler(msg: dict[str, Any]) -> ClientReport | Reply | SetupEr
     return None
 
 
-__all__ = ["Cancel", "ClientReport", "Compute", "ComputeTask", "DataReply", "GetData", "KeyQuery", "Release", "TaskSpec", "UpdateGraph", "Reply", "ReportItem", "SetupError", "decode_from_scheduler"]
+__all__ = ["Cancel", "ClientReport", "Compute", "ComputeTask", "DataReply", "GetData", "KeyQuery", "Release", "TaskSpec", "UpdateGraph", "Reply", "ReportItem", "SetupError", "TaskBatch", "decode_from_scheduler"]

@@ -4,7 +4,8 @@ State here is only I/O state: the connection of each worker and client, pending 
 and the listener.  Everything about tasks and workers lives in :class:`SchedulerState`; this module
 translates messages into events (stamped with ``clock()``), applies them in batches, and turns
 commands into one message per destination per batch (so 1,000 task assignments to a worker are one
-frame).  A periodic tick drives heartbeat timeouts; observers (the scaling controller, the journal)
+frame); the batches of workers' reports and clients' graph updates read in one loop turn share
+those messages (``scheduler/outgoing.py``), so a turn sends one per peer and kind.  A periodic tick drives heartbeat timeouts; observers (the scaling controller, the journal)
 subscribe with :meth:`Scheduler.subscribe`.
 
 Liveness: a closed connection is the death signal (a killed process closes its socket at once);
@@ -27,13 +28,12 @@ from tidepool.comm import Connection, Serialized, listen
 from tidepool.comm.auth import new_token
 from tidepool.comm.messages import (
     Cancel,
-    ClientReport,
-    Compute,
     ComputeTask,
     KeyQuery,
     Release,
     Reply,
     ReportItem,
+    TaskBatch,
     UpdateGraph,
 )
 from tidepool.comm.tls import TLSConfig
@@ -41,9 +41,11 @@ from tidepool.errors import CommError, ProtocolError
 from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.explain import explain
+from tidepool.scheduler.outgoing import Outgoing
 from tidepool.scheduler.recovery import Durability, rejoin_event
 from tidepool.scheduler.stalls import StallLog
 from tidepool.scheduler.state import SchedulerState
+from tidepool.scheduler.worker_reports import batch_events
 
 log = logging.getLogger("tidepool.scheduler")
 
@@ -89,6 +91,8 @@ class Scheduler:
         self.state = SchedulerState(heartbeat_timeout=timeout, **state_kwargs)
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
+        #: the commands' messages not sent yet (one per peer per loop turn where batches allow it)
+        self.outgoing = Outgoing(self.worker_conns, self.client_conns)
         self._said_bye: set[str] = set()  # clients that closed on purpose (durable: not kept for a reconnection)
         self.observers: list[Observer] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
@@ -149,7 +153,10 @@ class Scheduler:
         self.observers.append(observer)
 
     # ---- applying events ----------------------------------------------------------------------
-    async def apply(self, events: list[ev.Event]) -> list[ev.Command]:
+    async def apply(self, events: list[ev.Event], defer: bool = False) -> list[ev.Command]:
+        """Apply ``events`` and send the commands' messages: at once, or with ``defer`` (nothing
+        is sent after this that must follow them) at the end of this loop turn, together with the
+        messages of every other batch applied in that turn."""
         began = time.perf_counter()
         cmds = self.state.handle_many(events)
         for obs in self.observers:
@@ -157,7 +164,11 @@ class Scheduler:
                 obs(events, cmds)
             except Exception:
                 log.exception("scheduler observer failed")
-        await self._dispatch(cmds)
+        self._dispatch(cmds)
+        if defer:
+            self.outgoing.soon()
+        elif self.outgoing:
+            await self.outgoing.flush()
         took = time.perf_counter() - began  # the loop's time spent on this batch (for /metrics)
         self.busy_seconds += took
         self.batches += 1
@@ -165,7 +176,9 @@ class Scheduler:
             self.tick_seconds = took
         return cmds
 
-    async def _dispatch(self, cmds: list[ev.Command]) -> None:
+    def _dispatch(self, cmds: list[ev.Command]) -> None:
+        """The commands' messages, into :attr:`outgoing` (frees, then tasks, then the rest, per
+        worker; reports per client)."""
         if not cmds:
             return
         state = self.state
@@ -207,21 +220,15 @@ class Scheduler:
             elif isinstance(c, ev.RetireRefused):
                 log.info("retirement of %s refused: %s", c.worker, c.reason)
                 self._resolve_retire(c.worker, f"refused: {c.reason}")
+        out = self.outgoing
         for wid, keys in frees.items():
-            await self._send_worker(wid, {"op": "free", "keys": keys})
+            out.free(wid, keys)
         for wid in tasks_by_worker.keys() | funcs_by_worker.keys():
-            await self._send_worker(wid, Compute(tasks_by_worker.get(wid, []), funcs_by_worker.get(wid)).encode())
+            out.compute(wid, tasks_by_worker.get(wid, []), funcs_by_worker.get(wid))
         for wid, msg in other:
-            await self._send_worker(wid, msg)
-            if msg["op"] == "close":
-                conn = self.worker_conns.pop(wid, None)
-                if conn is not None:
-                    asyncio.get_running_loop().call_later(5.0, conn.close)
+            out.to_worker(wid, msg)
         for cid, reps in reports.items():
-            conn = self.client_conns.get(cid)
-            if conn is not None:
-                with contextlib.suppress(CommError):
-                    await conn.send(ClientReport(reps).encode())
+            out.report(cid, reps)
 
     def _report_item(self, c: ev.Report) -> ReportItem:
         if c.status == "memory":  # with where the value lives: result() reads it without asking who-has
@@ -367,11 +374,15 @@ class Scheduler:
                 now = self.clock()
                 op = msg.get("op")
                 if op == "task-batch":
-                    await self.apply(_batch_events(wid, msg, now))
+                    events = batch_events(wid, TaskBatch.decode(msg), now)
+                    while (more := conn.recv_buffered("task-batch")) is not None:  # read in one go: one batch
+                        events += batch_events(wid, TaskBatch.decode(more), now)
+                    await self.apply(events, defer=True)
                 elif op == "heartbeat":
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
-                        await self._dispatch(cmds)
+                        self._dispatch(cmds)
+                        await self.outgoing.flush()
                 elif op == "spill-disabled":  # observed (journal, dashboard), unlike plain heartbeats
                     log.warning("worker %s stopped spilling to disk: %s", wid, msg.get("reason", ""))
                     await self.apply([ev.Heartbeat(wid, now, msg.get("metrics") or {})])
@@ -443,11 +454,13 @@ class Scheduler:
     async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         now = self.clock()
+        if op != "update-graph" and self.outgoing:  # no reply overtakes the reports of earlier requests
+            await self.outgoing.flush()
         if op == "update-graph":
             graph = UpdateGraph.decode(msg)
             specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
-            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)])
+            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)], defer=True)
         elif op == "bye":  # closing on purpose: release its keys when the connection ends
             self._said_bye.add(cid)
             await conn.send(Reply(int(msg.get("id") or 0)).encode())
@@ -633,28 +646,3 @@ class Scheduler:
 
 def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
-    out: list[ev.Event] = []
-    started = msg.get("started")
-    if started:
-        out.append(ev.TasksStarted(wid, list(started), now))
-    for key, nbytes, duration in msg.get("finished", ()):
-        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
-    for e in msg.get("erred", ()):
-        out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
-                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
-    for item in msg.get("missing", ()):
-        key, dep, holder = item[0], item[1], item[2]
-        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else "",
-                                  silent=bool(item[4]) if len(item) > 4 else False))  # fmt: skip
-    for key, nbytes in msg.get("replicas", ()):
-        out.append(ev.AddReplica(wid, key, int(nbytes), now))
-    if "stolen" in msg or "kept" in msg:
-        out.append(ev.StealReply(wid, list(msg.get("stolen") or ()), list(msg.get("kept") or ()), now))
-    for key in msg.get("seceded", ()):
-        out.append(ev.TaskSeceded(wid, str(key), now))
-    for key, typ, message in msg.get("unservable", ()):
-        out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
-    return out

@@ -34,7 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tidepool.comm.messages import TaskBatch
 from tidepool.scheduler import events as ev
+from tidepool.scheduler.worker_reports import batch_events
 from tidepool.worker import state as ws
 
 #: what the shell needs of the engine: the clock, and a way to run a callback later
@@ -69,7 +71,7 @@ class WorkerProcess:
         self._rate = 1.0
         self._since = 0.0
         self._token = 0
-        self._reports: dict[str, list[Any]] = {}
+        self._reports = TaskBatch()
 
     # ---- from the scheduler ----------------------------------------------------------------------
     def compute(self, key: str, shape: ev.Shape, deps: tuple[tuple[str, tuple[str, ...], int], ...]) -> None:
@@ -114,7 +116,7 @@ class WorkerProcess:
         for c in commands:
             t = type(c)
             if t is ws.Report:
-                self._reports.setdefault(c.kind, []).append(c.item)  # type: ignore[union-attr]
+                self._reports.add(c.kind, c.item)  # type: ignore[union-attr]
             elif t is ws.Run:
                 self._start(c.key)  # type: ignore[union-attr]
             elif t is ws.Fetch:
@@ -141,22 +143,8 @@ class WorkerProcess:
         """The state's reports, as the events the scheduler would make of one ``task-batch``."""
         if not self._reports:
             return
-        reports, self._reports = self._reports, {}
-        wid, now, out = self.id, self.engine.now, self.engine.out
-        for kind, items in reports.items():
-            if kind == "started":
-                out.append(ev.TasksStarted(wid, items, now))
-            elif kind == "finished":
-                out.extend(ev.TaskFinished(wid, k, nb, d, now) for k, nb, d in items)
-            elif kind == "replicas":
-                out.extend(ev.AddReplica(wid, k, nb, now) for k, nb in items)
-            elif kind == "missing":
-                out.extend(ev.MissingData(wid, k, dep, holder, now, why, silent) for k, dep, holder, why, silent in items)
-            elif kind == "erred":
-                out.extend(ev.TaskErred(wid, e["key"], None, "", e.get("type", ""), e.get("message", ""),
-                                        float(e.get("duration", 0.0)), now) for e in items)  # fmt: skip
-        if "stolen" in reports or "kept" in reports:
-            out.append(ev.StealReply(wid, reports.get("stolen", []), reports.get("kept", []), now))
+        reports, self._reports = self._reports, TaskBatch()
+        self.engine.out.extend(batch_events(self.id, reports, self.engine.now))
 
     def fetched(self, key: str, ok: bool, holder: str) -> None:
         if ok:

@@ -1,6 +1,6 @@
 """Reports to the scheduler, batched: one ``task-batch`` message per loop wake-up.
 
-State: the entries not sent yet (report kind -> list), whether a flush is scheduled, and how many
+State: the entries not sent yet (a :class:`~tidepool.comm.messages.TaskBatch`), whether a flush is scheduled, and how many
 batches are handed to an asynchronous send and not written yet (a later batch never overtakes
 them).  Data flow: the worker shell adds what its state reports (:meth:`Outbox.add`) and calls
 :meth:`Outbox.flush` at once when the scheduler must hear now (``started`` before a task can crash
@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from tidepool.comm import Connection
+from tidepool.comm.messages import TaskBatch
 from tidepool.errors import CommError
 
 log = logging.getLogger("tidepool.worker")
@@ -23,14 +24,14 @@ log = logging.getLogger("tidepool.worker")
 class Outbox:
     def __init__(self) -> None:
         self.conn: Connection | None = None
-        self.batch: dict[str, list[Any]] = {}
+        self.batch = TaskBatch()
         self._scheduled = False
         self._in_flight = 0
         #: keep entries while the connection is closed (they go out after a re-registration)
         self.hold = False
 
     def add(self, kind: str, item: Any) -> None:
-        self.batch.setdefault(kind, []).append(item)
+        self.batch.add(kind, item)
 
     def soon(self) -> None:
         """Flush on the next loop turn (many reports of one wake-up go out together)."""
@@ -42,13 +43,10 @@ class Outbox:
         self._scheduled = False
         if self.hold and self.conn is not None and self.conn.closed:
             return
-        batch, self.batch = self.batch, {}
-        msg: dict[str, Any] = {"op": "task-batch", **{k: v for k, v in batch.items() if v}}
-        if "stolen" in msg or "kept" in msg:  # a steal reply has both
-            msg.setdefault("stolen", [])
-            msg.setdefault("kept", [])
+        batch, self.batch = self.batch, TaskBatch()
         conn = self.conn
-        if len(msg) > 1 and conn is not None and not conn.closed:
+        if batch and conn is not None and not conn.closed:
+            msg = batch.encode()
             if not self._in_flight:  # never overtake a batch still being sent
                 try:
                     if conn.send_nowait(msg):

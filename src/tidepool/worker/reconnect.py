@@ -83,7 +83,7 @@ def registered(worker: Worker, reply: dict[str, Any]) -> None:
 def rejoin_message(worker: Worker) -> dict[str, Any]:
     """What a worker holds and runs, for the scheduler it registers with again."""
     st = worker.state
-    erring = [e["key"] for e in worker.outbox.batch.get("erred", ()) if isinstance(e, dict)]
+    erring = [e["key"] for e in worker.outbox.batch.erred if isinstance(e, dict)]
     return {
         "held": [[k, st.nbytes(k)] for k in [*st.memory, *st.spilled]],
         "running": [*st.running, *erring],
@@ -126,7 +126,7 @@ async def rejoin(worker: Worker, why: BaseException) -> bool:
         worker.conn = worker.outbox.conn = conn
         registered(worker, reply)
         for kind in _STALE:
-            worker.outbox.batch.pop(kind, None)
+            worker.outbox.batch.clear(kind)
         worker._tasks.append(loop.create_task(worker._heartbeat_loop()))
         worker.outbox.soon()
         log.info("worker %s registered again with %s", worker.id, worker.scheduler_address)

@@ -12,7 +12,9 @@ fetches, the data server and the memory monitor feed events too.  :meth:`Worker.
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
 Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
 replies, and seceded tasks) are sent at once: the scheduler hears a task started before it can
-crash the process.  If the scheduler connection is lost the worker stops, unless it may retry
+crash the process.  "At once" is once per batch of commands: every task the batch starts is
+reported in one message, sent before any of them is handed to a slot (so crash blame stays exact:
+a worker that dies has told the scheduler of every task it was running).  If the scheduler connection is lost the worker stops, unless it may retry
 within a reconnect window (``worker/reconnect.py``: it keeps its work and registers again).
 """
 
@@ -233,6 +235,7 @@ class Worker:
     # ---- carrying out the state's commands -------------------------------------------------------
     def _apply(self, commands: list[ws.Command]) -> None:
         now = False  # a report to send at once is in the batch
+        starts: list[WorkItem] = []  # handed to the slots after the batch is sent
         for c in commands:
             t = type(c)
             if t is ws.Report:
@@ -242,10 +245,9 @@ class Worker:
                     item = c.item  # type: ignore[union-attr]
                     self._forget((item[0] if isinstance(item, list) else item["key"] if isinstance(item, dict) else item,))
             elif t is ws.Run:
-                if now:  # the scheduler hears "started" before the task can crash us
-                    self.outbox.flush()
-                    now = False
-                self._run(c.key)  # type: ignore[union-attr]
+                work = self._work_item(c.key)  # type: ignore[union-attr]
+                if work is not None:
+                    starts.append(work)
             elif t is ws.Fetch:
                 self.loop.create_task(self._fetch(c.key, c.holders))  # type: ignore[union-attr]
             elif t is ws.Store:
@@ -260,10 +262,12 @@ class Worker:
                 self._send_metrics()
             elif t is ws.Terminate:
                 self.loop.create_task(self._memory_terminate(c.rss))  # type: ignore[union-attr]
-        if now:
+        if now:  # the scheduler hears "started" before any of these tasks can crash us
             self.outbox.flush()
         else:
             self.outbox.soon()
+        for work in starts:
+            self.pool.submit(work)
 
     def _forget(self, keys: tuple[str, ...]) -> None:
         """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
@@ -272,7 +276,8 @@ class Worker:
             if k not in st.running and k not in st.queued and k not in st.waiting:
                 self._specs.pop(k, None)
 
-    def _run(self, key: str) -> None:
+    def _work_item(self, key: str) -> WorkItem | None:
+        """What a slot runs for ``key`` (its inputs read now), or None if it failed at once."""
         func_id, payload, deps = self._specs.pop(key)
         func = self.functions.get(func_id)
         try:
@@ -284,8 +289,8 @@ class Worker:
             import traceback
 
             self._apply(self.state.handle(ws.TaskDone(key, False, error=jobs.error_report(exc, traceback.format_exc()))))
-            return
-        self.pool.submit(WorkItem(key, func, payload, {d: self.data[d] for d in deps}))
+            return None
+        return WorkItem(key, func, payload, {d: self.data[d] for d in deps})
 
     def _on_done(self) -> None:
         for o in self.pool.drain():

@@ -1,0 +1,37 @@
+"""A worker's ``task-batch`` as the scheduler's events: the one translation, used by the scheduler's
+shell (``scheduler/server.py``) and by the simulator's worker processes (``sim/process.py``) alike.
+
+Stateless.  Data flow: worker state ``Report`` commands -> :class:`~tidepool.comm.messages.TaskBatch`
+(worker outbox, or the simulated process) -> :func:`batch_events` -> ``SchedulerState.handle_many``.
+The order is fixed: ``started`` first (a task that started and finished in one batch is seen in that
+order), then finished, erred, missing, replicas, the steal reply, seceded and unservable.
+"""
+
+from __future__ import annotations
+
+from tidepool.comm.messages import TaskBatch
+from tidepool.scheduler import events as ev
+
+
+def batch_events(wid: str, batch: TaskBatch, now: float) -> list[ev.Event]:
+    out: list[ev.Event] = []
+    if batch.started:
+        out.append(ev.TasksStarted(wid, list(batch.started), now))
+    for key, nbytes, duration in batch.finished:
+        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
+    for e in batch.erred:
+        out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
+                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
+    for item in batch.missing:
+        key, dep, holder = item[0], item[1], item[2]
+        out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else "",
+                                  silent=bool(item[4]) if len(item) > 4 else False))  # fmt: skip
+    for key, nbytes in batch.replicas:
+        out.append(ev.AddReplica(wid, key, int(nbytes), now))
+    if batch.steal_reply:
+        out.append(ev.StealReply(wid, list(batch.stolen), list(batch.kept), now))
+    for key in batch.seceded:
+        out.append(ev.TaskSeceded(wid, str(key), now))
+    for key, typ, message in batch.unservable:
+        out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
+    return out

@@ -1,0 +1,81 @@
+"""The scheduler's outgoing messages of a loop turn: merged per peer where they meet, order kept."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from tidepool.comm.messages import ComputeTask, ReportItem
+from tidepool.scheduler.outgoing import Outgoing
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        self.sent.append(msg)
+
+
+def _task(key: str) -> ComputeTask:
+    return ComputeTask(key, "f", b"", None, None)
+
+
+def test_one_message_per_peer_and_kind_in_order() -> None:
+    w, c = Recorder(), Recorder()
+    out = Outgoing(cast(Any, {"w": w}), cast(Any, {"c": c}))
+    out.compute("w", [_task("a")], {"f": b"pickle"})
+    out.compute("w", [_task("b")], None)  # meets the one before: merged
+    out.report("c", [ReportItem("x", "memory", "tcp://w")])
+    out.free("w", ["x"])
+    out.free("w", ["y"])  # merged too
+    out.compute("w", [_task("c")], None)  # after a free: a new message, so the order holds
+    out.report("c", [ReportItem("y", "memory")])
+    asyncio.run(out.flush())
+    assert [m["op"] for m in w.sent] == ["compute", "free", "compute"]
+    assert [t["key"] for t in w.sent[0]["tasks"]] == ["a", "b"] and w.sent[0]["functions"] == {"f": b"pickle"}
+    assert w.sent[1]["keys"] == ["x", "y"]
+    assert [t["key"] for t in w.sent[2]["tasks"]] == ["c"] and "functions" not in w.sent[2]
+    assert [m["op"] for m in c.sent] == ["report"] and [i[0] for i in c.sent[0]["items"]] == ["x", "y"]
+    assert not out and out.messages == 4
+
+
+def test_soon_sends_at_the_end_of_the_turn_once() -> None:
+    w = Recorder()
+    out = Outgoing(cast(Any, {"w": w}), {})
+
+    async def main() -> list[int]:
+        seen = []
+        out.free("w", ["a"])
+        out.soon()
+        out.free("w", ["b"])  # later in the same turn: in the same message
+        out.soon()
+        seen.append(len(w.sent))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        seen.append(len(w.sent))
+        return seen
+
+    assert asyncio.run(main()) == [0, 1]
+    assert w.sent == [{"op": "free", "keys": ["a", "b"]}]
+
+
+def test_a_gone_peer_is_skipped() -> None:
+    out = Outgoing({}, {})
+    out.free("w", ["a"])
+    out.report("c", [ReportItem("a", "lost")])
+    asyncio.run(out.flush())
+    assert not out and out.messages == 0
+
+
+def test_a_reader_takes_only_buffered_messages_of_the_asked_op() -> None:
+    from tidepool.comm.core import MemoryConnection
+
+    conn = MemoryConnection()
+    for m in ({"op": "task-batch", "n": 1}, {"op": "task-batch", "n": 2}, {"op": "heartbeat"}):
+        conn._on_frame(m)
+    assert conn.recv_buffered("task-batch") == {"op": "task-batch", "n": 1}
+    assert conn.recv_buffered("task-batch") == {"op": "task-batch", "n": 2}
+    assert conn.recv_buffered("task-batch") is None  # a heartbeat is next: left for recv()
+    assert asyncio.run(conn.recv()) == {"op": "heartbeat"}
+    assert conn.recv_buffered("task-batch") is None
