@@ -27,7 +27,7 @@ Spend on evidence, not on guesses: the objective rules launch on the forecast's 
 retirements read a width in which a running task of such a kind has at least as long to go as it
 ran (``RemainingWork.for_launch`` / ``for_hold``); a deadline or budget plans on the mean.
 
-Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0.1 on measured
+Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0.5 on measured
 durations, 0 on guesses, slack 0.5; on real workflows the best makespan needs nearly every node that
 shortens the run, and the savings come from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidepool.errors import ConfigError
@@ -63,8 +63,11 @@ OBJECTIVES = ("balanced", "fastest", "cheapest")
 BUDGET_MARGIN = 0.8
 #: a budget grows the pool at most this many times the nodes that have joined, per decision
 BUDGET_GROWTH = 4
+#: while every duration is a guess (nothing finished), idle nodes are held (1 + this) start-ups: none,
+#: only the nodes the forecast uses now are kept
+GUESS_SLACK = -1.0
 #: objective -> (launch_factor, slack, guess launches before anything finished)
-_RULES = {"balanced": (0.1, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
+_RULES = {"balanced": (0.5, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
 
 def check_objective(objective: str, deadline: float | None, budget: float | None) -> None:
@@ -310,6 +313,8 @@ class GraphPlan:
     def _retire(self, snap: ClusterSnapshot, launch: dict[str, int],
                 reasons: list[str]) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
         _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
+        if snap.finished == 0:
+            slack = min(slack, GUESS_SLACK)  # idle behind a guess: not held for it
         if self.budget is not None and self._tight:
             slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
         by_type = {f.node_type: f for f in snap.forecasts}
@@ -382,8 +387,13 @@ class Planned:
     min_lifetime: float = 1.0
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
-        parts = [p for p in (self.plan, self.no_progress, self.memory, *self.extra) if p is not None]
-        return keep_young(snap, merge([as_decision(p(snap)) for p in parts]), self.min_lifetime)
+        nets = [as_decision(p(snap)) for p in (self.no_progress, self.memory, *self.extra) if p is not None]
+        if self.plan.budget is not None and any(snap.nodes_of(nt.name) for nt in snap.node_types):
+            # a budget is a ceiling: the safety nets restart an empty pool but do not grow one (on
+            # montage-dss, "no progress" behind 11-minute tasks bought 16 nodes the budget had refused)
+            nets = [replace(d, launch={}, reasons=tuple(r for r in d.reasons if "-> launch" not in r))
+                    if d.launch else d for d in nets]  # fmt: skip
+        return keep_young(snap, merge([as_decision(self.plan(snap)), *nets]), self.min_lifetime)
 
 
 def default_policy(objective: str = "balanced", deadline: float | None = None, budget: float | None = None,
