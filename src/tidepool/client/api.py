@@ -210,9 +210,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         conn = self._connection
 
         def make(k: str) -> Future[Any]:
-            fut: Future[Any] = Future(k, self, conn)
-            weakref.finalize(fut, conn.release_dropped, k)
-            return fut
+            return Future(k, self, conn)  # dropped: the futures table releases its key
 
         with conn.lock:
             fut, err = conn.core.claim(key, make)
