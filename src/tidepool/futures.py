@@ -34,6 +34,13 @@ reports hop to the client's callback thread (never its event-loop thread), so a 
 future releases its key on the scheduler (the task stops if nothing else needs it), except that a
 future with callbacks, or one from ``get_executor()``, is kept alive by its client until it is done,
 as a ``ThreadPoolExecutor`` runs work nobody holds.  ``await future`` works from any asyncio loop.
+
+Memory
+------
+A pending future is small (a million of them fit in well under 1 GiB, issue 25): the standard
+library's ``threading.Condition`` (an ``RLock`` and a deque, about 900 bytes) is made on first use
+of ``_condition`` (someone waits, adds a callback, cancels), under one module lock; a future
+nobody waited on is completed without one (:meth:`Future.set_result`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
+import threading
 from collections.abc import Callable
 
 # the standard library's state names (stable since Python 3.2, in its private module)
@@ -59,6 +67,9 @@ class _InMemory:
 
 IN_MEMORY: Any = _InMemory()
 _UNSET: Any = object()
+
+#: guards making a future's condition, and completing a future that has none (module docstring)
+_CONDITION_LOCK = threading.Lock()
 
 
 def _set_none(fut: asyncio.Future[None]) -> None:
@@ -143,13 +154,51 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """
 
     def __init__(self, key: str, client: Any, owner: FutureOwner | None = None) -> None:
-        super().__init__()
+        # concurrent.futures.Future.__init__'s fields but its Condition (made on first use)
+        self._cond: threading.Condition | None = None
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Callable[[Any], object]] = []
         self.key = key
         self.client = client
         self._owner: FutureOwner = owner if owner is not None else client
         self._value: Any = _UNSET
         self._pinned = False
         self.__weakref__: Any
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        """The standard library's condition, made when first needed (see Memory above)."""
+        cond = self._cond
+        if cond is None:
+            with _CONDITION_LOCK:
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition()
+        return cond
+
+    def _complete_quietly(self, result: Any, exc: BaseException | None) -> bool:
+        """Finish a future nobody has waited on (no condition: no waiters, no callbacks) without
+        making a condition; False if it has one (the standard path must notify)."""
+        if self._cond is not None:
+            return False
+        with _CONDITION_LOCK:
+            if self._cond is not None:
+                return False
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED):
+                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
+            self._result, self._exception, self._state = result, exc, FINISHED
+        return True
+
+    def set_result(self, result: Any) -> None:
+        if not self._complete_quietly(result, None):
+            super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if not self._complete_quietly(None, exception):
+            super().set_exception(exception)
 
     @property
     def status(self) -> str:

@@ -54,6 +54,11 @@ from tidepool.graph.refs import RECURSE, collect, replace
 from tidepool.loop import ClosesOnExit
 
 T = TypeVar("T")
+
+#: tasks per ``update-graph`` message from :meth:`Client.map`: a larger map is built and sent in
+#: pieces of this size (each piece's tasks are all wanted, so the scheduler keeps every one), which
+#: keeps the peak memory of both sides to one piece's specs and far below the frame limit
+MAP_CHUNK = 50_000
 #: every client created in this process, newest last (``default_client()`` picks the newest open one)
 created: list[weakref.ref[Client]] = []
 
@@ -210,9 +215,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         conn = self._connection
 
         def make(k: str) -> Future[Any]:
-            fut: Future[Any] = Future(k, self, conn)
-            weakref.finalize(fut, conn.release_dropped, k)
-            return fut
+            return Future(k, self, conn)  # dropped: the futures table releases its key
 
         with conn.lock:
             fut, err = conn.core.claim(key, make)
@@ -298,10 +301,6 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             raise ConfigError(f"map needs a callable, got {fn!r}")
         _refuse_dask_only(kwargs, batch=True)
         opts = TaskOptions(resources, retries, priority=priority, workers=workers, loose=allow_other_workers)
-        functions: dict[str, Any] = {}
-        extra: list[Delayed[Any]] = []
-        tasks = []
-        keys = []
         argsets = list(zip(*iterables, strict=False))
         if isinstance(key, list):
             if len(key) != len(argsets):
@@ -311,18 +310,25 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             prefix = key_name(key) if key is not None else make_key(fn)
             names = (f"{prefix}-{i}" for i in range(len(argsets)))
         spec_of = self._specs.spec
-        for k, args in zip(names, argsets, strict=False):
-            spec = spec_of(k, fn, args, kwargs, opts, functions, extra)
-            if pure and key is None:
-                spec.key = pure_key(spec)
-            tasks.append(spec)
-            keys.append(spec.key)
-        if isinstance(key, list):
-            self._specs.check_collisions(tasks)
-        if extra:
-            tasks = self._specs.delayed_specs(extra, functions) + tasks
-        futs = [self._new_future(k) for k in keys]
-        self._send_graph(tasks, keys, functions)
+        names = iter(names)
+        futs: list[Future[T]] = []
+        for start in range(0, len(argsets), MAP_CHUNK):  # one message per MAP_CHUNK tasks
+            functions: dict[str, Any] = {}
+            extra: list[Delayed[Any]] = []
+            tasks = []
+            keys = []
+            for args, k in zip(argsets[start : start + MAP_CHUNK], names, strict=False):
+                spec = spec_of(k, fn, args, kwargs, opts, functions, extra)
+                if pure and key is None:
+                    spec.key = pure_key(spec)
+                tasks.append(spec)
+                keys.append(spec.key)
+            if isinstance(key, list):
+                self._specs.check_collisions(tasks)
+            if extra:
+                tasks = self._specs.delayed_specs(extra, functions) + tasks
+            futs.extend(self._new_future(k) for k in keys)
+            self._send_graph(tasks, keys, functions)
         return futs
 
     def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,

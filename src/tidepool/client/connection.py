@@ -71,7 +71,7 @@ class ClientConnection:
         self.tls = tls
         self.closed = False
         self.lock = threading.RLock()
-        self.core = ClientProtocol()
+        self.core = ClientProtocol(on_drop=self.release_dropped)
         self.setup_errors: list[dict[str, Any]] = []
         self.pinned: set[Future[Any]] = set()
         self._requests: dict[int, asyncio.Future[Any]] = {}

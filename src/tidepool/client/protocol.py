@@ -8,7 +8,8 @@ holds a lock around every call (user threads post, the loop thread receives and 
 
 State
 -----
-``futures`` (key -> future, weakly held: dropping a future releases its key), ``errors`` (key ->
+``futures`` (key -> future, weakly held: dropping a future releases its key, through the
+table's own weak-reference callback, :class:`FutureTable`, not a finaliser per future), ``errors`` (key ->
 the scheduler's error record of a failed task, until released), ``holders`` (key -> the address of
 a worker that holds its value, from the report that said it was done: ``result()`` reads from there
 without asking who-has first), ``idents`` (explicit key -> what the task under it is, to refuse a
@@ -32,6 +33,7 @@ import concurrent.futures
 import importlib.util
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -129,11 +131,32 @@ class WorkerSetupFailed:
 Event = Finished | Failed | Cancelled | Running | Settled | Answered | WorkerSetupFailed
 
 
+class FutureTable(weakref.WeakValueDictionary[str, KeyedFuture]):
+    """Key -> live future, weakly held; ``on_drop(key)`` is called when a future in it is collected.
+
+    The table's own weak reference per future does the work a ``weakref.finalize`` per future did
+    (about 470 bytes each).  A future replaced under its key (cancelled, then made again) is not
+    reported when it goes: the key's newer future is, and a release skips keys with a live future.
+    """
+
+    def __init__(self, on_drop: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        remove = self._remove  # type: ignore[has-type]
+
+        def dropped(wr: Any, remove: Callable[[Any], None] = remove) -> None:
+            remove(wr)
+            if on_drop is not None:
+                on_drop(wr.key)
+
+        self._remove = dropped
+
+
 class ClientProtocol:
     """See the module docstring."""
 
-    def __init__(self) -> None:
-        self.futures: weakref.WeakValueDictionary[str, KeyedFuture] = weakref.WeakValueDictionary()
+    def __init__(self, on_drop: Callable[[str], None] | None = None) -> None:
+        #: ``on_drop(key)``: the last future of ``key`` was dropped (the shell releases the key)
+        self.futures: weakref.WeakValueDictionary[str, KeyedFuture] = FutureTable(on_drop)
         self.errors: dict[str, dict[str, Any]] = {}
         self.holders: dict[str, str] = {}
         self.idents: dict[str, tuple[Any, ...]] = {}

@@ -9,13 +9,19 @@ Priorities: ``-user_priority * PRIORITY_STEP + line * LINE + seq`` (lower runs f
 line: its own ``seq``, or the line of an input of the same user priority from an earlier
 submission that is still being computed (depth first across submissions: ``check(f)`` for each
 ``f`` of an earlier ``map`` runs soon after ``f``, not after every other task of that ``map``).
+
+Compact records (records.py): equal resource shapes share one tuple, function ids and group names
+are interned, and a payload without out-of-band buffers is kept as its bytes.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-from tidepool.resources import task_shape
+from tidepool.comm.serialize import Serialized
+from tidepool.resources import Shape, task_shape
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import ACTIVE
 from tidepool.scheduler.records import TaskRecord
@@ -23,6 +29,31 @@ from tidepool.scheduler.records import TaskRecord
 #: one step of user priority outweighs any difference in submission order
 PRIORITY_STEP = 1 << 80
 LINE = 1 << 40
+
+#: resource requests seen -> their shape (shared by every task asking the same): bounded
+_SHAPES: dict[tuple[tuple[str, Any], ...], Shape] = {}
+_SHAPES_MAX = 10_000
+
+
+def shape_of(resources: Mapping[str, Any] | None) -> Shape:
+    """``task_shape(resources)``, one tuple for equal requests."""
+    try:
+        req = tuple(sorted(resources.items())) if resources else ()
+        shape = _SHAPES.get(req)
+    except TypeError:  # unhashable or unorderable values: let task_shape judge them
+        return task_shape(resources)
+    if shape is None:
+        shape = task_shape(resources)
+        if len(_SHAPES) < _SHAPES_MAX:
+            _SHAPES[req] = shape
+    return shape
+
+
+def compact_payload(payload: Serialized | None) -> Serialized | bytes | None:
+    """The payload as a record keeps it: its bytes when it has no out-of-band buffers."""
+    if payload is not None and not payload.buffers and type(payload.data) is bytes:
+        return payload.data
+    return payload
 
 
 def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
@@ -39,8 +70,8 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
                 collided[spec.key] = why
             continue
         level = -spec.priority * PRIORITY_STEP
-        ts = TaskRecord(spec.key, spec.func_id, spec.payload, task_shape(spec.resources),
-                        spec.retries, level + seq * LINE + seq, spec.group or spec.key)  # fmt: skip
+        ts = TaskRecord(spec.key, sys.intern(spec.func_id), compact_payload(spec.payload), shape_of(spec.resources),
+                        spec.retries, level + seq * LINE + seq, sys.intern(spec.group) if spec.group else spec.key)  # fmt: skip
         if spec.workers:
             ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
         made[spec.key] = ts
@@ -54,8 +85,11 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
                 ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
                 ts.exc_type = "DependencyError"
                 continue
-            ts.deps.append(dep)
-            dep.dependents.add(ts)
+            if ts.deps:
+                ts.deps.append(dep)  # type: ignore[union-attr]
+            else:
+                ts.deps = [dep]
+            dep.add_dependent(ts)
             if dep.state in ACTIVE and dep.priority < ts.priority and (
                     dep.priority // PRIORITY_STEP == ts.priority // PRIORITY_STEP):  # fmt: skip
                 # depth first: it takes its unfinished input's place in line (its own seq stays)
@@ -68,7 +102,7 @@ def _differs(old: TaskRecord, spec: ev.TaskSpec) -> str:
     """Why ``spec`` is not the task already known under its key ("" when it is the same task)."""
     if old.func_id != spec.func_id:
         return "a different function"
-    if old.payload != spec.payload:
+    if old.spec_payload != spec.payload:
         return "different arguments"
     if [d.key for d in old.deps] != list(spec.deps):
         return "different inputs"

@@ -1,4 +1,15 @@
-"""Mutable records the scheduler state keeps per task and per worker (slotted for speed)."""
+"""Mutable records the scheduler state keeps per task and per worker (slotted for speed).
+
+Memory per task matters (a million tasks must fit in well under 1 GiB, issue 25): a task record
+has no ``__dict__``; its sets (``dependents``, ``waiters``, ``waiting_on``, ``who_has``,
+``wanted_by``) start as the shared empty :data:`NOSET` and become a set of their own on the first
+``add_*`` call (an empty set costs 216 bytes); code that empties one assigns :data:`NOSET` back,
+and code that removes from one checks membership first (``discard`` on :data:`NOSET` fails).
+``deps`` is an empty tuple until intake gives a task inputs; ``shape`` is shared between equal
+shapes (intake interns it), ``group`` and ``func_id`` are interned strings, and ``payload`` is
+kept as the bytes the client sent (:attr:`TaskRecord.spec_payload` wraps it again when a worker
+needs it).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +23,9 @@ from tidepool.scheduler.kinds import TaskState, WorkerState
 #: that ask for it
 ORDINARY = frozenset({"cpu", "memory"})
 
+#: the empty set every task record's sets start as (shared: see the module docstring)
+NOSET: Any = frozenset()
+
 
 class TaskRecord:
     __slots__ = (
@@ -22,25 +36,26 @@ class TaskRecord:
         "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid",
     )  # fmt: skip
 
-    def __init__(self, key: str, func_id: str, payload: Serialized | None, shape: Shape,
+    def __init__(self, key: str, func_id: str, payload: Serialized | bytes | None, shape: Shape,
                  retries: int, priority: int, group: str) -> None:  # fmt: skip
         #: workers whose copy of this value went silent: its recompute runs elsewhere if it can
         self.avoid: frozenset[str] | None = None
         self.key = key
         self.func_id = func_id
+        #: the pickled arguments as the client sent them: bytes when they had no out-of-band buffers
         self.payload = payload
-        self.deps: list[TaskRecord] = []
-        self.dependents: set[TaskRecord] = set()
-        self.waiters: set[TaskRecord] = set()  # dependents not done yet that need our value
-        self.waiting_on: set[TaskRecord] = set()  # our deps whose values are not available
+        self.deps: list[TaskRecord] | tuple[TaskRecord, ...] = ()
+        self.dependents: set[TaskRecord] = NOSET
+        self.waiters: set[TaskRecord] = NOSET  # dependents not done yet that need our value
+        self.waiting_on: set[TaskRecord] = NOSET  # our deps whose values are not available
         self.state: str = TaskState.RELEASED
-        self.who_has: set[str] = set()
+        self.who_has: set[str] = NOSET
         self.nbytes = 0
         self.worker: str | None = None
         self.shape = shape
         self.retries_left = retries
         self.suspicious = 0
-        self.wanted_by: set[str] = set()
+        self.wanted_by: set[str] = NOSET
         self.priority = priority
         self.group = group
         self.exception: Serialized | None = None
@@ -64,6 +79,72 @@ class TaskRecord:
     @property
     def needed(self) -> bool:
         return bool(self.waiters or self.wanted_by)
+
+    @property
+    def spec_payload(self) -> Serialized | None:
+        """The payload as a worker takes it (a :class:`Serialized`)."""
+        p = self.payload
+        return Serialized(p) if type(p) is bytes else p  # type: ignore[return-value]
+
+    # ---- the sets start shared and empty (module docstring): add through these ------------------
+    def add_dependent(self, ts: TaskRecord) -> None:
+        if self.dependents is NOSET:
+            self.dependents = {ts}
+        else:
+            self.dependents.add(ts)
+
+    def add_waiter(self, ts: TaskRecord) -> None:
+        if self.waiters is NOSET:
+            self.waiters = {ts}
+        else:
+            self.waiters.add(ts)
+
+    def add_waiting_on(self, ts: TaskRecord) -> None:
+        if self.waiting_on is NOSET:
+            self.waiting_on = {ts}
+        else:
+            self.waiting_on.add(ts)
+
+    def add_holder(self, worker: str) -> None:
+        if self.who_has is NOSET:
+            self.who_has = {worker}
+        else:
+            self.who_has.add(worker)
+
+    def add_wanter(self, client: str) -> None:
+        if self.wanted_by is NOSET:
+            self.wanted_by = {client}
+        else:
+            self.wanted_by.add(client)
+
+    # ---- ... and remove through these (an emptied set goes back to NOSET, freeing it) -------------
+    def drop_dependent(self, ts: TaskRecord) -> None:
+        s = self.dependents
+        if ts in s:
+            s.discard(ts)
+            if not s:
+                self.dependents = NOSET
+
+    def drop_waiter(self, ts: TaskRecord) -> None:
+        s = self.waiters
+        if ts in s:
+            s.discard(ts)
+            if not s:
+                self.waiters = NOSET
+
+    def drop_holder(self, worker: str) -> None:
+        s = self.who_has
+        if worker in s:
+            s.discard(worker)
+            if not s:
+                self.who_has = NOSET
+
+    def drop_wanter(self, client: str) -> None:
+        s = self.wanted_by
+        if client in s:
+            s.discard(client)
+            if not s:
+                self.wanted_by = NOSET
 
     def __repr__(self) -> str:
         return f"<Task {self.key} {self.state}>"

@@ -249,7 +249,7 @@ class Persister:
         for ts in new:
             status = _status(ts)
             holders = sorted(ts.who_has) if status == "m" else []
-            b.new_tasks.append(StoredTask(ts.key, spec_of(ts), ts.payload, status, holders, _error(ts)))
+            b.new_tasks.append(StoredTask(ts.key, spec_of(ts), ts.spec_payload, status, holders, _error(ts)))
             stored[ts.key] = (ts, status)
 
 

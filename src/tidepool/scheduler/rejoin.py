@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import TaskState as TS
-from tidepool.scheduler.records import TaskRecord, WorkerRecord
+from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord
 
 _PENDING = (TS.WAITING, TS.READY, TS.NO_WORKER)
 
@@ -74,7 +74,7 @@ def worker_rejoin(st: Host, e: ev.WorkerRejoin, out: list[ev.Command]) -> None:
         if ts is None or ts.state not in _PENDING:
             free.append(key)  # finished, erred or released meanwhile, or running elsewhere
             continue
-        ts.waiting_on.clear()
+        ts.waiting_on = NOSET
         if ts.state != TS.READY:  # it is running on ws whatever it waited for: ready, then placed
             st._move(ts, TS.READY)
         st._assign(ts, ws, out)

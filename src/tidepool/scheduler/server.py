@@ -200,7 +200,7 @@ class Scheduler:
                     d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
                 } if ts.deps else None  # fmt: skip
                 shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
-                tasks_by_worker.setdefault(ws.id, []).append(ComputeTask(ts.key, ts.func_id, ts.payload, deps, shape))
+                tasks_by_worker.setdefault(ws.id, []).append(ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape))
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):

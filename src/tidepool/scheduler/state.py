@@ -38,7 +38,7 @@ from tidepool.scheduler.kinds import ACTIVE, TASK_TRANSITIONS, WORKER_TRANSITION
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
-from tidepool.scheduler.records import TaskRecord, WorkerRecord
+from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord
 from tidepool.scheduler.resource_names import typo_reason
 from tidepool.scheduler.tally import Tally
 
@@ -170,8 +170,8 @@ class SchedulerState:
             if wts is None:
                 out.append(ev.Report(e.client, k, RK.LOST))
                 continue
-            keys.add(k)
-            wts.wanted_by.add(e.client)
+            keys.add(wts.key)  # the record's own key string: one copy per key, not one per set
+            wts.add_wanter(e.client)
             if wts.state == "released":
                 self._compute(wts, out)
             elif wts.state in (TS.MEMORY, TS.ERRED):
@@ -189,7 +189,7 @@ class SchedulerState:
             keys.discard(k)
             ts = self.tasks.get(k)
             if ts is not None and e.client in ts.wanted_by:
-                ts.wanted_by.discard(e.client)
+                ts.drop_wanter(e.client)
                 self._check(ts, out)
 
     # ---- cancelling (client.cancel, Future.cancel, Executor.shutdown(cancel_futures=True)) -------
@@ -214,7 +214,7 @@ class SchedulerState:
         cancelled = explain.downstream(roots)
         for ts in cancelled:
             if client in ts.wanted_by:
-                ts.wanted_by.discard(client)
+                ts.drop_wanter(client)
                 wanted.discard(ts.key)
                 out.append(ev.Report(client, ts.key, RK.CANCELLED))
         for ts in reversed(cancelled):  # any order works: _check follows each task to its inputs
@@ -240,16 +240,19 @@ class SchedulerState:
             if typo is not None:
                 self._fail(ts, "InfeasibleTaskError", f"task {ts.key!r} can never run: {typo}", out)
                 continue
-            waiting: set[TaskRecord] = set()
+            waiting: set[TaskRecord] = NOSET
             failed: TaskRecord | None = None
             for dep in ts.deps:
-                dep.waiters.add(ts)
+                dep.add_waiter(ts)
                 if dep.state == "memory":
                     continue
                 if dep.state == "erred":
                     failed = dep
                     continue
-                waiting.add(dep)
+                if waiting is NOSET:
+                    waiting = {dep}
+                else:
+                    waiting.add(dep)
                 if dep.state == "released":
                     stack.append(dep)
             if failed is not None:
@@ -318,7 +321,7 @@ class SchedulerState:
 
     def _reschedule(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """Running (or ready) task goes back to waiting/ready; missing inputs are recomputed."""
-        waiting = {d for d in ts.deps if d.state != "memory"}
+        waiting = {d for d in ts.deps if d.state != "memory"} or NOSET
         ts.waiting_on = waiting
         if not waiting:
             if ts.state != "ready":
@@ -326,7 +329,7 @@ class SchedulerState:
             return
         self._move(ts, TS.WAITING)
         for dep in waiting:
-            dep.waiters.add(ts)
+            dep.add_waiter(ts)
             if dep.state == "released":
                 self._compute(dep, out)
             elif dep.state == "erred":
@@ -465,18 +468,20 @@ class SchedulerState:
         ts.nbytes = nbytes
         ts.suspicious = 0
         self._move(ts, TS.MEMORY)
-        ts.waiting_on.clear()
+        ts.waiting_on = NOSET
         self._add_holder(ts, ws, nbytes)
         for c in ts.wanted_by:
             out.append(ev.Report(c, ts.key, RK.MEMORY))
-        ts.wanted_by.discard(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
+        ts.drop_wanter(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
         for dt in ts.waiters:
             if ts in dt.waiting_on:
                 dt.waiting_on.discard(ts)
-                if not dt.waiting_on and dt.state == "waiting":
-                    self._make_ready(dt, out)
+                if not dt.waiting_on:
+                    dt.waiting_on = NOSET
+                    if dt.state == "waiting":
+                        self._make_ready(dt, out)
         for dep in ts.deps:
-            dep.waiters.discard(ts)
+            dep.drop_waiter(ts)
             if not dep.waiters and not dep.wanted_by:
                 self._check(dep, out)
         if not ts.needed:
@@ -484,7 +489,7 @@ class SchedulerState:
 
     def _add_holder(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int) -> None:
         if ws.id not in ts.who_has:
-            ts.who_has.add(ws.id)
+            ts.add_holder(ws.id)
             ws.has_what.add(ts)
             ws.nbytes += nbytes or ts.nbytes
 
@@ -543,12 +548,12 @@ class SchedulerState:
                 self._move(ts, TS.ERRED)
             for c in ts.wanted_by:
                 out.append(ev.Report(c, ts.key, RK.ERRED))
-            ts.wanted_by.discard(FIRE_AND_FORGET)
+            ts.drop_wanter(FIRE_AND_FORGET)
             for dep in ts.deps:
-                dep.waiters.discard(ts)
+                dep.drop_waiter(ts)
             stack.extend(ts.waiters)
-            ts.waiters.clear()
-            ts.waiting_on.clear()
+            ts.waiters = NOSET
+            ts.waiting_on = NOSET
             for dep in ts.deps:
                 self._check(dep, out)
             self._check(ts, out)
@@ -569,17 +574,17 @@ class SchedulerState:
                 if state == "running":
                     self._take_back(ts, out)
                 self._move(ts, TS.RELEASED)
-                ts.waiting_on.clear()
+                ts.waiting_on = NOSET
                 for dep in ts.deps:
-                    dep.waiters.discard(ts)
+                    dep.drop_waiter(ts)
                     stack.append(dep)
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
                 self.tally.forget(ts)
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
-                    dep.dependents.discard(ts)
-                    dep.waiters.discard(ts)
+                    dep.drop_dependent(ts)
+                    dep.drop_waiter(ts)
                     stack.append(dep)
 
     def _drop_value(self, ts: TaskRecord, out: list[ev.Command]) -> None:
@@ -589,7 +594,7 @@ class SchedulerState:
                 ws.has_what.discard(ts)
                 ws.nbytes -= ts.nbytes
                 out.append(ev.Free(w, [ts.key]))
-        ts.who_has.clear()
+        ts.who_has = NOSET
 
     # ---- workers -------------------------------------------------------------------------------
     def _worker_join(self, e: ev.WorkerJoin, out: list[ev.Command]) -> None:
@@ -629,7 +634,7 @@ class SchedulerState:
             self.counters["workers_lost"] += 1
         lost: list[TaskRecord] = []
         for ts in ws.has_what:
-            ts.who_has.discard(ws.id)
+            ts.drop_holder(ws.id)
             if ts.state == "memory" and not ts.who_has:
                 lost.append(ts)
         ws.has_what.clear()
@@ -667,7 +672,7 @@ class SchedulerState:
         ts.recomputes += 1
         for dt in ts.waiters:
             if dt.state in ("waiting", "ready", "no-worker"):
-                dt.waiting_on.add(ts)
+                dt.add_waiting_on(ts)
                 if dt.state != "waiting":
                     self._move(dt, TS.WAITING)
         self._compute(ts, out)
@@ -697,7 +702,7 @@ class SchedulerState:
             self.room.discard(holder.id)
             self.counters["suspect_holders"] += 1
         if holder is not None and e.holder in dts.who_has:
-            dts.who_has.discard(e.holder)
+            dts.drop_holder(e.holder)
             holder.has_what.discard(dts)
             holder.nbytes -= dts.nbytes
             out.append(ev.Free(e.holder, [dts.key]))
@@ -831,7 +836,7 @@ class SchedulerState:
             ts = self.tasks.get(key)
             if ts is None or ts.state in ("memory", "erred"):
                 continue  # done already: nothing left to keep alive
-            ts.wanted_by.add(FIRE_AND_FORGET)
+            ts.add_wanter(FIRE_AND_FORGET)
             if ts.state == "released":
                 self._compute(ts, out)
 
