@@ -25,6 +25,7 @@ from typing import Any
 
 from tidepool.comm import Connection, Serialized, listen
 from tidepool.comm.auth import new_token
+from tidepool.comm.inline import INLINE_WANTED
 from tidepool.comm.messages import (
     Cancel,
     ClientReport,
@@ -90,6 +91,10 @@ class Scheduler:
         self.worker_conns: dict[str, Connection] = {}
         self.client_conns: dict[str, Connection] = {}
         self._said_bye: set[str] = set()  # clients that closed on purpose (durable: not kept for a reconnection)
+        #: inline values (comm/inline.py): keys of small submissions whose small values come back in
+        #: the reports, and the pickles of the task-batch being applied (forwarded, then dropped)
+        self.inline_keys: set[str] = set()
+        self.inline_values: dict[str, Any] = {}
         self.observers: list[Observer] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
         self.batches = 0
@@ -187,7 +192,8 @@ class Scheduler:
                     d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
                 } if ts.deps else None  # fmt: skip
                 shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
-                tasks_by_worker.setdefault(ws.id, []).append(ComputeTask(ts.key, ts.func_id, ts.payload, deps, shape))
+                tasks_by_worker.setdefault(ws.id, []).append(
+                    ComputeTask(ts.key, ts.func_id, ts.payload, deps, shape, ts.key in self.inline_keys))
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):
@@ -224,13 +230,15 @@ class Scheduler:
                     await conn.send(ClientReport(reps).encode())
 
     def _report_item(self, c: ev.Report) -> ReportItem:
+        self.inline_keys.discard(c.key)
         if c.status == "memory":  # with where the value lives: result() reads it without asking who-has
             ts = self.state.tasks.get(c.key)
             workers = self.state.workers
+            value = self.inline_values.get(c.key)  # small: the value itself (comm/inline.py)
             for w in ts.who_has if ts is not None else ():
                 if w in workers:
-                    return ReportItem(c.key, "memory", workers[w].address)
-            return ReportItem(c.key, "memory")
+                    return ReportItem(c.key, "memory", workers[w].address, value)
+            return ReportItem(c.key, "memory", None, value)
         if c.status != "erred":
             return ReportItem(c.key, c.status)
         if c.error is not None:
@@ -367,7 +375,14 @@ class Scheduler:
                 now = self.clock()
                 op = msg.get("op")
                 if op == "task-batch":
-                    await self.apply(_batch_events(wid, msg, now))
+                    inline = _inline_values(msg)
+                    if inline:  # forwarded by the reports of this batch, then dropped
+                        self.inline_values.update(inline)
+                    try:
+                        await self.apply(_batch_events(wid, msg, now))
+                    finally:
+                        for k in inline:
+                            self.inline_values.pop(k, None)
                 elif op == "heartbeat":
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
@@ -447,12 +462,16 @@ class Scheduler:
             graph = UpdateGraph.decode(msg)
             specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
+            if len(graph.wanted) <= INLINE_WANTED:
+                self.inline_keys.update(graph.wanted)
             await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)])
         elif op == "bye":  # closing on purpose: release its keys when the connection ends
             self._said_bye.add(cid)
             await conn.send(Reply(int(msg.get("id") or 0)).encode())
         elif op == "release":
-            await self.apply([ev.ReleaseKeys(cid, Release.decode(msg).keys, now)])
+            released = Release.decode(msg).keys
+            self.inline_keys.difference_update(released)
+            await self.apply([ev.ReleaseKeys(cid, released, now)])
         elif op == "cancel":  # the outcome goes out as reports ("cancelled"/"running") before the reply
             cancel = Cancel.decode(msg)
             await self.apply([ev.ReleaseKeys(cid, cancel.keys, now, cancel=True, unless_started=cancel.unless_started)])
@@ -635,13 +654,18 @@ def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def _inline_values(msg: dict[str, Any]) -> dict[str, Any]:
+    """The small values a worker's task-batch carries in its finished items (``comm/inline.py``)."""
+    return {item[0]: item[3] for item in msg.get("finished", ()) if len(item) > 3 and item[3] is not None}
+
+
 def _batch_events(wid: str, msg: dict[str, Any], now: float) -> list[ev.Event]:
     out: list[ev.Event] = []
     started = msg.get("started")
     if started:
         out.append(ev.TasksStarted(wid, list(started), now))
-    for key, nbytes, duration in msg.get("finished", ()):
-        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
+    for item in msg.get("finished", ()):  # [key, nbytes, duration(, inline pickle)]
+        out.append(ev.TaskFinished(wid, item[0], int(item[1]), float(item[2]), now))
     for e in msg.get("erred", ()):
         out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
                                 e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
