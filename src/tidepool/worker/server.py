@@ -306,6 +306,9 @@ class Worker:
             self._apply(self.state.handle(self._outcome(o)))
             self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
             self._inline.pop(o.key, None)  # not reported (cancelled meanwhile)
+        # the outcomes of one wake-up go out now, not a loop turn later: a waiting result() hears
+        # of them one turn sooner, and reports of many tiny tasks stay one message per wake-up
+        self.outbox.flush()
 
     def _outcome(self, o: Outcome) -> ws.TaskDone:
         inline = o.key in self._inline_wanted
