@@ -63,3 +63,19 @@ def test_gather_of_small_submissions_reads_nothing(cluster: tidepool.LocalCluste
         futs = client.map(inc, range(10))
         assert client.gather(futs, timeout=30) == list(range(1, 11))
         assert reads == []
+
+
+def test_the_schedulers_inline_keys_of_vanished_tasks_are_pruned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys of small submissions whose client left without a report or release do not pile up."""
+    import asyncio
+
+    from tidepool.comm.messages import TaskSpec, UpdateGraph
+    from tidepool.scheduler import server as srv
+
+    monkeypatch.setattr(srv, "INLINE_KEYS_PRUNE", 5)
+    s = srv.Scheduler()
+    s._inline_prune_at = 5
+    s.inline_keys.update(f"gone-{i}" for i in range(5))
+    msg = UpdateGraph([TaskSpec("k", "f1", None)], ["k"], {"f1": b""}).encode()
+    asyncio.run(s._client_message("client-1", None, msg))  # type: ignore[arg-type]
+    assert s.inline_keys == {"k"}  # the state knows "k" (no worker yet), not the others

@@ -50,6 +50,9 @@ log = logging.getLogger("tidepool.scheduler")
 
 Observer = Callable[[list[ev.Event], list[ev.Command]], None]
 
+#: inline_keys beyond this many (or twice what the last pruning kept) are pruned to the tasks the
+#: state still knows
+INLINE_KEYS_PRUNE = 10_000
 #: seconds a connected worker may stay silent before it is removed (a task holding the GIL, or
 #: a huge result being pickled, blocks its heartbeats; a dead process closes its socket instead)
 DEFAULT_HEARTBEAT_TTL = 300.0
@@ -95,6 +98,7 @@ class Scheduler:
         #: the reports, and the pickles of the task-batch being applied (forwarded, then dropped)
         self.inline_keys: set[str] = set()
         self.inline_values: dict[str, Any] = {}
+        self._inline_prune_at = INLINE_KEYS_PRUNE
         self.observers: list[Observer] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
         self.batches = 0
@@ -465,6 +469,9 @@ class Scheduler:
             if len(graph.wanted) <= INLINE_WANTED:
                 self.inline_keys.update(graph.wanted)
             await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)])
+            if len(self.inline_keys) > self._inline_prune_at:  # keys of clients gone without a release
+                self.inline_keys.intersection_update(self.state.tasks)
+                self._inline_prune_at = max(INLINE_KEYS_PRUNE, 2 * len(self.inline_keys))
         elif op == "bye":  # closing on purpose: release its keys when the connection ends
             self._said_bye.add(cid)
             await conn.send(Reply(int(msg.get("id") or 0)).encode())
