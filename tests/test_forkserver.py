@@ -217,3 +217,15 @@ def test_a_local_cluster_that_fails_to_start_leaves_no_fork_server_or_thread_beh
             and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert not left, [p.cmdline() for p in left]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tidepool-")]
+
+
+def stdin_target() -> str:
+    return os.readlink("/proc/self/fd/0")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_forked_worker_has_dev_null_as_stdin() -> None:
+    """Closing the server's stdin frees fd 0, so /dev/null opens as fd 0 itself: it must stay open
+    (it was closed again, and a socket later took fd 0; uvloop aborts the worker when closing it)."""
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        assert client.submit(stdin_target).result(timeout=60) == os.devnull

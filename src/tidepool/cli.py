@@ -17,6 +17,7 @@ from typing import Any
 
 from tidepool.comm.auth import read_token_file, token_from_env, write_token_file
 from tidepool.errors import ConfigError, TidepoolError
+from tidepool.loop import new_event_loop
 
 
 def _token(args: argparse.Namespace) -> str:
@@ -75,7 +76,8 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
                 replaced.append(sig)
 
     try:
-        asyncio.run(runner())
+        with asyncio.Runner(loop_factory=new_event_loop) as run:
+            run.run(runner())
     finally:
         for sig in replaced:
             handler = previous[sig]

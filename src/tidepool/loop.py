@@ -2,6 +2,13 @@
 
 ``run(coro)`` blocks the calling thread until the coroutine finishes on the loop; calling it from
 the loop thread itself would deadlock, so that raises a clear error instead.
+
+Which event loop: :func:`new_event_loop` makes every loop tidepool runs (this thread's, and the
+scheduler's and workers' processes' through ``cli.py``).  With the optional ``uvloop`` installed
+(``pip install 'tidepool[fast]'``) it is uvloop, whose socket and callback paths are native code:
+about a tenth off the synchronous ``submit().result()`` round trip (``benchmarks/roundtrip.py``);
+the environment variable ``TIDEPOOL_LOOP=asyncio`` forces the standard loop (``uvloop`` demands
+uvloop, failing clearly when it is missing).  A process spawned by tidepool inherits the variable.
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.util
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -17,10 +26,38 @@ from tidepool.errors import TidepoolError
 
 T = TypeVar("T")
 
+#: the environment variable that picks the event loop: "asyncio", "uvloop", or "auto"/unset
+LOOP_ENV = "TIDEPOOL_LOOP"
+
+
+def loop_kind() -> str:
+    """"uvloop" or "asyncio": what :func:`new_event_loop` makes here (see the module docstring)."""
+    asked = os.environ.get(LOOP_ENV, "").strip().lower() or "auto"
+    if asked == "asyncio":
+        return "asyncio"
+    installed = importlib.util.find_spec("uvloop") is not None
+    if asked == "uvloop":
+        if not installed:
+            raise TidepoolError(f"{LOOP_ENV}=uvloop but uvloop is not installed here; "
+                                "pip install 'tidepool[fast]', or unset it")  # fmt: skip
+        return "uvloop"
+    if asked != "auto":
+        raise TidepoolError(f"{LOOP_ENV}={asked!r} is not a loop tidepool knows; use asyncio, uvloop or auto")
+    return "uvloop" if installed else "asyncio"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind :func:`loop_kind` picks."""
+    if loop_kind() == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
 
 class LoopThread:
     def __init__(self, name: str = "tidepool-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()

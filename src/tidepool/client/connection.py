@@ -323,8 +323,14 @@ class ClientConnection:
 
     # ---- fetching values -------------------------------------------------------------------------
     def run_fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
-        """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``."""
+        """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``.
+        Values that all came inline are taken in the calling thread (no hop to the loop)."""
         self.check_open()
+        if self.core.inline:
+            with self.lock:
+                got = self.core.inline_values(keys)
+            if len(got) == len(keys):
+                return got
         try:
             return self.loop.run(self._fetch_within(keys, timeout))
         except TimeoutError:

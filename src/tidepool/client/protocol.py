@@ -13,7 +13,10 @@ table's own weak-reference callback, :class:`FutureTable`, not a finaliser per f
 the scheduler's error record of a failed task, until released), ``holders`` (key -> the address of
 a worker that holds its value, from the report that said it was done: ``result()`` reads from there
 without asking who-has first), ``idents`` (explicit key -> what the task under it is, to refuse a
-different task under a live key), ``cancelling`` (keys a caller of ``Future.cancel()`` waits on ->
+different task under a live key), ``inline`` (key -> the pickle of a small value that came with
+its report, ``comm/inline.py``: ``result()`` takes it from here without reading from the holder;
+at most :data:`~tidepool.comm.inline.CLIENT_CACHE_BYTES` in all, kept only for keys with a live
+future, dropped with the key's release), ``cancelling`` (keys a caller of ``Future.cancel()`` waits on ->
 the outcome reported meanwhile), ``sent_funcs`` (function ids the scheduler already has) and the
 ordered ``outbox``.
 
@@ -21,7 +24,7 @@ The outbox keeps graph updates, releases and requests in the order they were mad
 future dropped right after submitting its dependent never overtakes that dependent's update.  A
 run of releases leaves as one message, without the keys whose future was made again meanwhile.
 
-A :class:`Fetch` is the plan of one ``result()``/``gather()``: which holder to read each key from
+A :class:`Fetch` is the plan of one ``result()``/``gather()``: the values that came inline, which holder to read each key from
 (known from reports, else asked with who-has), how often a named holder failed in a row, and when
 to give up (``FETCH_ATTEMPTS``) or wait for the next report.
 """
@@ -37,7 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tidepool.comm.inline import CLIENT_CACHE_BYTES
 from tidepool.comm.messages import ClientReport, Reply, SetupError, decode_from_scheduler
+from tidepool.comm.serialize import Serialized
 from tidepool.errors import (
     CommError,
     ConnectionLostError,
@@ -159,6 +164,8 @@ class ClientProtocol:
         self.futures: weakref.WeakValueDictionary[str, KeyedFuture] = FutureTable(on_drop)
         self.errors: dict[str, dict[str, Any]] = {}
         self.holders: dict[str, str] = {}
+        self.inline: dict[str, Serialized] = {}
+        self.inline_bytes = 0
         self.idents: dict[str, tuple[Any, ...]] = {}
         self.cancelling: dict[str, str | None] = {}
         self.sent_funcs: set[str] = set()
@@ -206,6 +213,7 @@ class ClientProtocol:
             for k in keys:
                 self.errors.pop(k, None)
                 self.holders.pop(k, None)
+                self._drop_inline(k)
             return {"op": "release", "keys": keys}
         return None
 
@@ -216,6 +224,8 @@ class ClientProtocol:
         if isinstance(typed, ClientReport):
             events: list[Event] = []
             for item in typed.items:
+                if item.value is not None and item.status == "memory":
+                    self._keep_inline(item.key, item.value)
                 self._report(item.key, item.status, item.detail, events)
             return events
         if isinstance(typed, Reply):
@@ -232,6 +242,7 @@ class ClientProtocol:
                 self.holders[key] = detail
             events.append(Finished(key, detail or ""))
         elif status == "erred":
+            self._drop_inline(key)
             if detail.get("type") == "KeyCollisionError":  # the key stays the other task's
                 self.idents.pop(key, None)
             self.errors[key] = detail
@@ -247,6 +258,37 @@ class ClientProtocol:
             self.errors[key] = info
             events.append(Failed(key, make_exception(key, info)))
         events.append(Settled(key))
+
+    # ---- inline values -----------------------------------------------------------------------------
+    def _keep_inline(self, key: str, blob: Any) -> None:
+        """Keep the small value reported with ``key`` while a future of it lives and the cache has
+        room (a report arriving again replaces it; one after the release is ignored)."""
+        if key not in self.futures or not isinstance(blob, Serialized):
+            return
+        self._drop_inline(key)
+        if self.inline_bytes + blob.nbytes > CLIENT_CACHE_BYTES:
+            return
+        self.inline[key] = blob
+        self.inline_bytes += blob.nbytes
+
+    def _drop_inline(self, key: str) -> None:
+        blob = self.inline.pop(key, None)
+        if blob is not None:
+            self.inline_bytes -= blob.nbytes
+
+    def inline_values(self, keys: list[str]) -> dict[str, Any]:
+        """The values of ``keys`` that came inline and unpickle here (the rest are read from their
+        holders, which also report why a value cannot be unpickled)."""
+        out: dict[str, Any] = {}
+        for k in keys:
+            blob = self.inline.get(k)
+            if blob is None:
+                continue
+            try:
+                out[k] = blob.load()
+            except Exception:  # noqa: BLE001 - read from the holder instead, which says why
+                self._drop_inline(k)
+        return out
 
     def connection_lost(self, err: ConnectionLostError) -> None:
         self.lost = err
@@ -290,8 +332,8 @@ class Fetch:
 
     def __init__(self, core: ClientProtocol, keys: list[str]) -> None:
         self.core = core
-        self.remaining = list(keys)
-        self.values: dict[str, Any] = {}
+        self.values: dict[str, Any] = core.inline_values(keys) if core.inline else {}
+        self.remaining = [k for k in keys if k not in self.values]
         self.failures: dict[tuple[str, str], int] = {}  # (key, holder) -> failed reads in a row
         self._asked_before = False
         self._next: list[str] = []

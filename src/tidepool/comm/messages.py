@@ -142,18 +142,22 @@ class ComputeTask:
     payload: Any
     deps: dict[str, list[list[str]]] | None = None
     resources: list[list[Any]] | None = None
+    #: a small value goes back inline in the finished report (``comm/inline.py``)
+    inline: bool = False
 
     def encode(self) -> dict[str, Any]:
         item: dict[str, Any] = {"key": self.key, "func": self.func_id, "payload": self.payload}
         if self.deps:
             item["deps"] = self.deps
         item["resources"] = self.resources or [["cpu", 1.0]]
+        if self.inline:
+            item["inline"] = True
         return item
 
     @staticmethod
     def decode(item: dict[str, Any]) -> ComputeTask:
         return ComputeTask(item["key"], item["func"], item.get("payload"), item.get("deps") or {},
-                           item.get("resources") or [])  # fmt: skip
+                           item.get("resources") or [], bool(item.get("inline")))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,13 +292,17 @@ class ReportItem:
     ``status``: "memory" (``detail``: the address of a worker holding the value, "" if unknown),
     "erred" (``detail``: the error record: type, message, origin, pickled exception, traceback),
     "cancelled", "running" (answers to a cancel request) or "lost" (the scheduler does not know it).
+    ``value``: with "memory", the pickled value itself when it is small (``comm/inline.py``).
     """
 
     key: str
     status: str
     detail: Any = None
+    value: Any = None
 
     def encode(self) -> list[Any]:
+        if self.value is not None:
+            return [self.key, self.status, self.detail or "", self.value]
         return [self.key, self.status] if self.detail is None else [self.key, self.status, self.detail]
 
 
@@ -338,7 +346,7 @@ class SetupError:
 
 def _report_item(raw: Any) -> ReportItem:
     try:
-        return ReportItem(raw[0], raw[1], raw[2] if len(raw) > 2 else None)
+        return ReportItem(raw[0], raw[1], raw[2] if len(raw) > 2 else None, raw[3] if len(raw) > 3 else None)
     except (TypeError, IndexError, KeyError) as exc:
         raise ProtocolError(f"malformed report item {raw!r} from the scheduler ({type(exc).__name__}: {exc})") from None
 

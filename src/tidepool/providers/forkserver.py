@@ -105,8 +105,9 @@ def _child(req: dict[str, Any], close_fds: list[int]) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    if null != 0:  # 0 itself when the server's stdin was just closed: closing it would free fd 0
+        os.dup2(null, 0)  # for a socket, which libuv (uvloop) refuses to close, aborting the worker
+        os.close(null)
     started_with = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(req["env"])

@@ -26,6 +26,7 @@ from typing import Any
 
 from tidepool.comm import Connection, Serialized, listen
 from tidepool.comm.auth import new_token
+from tidepool.comm.inline import INLINE_WANTED
 from tidepool.comm.messages import (
     Cancel,
     ComputeTask,
@@ -51,6 +52,9 @@ log = logging.getLogger("tidepool.scheduler")
 
 Observer = Callable[[list[ev.Event], list[ev.Command]], None]
 
+#: inline_keys beyond this many (or twice what the last pruning kept) are pruned to the tasks the
+#: state still knows
+INLINE_KEYS_PRUNE = 10_000
 #: seconds a connected worker may stay silent before it is removed (a task holding the GIL, or
 #: a huge result being pickled, blocks its heartbeats; a dead process closes its socket instead)
 DEFAULT_HEARTBEAT_TTL = 300.0
@@ -94,6 +98,11 @@ class Scheduler:
         #: the commands' messages not sent yet (one per peer per loop turn where batches allow it)
         self.outgoing = Outgoing(self.worker_conns, self.client_conns)
         self._said_bye: set[str] = set()  # clients that closed on purpose (durable: not kept for a reconnection)
+        #: inline values (comm/inline.py): keys of small submissions whose small values come back in
+        #: the reports, and the pickles of the task-batch being applied (forwarded, then dropped)
+        self.inline_keys: set[str] = set()
+        self.inline_values: dict[str, Any] = {}
+        self._inline_prune_at = INLINE_KEYS_PRUNE
         self.observers: list[Observer] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
         self.batches = 0
@@ -200,7 +209,8 @@ class Scheduler:
                     d.key: [[w, workers[w].address] for w in d.who_has if w in workers] for d in ts.deps
                 } if ts.deps else None  # fmt: skip
                 shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
-                tasks_by_worker.setdefault(ws.id, []).append(ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape))
+                tasks_by_worker.setdefault(ws.id, []).append(
+                    ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape, ts.key in self.inline_keys))
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):
@@ -231,13 +241,15 @@ class Scheduler:
             out.report(cid, reps)
 
     def _report_item(self, c: ev.Report) -> ReportItem:
+        self.inline_keys.discard(c.key)
         if c.status == "memory":  # with where the value lives: result() reads it without asking who-has
             ts = self.state.tasks.get(c.key)
             workers = self.state.workers
+            value = self.inline_values.get(c.key)  # small: the value itself (comm/inline.py)
             for w in ts.who_has if ts is not None else ():
                 if w in workers:
-                    return ReportItem(c.key, "memory", workers[w].address)
-            return ReportItem(c.key, "memory")
+                    return ReportItem(c.key, "memory", workers[w].address, value)
+            return ReportItem(c.key, "memory", None, value)
         if c.status != "erred":
             return ReportItem(c.key, c.status)
         if c.error is not None:
@@ -374,10 +386,20 @@ class Scheduler:
                 now = self.clock()
                 op = msg.get("op")
                 if op == "task-batch":
-                    events = batch_events(wid, TaskBatch.decode(msg), now)
+                    batch = TaskBatch.decode(msg)
+                    inline = _inline_values(batch.finished)
+                    events = batch_events(wid, batch, now)
                     while (more := conn.recv_buffered("task-batch")) is not None:  # read in one go: one batch
-                        events += batch_events(wid, TaskBatch.decode(more), now)
-                    await self.apply(events, defer=True)
+                        batch = TaskBatch.decode(more)
+                        inline.update(_inline_values(batch.finished))
+                        events += batch_events(wid, batch, now)
+                    if inline:  # forwarded by the reports of this batch, then dropped
+                        self.inline_values.update(inline)
+                    try:
+                        await self.apply(events, defer=True)
+                    finally:
+                        for k in inline:
+                            self.inline_values.pop(k, None)
                 elif op == "heartbeat":
                     cmds = self.state.handle(ev.Heartbeat(wid, now, msg.get("metrics") or {}))
                     if cmds:  # none today; never dropped if a heartbeat ever causes some
@@ -460,12 +482,19 @@ class Scheduler:
             graph = UpdateGraph.decode(msg)
             specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
+            if len(graph.wanted) <= INLINE_WANTED:
+                self.inline_keys.update(graph.wanted)
             await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)], defer=True)
+            if len(self.inline_keys) > self._inline_prune_at:  # keys of clients gone without a release
+                self.inline_keys.intersection_update(self.state.tasks)
+                self._inline_prune_at = max(INLINE_KEYS_PRUNE, 2 * len(self.inline_keys))
         elif op == "bye":  # closing on purpose: release its keys when the connection ends
             self._said_bye.add(cid)
             await conn.send(Reply(int(msg.get("id") or 0)).encode())
         elif op == "release":
-            await self.apply([ev.ReleaseKeys(cid, Release.decode(msg).keys, now)])
+            released = Release.decode(msg).keys
+            self.inline_keys.difference_update(released)
+            await self.apply([ev.ReleaseKeys(cid, released, now)])
         elif op == "cancel":  # the outcome goes out as reports ("cancelled"/"running") before the reply
             cancel = Cancel.decode(msg)
             await self.apply([ev.ReleaseKeys(cid, cancel.keys, now, cancel=True, unless_started=cancel.unless_started)])
@@ -646,3 +675,9 @@ class Scheduler:
 
 def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _inline_values(finished: list[Any]) -> dict[str, Any]:
+    """The small values a worker's finished items carry (``comm/inline.py``): [key, nbytes,
+    duration, pickle]."""
+    return {item[0]: item[3] for item in finished if len(item) > 3 and item[3] is not None}

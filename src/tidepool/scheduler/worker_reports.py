@@ -17,7 +17,7 @@ def batch_events(wid: str, batch: TaskBatch, now: float) -> list[ev.Event]:
     out: list[ev.Event] = []
     if batch.started:
         out.append(ev.TasksStarted(wid, list(batch.started), now))
-    for key, nbytes, duration in batch.finished:
+    for key, nbytes, duration, *_inline in batch.finished:  # (inline pickle: comm/inline.py)
         out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
     for e in batch.erred:
         out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),

@@ -35,6 +35,7 @@ import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen
 from tidepool.comm.core import parse_address
+from tidepool.comm.inline import small_pickle
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
@@ -104,6 +105,8 @@ class Worker:
         self._specs: dict[str, tuple[str, Serialized | None, list[str]]] = {}  # key -> (function, args, inputs)
         self._arrived: dict[str, Any] = {}  # values the state has not said to store yet
         self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
+        self._inline_wanted: set[str] = set()  # tasks whose small value goes back in the report
+        self._inline: dict[str, Serialized] = {}  # their pickles, until the finished report takes them
         self.outbox = Outbox()
         self.conn: Connection | None = None
         self.address = ""
@@ -228,6 +231,8 @@ class Worker:
             deps = t.get("deps") or {}
             if t["key"] not in self.state.running:  # one assigned again while it runs keeps that run
                 self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
+                if t.get("inline"):
+                    self._inline_wanted.add(t["key"])
             tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
                                    tuple(tuple(r) for r in t.get("resources") or ())))  # fmt: skip
         return ws.Compute(tuple(tasks))
@@ -239,7 +244,7 @@ class Worker:
         for c in commands:
             t = type(c)
             if t is ws.Report:
-                self.outbox.add(c.kind, c.item)  # type: ignore[union-attr]
+                self.outbox.add(c.kind, self._with_inline(c.kind, c.item))  # type: ignore[union-attr]
                 now = now or c.kind in _NOW  # type: ignore[union-attr]
                 if c.kind in ("missing", "stolen", "erred"):  # type: ignore[union-attr]
                     item = c.item  # type: ignore[union-attr]
@@ -269,12 +274,21 @@ class Worker:
         for work in starts:
             self.pool.submit(work)
 
+    def _with_inline(self, kind: str, item: Any) -> Any:
+        """A finished report of a task whose small value goes back inline, with its pickle."""
+        if kind == "finished" and self._inline:
+            blob = self._inline.pop(item[0], None)
+            if blob is not None:
+                return [*item, blob]
+        return item
+
     def _forget(self, keys: tuple[str, ...]) -> None:
         """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
         st = self.state
         for k in keys:
             if k not in st.running and k not in st.queued and k not in st.waiting:
                 self._specs.pop(k, None)
+                self._inline_wanted.discard(k)
 
     def _work_item(self, key: str) -> WorkItem | None:
         """What a slot runs for ``key`` (its inputs read now), or None if it failed at once."""
@@ -296,12 +310,23 @@ class Worker:
         for o in self.pool.drain():
             self._apply(self.state.handle(self._outcome(o)))
             self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
+            self._inline.pop(o.key, None)  # not reported (cancelled meanwhile)
+        # the outcomes of one wake-up go out now, not a loop turn later: a waiting result() hears
+        # of them one turn sooner, and reports of many tiny tasks stay one message per wake-up
+        self.outbox.flush()
 
     def _outcome(self, o: Outcome) -> ws.TaskDone:
+        inline = o.key in self._inline_wanted
+        self._inline_wanted.discard(o.key)
         if not o.ok:
             return ws.TaskDone(o.key, False, duration=o.duration, error=jobs.error_report(o.value, o.tb, o.duration))
         self._arrived[o.key] = o.value
-        return ws.TaskDone(o.key, True, sizeof(o.value), o.duration)
+        nbytes = sizeof(o.value)
+        if inline:
+            blob = small_pickle(o.value, nbytes)
+            if blob is not None:
+                self._inline[o.key] = blob
+        return ws.TaskDone(o.key, True, nbytes, o.duration)
 
     def _store(self, key: str, value: Any, nbytes: int) -> None:
         """Keep ``value`` under ``key``, sized once (the spill store would size it again)."""

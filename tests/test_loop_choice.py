@@ -1,0 +1,58 @@
+"""``TIDEPOOL_LOOP`` picks the event loop tidepool runs on (``tidepool/loop.py``): uvloop when it is
+installed (``tidepool[fast]``), the standard loop when asked for or when uvloop is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from tidepool import loop as tploop
+from tidepool.errors import TidepoolError
+from tidepool.loop import LOOP_ENV, LoopThread, loop_kind, new_event_loop
+
+
+def kind_of(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+def test_asyncio_forces_the_standard_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOOP_ENV, "asyncio")
+    assert loop_kind() == "asyncio"
+    lt = LoopThread("loop-choice")
+    try:
+        assert kind_of(lt.loop) == "asyncio"
+    finally:
+        lt.stop()
+
+
+def test_unset_picks_uvloop_when_installed_and_the_standard_loop_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LOOP_ENV, raising=False)
+    installed = importlib.util.find_spec("uvloop") is not None
+    loop = new_event_loop()
+    try:
+        assert kind_of(loop) == ("uvloop" if installed else "asyncio") == loop_kind()
+    finally:
+        loop.close()
+    monkeypatch.setattr(tploop.importlib.util, "find_spec", lambda name: None)  # as if not installed
+    assert loop_kind() == "asyncio"
+    monkeypatch.setenv(LOOP_ENV, "uvloop")
+    with pytest.raises(TidepoolError, match=r"tidepool\[fast\]"):
+        loop_kind()
+
+
+def test_uvloop_asked_for_runs_a_client_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("uvloop")
+    import tidepool
+
+    monkeypatch.setenv(LOOP_ENV, "uvloop")  # the scheduler's thread and the spawned workers too
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        assert kind_of(client._connection.loop.loop) == "uvloop"
+        assert client.submit(abs, -3).result(timeout=60) == 3
+
+
+def test_an_unknown_loop_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOOP_ENV, "trio")
+    with pytest.raises(TidepoolError, match="asyncio, uvloop or auto"):
+        new_event_loop()
