@@ -6,6 +6,7 @@ bounded by ``result(timeout=...)`` / ``wait_until`` on observable conditions, ne
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import threading
@@ -206,7 +207,8 @@ def test_a_key_reused_for_a_different_task_is_a_collision() -> None:
 def test_result_timeout_holds_when_the_holding_worker_stops_answering() -> None:
     with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
         assert client.submit(inc, 1).result(timeout=30) == 2  # the client now has a connection to it
-        fut = client.submit(inc, 2)
+        # 10 kB: too large to ride inline on the report (comm/inline.py), so result() must read it
+        fut = client.submit(operator.mul, b"x", 10_000)
         wait_until(fut.done, what="task done")
         (wid,) = cluster.workers
         pid = cluster.provider.procs[wid].proc.pid
@@ -216,7 +218,7 @@ def test_result_timeout_holds_when_the_holding_worker_stops_answering() -> None:
                 fut.result(timeout=2)
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert fut.result(timeout=30) == 3
+        assert fut.result(timeout=30) == b"x" * 10_000
 
 
 def test_a_task_that_kills_its_worker_errs_on_a_fixed_pool_too() -> None:
