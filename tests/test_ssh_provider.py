@@ -96,10 +96,12 @@ class Sshd:
     log: str
 
     def provider(self, **kw: object) -> SSHProvider:
+        # 30 s to read the worker's pid line: sshd forks a session per launch, which took over 5 s under load
+        # (a launch failed as "the shell did not start"); the timeout tests set their own
         opts: dict[str, object] = dict(port=self.port, client_keys=[self.client_key],
                                        known_hosts=self.known_hosts, python=sys.executable,
                                        env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-                                       connect_timeout=5.0, term_timeout=3.0)  # fmt: skip
+                                       connect_timeout=30.0, term_timeout=3.0)  # fmt: skip
         opts.update(kw)
         return SSHProvider([self.host], **opts)  # type: ignore[arg-type]
 
@@ -579,7 +581,7 @@ def test_workers_spread_over_hosts_and_a_dead_host_is_skipped(sshd: Sshd, netns_
             with open(path) as f:
                 out.write(f.read())
     provider = SSHProvider(hosts, client_keys=[sshd.client_key], known_hosts=kh, python=sys.executable,
-                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, connect_timeout=5.0)  # fmt: skip
+                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, connect_timeout=30.0)  # fmt: skip
     with tidepool.LocalCluster(n_workers=0, host=netns_host.root_ip) as cluster:  # both hosts reach it
         provider.bind(cluster.address, cluster.token)
         ids = provider.worker_ids(NodeType("pair", {"cpu": 1}), 2, "r1")

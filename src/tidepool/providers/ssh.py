@@ -766,7 +766,7 @@ class SSHProvider:
                     if not line.startswith(_PID_PREFIX):
                         noise.append(line.rstrip("\n"))
         except TimeoutError:
-            line = ""
+            line, noise = "", [*noise, f"(no pid line within connect_timeout={self.connect_timeout:g} s)"]
         if not line.startswith(_PID_PREFIX):
             proc.close()
             with contextlib.suppress(Exception):
