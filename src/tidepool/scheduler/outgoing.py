@@ -95,9 +95,9 @@ class Outgoing:
             for wid, msgs in workers.items():
                 for m in msgs:
                     if isinstance(m, _ComputeOut):
-                        await self._send_worker(wid, Compute(m.tasks, m.functions or None).encode())
+                        await self.send_worker(wid, Compute(m.tasks, m.functions or None).encode())
                         continue
-                    await self._send_worker(wid, m)
+                    await self.send_worker(wid, m)
                     if m["op"] == "close":
                         conn = self.worker_conns.pop(wid, None)
                         if conn is not None:
@@ -109,7 +109,10 @@ class Outgoing:
                     with contextlib.suppress(CommError):
                         await conn.send(ClientReport(items).encode())
 
-    async def _send_worker(self, wid: str, msg: dict[str, Any]) -> None:
+    async def send_worker(self, wid: str, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to worker ``wid`` now (nothing if it has no connection); a failed send closes
+        that connection.  Also the scheduler's own path for messages outside the batches (setup,
+        run, restart, close)."""
         conn = self.worker_conns.get(wid)
         if conn is None:
             return

@@ -263,14 +263,7 @@ class Scheduler:
         })  # fmt: skip
 
     async def _send_worker(self, wid: str, msg: dict[str, Any]) -> None:
-        conn = self.worker_conns.get(wid)
-        if conn is None:
-            return
-        try:
-            await conn.send(msg)
-        except CommError as exc:
-            log.info("send to worker %s failed: %s", wid, exc)
-            conn.close()
+        await self.outgoing.send_worker(wid, msg)
 
     async def _setup_failed(self, wid: str, msg: dict[str, Any]) -> None:
         name, error, tb = msg.get("name", "?"), msg.get("error", ""), msg.get("traceback", "")
