@@ -132,6 +132,13 @@ class TaskRecord:
             if not s:
                 self.waiters = NOSET
 
+    def drop_waiting_on(self, ts: TaskRecord) -> None:
+        s = self.waiting_on
+        if ts in s:
+            s.discard(ts)
+            if not s:
+                self.waiting_on = NOSET
+
     def drop_holder(self, worker: str) -> None:
         s = self.who_has
         if worker in s:

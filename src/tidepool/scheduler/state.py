@@ -475,11 +475,9 @@ class SchedulerState:
         ts.drop_wanter(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
         for dt in ts.waiters:
             if ts in dt.waiting_on:
-                dt.waiting_on.discard(ts)
-                if not dt.waiting_on:
-                    dt.waiting_on = NOSET
-                    if dt.state == "waiting":
-                        self._make_ready(dt, out)
+                dt.drop_waiting_on(ts)
+                if not dt.waiting_on and dt.state == "waiting":
+                    self._make_ready(dt, out)
         for dep in ts.deps:
             dep.drop_waiter(ts)
             if not dep.waiters and not dep.wanted_by:
