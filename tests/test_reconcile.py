@@ -3,6 +3,9 @@ FakeProvider and a fake clock only, through the shared round the shells run."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from tidepool.providers.base import ProviderFailure
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.shell.round import Round, sync_round
@@ -202,3 +205,32 @@ def test_measured_start_up_is_the_typical_node_not_the_last_straggler() -> None:
         run_round(rnd, d, p, clock)
     assert len(d.state.workers) == 4 and not rnd.view.pending
     assert rnd.view.startup["cpu"] == 10.0
+
+
+class WatchLagProvider(FakeProvider):
+    """A provider whose view moves on while the shell asks it (as a watch event lands between
+    two calls): the OOM kill of ``doomed`` becomes visible during ``list``, with its reason."""
+
+    doomed: str | None = None
+
+    def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
+        if self.doomed is not None:
+            wid, self.doomed = self.doomed, None
+            self.crash(wid, returncode=137)
+            self._errors.append(ProviderFailure("a1", wid, f"pod of {wid} was OOMKilled (exit code 137)"))
+        return super().list()
+
+
+def test_a_failure_that_lands_during_the_listing_keeps_the_providers_reason() -> None:
+    clock = FakeClock()
+    d = StateDriver(clock=clock)
+    p = WatchLagProvider(clock, startup=30.0)
+    c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
+    rnd = shell(c, d)
+    (wid,) = run_round(rnd, d, p, clock)
+    clock.advance(1.0)
+    p.doomed = wid
+    run_round(rnd, d, p, clock)
+    failed = [r for r in rnd.journal.records if r["kind"] == "launch-failed"]
+    assert len(failed) == 1 and "OOMKilled" in failed[0]["reason"], failed
+    assert "OOMKilled" in c.instances.instances[wid].reason

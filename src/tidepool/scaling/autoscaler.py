@@ -191,7 +191,6 @@ class AutoScaler:
         rnd = self.round
         now = self.scheduler.clock()
         self._provider_events()
-        rnd.provider_failures(await self._call("poll_errors"), now)
         expiring: list[str] = []
         if isinstance(self.provider, ReportsExpiring):  # e.g. Slurm jobs near their walltime
             expiring = await in_daemon_thread(self.provider.expiring, time.time(), timeout=PROVIDER_CALL_TIMEOUT)
@@ -207,6 +206,10 @@ class AutoScaler:
                 listing = await self._call("list")
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
+        # failures after the listing: a watch event landing between the two calls would otherwise
+        # show a worker as ended in the listing whose failure (the provider's reason: OOMKilled,
+        # Evicted, ...) is not in this round, and the reconcile would blame a bare exit code
+        rnd.provider_failures(await self._call("poll_errors"), now)
         now = self.scheduler.clock()
         actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing, notices=notices,
                               ends=ends)  # fmt: skip

@@ -160,8 +160,10 @@ def sync_round(rnd: Round, state: SchedulerState, provider: Any, now: float, *,
     terminations.  Retirements are left to the caller (``actions.retire``): the simulator goes
     through the scheduler's events, a test may simply remove the workers.  ``apply`` hands
     events to the scheduler state; ``named`` is told each launch's worker ids before it starts."""
-    rnd.provider_failures(provider.poll_errors(), now)
+    # the listing first, the failures second: a provider's view only moves on, so every worker the
+    # listing shows as ended has its failure (with the provider's reason) in this round's reports
     listing = provider.list() if rnd.listing_due(now) else None
+    rnd.provider_failures(provider.poll_errors(), now)
     actions, forecast = rnd.step(state, now, expiring=expiring, listing=listing, graph_allowed=graph_allowed,
                                  notices=notices, ends=ends)  # fmt: skip
     if actions.feasibility is not None:
