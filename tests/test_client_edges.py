@@ -260,3 +260,51 @@ def test_stalls_are_summed_at_info_once_per_period_and_warned_near_the_heartbeat
     assert "3 time(s) for 4.5s" in summary[1] and "longest 2.5s" in summary[1]
     warn = log.note(200.0, STALL_LOG_PERIOD + 2)  # 2/3 of the heartbeat timeout: could matter
     assert warn is not None and warn[0] == logging.WARNING and "67% of the heartbeat timeout" in warn[1]
+
+
+# ---- a map sent in pieces: an error in a later piece means nothing was sent -----------------------
+@pytest.mark.parametrize("fault", ["key-taken", "key-twice", "unpicklable"])
+def test_a_map_error_in_a_later_chunk_sends_nothing(cluster: tidepool.LocalCluster, fault: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``map`` sends one graph update per ``MAP_CHUNK`` tasks; a fault in the second piece (a key a
+    different live task holds, a key given twice in the map to different calls, an argument that
+    cannot be pickled) must fail before the first piece is sent, so the caller has no half-submitted
+    map whose futures it never got."""
+    from tidepool.client import api
+    from tidepool.errors import KeyCollisionError
+    from tidepool.scheduler import events as ev
+
+    monkeypatch.setattr(api, "MAP_CHUNK", 3)
+    seen: list[str] = []  # every task key that reached the scheduler in a graph update
+
+    def observe(events: list[Any], cmds: list[Any]) -> None:
+        seen.extend(t.key for e in events if isinstance(e, ev.UpdateGraph) for t in e.tasks)
+
+    cluster.run(lambda s: s.subscribe(observe))
+    try:
+        with tidepool.Client(cluster) as client:
+            keys = [f"{fault}-{i}" for i in range(6)]  # pieces: keys 0-2, then 3-5
+            args: list[Any] = list(range(6))
+            expected: tuple[type[BaseException], str]
+            if fault == "key-taken":
+                taken = client.submit(inc, 100, key=keys[4])
+                assert taken.result(timeout=60) == 101
+                expected = (KeyCollisionError, rf"{keys[4]!r} is already used by a different task.*own key")
+            elif fault == "key-twice":
+                keys[4] = keys[0]
+                expected = (KeyCollisionError, rf"{keys[0]!r} .*different task.*own key")
+            else:
+                import threading
+
+                args[4] = threading.Lock()
+                expected = (TypeError, "pickle")
+            with pytest.raises(expected[0], match=expected[1]) as caught:
+                client.map(inc, args, key=keys)
+            assert client.submit(inc, 1).result(timeout=60) == 2  # every earlier message has arrived
+            assert not set(seen) & set(keys[:4]), seen  # before the fix: the first piece was sent
+            assert not set(keys[:4]) & cluster.run(lambda s: set(s.state.tasks))
+            assert "nothing of this map was submitted" in str(caught.value) or fault == "unpicklable"
+            futs = client.map(inc, range(6), key=[f"{fault}-ok-{i}" for i in range(6)])  # still usable
+            assert client.gather(futs, timeout=60) == [1, 2, 3, 4, 5, 6]
+    finally:
+        cluster.run(lambda s: s.observers.remove(observe))

@@ -55,9 +55,10 @@ from tidepool.loop import ClosesOnExit
 
 T = TypeVar("T")
 
-#: tasks per ``update-graph`` message from :meth:`Client.map`: a larger map is built and sent in
-#: pieces of this size (each piece's tasks are all wanted, so the scheduler keeps every one), which
-#: keeps the peak memory of both sides to one piece's specs and far below the frame limit
+#: tasks per ``update-graph`` message from :meth:`Client.map`: a larger map is sent in pieces of this
+#: size (each piece's tasks are all wanted, so the scheduler keeps every one), which keeps the
+#: scheduler's peak memory to one piece's specs and each message far below the frame limit.  Every
+#: piece is built and checked before the first is sent, so a refused map submits nothing.
 MAP_CHUNK = 50_000
 #: every client created in this process, newest last (``default_client()`` picks the newest open one)
 created: list[weakref.ref[Client]] = []
@@ -224,11 +225,19 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         return fut  # type: ignore[no-any-return]
 
     def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> None:
-        conn = self._connection
-        conn.check_open()
+        self._post_graph(self._graph_message(tasks, wanted, functions), functions)
+
+    def _graph_message(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> dict[str, Any]:
+        """The ``update-graph`` message of ``tasks``, checked (open client, no cycle, under the frame
+        limit) but not sent: everything that can refuse a graph update raises here."""
+        self._connection.check_open()
         check_acyclic(tasks)
         msg = UpdateGraph(tasks, wanted, functions).encode()
         self._check_frame_size(msg)
+        return msg
+
+    def _post_graph(self, msg: dict[str, Any], functions: dict[str, Any]) -> None:
+        conn = self._connection
         conn.post(msg)
         with conn.lock:
             conn.core.sent_funcs.update(functions)
@@ -309,26 +318,39 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         else:
             prefix = key_name(key) if key is not None else make_key(fn)
             names = (f"{prefix}-{i}" for i in range(len(argsets)))
+        # Every piece is built and checked before the first is sent: an error (a taken key, an
+        # argument that does not pickle, a piece over the frame limit) leaves nothing submitted,
+        # rather than a part of the map running whose futures the caller never got.
         spec_of = self._specs.spec
         names = iter(names)
-        futs: list[Future[T]] = []
+        mine: list[TaskSpec] = []  # the map's own tasks (not the graphs of delayed arguments)
+        pieces: list[tuple[list[TaskSpec], list[str], dict[str, Any]]] = []
         for start in range(0, len(argsets), MAP_CHUNK):  # one message per MAP_CHUNK tasks
             functions: dict[str, Any] = {}
             extra: list[Delayed[Any]] = []
             tasks = []
-            keys = []
             for args, k in zip(argsets[start : start + MAP_CHUNK], names, strict=False):
                 spec = spec_of(k, fn, args, kwargs, opts, functions, extra)
                 if pure and key is None:
                     spec.key = pure_key(spec)
                 tasks.append(spec)
-                keys.append(spec.key)
-            if isinstance(key, list):
-                self._specs.check_collisions(tasks)
+            mine.extend(tasks)
+            keys = [t.key for t in tasks]
             if extra:
                 tasks = self._specs.delayed_specs(extra, functions) + tasks
+            pieces.append((tasks, keys, functions))
+        if isinstance(key, list):
+            self._specs.check_collisions(mine, batch="this map")
+        shipped: set[str] = set()  # a function goes in the first piece that needs it (sent in order)
+        messages = []
+        for tasks, keys, functions in pieces:
+            functions = {fid: f for fid, f in functions.items() if fid not in shipped}
+            shipped.update(functions)
+            messages.append((self._graph_message(tasks, keys, functions), keys, functions))
+        futs: list[Future[T]] = []
+        for msg, keys, functions in messages:
             futs.extend(self._new_future(k) for k in keys)
-            self._send_graph(tasks, keys, functions)
+            self._post_graph(msg, functions)
         return futs
 
     def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,

@@ -102,16 +102,26 @@ class SpecBuilder:
         return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
                         opts.name or func_name(fn), opts.priority, opts.workers, opts.loose)  # fmt: skip
 
-    def check_collisions(self, specs: list[TaskSpec]) -> None:
-        """Explicit keys: the same task may share a live key, a different one may not."""
+    def check_collisions(self, specs: list[TaskSpec], batch: str | None = None) -> None:
+        """Explicit keys: the same task may share a live key, a different one may not; nor may two
+        different tasks of ``specs`` share one.  ``batch`` (e.g. ``"this map"``): what the error
+        says was not submitted."""
+        given: dict[str, tuple[Any, ...]] = {}
+        unsent = f"; nothing of {batch} was submitted" if batch else ""
         for spec in specs:
+            ident = identity(spec)
+            first = given.setdefault(spec.key, ident)
+            if first != ident:
+                raise KeyCollisionError(
+                    f"key {spec.key!r} is given to two different tasks (another function, arguments or "
+                    f"inputs); give each task its own key{unsent}", spec.key)  # fmt: skip
             with self.lock:
-                taken = self.core.collision(spec.key, identity(spec))
+                taken = self.core.collision(spec.key, ident)
             if taken:
                 raise KeyCollisionError(
                     f"key {spec.key!r} is already used by a different task that is still alive (another "
                     "function, arguments or inputs); give this task its own key, or release the first "
-                    "future before reusing the key", spec.key)  # fmt: skip
+                    f"future before reusing the key{unsent}", spec.key)  # fmt: skip
 
     def delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[TaskSpec]:
         """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
