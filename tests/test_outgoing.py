@@ -79,3 +79,49 @@ def test_a_reader_takes_only_buffered_messages_of_the_asked_op() -> None:
     assert conn.recv_buffered("task-batch") is None  # a heartbeat is next: left for recv()
     assert asyncio.run(conn.recv()) == {"op": "heartbeat"}
     assert conn.recv_buffered("task-batch") is None
+
+
+def test_a_direct_message_goes_after_what_is_pending_for_that_worker() -> None:
+    """A ``restart`` or ``close`` sent directly (the scheduler's setup/run/restart/close path) never
+    overtakes the compute/free messages made for that worker earlier in the loop turn; another
+    worker's pending messages stay for the end of the turn."""
+    w, v = Recorder(), Recorder()
+    out = Outgoing(cast(Any, {"w": w, "v": v}), {})
+    out.compute("w", [_task("a")], {"f": b"pickle"})
+    out.free("w", ["x"])
+    out.free("v", ["y"])
+    asyncio.run(out.send_worker("w", {"op": "restart"}))
+    assert [m["op"] for m in w.sent] == ["compute", "free", "restart"]  # before the fix: restart alone
+    assert [t["key"] for t in w.sent[0]["tasks"]] == ["a"] and w.sent[1]["keys"] == ["x"]
+    assert v.sent == [] and out.workers == {"v": [{"op": "free", "keys": ["y"]}]}
+    assert out.messages == 3
+    asyncio.run(out.flush())
+    assert v.sent == [{"op": "free", "keys": ["y"]}] and len(w.sent) == 3 and not out
+
+
+def test_a_direct_message_waits_for_a_flush_still_sending_to_that_worker() -> None:
+    """A flush that took the worker's messages and waits on its slow connection is not overtaken."""
+
+    class Slow(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+
+        async def send(self, msg: dict[str, Any]) -> None:
+            if msg["op"] == "compute":
+                await self.gate.wait()
+            self.sent.append(msg)
+
+    async def main() -> list[str]:
+        w = Slow()
+        out = Outgoing(cast(Any, {"w": w}), {})
+        out.compute("w", [_task("a")], None)
+        flushing = asyncio.create_task(out.flush())
+        await asyncio.sleep(0)  # the flush has taken the compute and waits on the connection
+        direct = asyncio.create_task(out.send_worker("w", {"op": "close"}))
+        await asyncio.sleep(0)
+        w.gate.set()
+        await asyncio.gather(flushing, direct)
+        return [m["op"] for m in w.sent]
+
+    assert asyncio.run(main()) == ["compute", "close"]

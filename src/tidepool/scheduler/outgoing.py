@@ -7,8 +7,9 @@ nothing back (a worker's ``task-batch``, a client's ``update-graph``) leaves the
 loop turn (:meth:`Outgoing.soon`), so the commands of every message read in that turn go out
 together; anything else (a request that gets a reply, a tick, a registration) sends them at once
 (:meth:`Outgoing.flush`) before its own reply, so no reply overtakes the reports it answers for.
-Messages to one peer keep their order; one flush at a time (a lock), so a later flush never
-overtakes an earlier one that is waiting on a slow connection.
+Messages to one peer keep their order: one flush at a time (a lock), so a later flush never
+overtakes an earlier one that is waiting on a slow connection, and a message sent to a worker
+directly (:meth:`Outgoing.send_worker`) goes, under the same lock, after what is pending for it.
 """
 
 from __future__ import annotations
@@ -93,15 +94,7 @@ class Outgoing:
             workers, self.workers = self.workers, {}
             clients, self.clients = self.clients, {}
             for wid, msgs in workers.items():
-                for m in msgs:
-                    if isinstance(m, _ComputeOut):
-                        await self.send_worker(wid, Compute(m.tasks, m.functions or None).encode())
-                        continue
-                    await self.send_worker(wid, m)
-                    if m["op"] == "close":
-                        conn = self.worker_conns.pop(wid, None)
-                        if conn is not None:
-                            asyncio.get_running_loop().call_later(5.0, conn.close)
+                await self._send_queue(wid, msgs)
             for cid, items in clients.items():
                 conn = self.client_conns.get(cid)
                 if conn is not None:
@@ -110,9 +103,26 @@ class Outgoing:
                         await conn.send(ClientReport(items).encode())
 
     async def send_worker(self, wid: str, msg: dict[str, Any]) -> None:
-        """Send ``msg`` to worker ``wid`` now (nothing if it has no connection); a failed send closes
-        that connection.  Also the scheduler's own path for messages outside the batches (setup,
-        run, restart, close)."""
+        """Send ``msg`` to worker ``wid`` now, after what is pending for it (the scheduler's path for
+        messages outside the batches: setup, run, restart, close), so it never overtakes a compute
+        or free made earlier; waits for a flush under way (it may hold that worker's messages).
+        Nothing if the worker has no connection; a failed send closes that connection."""
+        async with self._lock:
+            await self._send_queue(wid, self.workers.pop(wid, []))
+            await self._send(wid, msg)
+
+    async def _send_queue(self, wid: str, msgs: list[_ComputeOut | dict[str, Any]]) -> None:
+        for m in msgs:
+            if isinstance(m, _ComputeOut):
+                await self._send(wid, Compute(m.tasks, m.functions or None).encode())
+                continue
+            await self._send(wid, m)
+            if m["op"] == "close":
+                conn = self.worker_conns.pop(wid, None)
+                if conn is not None:
+                    asyncio.get_running_loop().call_later(5.0, conn.close)
+
+    async def _send(self, wid: str, msg: dict[str, Any]) -> None:
         conn = self.worker_conns.get(wid)
         if conn is None:
             return
