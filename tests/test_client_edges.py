@@ -308,3 +308,20 @@ def test_a_map_error_in_a_later_chunk_sends_nothing(cluster: tidepool.LocalClust
             assert client.gather(futs, timeout=60) == [1, 2, 3, 4, 5, 6]
     finally:
         cluster.run(lambda s: s.observers.remove(observe))
+
+
+def test_generated_keys_are_unique_in_a_process_and_differ_in_a_forked_child() -> None:
+    from tidepool.graph.delayed import make_key
+
+    keys = [make_key(len) for _ in range(10_000)]
+    assert len(set(keys)) == len(keys) and all(k.startswith("len-") and len(k) == 24 for k in keys)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next key: a fork must not replay the parent's
+        os.write(w, make_key(len).encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 100).decode()
+    os.waitpid(pid, 0)
+    parent = make_key(len)
+    assert child != parent and child[4:16] != parent[4:16], (child, parent)

@@ -9,7 +9,8 @@ default client and returns the value.  Keys are ``<function name>-<random hex>``
 from __future__ import annotations
 
 import functools
-import uuid
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
@@ -27,8 +28,32 @@ def func_name(fn: Callable[..., Any]) -> str:
     return str(name).replace("<", "").replace(">", "")
 
 
+class _KeySuffixes:
+    """20 hex digits per call: a random 48-bit prefix per process (new after a fork, and after
+    2**32 keys) and a counter.  Unique like a random id, without a system call per key (each one
+    lets other threads take the interpreter lock, which a submit then waits to get back)."""
+
+    def __init__(self) -> None:
+        self._renew()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self.prefix = os.urandom(6).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        n = next(self.counter)
+        if n >= 1 << 32:
+            self._renew()
+            n = next(self.counter)
+        return f"{self.prefix}{n:08x}"
+
+
+_suffix = _KeySuffixes()
+
+
 def make_key(fn: Callable[..., Any]) -> str:
-    return f"{func_name(fn)}-{uuid.uuid4().hex[:20]}"
+    return f"{func_name(fn)}-{_suffix()}"
 
 
 class TaskOptions:
@@ -105,7 +130,7 @@ class TaskFunction(Generic[T]):
         key = key_name(key) if key is not None else self.key
         if key is not None:
             return Delayed(key, self.fn, args, kwargs, self.opts, explicit=True)
-        return Delayed(f"{self.opts.name or func_name(self.fn)}-{uuid.uuid4().hex[:20]}", self.fn, args,
+        return Delayed(f"{self.opts.name or func_name(self.fn)}-{_suffix()}", self.fn, args,
                        kwargs, self.opts)  # fmt: skip
 
     def options(self, *, resources: dict[str, Any] | None = None, retries: int | None = None,
