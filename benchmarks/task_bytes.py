@@ -1,15 +1,24 @@
 """Bytes per task held by the scheduler state and by the client, measured with tracemalloc.
 
-- scheduler: ``--n`` task specs as the server builds them from an ``update-graph`` (a pickled
+- scheduler, map: ``--n`` task specs as the server builds them from an ``update-graph`` (a pickled
   argument each, a group name, the key) handed to :class:`SchedulerState` with no workers; the
   traced memory still held once the specs list is dropped, per task.
+- scheduler, tree: the pairwise tree of ``benchmarks/million.py`` with about ``--n`` tasks, as its
+  client sends it: ``n / 2 + 1`` leaves (``client.map(inc, ...)``), then level after level of
+  ``client.map(add, left, right, key="add-<depth>")`` (each sum's payload holds two ``Ref``s, its
+  specs two dependencies; an odd one out is carried to the next level), one ``update-graph`` per
+  level, and the client releasing a level's keys once the next level is submitted (its futures
+  are dropped then).  Held memory per task as for the map.
 - client: ``client.map(inc, range(N))`` against a scheduler (in a child process, no workers, so the
   tasks stay pending); the traced memory this process still holds afterwards (futures, the
   futures table, anything kept for resending), per task, the list of futures itself excluded.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/task_bytes.py [--n 100000]
+    .venv/bin/python benchmarks/task_bytes.py [--n 100000] [--cases map,tree,client] [--where 12]
+
+``--where K``: also print, per scheduler case, the K source lines holding the most of that memory
+(tracemalloc statistics by line) and the sizes of one pending task's record and its collections.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 
 import tidepool
 from tidepool.comm.serialize import serialize
+from tidepool.graph.refs import Ref
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.state import SchedulerState
 
@@ -40,20 +50,71 @@ def inc(x: int) -> int:
     return x + 1
 
 
-def scheduler_bytes(n: int) -> float:
+FUNC_INC, FUNC_ADD = "f0123456789abcdef012", "f2109876543210fedcba"
+
+
+def map_events(n: int) -> list[ev.Event]:
+    specs = [ev.TaskSpec(f"inc-{i:020x}-{i}", FUNC_INC, serialize(((i,), {})), (), {}, 0, "inc")
+             for i in range(n)]  # fmt: skip
+    return [ev.UpdateGraph("client-1", specs, [s.key for s in specs], 0.0)]
+
+
+def tree_events(n: int) -> list[ev.Event]:
+    """The tree of ``million.py``: an ``UpdateGraph`` per level, the level before released after it."""
+    leaves = n // 2 + 1
+    prefix = "inc-0123456789abcdef0123"
+    specs = [ev.TaskSpec(f"{prefix}-{i}", FUNC_INC, serialize(((i,), {})), (), {}, 0, "inc") for i in range(leaves)]
+    level = [s.key for s in specs]
+    out: list[ev.Event] = [ev.UpdateGraph("client-1", specs, list(level), 0.0)]
+    depth = 0
+    while len(level) > 1:
+        depth += 1
+        left, right = level[0::2], level[1::2]
+        carry = [left.pop()] if len(left) > len(right) else []
+        specs = [ev.TaskSpec(f"add-{depth}-{i}", FUNC_ADD, serialize(((Ref(a), Ref(b)), {})), (a, b), {}, 0, "add")
+                 for i, (a, b) in enumerate(zip(left, right, strict=True))]  # fmt: skip
+        out.append(ev.UpdateGraph("client-1", specs, [s.key for s in specs], 0.0))
+        out.append(ev.ReleaseKeys("client-1", left + right, 0.0))
+        level = [s.key for s in specs] + carry
+    return out
+
+
+def scheduler_bytes(case: str, n: int, where: int = 0) -> tuple[float, int]:
+    """Bytes held per task by the state after the ``case`` graph's events, and the task count."""
     state = SchedulerState(no_worker_timeout=None)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    specs = [ev.TaskSpec(f"inc-{i:020x}-{i}", "f0123456789abcdef012", serialize(((i,), {})), (), {}, 0, "inc")
-             for i in range(n)]  # fmt: skip
-    state.handle(ev.UpdateGraph("client-1", specs, [s.key for s in specs], 0.0))
-    del specs
+    events = map_events(n) if case == "map" else tree_events(n)
+    for e in events:
+        state.handle(e)
+    del events, e
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - base
+    snapshot = tracemalloc.take_snapshot() if where else None
     tracemalloc.stop()
-    assert len(state.tasks) == n
-    return held / n
+    tasks = len(state.tasks)
+    if snapshot is not None:
+        show_where(snapshot, state, tasks, where)
+    return held / tasks, tasks
+
+
+def show_where(snapshot: tracemalloc.Snapshot, state: SchedulerState, tasks: int, k: int) -> None:
+    """The lines holding the most memory per task, and one record's own sizes."""
+    here = tracemalloc.Filter(False, tracemalloc.__file__)
+    for stat in snapshot.filter_traces([here]).statistics("lineno")[:k]:
+        frame = stat.traceback[0]
+        print(f"    {stat.size / tasks:7.1f} B/task  {frame.filename.split('src/')[-1]}:{frame.lineno}")
+    for ts in state.tasks.values():
+        if ts.deps:  # a task with inputs if there is one (the tree's sums), else any
+            break
+    sizes = {"record": sys.getsizeof(ts), "key": sys.getsizeof(ts.key), "payload": sys.getsizeof(ts.payload),
+             "priority": sys.getsizeof(ts.priority)}  # fmt: skip
+    for name in ("deps", "dependents", "waiters", "waiting_on", "who_has", "wanted_by"):
+        v = getattr(ts, name)
+        if v:
+            sizes[f"{name}[{len(v)}]"] = sys.getsizeof(v)
+    print(f"    one {ts.state} task: " + ", ".join(f"{name} {size}" for name, size in sizes.items()))
 
 
 def client_bytes(n: int) -> float:
@@ -83,9 +144,15 @@ def client_bytes(n: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--cases", default="map,tree,client")
+    p.add_argument("--where", type=int, default=0, help="top lines by memory held (scheduler cases)")
     a = p.parse_args()
-    print(f"scheduler: {scheduler_bytes(a.n):,.0f} bytes per pending task ({a.n:,} tasks)", flush=True)
-    print(f"client:    {client_bytes(a.n):,.0f} bytes per pending future ({a.n:,} tasks)", flush=True)
+    for case in a.cases.split(","):
+        if case == "client":
+            print(f"client:         {client_bytes(a.n):,.0f} bytes per pending future ({a.n:,} tasks)", flush=True)
+        else:
+            per_task, tasks = scheduler_bytes(case, a.n, a.where)
+            print(f"scheduler {case + ':':<5} {per_task:,.0f} bytes per pending task ({tasks:,} tasks)", flush=True)
 
 
 if __name__ == "__main__":
