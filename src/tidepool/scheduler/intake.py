@@ -11,7 +11,8 @@ submission that is still being computed (depth first across submissions: ``check
 ``f`` of an earlier ``map`` runs soon after ``f``, not after every other task of that ``map``).
 
 Compact records (records.py): equal resource shapes share one tuple, function ids and group names
-are interned, and a payload without out-of-band buffers is kept as its bytes.
+are interned, a payload without out-of-band buffers is kept as its bytes, and ``deps`` is a tuple
+of distinct records (an input given twice is linked once).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
         if spec.workers:
             ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
         made[spec.key] = ts
+        deps: list[TaskRecord] = []
         for dk in spec.deps:
             dep = made.get(dk) or known.get(dk)
             if dep is ts:
@@ -85,15 +87,16 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
                 ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
                 ts.exc_type = "DependencyError"
                 continue
-            if ts.deps:
-                ts.deps.append(dep)  # type: ignore[union-attr]
-            else:
-                ts.deps = [dep]
+            if ts in dep.dependents:
+                continue  # the same input given twice: one link (the records' collections hold each once)
+            deps.append(dep)
             dep.add_dependent(ts)
             if dep.state in ACTIVE and dep.priority < ts.priority and (
                     dep.priority // PRIORITY_STEP == ts.priority // PRIORITY_STEP):  # fmt: skip
                 # depth first: it takes its unfinished input's place in line (its own seq stays)
                 ts.priority = dep.priority - dep.priority % LINE + seq
+        if deps:
+            ts.deps = tuple(deps)
         seq += 1
     return list(made.values()), collided, seq
 
@@ -104,6 +107,6 @@ def _differs(old: TaskRecord, spec: ev.TaskSpec) -> str:
         return "a different function"
     if old.spec_payload != spec.payload:
         return "different arguments"
-    if [d.key for d in old.deps] != list(spec.deps):
+    if [d.key for d in old.deps] != list(dict.fromkeys(spec.deps)):
         return "different inputs"
     return ""

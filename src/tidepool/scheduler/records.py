@@ -1,19 +1,25 @@
 """Mutable records the scheduler state keeps per task and per worker (slotted for speed).
 
 Memory per task matters (a million tasks must fit in well under 1 GiB, issue 25): a task record
-has no ``__dict__``; its sets (``dependents``, ``waiters``, ``waiting_on``, ``who_has``,
-``wanted_by``) start as the shared empty :data:`NOSET` and become a set of their own on the first
-``add_*`` call (an empty set costs 216 bytes); code that empties one assigns :data:`NOSET` back,
-and code that removes from one checks membership first (``discard`` on :data:`NOSET` fails).
-``deps`` is an empty tuple until intake gives a task inputs; ``shape`` is shared between equal
-shapes (intake interns it), ``group`` and ``func_id`` are interned strings, and ``payload`` is
-kept as the bytes the client sent (:attr:`TaskRecord.spec_payload` wraps it again when a worker
-needs it).
+has no ``__dict__``, and its collections start as the shared empty :data:`NOSET` (an empty set
+costs 216 bytes) and are changed only through its ``add_*``/``drop_*`` methods, which put
+:data:`NOSET` back when one empties.  ``who_has`` and ``wanted_by`` (strings) become a set of their
+own on the first add.  The task collections (``dependents``, ``waiters``, ``waiting_on``) are
+tuples while they hold up to :data:`SMALL` tasks (a tuple of one costs 48 bytes, of two 56; in a
+tree every task has one dependent and a sum two inputs) and a set beyond that; an add or a drop
+replaces a tuple (a set changes in place), so readers may only iterate them, test membership,
+length and truth, never mutate one or combine one with set operators.  A task's one waiter is
+mostly its one dependent: ``add_waiter`` then shares the ``dependents`` tuple.  ``deps`` is a
+tuple of distinct records (intake drops an input given twice), empty until intake gives it
+inputs.  Records hash and compare by identity (object's own, in C).  ``shape`` is shared between
+equal shapes (intake interns it), ``group`` and ``func_id`` are interned strings, and
+``payload`` is kept as the bytes the client sent (:attr:`TaskRecord.spec_payload` wraps it again
+when a worker needs it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 from tidepool.comm.serialize import Serialized
 from tidepool.resources import Shape
@@ -25,6 +31,13 @@ ORDINARY = frozenset({"cpu", "memory"})
 
 #: the empty set every task record's sets start as (shared: see the module docstring)
 NOSET: Any = frozenset()
+
+#: a task collection of up to this many tasks is a tuple, a larger one a set (module docstring)
+SMALL = 8
+
+
+#: a task collection (module docstring): NOSET, a tuple of up to SMALL distinct tasks, or a set
+TaskSet: TypeAlias = "frozenset[TaskRecord] | tuple[TaskRecord, ...] | set[TaskRecord]"
 
 
 class TaskRecord:
@@ -44,10 +57,11 @@ class TaskRecord:
         self.func_id = func_id
         #: the pickled arguments as the client sent them: bytes when they had no out-of-band buffers
         self.payload = payload
-        self.deps: list[TaskRecord] | tuple[TaskRecord, ...] = ()
-        self.dependents: set[TaskRecord] = NOSET
-        self.waiters: set[TaskRecord] = NOSET  # dependents not done yet that need our value
-        self.waiting_on: set[TaskRecord] = NOSET  # our deps whose values are not available
+        self.deps: tuple[TaskRecord, ...] = ()  # distinct, in the order the client gave them
+        # task collections (module docstring): iterate, test membership and truth; never mutate
+        self.dependents: TaskSet = NOSET
+        self.waiters: TaskSet = NOSET  # dependents not done yet that need our value
+        self.waiting_on: TaskSet = NOSET  # our deps whose values are not available
         self.state: str = TaskState.RELEASED
         self.who_has: set[str] = NOSET
         self.nbytes = 0
@@ -86,24 +100,30 @@ class TaskRecord:
         p = self.payload
         return Serialized(p) if type(p) is bytes else p  # type: ignore[return-value]
 
-    # ---- the sets start shared and empty (module docstring): add through these ------------------
+    # ---- the collections start shared and empty (module docstring): add through these ---------
     def add_dependent(self, ts: TaskRecord) -> None:
-        if self.dependents is NOSET:
-            self.dependents = {ts}
-        else:
-            self.dependents.add(ts)
+        s = self.dependents
+        if type(s) is set:
+            s.add(ts)
+        elif ts not in s:
+            self.dependents = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
 
     def add_waiter(self, ts: TaskRecord) -> None:
-        if self.waiters is NOSET:
-            self.waiters = {ts}
-        else:
-            self.waiters.add(ts)
+        s = self.waiters
+        if type(s) is set:
+            s.add(ts)
+        elif s is NOSET:
+            d = self.dependents  # mostly the one dependent is the one waiter: share its tuple
+            self.waiters = d if type(d) is tuple and len(d) == 1 and d[0] is ts else (ts,)  # type: ignore[assignment]
+        elif ts not in s:
+            self.waiters = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
 
     def add_waiting_on(self, ts: TaskRecord) -> None:
-        if self.waiting_on is NOSET:
-            self.waiting_on = {ts}
-        else:
-            self.waiting_on.add(ts)
+        s = self.waiting_on
+        if type(s) is set:
+            s.add(ts)
+        elif ts not in s:
+            self.waiting_on = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
 
     def add_holder(self, worker: str) -> None:
         if self.who_has is NOSET:
@@ -117,27 +137,21 @@ class TaskRecord:
         else:
             self.wanted_by.add(client)
 
-    # ---- ... and remove through these (an emptied set goes back to NOSET, freeing it) -------------
+    # ---- ... and remove through these (an emptied one goes back to NOSET, freeing it) -------------
     def drop_dependent(self, ts: TaskRecord) -> None:
         s = self.dependents
         if ts in s:
-            s.discard(ts)
-            if not s:
-                self.dependents = NOSET
+            self.dependents = _without(s, ts)
 
     def drop_waiter(self, ts: TaskRecord) -> None:
         s = self.waiters
         if ts in s:
-            s.discard(ts)
-            if not s:
-                self.waiters = NOSET
+            self.waiters = _without(s, ts)
 
     def drop_waiting_on(self, ts: TaskRecord) -> None:
         s = self.waiting_on
         if ts in s:
-            s.discard(ts)
-            if not s:
-                self.waiting_on = NOSET
+            self.waiting_on = _without(s, ts)
 
     def drop_holder(self, worker: str) -> None:
         s = self.who_has
@@ -156,11 +170,27 @@ class TaskRecord:
     def __repr__(self) -> str:
         return f"<Task {self.key} {self.state}>"
 
-    def __hash__(self) -> int:
-        return id(self)
+    # equality and hashing are object identity (object's own, in C: no Python call per set lookup)
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
+
+def small(items: list[TaskRecord] | tuple[TaskRecord, ...]) -> Any:
+    """Distinct ``items`` as a task collection (module docstring): NOSET, a tuple or a set."""
+    n = len(items)
+    if n == 0:
+        return NOSET
+    return tuple(items) if n <= SMALL else set(items)
+
+
+def _without(s: Any, ts: TaskRecord) -> Any:
+    """Task collection ``s`` (holding ``ts``) less ``ts``: a set shrinks in place, a tuple is
+    replaced; empty is NOSET."""
+    if type(s) is set:
+        s.discard(ts)
+        return s if s else NOSET
+    if len(s) == 1:
+        return NOSET
+    i = s.index(ts)
+    return s[:i] + s[i + 1 :]
 
 
 class WorkerRecord:

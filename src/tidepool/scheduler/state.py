@@ -38,7 +38,7 @@ from tidepool.scheduler.kinds import ACTIVE, TASK_TRANSITIONS, WORKER_TRANSITION
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
-from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord
+from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord, small
 from tidepool.scheduler.resource_names import typo_reason
 from tidepool.scheduler.tally import Tally
 
@@ -240,7 +240,7 @@ class SchedulerState:
             if typo is not None:
                 self._fail(ts, "InfeasibleTaskError", f"task {ts.key!r} can never run: {typo}", out)
                 continue
-            waiting: set[TaskRecord] = NOSET
+            waiting: list[TaskRecord] = []
             failed: TaskRecord | None = None
             for dep in ts.deps:
                 dep.add_waiter(ts)
@@ -249,10 +249,7 @@ class SchedulerState:
                 if dep.state == "erred":
                     failed = dep
                     continue
-                if waiting is NOSET:
-                    waiting = {dep}
-                else:
-                    waiting.add(dep)
+                waiting.append(dep)
                 if dep.state == "released":
                     stack.append(dep)
             if failed is not None:
@@ -260,7 +257,7 @@ class SchedulerState:
                 self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
                 continue
-            ts.waiting_on = waiting
+            ts.waiting_on = small(waiting)
             if waiting:
                 self._move(ts, TS.WAITING)
             else:
@@ -321,8 +318,8 @@ class SchedulerState:
 
     def _reschedule(self, ts: TaskRecord, out: list[ev.Command]) -> None:
         """Running (or ready) task goes back to waiting/ready; missing inputs are recomputed."""
-        waiting = {d for d in ts.deps if d.state != "memory"} or NOSET
-        ts.waiting_on = waiting
+        waiting = [d for d in ts.deps if d.state != "memory"]
+        ts.waiting_on = small(waiting)
         if not waiting:
             if ts.state != "ready":
                 self._make_ready(ts, out)

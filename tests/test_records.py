@@ -1,0 +1,79 @@
+"""Task records' compact collections (records.py): tuples while small, sets beyond, NOSET when empty."""
+
+from __future__ import annotations
+
+from tidepool.resources import task_shape
+from tidepool.scheduler.records import NOSET, SMALL, TaskRecord
+from tidepool.scheduler.state import SchedulerState
+from tidepool.testing import StateDriver
+
+
+def record(key: str) -> TaskRecord:
+    return TaskRecord(key, "f", None, task_shape({}), 0, 0, "g")
+
+
+def test_one_dependent_becoming_two_leaves_the_shared_waiter_alone() -> None:
+    a, b, c = record("a"), record("b"), record("c")
+    a.add_dependent(b)
+    a.add_waiter(b)
+    assert a.waiters is a.dependents == (b,)  # the one waiter shares the one dependent's tuple
+    a.add_dependent(c)
+    assert a.dependents == (b, c) and a.waiters == (b,)
+    a.add_waiter(c)
+    assert a.waiters == (b, c)
+    a.drop_waiter(b)
+    assert a.waiters == (c,) and a.dependents == (b, c)
+    a.drop_dependent(c)
+    assert a.dependents == (b,) and a.waiters == (c,)
+    a.drop_waiter(c)
+    a.drop_dependent(b)
+    assert a.waiters is NOSET and a.dependents is NOSET
+
+
+def test_a_collection_is_a_tuple_up_to_small_then_a_set_and_noset_once_empty() -> None:
+    a = record("a")
+    others = [record(f"d{i}") for i in range(SMALL + 2)]
+    for i, d in enumerate(others[:SMALL]):
+        a.add_waiting_on(d)
+        a.add_waiting_on(d)  # given twice: held once
+        assert type(a.waiting_on) is tuple and len(a.waiting_on) == i + 1
+    a.add_waiting_on(others[SMALL])
+    assert type(a.waiting_on) is set and a.waiting_on == set(others[: SMALL + 1])
+    a.drop_waiting_on(others[SMALL + 1])  # not held: nothing happens
+    assert len(a.waiting_on) == SMALL + 1
+    for d in others:
+        a.drop_waiting_on(d)
+        assert d not in a.waiting_on
+    assert a.waiting_on is NOSET
+    a.drop_waiting_on(others[0])  # dropping from the empty one is harmless
+    assert a.waiting_on is NOSET
+
+
+def test_an_input_given_twice_is_linked_once_and_the_task_runs() -> None:
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1", {"cpu": 1})
+    d.submit([("a", []), ("b", ["a", "a"])], ["b"])
+    a, b = d.state.tasks["a"], d.state.tasks["b"]
+    assert b.deps == (a,) and a.dependents == (b,)
+    d.submit([("b", ["a", "a"])], ["b"])  # the same task again: no collision
+    assert not [r for r in d.reports if r.status == "erred"]
+    d.run_until_idle()
+    assert d.status()["b"] == "memory"
+    d.state.validate()
+    d.release(["b"])
+    assert d.state.tasks == {}
+
+
+def test_an_input_with_more_dependents_than_small_runs_them_all_and_is_forgotten() -> None:
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1", {"cpu": 2})
+    n = SMALL + 4
+    d.submit([("src", [])] + [(f"use-{i}", ["src"]) for i in range(n)], [f"use-{i}" for i in range(n)])
+    src = d.state.tasks["src"]
+    assert type(src.dependents) is set and len(src.dependents) == n
+    d.run_until_idle()
+    d.state.validate()
+    assert all(d.status()[f"use-{i}"] == "memory" for i in range(n))
+    assert src.waiters is NOSET  # every dependent finished: the value is not needed any more
+    d.release([f"use-{i}" for i in range(n)])
+    assert d.state.tasks == {}
