@@ -77,3 +77,20 @@ def test_an_input_with_more_dependents_than_small_runs_them_all_and_is_forgotten
     assert src.waiters is NOSET  # every dependent finished: the value is not needed any more
     d.release([f"use-{i}" for i in range(n)])
     assert d.state.tasks == {}
+
+
+def test_holders_and_wanters_are_small_collections_too() -> None:
+    a = record("a")
+    for w in ("w1", "w2", "w1"):
+        a.add_holder(w)
+    a.add_wanter("c")
+    assert a.who_has == ("w1", "w2") and a.wanted_by == ("c",) and a.needed
+    a.drop_holder("w1")
+    a.drop_holder("w3")  # not a holder: nothing happens
+    assert a.who_has == ("w2",)
+    a.drop_holder("w2")
+    a.drop_wanter("c")
+    assert a.who_has is NOSET and a.wanted_by is NOSET
+    for i in range(SMALL + 1):
+        a.add_holder(f"w{i}")
+    assert a.who_has == {f"w{i}" for i in range(SMALL + 1)}

@@ -1,20 +1,20 @@
 """Mutable records the scheduler state keeps per task and per worker (slotted for speed).
 
 Memory per task matters (a million tasks must fit in well under 1 GiB, issue 25): a task record
-has no ``__dict__``, and its collections start as the shared empty :data:`NOSET` (an empty set
-costs 216 bytes) and are changed only through its ``add_*``/``drop_*`` methods, which put
-:data:`NOSET` back when one empties.  ``who_has`` and ``wanted_by`` (strings) become a set of their
-own on the first add.  The task collections (``dependents``, ``waiters``, ``waiting_on``) are
-tuples while they hold up to :data:`SMALL` tasks (a tuple of one costs 48 bytes, of two 56; in a
-tree every task has one dependent and a sum two inputs) and a set beyond that; an add or a drop
+has no ``__dict__``, and its collections (``dependents``, ``waiters``, ``waiting_on`` of task
+records; ``who_has`` of worker ids, ``wanted_by`` of client ids) start as the shared empty
+:data:`NOSET` (an empty set costs 216 bytes) and are changed only through its ``add_*``/``drop_*``
+methods.  One is a tuple while it holds up to :data:`SMALL` items (a tuple of one costs 48 bytes,
+of two 56; in a tree every task has one dependent and a sum two inputs, a value mostly has one
+holder and one client) and a set beyond that, and :data:`NOSET` again once empty; an add or a drop
 replaces a tuple (a set changes in place), so readers may only iterate them, test membership,
-length and truth, never mutate one or combine one with set operators.  A task's one waiter is
-mostly its one dependent: ``add_waiter`` then shares the ``dependents`` tuple.  ``deps`` is a
-tuple of distinct records (intake drops an input given twice), empty until intake gives it
-inputs.  Records hash and compare by identity (object's own, in C).  ``shape`` is shared between
-equal shapes (intake interns it), ``group`` and ``func_id`` are interned strings, and
-``payload`` is kept as the bytes the client sent (:attr:`TaskRecord.spec_payload` wraps it again
-when a worker needs it).
+length and truth: never mutate one, compare one with a set or combine one with set operators.  A
+task's one waiter is mostly its one dependent: ``add_waiter`` then shares the ``dependents``
+tuple.  ``deps`` is a tuple of distinct records (intake drops an input given twice), empty until
+intake gives it inputs.  Records hash and compare by identity (object's own, in C).  ``shape``
+is shared between equal shapes (intake interns it), ``group`` and ``func_id`` are interned
+strings, and ``payload`` is kept as the bytes the client sent (:attr:`TaskRecord.spec_payload`
+wraps it again when a worker needs it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ SMALL = 8
 
 #: a task collection (module docstring): NOSET, a tuple of up to SMALL distinct tasks, or a set
 TaskSet: TypeAlias = "frozenset[TaskRecord] | tuple[TaskRecord, ...] | set[TaskRecord]"
+#: the same for worker ids (``who_has``) and client ids (``wanted_by``)
+StrSet: TypeAlias = frozenset[str] | tuple[str, ...] | set[str]
 
 
 class TaskRecord:
@@ -63,13 +65,13 @@ class TaskRecord:
         self.waiters: TaskSet = NOSET  # dependents not done yet that need our value
         self.waiting_on: TaskSet = NOSET  # our deps whose values are not available
         self.state: str = TaskState.RELEASED
-        self.who_has: set[str] = NOSET
+        self.who_has: StrSet = NOSET
         self.nbytes = 0
         self.worker: str | None = None
         self.shape = shape
         self.retries_left = retries
         self.suspicious = 0
-        self.wanted_by: set[str] = NOSET
+        self.wanted_by: StrSet = NOSET
         self.priority = priority
         self.group = group
         self.exception: Serialized | None = None
@@ -126,16 +128,18 @@ class TaskRecord:
             self.waiting_on = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
 
     def add_holder(self, worker: str) -> None:
-        if self.who_has is NOSET:
-            self.who_has = {worker}
-        else:
-            self.who_has.add(worker)
+        s = self.who_has
+        if type(s) is set:
+            s.add(worker)
+        elif worker not in s:
+            self.who_has = (*s, worker) if len(s) < SMALL else {*s, worker}  # type: ignore[assignment]
 
     def add_wanter(self, client: str) -> None:
-        if self.wanted_by is NOSET:
-            self.wanted_by = {client}
-        else:
-            self.wanted_by.add(client)
+        s = self.wanted_by
+        if type(s) is set:
+            s.add(client)
+        elif client not in s:
+            self.wanted_by = (*s, client) if len(s) < SMALL else {*s, client}  # type: ignore[assignment]
 
     # ---- ... and remove through these (an emptied one goes back to NOSET, freeing it) -------------
     def drop_dependent(self, ts: TaskRecord) -> None:
@@ -156,16 +160,12 @@ class TaskRecord:
     def drop_holder(self, worker: str) -> None:
         s = self.who_has
         if worker in s:
-            s.discard(worker)
-            if not s:
-                self.who_has = NOSET
+            self.who_has = _without(s, worker)
 
     def drop_wanter(self, client: str) -> None:
         s = self.wanted_by
         if client in s:
-            s.discard(client)
-            if not s:
-                self.wanted_by = NOSET
+            self.wanted_by = _without(s, client)
 
     def __repr__(self) -> str:
         return f"<Task {self.key} {self.state}>"
@@ -181,15 +181,15 @@ def small(items: list[TaskRecord] | tuple[TaskRecord, ...]) -> Any:
     return tuple(items) if n <= SMALL else set(items)
 
 
-def _without(s: Any, ts: TaskRecord) -> Any:
-    """Task collection ``s`` (holding ``ts``) less ``ts``: a set shrinks in place, a tuple is
-    replaced; empty is NOSET."""
+def _without(s: Any, x: Any) -> Any:
+    """Collection ``s`` (holding ``x``) less ``x``: a set shrinks in place, a tuple is replaced;
+    empty is NOSET."""
     if type(s) is set:
-        s.discard(ts)
+        s.discard(x)
         return s if s else NOSET
     if len(s) == 1:
         return NOSET
-    i = s.index(ts)
+    i = s.index(x)
     return s[:i] + s[i + 1 :]
 
 

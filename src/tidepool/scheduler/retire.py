@@ -74,7 +74,8 @@ class RetireView(Protocol):
 def unique_data(ws: WorkerRecord, leaving: Iterable[str] = ()) -> list[TaskRecord]:
     """Values ``ws`` holds that somebody still needs and no other worker (outside ``leaving``) has."""
     gone = set(leaving)
-    return [ts for ts in ws.has_what if ts.needed and len(ts.who_has - gone if gone else ts.who_has) == 1]
+    return [ts for ts in ws.has_what
+            if ts.needed and (sum(w not in gone for w in ts.who_has) if gone else len(ts.who_has)) == 1]  # fmt: skip
 
 
 def start_retire(view: RetireView, e: ev.RetireWorkers) -> list[Intent]:
