@@ -94,3 +94,18 @@ def test_holders_and_wanters_are_small_collections_too() -> None:
     for i in range(SMALL + 1):
         a.add_holder(f"w{i}")
     assert a.who_has == {f"w{i}" for i in range(SMALL + 1)}
+
+
+def test_a_failure_is_one_error_its_dependents_share() -> None:
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"]), ("c", ["b"]), ("x", ["gone"]), ("y", ["x"])], ["c", "y"])
+    x, y = d.state.tasks["x"], d.state.tasks["y"]  # x names an unknown input: it fails when computed
+    assert x.state == y.state == "erred" and x.exc_type == y.exc_type == "DependencyError"
+    assert x.error_origin == "" and y.error_origin == "x" and y.message == x.message
+    d.fail("w1", "a", "it broke")
+    a, b, c = (d.state.tasks[k] for k in "abc")
+    assert a.error is not None and b.error is a.error and c.error is a.error
+    assert c.state == "erred" and c.error_origin == "a" and c.message == "it broke" and c.exc_type == a.exc_type
+    fresh = record("fresh")
+    assert (fresh.error, fresh.exc_type, fresh.message, fresh.error_origin, fresh.exception) == (None, "", "", "", None)

@@ -25,7 +25,7 @@ from tidepool.comm.serialize import Serialized
 from tidepool.resources import Shape, task_shape
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import ACTIVE
-from tidepool.scheduler.records import TaskRecord
+from tidepool.scheduler.records import TaskError, TaskRecord
 
 #: one step of user priority outweighs any difference in submission order
 PRIORITY_STEP = 1 << 80
@@ -80,12 +80,10 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
         for dk in spec.deps:
             dep = made.get(dk) or known.get(dk)
             if dep is ts:
-                ts.message = f"task {dk!r} depends on itself (a cycle); a graph must be acyclic"
-                ts.exc_type = "CycleError"
+                ts.error = TaskError("CycleError", f"task {dk!r} depends on itself (a cycle); a graph must be acyclic")
                 continue
             if dep is None:
-                ts.message = f"input {dk!r} is unknown to the scheduler (was it released?)"
-                ts.exc_type = "DependencyError"
+                ts.error = TaskError("DependencyError", f"input {dk!r} is unknown to the scheduler (was it released?)")
                 continue
             if ts in dep.dependents:
                 continue  # the same input given twice: one link (the records' collections hold each once)

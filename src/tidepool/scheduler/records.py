@@ -13,8 +13,9 @@ task's one waiter is mostly its one dependent: ``add_waiter`` then shares the ``
 tuple.  ``deps`` is a tuple of distinct records (intake drops an input given twice), empty until
 intake gives it inputs.  Records hash and compare by identity (object's own, in C).  ``shape``
 is shared between equal shapes (intake interns it), ``group`` and ``func_id`` are interned
-strings, and ``payload`` is kept as the bytes the client sent (:attr:`TaskRecord.spec_payload`
-wraps it again when a worker needs it).
+strings, ``payload`` is kept as the bytes the client sent (:attr:`TaskRecord.spec_payload`
+wraps it again when a worker needs it), and a failure is one :class:`TaskError` in one slot
+(``error``; the dependents failing with it share it), read field by field through properties.
 """
 
 from __future__ import annotations
@@ -42,12 +43,30 @@ TaskSet: TypeAlias = "frozenset[TaskRecord] | tuple[TaskRecord, ...] | set[TaskR
 StrSet: TypeAlias = frozenset[str] | tuple[str, ...] | set[str]
 
 
+class TaskError:
+    """Why a task failed: never changed once made, so the dependents failing with it share it.
+    ``origin``: the key of the task that failed first ("" for an error intake found: a cycle or an
+    unknown input, before the task was computed)."""
+
+    __slots__ = ("exc_type", "message", "origin", "exception", "traceback")
+
+    def __init__(self, exc_type: str, message: str, origin: str = "", exception: Serialized | None = None,
+                 traceback: str = "") -> None:  # fmt: skip
+        self.exc_type = exc_type
+        self.message = message
+        self.origin = origin
+        self.exception = exception
+        self.traceback = traceback
+
+    def __repr__(self) -> str:
+        return f"<TaskError {self.exc_type}: {self.message} (from {self.origin or '?'})>"
+
+
 class TaskRecord:
     __slots__ = (
         "key", "func_id", "payload", "deps", "dependents", "waiters", "waiting_on", "state",
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
-        "priority", "group", "exception", "traceback", "exc_type", "message", "error_origin",
-        "est", "ready_seq", "started", "duration", "recomputes", "executing", "no_worker_since",
+        "priority", "group", "error", "ready_seq", "started", "recomputes", "executing", "no_worker_since",
         "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid",
     )  # fmt: skip
 
@@ -74,15 +93,10 @@ class TaskRecord:
         self.wanted_by: StrSet = NOSET
         self.priority = priority
         self.group = group
-        self.exception: Serialized | None = None
-        self.traceback = ""
-        self.exc_type = ""
-        self.message = ""
-        self.error_origin = ""
-        self.est = 0.0
+        #: why it failed (None until it does, or until intake finds it cannot run)
+        self.error: TaskError | None = None
         self.ready_seq = 0
         self.started = 0.0
-        self.duration = 0.0
         self.recomputes = 0
         self.executing = False  # its worker reported it left the queue for a slot
         self.no_worker_since = 0.0
@@ -91,6 +105,27 @@ class TaskRecord:
         self.seceded = False  # left its slot to wait for other tasks (worker_client)
         self.restrict: frozenset[str] | None = None  # worker ids/names/addresses it may run on
         self.loose = False  # the restriction is only a preference (allow_other_workers)
+
+    # ---- its error, field by field ("" and None without one) ------------------------------------
+    @property
+    def exception(self) -> Serialized | None:
+        return self.error.exception if self.error is not None else None
+
+    @property
+    def traceback(self) -> str:
+        return self.error.traceback if self.error is not None else ""
+
+    @property
+    def exc_type(self) -> str:
+        return self.error.exc_type if self.error is not None else ""
+
+    @property
+    def message(self) -> str:
+        return self.error.message if self.error is not None else ""
+
+    @property
+    def error_origin(self) -> str:
+        return self.error.origin if self.error is not None else ""
 
     @property
     def needed(self) -> bool:

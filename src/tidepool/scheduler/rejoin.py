@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.kinds import TaskState as TS
-from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord
+from tidepool.scheduler.records import NOSET, TaskError, TaskRecord, WorkerRecord
 
 _PENDING = (TS.WAITING, TS.READY, TS.NO_WORKER)
 
@@ -93,8 +93,7 @@ def restore_errors(st: Host, e: ev.RestoreErrors, out: list[ev.Command]) -> None
         ts = st.tasks.get(key)
         if ts is None or ts.state not in _PENDING:
             continue
-        ts.exception, ts.traceback = err.get("exception"), str(err.get("traceback") or "")
-        ts.exc_type, ts.message = str(err.get("type") or ""), str(err.get("message") or "")
-        ts.error_origin = str(err.get("origin") or key)
+        ts.error = TaskError(str(err.get("type") or ""), str(err.get("message") or ""), str(err.get("origin") or key),
+                             err.get("exception"), str(err.get("traceback") or ""))  # fmt: skip
         st._move(ts, TS.ERRED)
         st._erred_cascade(ts, out)

@@ -38,7 +38,7 @@ from tidepool.scheduler.kinds import ACTIVE, TASK_TRANSITIONS, WORKER_TRANSITION
 from tidepool.scheduler.kinds import ReportKind as RK
 from tidepool.scheduler.kinds import TaskState as TS
 from tidepool.scheduler.kinds import WorkerState as WS
-from tidepool.scheduler.records import NOSET, TaskRecord, WorkerRecord, small
+from tidepool.scheduler.records import NOSET, TaskError, TaskRecord, WorkerRecord, small
 from tidepool.scheduler.resource_names import typo_reason
 from tidepool.scheduler.tally import Tally
 
@@ -232,7 +232,8 @@ class SchedulerState:
             ts = stack.pop()
             if ts.state != "released":
                 continue
-            if ts.exc_type in ("DependencyError", "CycleError") and ts.message and not ts.exception:
+            err = ts.error
+            if err is not None and err.exc_type in ("DependencyError", "CycleError") and err.message and not err.exception:
                 self._move(ts, TS.ERRED)
                 self._erred_cascade(ts, out)
                 continue
@@ -384,7 +385,6 @@ class SchedulerState:
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
         ts.executing = False
-        ts.est = est
         ts.started = self.now
         ws.processing[ts] = est
         self._load_changed(ws)
@@ -461,7 +461,6 @@ class SchedulerState:
             self.estimates.observe(ts.group, duration)
             self.counters["finished"] += 1
             ws.executed += 1
-            ts.duration = duration
         ts.nbytes = nbytes
         ts.suspicious = 0
         self._move(ts, TS.MEMORY)
@@ -519,14 +518,18 @@ class SchedulerState:
             self.counters["retried"] += 1
             self._reschedule(ts, out)
             return
-        ts.exception, ts.traceback, ts.exc_type = e.exception, e.traceback, e.exc_type
-        ts.message, ts.error_origin = e.message, ts.key
+        ts.error = TaskError(e.exc_type, e.message, ts.key, e.exception, e.traceback)
         self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
     def _copy_error(self, ts: TaskRecord, src: TaskRecord) -> None:
-        ts.exception, ts.traceback, ts.exc_type = src.exception, src.traceback, src.exc_type
-        ts.message, ts.error_origin = src.message, src.error_origin or src.key
+        err = src.error
+        if err is not None and err.origin:
+            ts.error = err  # never changed: shared
+        elif err is not None:
+            ts.error = TaskError(err.exc_type, err.message, src.key, err.exception, err.traceback)
+        else:
+            ts.error = TaskError("", "", src.key)
 
     def _erred_cascade(self, root: TaskRecord, out: list[ev.Command]) -> None:
         """``root`` just became erred: report it and fail every unfinished dependent."""
@@ -766,8 +769,7 @@ class SchedulerState:
 
     def _fail(self, ts: TaskRecord, exc_type: str, message: str, out: list[ev.Command]) -> None:
         """A task not on any worker fails with a scheduler-made error; dependents fail with it."""
-        ts.exception, ts.traceback, ts.exc_type = None, "", exc_type
-        ts.message, ts.error_origin = message, ts.key
+        ts.error = TaskError(exc_type, message, ts.key)
         self._move(ts, TS.ERRED)
         self._erred_cascade(ts, out)
 
