@@ -43,6 +43,8 @@ class WorkerView:
     idle_since: float | None
     joined: float
     memory_limit: int = 0  # bytes it may use (0: no limit known); held bytes include spilled ones
+    #: of ``unique_keys``, the values an unfinished task still needs (the rest only a client wants)
+    unique_for_tasks: int = 0
 
     @property
     def idle(self) -> bool:
