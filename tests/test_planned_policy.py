@@ -8,12 +8,12 @@ import logging
 import pytest
 
 from tidepool.errors import ConfigError
-from tidepool.scaling.forecast import RemainingWork, type_forecasts
+from tidepool.scaling.forecast import RemainingWork, peak_in_use, type_forecasts
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import GraphView
 from tidepool.scaling.planned import BUDGET_GROWTH, BUDGET_MARGIN, GraphPlan, default_policy
 from tidepool.scaling.policies import Adaptive
-from tidepool.scaling.snapshot import ClusterSnapshot, Demand, WorkerView
+from tidepool.scaling.snapshot import ClusterSnapshot, Demand, PendingLaunch, WorkerView
 
 CPU = (("cpu", 1.0),)
 
@@ -360,3 +360,20 @@ def test_an_idle_node_is_held_for_values_a_task_needs_not_for_results_only_a_cli
     later = default_policy()(snapshot(10.5, nt, ws, work))
     assert "inputs" in later.retire
 
+
+def test_a_launch_in_flight_does_not_count_as_a_node_to_retire_a_live_one_against() -> None:
+    nt = NodeType("default", max_nodes=10, startup_estimate=10.0)  # horizon 15 s
+    # w0's task ends in 8 s, then 5 tasks of 20 s: four start at once on the four live nodes, the
+    # fifth on one of 4 nodes launched a moment ago (due in ~10 s): the forecast needs 5 nodes
+    ws = (worker("w0", running=1), worker("w1"), worker("w2"), worker("w3"))
+    work = RemainingWork((8.0, *([20.0] * 5)), ((), *([(0,)] * 5)), (0,))
+    graph = GraphView(work, (CPU,) * len(work))
+    forecasts, eta, nxt = type_forecasts(graph, ws, (nt,), {"default": 8}, (("default", 4, 0.0),), 0.5, set())
+    pending = (PendingLaunch("a2", "default", 4, (), 0.0),)
+    snap = ClusterSnapshot(now=0.5, node_types=(nt,), demand=(), workers=ws, pending=pending, finished=10,
+                           waiting=5, running=1, forecasts=forecasts, eta=eta, next_demand_in=nxt)  # fmt: skip
+    assert -(-peak_in_use(forecasts[0].profile, 15.0) // 1) == 5
+    # counted with the 4 in flight (8 nodes for 5 needed), three live idle nodes went; on Slurm
+    # those 4 may queue for minutes: the 5-degree montage ran its last wave on 1-5 nodes (246 s;
+    # 218 s when the live ones stay)
+    assert default_policy()(snap).retire == ()

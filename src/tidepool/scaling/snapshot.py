@@ -125,11 +125,13 @@ class ClusterSnapshot:
 
     def nodes_of(self, name: str) -> int:
         """Live plus pending nodes of a type (workers / workers_per_node, rounded up)."""
+        return self.live_nodes_of(name) + sum(p.nodes for p in self.pending if p.node_type == name)
+
+    def live_nodes_of(self, name: str) -> int:
+        """Nodes of a type whose workers have joined (workers / workers_per_node, rounded up)."""
         nt = self.node_type(name)
         per = nt.workers_per_node if nt else 1
-        live = sum(1 for w in self.workers if w.node_type == name)
-        pend = sum(p.nodes for p in self.pending if p.node_type == name)
-        return -(-live // per) + pend
+        return -(-sum(1 for w in self.workers if w.node_type == name) // per)
 
     def blocked(self, name: str) -> bool:
         if name in self.unusable:
