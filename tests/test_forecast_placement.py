@@ -46,3 +46,16 @@ def test_a_seceded_task_is_not_forecast_as_holding_a_slot() -> None:
     assert "outer" in remaining_work(d.state, 0.0).keys
     d.send(ev.TaskSeceded("w1", "outer", d.clock()))
     assert "outer" not in remaining_work(d.state, 0.0).keys
+
+
+def test_a_worker_view_counts_the_unique_values_a_task_still_needs_apart_from_results() -> None:
+    d = StateDriver()
+    d.add_worker("w1")
+    # "a" feeds "b"; "a" and "b" are both wanted by the client; one worker runs them in turn
+    d.submit([("a", []), ("b", ["a"])], ["a", "b"])
+    d.finish("w1", "a")
+    (view,) = worker_views(d.state)
+    assert (view.unique_keys, view.unique_for_tasks) == (1, 1)  # "b" still needs "a"
+    d.finish("w1", "b")
+    (view,) = worker_views(d.state)
+    assert (view.unique_keys, view.unique_for_tasks) == (2, 0)  # only the client wants them now

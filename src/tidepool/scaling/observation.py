@@ -215,7 +215,7 @@ def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
         out.append(WorkerView(
             ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, ws.assigned,
             ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since, ws.joined,
-            ws.memory_limit,
+            ws.memory_limit, sum(1 for t in unique if t.waiters),
         ))  # fmt: skip
     return tuple(sorted(out, key=lambda w: w.id))
 

@@ -16,7 +16,11 @@ the time it is held.  So:
 - **retire** an idle node when the forecast's width within the same ``S x (1 + slack)`` never
   needs it: holding it idle that long costs more than a relaunch just in time, and by the launch
   rule's own horizon that relaunch is not due now, so a retirement is not undone by the next
-  launch.  With no graph at all (between two computes) an idle node is kept about its start-up
+  launch.  The width is set against the nodes that have joined, not launches in flight (the
+  forecast counts their slots from their expected arrival; a queued job may come much later).  A
+  node holding values a waiting task needs is first kept a moment (what a relaunch would cost, as
+  below) in case that task runs there; values only a client wants (the run's results) keep no
+  node.  With no graph at all (between two computes) an idle node is kept about its start-up
   (what a relaunch would cost; the ski-rental rule), at most ``hold_cap`` seconds;
 - before any task has finished every duration is a guess (the scheduler's 0.5 s prior): under
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
@@ -346,15 +350,22 @@ class GraphPlan:
         label = self.label
         if f is not None and f.profile:
             need = -(-peak_in_use(f.profile, horizon) // max(1, f.slots_per_node))
+            live = snap.live_nodes_of(w.node_type)
             if w.node_type not in surplus:
-                surplus[w.node_type] = snap.nodes_of(w.node_type) - need
+                # against the nodes that have joined: a launch in flight is no node yet (a Slurm job
+                # may queue for minutes), and the forecast that gives ``need`` already counts its
+                # slots from their expected arrival on
+                surplus[w.node_type] = live - need
             if surplus[w.node_type] <= 0:
                 return None
-            if w.unique_keys and idle_for < self._hold_empty(f.startup):
-                return None  # its data would move: not for a node idle only a moment
+            if w.unique_for_tasks and idle_for < self._hold_empty(f.startup):
+                # values a waiting task needs would move: not for a node idle only a moment (a task
+                # may yet run there); values only a client wants move to a survivor or the client
+                # either way, so they buy no holding
+                return None
             surplus[w.node_type] -= 1
             return (f"{label}: {w.id} idle {idle_for:.1f}s: the forecast keeps at most "
-                    f"{need} of {snap.nodes_of(w.node_type)} {w.node_type} node(s) busy within "
+                    f"{need} of the {live} {w.node_type} node(s) up busy within "
                     f"{horizon:.1f}s (a new one starts in {f.startup:.1f}s), so holding it costs more than a "
                     "relaunch when needed")  # fmt: skip
         known = bool(snap.forecasts or snap.waiting or snap.running)

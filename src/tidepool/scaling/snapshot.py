@@ -43,6 +43,8 @@ class WorkerView:
     idle_since: float | None
     joined: float
     memory_limit: int = 0  # bytes it may use (0: no limit known); held bytes include spilled ones
+    #: of ``unique_keys``, the values an unfinished task still needs (the rest only a client wants)
+    unique_for_tasks: int = 0
 
     @property
     def idle(self) -> bool:
@@ -123,11 +125,13 @@ class ClusterSnapshot:
 
     def nodes_of(self, name: str) -> int:
         """Live plus pending nodes of a type (workers / workers_per_node, rounded up)."""
+        return self.live_nodes_of(name) + sum(p.nodes for p in self.pending if p.node_type == name)
+
+    def live_nodes_of(self, name: str) -> int:
+        """Nodes of a type whose workers have joined (workers / workers_per_node, rounded up)."""
         nt = self.node_type(name)
         per = nt.workers_per_node if nt else 1
-        live = sum(1 for w in self.workers if w.node_type == name)
-        pend = sum(p.nodes for p in self.pending if p.node_type == name)
-        return -(-live // per) + pend
+        return -(-sum(1 for w in self.workers if w.node_type == name) // per)
 
     def blocked(self, name: str) -> bool:
         if name in self.unusable:
