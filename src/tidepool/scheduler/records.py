@@ -139,11 +139,7 @@ class TaskRecord:
 
     # ---- the collections start shared and empty (module docstring): add through these ---------
     def add_dependent(self, ts: TaskRecord) -> None:
-        s = self.dependents
-        if type(s) is set:
-            s.add(ts)
-        elif ts not in s:
-            self.dependents = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
+        self.dependents = _with(self.dependents, ts)
 
     def add_waiter(self, ts: TaskRecord) -> None:
         s = self.waiters
@@ -152,29 +148,17 @@ class TaskRecord:
         elif s is NOSET:
             d = self.dependents  # mostly the one dependent is the one waiter: share its tuple
             self.waiters = d if type(d) is tuple and len(d) == 1 and d[0] is ts else (ts,)  # type: ignore[assignment]
-        elif ts not in s:
-            self.waiters = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
+        else:
+            self.waiters = _with(s, ts)
 
     def add_waiting_on(self, ts: TaskRecord) -> None:
-        s = self.waiting_on
-        if type(s) is set:
-            s.add(ts)
-        elif ts not in s:
-            self.waiting_on = (*s, ts) if len(s) < SMALL else {*s, ts}  # type: ignore[assignment]
+        self.waiting_on = _with(self.waiting_on, ts)
 
     def add_holder(self, worker: str) -> None:
-        s = self.who_has
-        if type(s) is set:
-            s.add(worker)
-        elif worker not in s:
-            self.who_has = (*s, worker) if len(s) < SMALL else {*s, worker}  # type: ignore[assignment]
+        self.who_has = _with(self.who_has, worker)
 
     def add_wanter(self, client: str) -> None:
-        s = self.wanted_by
-        if type(s) is set:
-            s.add(client)
-        elif client not in s:
-            self.wanted_by = (*s, client) if len(s) < SMALL else {*s, client}  # type: ignore[assignment]
+        self.wanted_by = _with(self.wanted_by, client)
 
     # ---- ... and remove through these (an emptied one goes back to NOSET, freeing it) -------------
     def drop_dependent(self, ts: TaskRecord) -> None:
@@ -214,6 +198,17 @@ def small(items: list[TaskRecord] | tuple[TaskRecord, ...]) -> Any:
     if n == 0:
         return NOSET
     return tuple(items) if n <= SMALL else set(items)
+
+
+def _with(s: Any, x: Any) -> Any:
+    """Collection ``s`` with ``x`` (module docstring): a set grows in place, a tuple is replaced
+    (by a set past :data:`SMALL`)."""
+    if type(s) is set:
+        s.add(x)
+        return s
+    if x in s:
+        return s
+    return (*s, x) if len(s) < SMALL else {*s, x}
 
 
 def _without(s: Any, x: Any) -> Any:
