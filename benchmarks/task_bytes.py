@@ -11,7 +11,8 @@
   are dropped then).  Held memory per task as for the map.
 - client: ``client.map(inc, range(N))`` against a scheduler (in a child process, no workers, so the
   tasks stay pending); the traced memory this process still holds afterwards (futures, the
-  futures table, anything kept for resending), per task, the list of futures itself excluded.
+  futures table, anything kept for resending), per task, the list of futures itself excluded; and
+  the traced peak during the call (specs, messages and futures at once), per task.
 
 Run from the repository root::
 
@@ -117,7 +118,7 @@ def show_where(snapshot: tracemalloc.Snapshot, state: SchedulerState, tasks: int
     print(f"    one {ts.state} task: " + ", ".join(f"{name} {size}" for name, size in sizes.items()))
 
 
-def client_bytes(n: int) -> float:
+def client_bytes(n: int) -> tuple[float, float]:
     child = subprocess.Popen([sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
     assert child.stdout is not None and child.stdin is not None
@@ -132,13 +133,14 @@ def client_bytes(n: int) -> float:
             futs: list[Any] = client.map(inc, range(n))
             time.sleep(1.0)  # the message has left
             gc.collect()
-            held = tracemalloc.get_traced_memory()[0] - base - sys.getsizeof(futs)
+            current, peak = tracemalloc.get_traced_memory()
+            held = current - base - sys.getsizeof(futs)
             tracemalloc.stop()
             del futs
     finally:
         child.stdin.close()
         child.wait(60)
-    return held / n
+    return held / n, (peak - base) / n
 
 
 def main() -> None:
@@ -149,7 +151,9 @@ def main() -> None:
     a = p.parse_args()
     for case in a.cases.split(","):
         if case == "client":
-            print(f"client:         {client_bytes(a.n):,.0f} bytes per pending future ({a.n:,} tasks)", flush=True)
+            held, peak = client_bytes(a.n)
+            print(f"client:         {held:,.0f} bytes per pending future, {peak:,.0f} at the peak of the map "
+                  f"call ({a.n:,} tasks)", flush=True)  # fmt: skip
         else:
             per_task, tasks = scheduler_bytes(case, a.n, a.where)
             print(f"scheduler {case + ':':<5} {per_task:,.0f} bytes per pending task ({tasks:,} tasks)", flush=True)

@@ -225,16 +225,15 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         return fut  # type: ignore[no-any-return]
 
     def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> None:
-        self._post_graph(self._graph_message(tasks, wanted, functions), functions)
+        self._check_graph(tasks, functions)
+        self._post_graph(UpdateGraph(tasks, wanted, functions).encode(), functions)
 
-    def _graph_message(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> dict[str, Any]:
-        """The ``update-graph`` message of ``tasks``, checked (open client, no cycle, under the frame
-        limit) but not sent: everything that can refuse a graph update raises here."""
+    def _check_graph(self, tasks: list[TaskSpec], functions: dict[str, Any]) -> None:
+        """Everything that can refuse a graph update, before it is sent: an open client, no cycle,
+        the message under the frame limit."""
         self._connection.check_open()
         check_acyclic(tasks)
-        msg = UpdateGraph(tasks, wanted, functions).encode()
-        self._check_frame_size(msg)
-        return msg
+        self._check_frame_size(tasks, functions)
 
     def _post_graph(self, msg: dict[str, Any], functions: dict[str, Any]) -> None:
         conn = self._connection
@@ -242,15 +241,15 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         with conn.lock:
             conn.core.sent_funcs.update(functions)
 
-    def _check_frame_size(self, msg: dict[str, Any]) -> None:
+    def _check_frame_size(self, tasks: list[TaskSpec], functions: dict[str, Any]) -> None:
         """Refuse, before anything is sent, a graph update over the frame limit (the scheduler would
         drop the connection, failing every future of this client): only this call fails."""
         limit = self._connection.max_frame
-        tasks, functions = msg["tasks"], msg["functions"]
-        sizes = [(t[2].nbytes if isinstance(t[2], Serialized) else 0, t[0]) for t in tasks]
+        sizes = [(t.payload.nbytes if isinstance(t.payload, Serialized) else 0, t.key) for t in tasks]
         estimate = sum(n for n, _ in sizes) + sum(getattr(f, "nbytes", 0) for f in functions.values())
         if estimate + 256 * len(tasks) <= limit // 2:
-            return  # far below: skip encoding the header twice
+            return  # far below: no need to encode the message to know
+        msg = UpdateGraph(tasks, [t.key for t in tasks], functions).encode()
         size = frame_size(encode(msg))  # buffers are referenced, not copied
         if size <= limit:
             return
@@ -341,16 +340,22 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             pieces.append((tasks, keys, functions))
         if isinstance(key, list):
             self._specs.check_collisions(mine, batch="this map")
+        del mine
         shipped: set[str] = set()  # a function goes in the first piece that needs it (sent in order)
-        messages = []
-        for tasks, keys, functions in pieces:
+        for i, (tasks, keys, functions) in enumerate(pieces):
             functions = {fid: f for fid, f in functions.items() if fid not in shipped}
             shipped.update(functions)
-            messages.append((self._graph_message(tasks, keys, functions), keys, functions))
+            pieces[i] = (tasks, keys, functions)
+            self._check_graph(tasks, functions)
+        # Each piece is encoded only as it goes and let go once posted: the specs of the pieces
+        # still to send are all that is held beside the futures.
         futs: list[Future[T]] = []
-        for msg, keys, functions in messages:
+        pieces.reverse()
+        while pieces:
+            tasks, keys, functions = pieces.pop()
             futs.extend(self._new_future(k) for k in keys)
-            self._post_graph(msg, functions)
+            self._post_graph(UpdateGraph(tasks, keys, functions).encode(), functions)
+            del tasks
         return futs
 
     def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,

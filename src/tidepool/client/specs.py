@@ -99,7 +99,7 @@ class SpecBuilder:
         fid, blob = self.function(fn)
         if blob is not None:
             functions[fid] = Serialized(blob, [])
-        return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)), opts.resources, opts.retries,
+        return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)) if deps else (), opts.resources, opts.retries,
                         opts.name or func_name(fn), opts.priority, opts.workers, opts.loose)  # fmt: skip
 
     def check_collisions(self, specs: list[TaskSpec], batch: str | None = None) -> None:

@@ -10,6 +10,7 @@ report's items) — those stay compact lists on the wire, with one encoder and o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ class TaskSpec:
     key: str
     func_id: str
     payload: Any
-    deps: list[str] = field(default_factory=list)
+    deps: Sequence[str] = ()  # a list when there are some; one shared empty tuple when none
     resources: dict[str, float] = field(default_factory=dict)
     retries: int = 0
     group: str = ""

@@ -17,7 +17,7 @@ worker cannot import), and whenever modules are registered with
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -28,9 +28,9 @@ class Serialized:
 
     __slots__ = ("data", "buffers")
 
-    def __init__(self, data: bytes | memoryview, buffers: list[memoryview] | None = None) -> None:
+    def __init__(self, data: bytes | memoryview, buffers: Sequence[memoryview] | None = None) -> None:
         self.data = data
-        self.buffers = buffers if buffers is not None else []
+        self.buffers: Sequence[memoryview] = buffers or ()  # one shared empty tuple, not a list each
 
     @property
     def nbytes(self) -> int:
