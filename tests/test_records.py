@@ -109,3 +109,27 @@ def test_a_failure_is_one_error_its_dependents_share() -> None:
     assert c.state == "erred" and c.error_origin == "a" and c.message == "it broke" and c.exc_type == a.exc_type
     fresh = record("fresh")
     assert (fresh.error, fresh.exc_type, fresh.message, fresh.error_origin, fresh.exception) == (None, "", "", "", None)
+
+
+def test_a_value_whose_many_waiters_turn_out_infeasible_fails_them_all() -> None:
+    # the value arrives and its waiters become ready one by one; each one no node type can run fails
+    # at once (the autoscaler's rule), and its failure drops it from the value's waiters: with more
+    # than SMALL waiters (a set) that changed the set being walked (RuntimeError: the batch's commands
+    # were lost)
+    from tidepool.scheduler import events as ev
+
+    def rule(shape: tuple[tuple[str, float], ...]) -> str | None:
+        return "no node type offers a gpu" if any(k == "gpu" for k, _ in shape) else None
+
+    for n in (1, SMALL + 2):
+        d = StateDriver(SchedulerState())
+        d.add_worker("w1", {"cpu": 1})
+        d.send(ev.CheckFeasible(d.clock(), rule))
+        uses = [f"use-{i}" for i in range(n)]
+        d.submit([("src", []), *((k, ["src"], {"gpu": 1}) for k in uses), ("sum", uses)], [*uses, "sum"])
+        d.run_until_idle()
+        assert all(d.status()[k] == "erred" for k in [*uses, "sum"])
+        assert all(d.state.tasks[k].exc_type == "InfeasibleTaskError" for k in uses)
+        d.state.validate()
+        d.release([*uses, "sum"])
+        assert d.state.tasks == {}

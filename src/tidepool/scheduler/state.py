@@ -469,7 +469,8 @@ class SchedulerState:
         for c in ts.wanted_by:
             out.append(ev.Report(c, ts.key, RK.MEMORY))
         ts.drop_wanter(FIRE_AND_FORGET)  # it ran: nobody needs to keep it
-        for dt in ts.waiters:
+        waiters = ts.waiters  # a set is walked as a copy: a waiter that fails as it turns ready leaves it
+        for dt in list(waiters) if type(waiters) is set else waiters:
             if ts in dt.waiting_on:
                 dt.drop_waiting_on(ts)
                 if not dt.waiting_on and dt.state == "waiting":
