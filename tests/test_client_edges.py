@@ -325,3 +325,20 @@ def test_generated_keys_are_unique_in_a_process_and_differ_in_a_forked_child() -
     os.waitpid(pid, 0)
     parent = make_key(len)
     assert child != parent and child[4:16] != parent[4:16], (child, parent)
+
+
+def test_a_map_key_prefix_is_checked_like_explicit_keys(cluster: tidepool.LocalCluster) -> None:
+    """``map(..., key="job")`` names its tasks ``job-0``, ``job-1``, ...: explicit keys.  A second map
+    (or a submit) under those keys with other arguments must be refused at the call, as for a list
+    of keys; it was sent, and the client handed back the first map's futures (their values, not its
+    own) while the scheduler's collision report failed those futures if they were still pending."""
+    from tidepool.errors import KeyCollisionError
+
+    with tidepool.Client(cluster) as client:
+        first = client.map(inc, [1, 2], key="prefix-job")
+        with pytest.raises(KeyCollisionError, match="'prefix-job-0' is already used by a different task"):
+            client.map(inc, [10, 20], key="prefix-job")
+        with pytest.raises(KeyCollisionError, match="'prefix-job-1' is already used by a different task"):
+            client.submit(inc, 50, key="prefix-job-1")
+        again = client.map(inc, [1, 2], key="prefix-job")  # the same tasks: they share the keys
+        assert client.gather(first, timeout=60) == client.gather(again, timeout=60) == [2, 3]

@@ -338,7 +338,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             if extra:
                 tasks = self._specs.delayed_specs(extra, functions) + tasks
             pieces.append((tasks, keys, functions))
-        if isinstance(key, list):
+        if key is not None:  # explicit keys, a list or a prefix's ``<key>-<i>``: refused as submit's are
             self._specs.check_collisions(mine, batch="this map")
         del mine
         shipped: set[str] = set()  # a function goes in the first piece that needs it (sent in order)
