@@ -239,3 +239,33 @@ def subprocess_run(cmd: list[str]) -> None:
     import subprocess
 
     subprocess.run(cmd, check=False, capture_output=True, timeout=30)
+
+
+def blob_len(b: bytes) -> int:
+    return len(b)
+
+
+def test_a_stopped_worker_that_stops_reading_does_not_stall_the_scheduler() -> None:
+    """A worker that stops reading (SIGSTOP: socket open, its receive buffer full) while the
+    scheduler still has megabytes of task arguments for it.  The scheduler's sends to that worker
+    wait, but nothing else may: its other workers get their tasks, its heartbeat clock still runs,
+    the silent worker is removed at its time-to-live and its tasks run elsewhere.  Before, one
+    flush sent to every peer in turn under one lock, so the stuck send held every later message
+    (and the tick that would remove the worker) behind it."""
+    with tidepool.LocalCluster(n_workers=2, heartbeat_interval=0.1, heartbeat_timeout=2.0) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        victim, other = cluster.workers
+        pid = cluster.provider.procs[victim].proc.pid
+        state = cluster.scheduler.state
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # 32 MiB apiece, pinned (loosely) to the stopped worker: one compute message is more
+            # than the loopback socket buffers hold, so it cannot be written in full
+            big = [bytes(2**25) for _ in range(4)]
+            futs = client.map(blob_len, big, workers=[victim], allow_other_workers=True, pure=False)
+            del big
+            wait_until(lambda: victim not in state.workers, timeout=60, what="the silent worker removed")
+            assert client.gather(futs, timeout=60) == [2**25] * 4
+            assert client.submit(inc, 1, workers=[other]).result(timeout=30) == 2
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -10,11 +10,41 @@ from tidepool.scheduler.outgoing import Outgoing
 
 
 class Recorder:
-    def __init__(self) -> None:
+    """A connection that takes every message at once (``send_nowait``) unless ``busy``."""
+
+    def __init__(self, busy: bool = False) -> None:
         self.sent: list[dict[str, Any]] = []
+        self.busy = busy
+        self.closed = False
+
+    def send_nowait(self, msg: dict[str, Any]) -> bool:
+        if self.busy:
+            return False
+        self.sent.append(msg)
+        return True
 
     async def send(self, msg: dict[str, Any]) -> None:
         self.sent.append(msg)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Stuck(Recorder):
+    """A peer that stopped reading: its connection takes nothing until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        super().__init__(busy=True)
+        self.gate = asyncio.Event()
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        await self.gate.wait()
+        self.sent.append(msg)
+
+
+async def flushed(out: Outgoing) -> None:
+    await out.flush()
+    await out.idle()
 
 
 def _task(key: str) -> ComputeTask:
@@ -31,7 +61,7 @@ def test_one_message_per_peer_and_kind_in_order() -> None:
     out.free("w", ["y"])  # merged too
     out.compute("w", [_task("c")], None)  # after a free: a new message, so the order holds
     out.report("c", [ReportItem("y", "memory")])
-    asyncio.run(out.flush())
+    asyncio.run(flushed(out))
     assert [m["op"] for m in w.sent] == ["compute", "free", "compute"]
     assert [t["key"] for t in w.sent[0]["tasks"]] == ["a", "b"] and w.sent[0]["functions"] == {"f": b"pickle"}
     assert w.sent[1]["keys"] == ["x", "y"]
@@ -64,7 +94,7 @@ def test_a_gone_peer_is_skipped() -> None:
     out = Outgoing({}, {})
     out.free("w", ["a"])
     out.report("c", [ReportItem("a", "lost")])
-    asyncio.run(out.flush())
+    asyncio.run(flushed(out))
     assert not out and out.messages == 0
 
 
@@ -95,25 +125,15 @@ def test_a_direct_message_goes_after_what_is_pending_for_that_worker() -> None:
     assert [t["key"] for t in w.sent[0]["tasks"]] == ["a"] and w.sent[1]["keys"] == ["x"]
     assert v.sent == [] and out.workers == {"v": [{"op": "free", "keys": ["y"]}]}
     assert out.messages == 3
-    asyncio.run(out.flush())
+    asyncio.run(flushed(out))
     assert v.sent == [{"op": "free", "keys": ["y"]}] and len(w.sent) == 3 and not out
 
 
 def test_a_direct_message_waits_for_a_flush_still_sending_to_that_worker() -> None:
     """A flush that took the worker's messages and waits on its slow connection is not overtaken."""
 
-    class Slow(Recorder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = asyncio.Event()
-
-        async def send(self, msg: dict[str, Any]) -> None:
-            if msg["op"] == "compute":
-                await self.gate.wait()
-            self.sent.append(msg)
-
     async def main() -> list[str]:
-        w = Slow()
+        w = Stuck()
         out = Outgoing(cast(Any, {"w": w}), {})
         out.compute("w", [_task("a")], None)
         flushing = asyncio.create_task(out.flush())
@@ -125,3 +145,70 @@ def test_a_direct_message_waits_for_a_flush_still_sending_to_that_worker() -> No
         return [m["op"] for m in w.sent]
 
     assert asyncio.run(main()) == ["compute", "close"]
+
+
+def test_a_peer_that_stops_reading_holds_only_its_own_messages() -> None:
+    """A worker whose connection takes nothing (it stopped reading) keeps its messages in its own
+    line; the other worker's compute, a client's report and a reply to that client are written at
+    once, and a later flush does not wait for it either.  Before, one flush wrote to every peer in
+    turn under one lock: everything after the stuck peer waited, and so did every later flush."""
+
+    async def main() -> None:
+        stuck, w, c = Stuck(), Recorder(), Recorder()
+        out = Outgoing(cast(Any, {"stuck": stuck, "w": w}), cast(Any, {"c": c}))
+        out.compute("stuck", [_task("a")], None)
+        out.compute("w", [_task("b")], None)
+        out.report("c", [ReportItem("b", "memory", "tcp://w")])
+        await asyncio.wait_for(out.flush(), 1)
+        assert [m["op"] for m in w.sent] == ["compute"] and [m["op"] for m in c.sent] == ["report"]
+        out.compute("stuck", [_task("c")], None)
+        out.compute("w", [_task("d")], None)
+        await asyncio.wait_for(out.flush(), 1)
+        await asyncio.wait_for(out.send_client("c", {"op": "reply", "id": 1}), 1)
+        assert [t["key"] for m in w.sent for t in m["tasks"]] == ["b", "d"] and c.sent[-1]["op"] == "reply"
+        assert stuck.sent == []
+        stuck.gate.set()  # it reads again: its messages go, in order
+        await asyncio.wait_for(out.idle(), 1)
+        assert [t["key"] for m in stuck.sent for t in m["tasks"]] == ["a", "c"]
+
+    asyncio.run(main())
+
+
+def test_a_close_to_a_peer_that_stops_reading_closes_its_connection_anyway(monkeypatch: Any) -> None:
+    """The close of a worker (removed at its heartbeat time-to-live) cannot be written to a peer
+    that stopped reading; its connection is closed a moment later all the same."""
+    import tidepool.scheduler.outgoing as outgoing
+
+    monkeypatch.setattr(outgoing, "CLOSE_AFTER", 0.01)
+
+    async def main() -> None:
+        stuck = Stuck()
+        conns: dict[str, Any] = {"stuck": stuck}
+        out = Outgoing(conns, {})
+        out.compute("stuck", [_task("a")], None)
+        await out.flush()
+        out.to_worker("stuck", {"op": "close", "reason": "missed heartbeats"})
+        await out.flush()
+        assert "stuck" not in conns  # no further message is made for it
+        await asyncio.sleep(0.05)
+        assert stuck.closed and stuck.sent == []
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_came_back_gets_its_messages_on_its_new_connection() -> None:
+    """A worker that reconnects under the same id while its old line still holds messages: the
+    old connection is closed and what is made from then on goes to the new one."""
+
+    async def main() -> None:
+        old, new = Stuck(), Recorder()
+        conns: dict[str, Any] = {"w": old}
+        out = Outgoing(conns, {})
+        out.compute("w", [_task("a")], None)
+        await out.flush()
+        conns["w"] = new
+        out.compute("w", [_task("b")], None)
+        await out.flush()
+        assert old.closed and [t["key"] for m in new.sent for t in m["tasks"]] == ["b"]
+
+    asyncio.run(main())

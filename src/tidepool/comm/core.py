@@ -319,7 +319,10 @@ class TCPConnection(Connection):
     def close(self) -> None:
         self._closed = True
         if self.transport is not None:
-            self.transport.close()
+            if self._paused:  # the peer stopped reading: a graceful close would wait for it for ever
+                self.transport.abort()
+            else:
+                self.transport.close()
         self._made_event.set()
         self._wake()
         self._resume_writing()

@@ -148,8 +148,8 @@ class Scheduler:
         for t in self._tasks:
             t.cancel()
         for conn in list(self.worker_conns.values()):
-            with contextlib.suppress(CommError):
-                await conn.send({"op": "close", "reason": "scheduler closing"})
+            with contextlib.suppress(CommError):  # not waiting for a worker that stopped reading
+                conn.send_nowait({"op": "close", "reason": "scheduler closing"})
             conn.close()
         for conn in list(self.client_conns.values()):
             conn.close()
@@ -262,18 +262,14 @@ class Scheduler:
             "message": ts.message, "origin": ts.error_origin,
         })  # fmt: skip
 
-    async def _send_worker(self, wid: str, msg: dict[str, Any]) -> None:
-        await self.outgoing.send_worker(wid, msg)
-
     async def _setup_failed(self, wid: str, msg: dict[str, Any]) -> None:
         name, error, tb = msg.get("name", "?"), msg.get("error", ""), msg.get("traceback", "")
         log.warning("worker %s failed setup %s: %s", wid, name, error)
         self._resolve_setup(wid, name, f"failed: {error}\n{tb}")
         report = {"op": "setup-error", "worker": wid, "name": name, "error": error, "traceback": tb}
-        for conn in list(self.client_conns.values()):
-            with contextlib.suppress(CommError):
-                await conn.send(report)
-        await self._send_worker(wid, {"op": "close", "reason": f"setup {name!r} failed"})
+        for cid in list(self.client_conns):
+            self.outgoing.post_client(cid, report)
+        self.outgoing.post_worker(wid, {"op": "close", "reason": f"setup {name!r} failed"})
 
     def _resolve_setup(self, wid: str, name: str, outcome: str) -> None:
         fut = self.setup_waiters.pop((wid, name), None)
@@ -292,7 +288,7 @@ class Scheduler:
             fut = loop.create_future()
             self.setup_waiters[(wid, name)] = fut
             futs[wid] = fut
-            await self._send_worker(wid, {"op": "setup", "setups": [[name, blob]]})
+            self.outgoing.post_worker(wid, {"op": "setup", "setups": [[name, blob]]})
         result = {}
         for wid, fut in futs.items():
             result[wid] = await fut
@@ -469,8 +465,6 @@ class Scheduler:
     async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         now = self.clock()
-        if op != "update-graph" and self.outgoing:  # no reply overtakes the reports of earlier requests
-            await self.outgoing.flush()
         if op == "update-graph":
             graph = UpdateGraph.decode(msg)
             specs = [ev.TaskSpec(t.key, t.func_id, t.payload, tuple(t.deps), t.resources, t.retries, t.group,
@@ -483,7 +477,7 @@ class Scheduler:
                 self._inline_prune_at = max(INLINE_KEYS_PRUNE, 2 * len(self.inline_keys))
         elif op == "bye":  # closing on purpose: release its keys when the connection ends
             self._said_bye.add(cid)
-            await conn.send(Reply(int(msg.get("id") or 0)).encode())
+            await self.outgoing.send_client(cid, Reply(int(msg.get("id") or 0)).encode())
         elif op == "release":
             released = Release.decode(msg).keys
             self.inline_keys.difference_update(released)
@@ -492,27 +486,27 @@ class Scheduler:
             cancel = Cancel.decode(msg)
             await self.apply([ev.ReleaseKeys(cid, cancel.keys, now, cancel=True, unless_started=cancel.unless_started)])
             if cancel.id is not None:
-                await conn.send(Reply(cancel.id).encode())
+                await self.outgoing.send_client(cid, Reply(cancel.id).encode())
         elif op == "running":  # which of these keys are executing on a worker now
             tasks = self.state.tasks
             q = KeyQuery.decode(msg)
             running = [k for k in q.keys if (t := tasks.get(k)) is not None and t.state == "running" and t.executing]
-            await conn.send(Reply(q.id or 0, running).encode())
+            await self.outgoing.send_client(cid, Reply(q.id or 0, running).encode())
         elif op == "who-has":  # None: the scheduler does not know the key (released): never wait for it
             tasks = self.state.tasks
             q = KeyQuery.decode(msg)
-            await conn.send(Reply(q.id or 0, {k: self.state.who_has(k) if k in tasks else None for k in q.keys}).encode())
+            await self.outgoing.send_client(cid, Reply(q.id or 0, {k: self.state.who_has(k) if k in tasks else None for k in q.keys}).encode())
         elif op == "info":
-            await conn.send({"op": "reply", "id": msg["id"], "result": self.info()})
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": self.info()})
         elif op == "why":  # a timed-out result(): each key's state and why it is not done
             q = KeyQuery.decode(msg)
-            await conn.send(Reply(q.id or 0, {k: explain(self.state, k) for k in q.keys}).encode())
+            await self.outgoing.send_client(cid, Reply(q.id or 0, {k: explain(self.state, k) for k in q.keys}).encode())
         elif op == "eta":
-            await conn.send({"op": "reply", "id": msg["id"], "result": self.eta()})
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": self.eta()})
         elif op == "retire":
-            asyncio.get_running_loop().create_task(self._retire_request(conn, msg))
+            asyncio.get_running_loop().create_task(self._retire_request(cid, msg))
         elif op in ("run", "restart"):
-            asyncio.get_running_loop().create_task(self._long_request(conn, msg))
+            asyncio.get_running_loop().create_task(self._long_request(cid, msg))
         elif op == "progress":  # how much of a graph is done: keys sent once, then a watch id
             if msg.get("keys") is not None:
                 self._watch_ids += 1
@@ -520,21 +514,21 @@ class Scheduler:
                 wid = self._watch_ids
             else:
                 wid = int(msg["watch"])
-            await conn.send({"op": "reply", "id": msg["id"], "result": {"watch": wid, **self.progress(wid)}})
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": {"watch": wid, **self.progress(wid)}})
         elif op == "progress-end":
             self.watches.pop(int(msg["watch"]), None)
         elif op == "has-what":
             st = self.state
             result = {w.address: [ts.key for ts in w.has_what] for w in st.workers.values()}
-            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": result})
         elif op == "fire-and-forget":
             await self.apply([ev.FireAndForget(list(msg["keys"]), now)])
         elif op == "broadcast":
             await self.apply([ev.Broadcast(list(msg["keys"]), now)])
         elif op == "register-setup":
-            asyncio.get_running_loop().create_task(self._setup_request(conn, msg))
+            asyncio.get_running_loop().create_task(self._setup_request(cid, msg))
         else:
-            await conn.send({"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
 
     async def retire_workers(self, workers: list[str], reason: str = "requested") -> dict[str, str]:
         """Retire gracefully; returns worker id -> "retired" or "refused: <why>" / "unknown"."""
@@ -552,12 +546,11 @@ class Scheduler:
             result[w] = await fut
         return result
 
-    async def _retire_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+    async def _retire_request(self, cid: str, msg: dict[str, Any]) -> None:
         result = await self.retire_workers(list(msg["workers"]), "requested by a client")
-        with contextlib.suppress(CommError):
-            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": result})
 
-    async def _long_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+    async def _long_request(self, cid: str, msg: dict[str, Any]) -> None:
         try:
             if msg["op"] == "run":
                 reply: dict[str, Any] = {"result": await self.run_on_workers(
@@ -566,8 +559,7 @@ class Scheduler:
                 reply = {"result": await self.restart(float(msg.get("timeout") or 30.0))}
         except Exception as exc:  # noqa: BLE001 - the client gets the reason, the scheduler stays up
             reply = {"error": f"{type(exc).__name__}: {exc}"}
-        with contextlib.suppress(CommError):
-            await conn.send({"op": "reply", "id": msg["id"], **reply})
+        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], **reply})
 
     async def run_on_workers(self, function: Any, args: Any, workers: list[str] | None = None) -> dict[str, Any]:
         """Call ``function(*args, **kwargs)`` on every (or the named) worker: address -> outcome."""
@@ -581,7 +573,7 @@ class Scheduler:
             fut: asyncio.Future[dict[str, Any]] = loop.create_future()
             self.run_waiters[self._run_ids] = (w.id, fut)
             futs[w.address] = fut
-            await self._send_worker(w.id, {"op": "run", "rid": self._run_ids, "function": function, "args": args})
+            self.outgoing.post_worker(w.id, {"op": "run", "rid": self._run_ids, "function": function, "args": args})
         return {addr: await fut for addr, fut in futs.items()}
 
     async def restart(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -592,7 +584,7 @@ class Scheduler:
                                      since)])  # fmt: skip
         for wid in list(self.worker_conns):
             self._restarting.add(wid)
-            await self._send_worker(wid, {"op": "restart"})
+            self.outgoing.post_worker(wid, {"op": "restart"})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         back = 0
@@ -603,10 +595,9 @@ class Scheduler:
             await asyncio.sleep(0.05)
         return {"workers": back, "expected": n}
 
-    async def _setup_request(self, conn: Connection, msg: dict[str, Any]) -> None:
+    async def _setup_request(self, cid: str, msg: dict[str, Any]) -> None:
         result = await self.register_setup(str(msg["name"]), msg["setup"])
-        with contextlib.suppress(CommError):
-            await conn.send({"op": "reply", "id": msg["id"], "result": result})
+        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": result})
 
     def eta(self) -> dict[str, Any]:
         """Forecast remaining seconds with the workers present now (and in-flight launches)."""
