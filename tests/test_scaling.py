@@ -268,6 +268,19 @@ def test_remaining_work_as_a_launch_and_as_holding_see_kinds_never_seen() -> Non
     assert remaining_work(d.state, 30.0).for_launch is None  # nothing unseen waits: one view
 
 
+def test_remaining_work_a_launch_raises_an_unseen_kind_to_its_elapsed_time_not_the_known_mean() -> None:
+    # one task of a kind that never finished has started: its waiting siblings are no longer the
+    # prior, but neither are they the mean of the other kinds (300 s here, 308 s on the montage)
+    d = driver_with([("diff-1", []), ("diff-2", [])], {"proj": 300.0})
+    d.add_worker("w0")  # one slot: diff-1 runs, diff-2 waits
+    d.state.now = 2.0
+    work = remaining_work(d.state, 2.0)
+    assert work.durations == pytest.approx((298.0, 300.0))  # the forecast: the mean of known kinds
+    assert work.for_launch == pytest.approx((0.5, 2.0))  # a launch: what the running one has shown
+    d.state.now = 40.0
+    assert remaining_work(d.state, 40.0).for_launch == pytest.approx((10.0, 40.0))
+
+
 # ---- controller --------------------------------------------------------------------------------
 def test_controller_tracks_arrivals_and_learns_startup() -> None:
     d = driver_with([(f"w-{i}", []) for i in range(8)], {"w": 10.0})

@@ -10,8 +10,9 @@ arrive later (new nodes after their startup time), greedily by priority, like th
 Estimates: a group's duration is its measured mean; a group never seen uses the adaptive prior; a
 task running longer than that is evidence, so the estimate is at least the longest elapsed time of
 its running tasks, and a running task is expected to need ``max(est - elapsed, elapsed / 4)`` more.
-Two views of the same work (``RemainingWork.for_launch``, ``for_hold``): a launch sees a waiting
-task of a kind that never finished at the scheduler's prior (buy nodes on evidence only), holding
+Two views of the same work (``RemainingWork.for_launch``, ``for_hold``): a launch sees a task of a
+kind that never finished at the scheduler's prior, or at the longest elapsed time of its running
+tasks when that is longer, never at the mean of the other kinds (buy nodes on evidence only), holding
 an idle node sees a running task of such a kind needing at least as long again as it ran (hold
 nodes on evidence only); :func:`type_forecasts` gives the launch view as ``TypeForecast.evidence``
 and builds the width profile on the holding view.
@@ -46,8 +47,9 @@ class RemainingWork:
     running: tuple[int, ...]  # indices already running (they hold a slot from t=0)
     keys: tuple[str, ...] = ()
     unknown: frozenset[int] = frozenset()  # running tasks of groups with no finished sample yet
-    #: the same durations as a launch should see them: a waiting task of a kind that never finished
-    #: at the scheduler's prior, not the mean of the other kinds (None: the same as ``durations``)
+    #: the same durations as a launch should see them: a task of a kind that never finished at the
+    #: scheduler's prior raised to the longest elapsed time of its running tasks, not the mean of the
+    #: other kinds (None: the same as ``durations``)
     for_launch: tuple[float, ...] | None = None
     #: ... and as holding an idle node should see them: a running task of a kind that never finished
     #: has at least as long to go as it ran (None: the same as ``durations``)
