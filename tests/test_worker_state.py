@@ -24,6 +24,7 @@ from tidepool.worker.memory import MemoryThresholds
 
 KEYS = [f"k{i}" for i in range(8)]
 LIMIT = 1000
+CPU = (("cpu", 1.0),)
 OUTCOMES = ("finished", "erred", "missing", "stolen")
 
 
@@ -67,10 +68,11 @@ class Shell:
                     del self.open[key]
                 elif kind in ("erred", "missing", "stolen"):
                     raise AssertionError(f"{kind} reported for {key}, which has no open assignment")
-            elif isinstance(c, ws.Run):
-                assert c.key in started, f"Run({c.key}) before its started report"
-                assert c.key not in self.slots, f"{c.key} in two slots"
-                self.slots.add(c.key)
+            elif isinstance(c, ws.Run | ws.RunBatch):
+                for key in c.keys if isinstance(c, ws.RunBatch) else (c.key,):
+                    assert key in started, f"Run({key}) before its started report"
+                    assert key not in self.slots, f"{key} in two slots"
+                    self.slots.add(key)
             elif isinstance(c, ws.Store):
                 self.mem[c.key] = c.nbytes
                 self.disk.pop(c.key, None)
@@ -123,7 +125,7 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
         for key in rnd.sample(KEYS, rnd.randint(1, 3)):
             deps = {d: (("peer", "tcp://peer:1"),) for d in rnd.sample(KEYS, rnd.randint(0, 2)) if d != key}
             res = (("cpu", float(rnd.choice([1, 2]))),) + ((("gpu", 1.0),) if rnd.random() < 0.2 else ())
-            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300)))
+            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300), rnd.choice(["", "f", "g"]), rnd.random() < 0.2))
         return ws.Compute(tuple(tasks))
     if kind == "free":
         return ws.FreeKeys(tuple(rnd.sample(KEYS, rnd.randint(1, 3))))
@@ -134,7 +136,7 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
         if key is None:
             return None
         if rnd.random() < 0.8:
-            return ws.TaskDone(key, True, rnd.randint(1, 400), 0.1)
+            return ws.TaskDone(key, True, rnd.randint(1, 400), rnd.choice([0.0005, 0.1]))
         return ws.TaskDone(key, False, error={"type": "ValueError", "message": "boom"})
     if kind == "fetched":
         key = pick(s.fetching)
@@ -189,4 +191,71 @@ def test_values_past_the_target_spill_least_recently_used_first_and_pause_stops_
     assert list(sh.state.running) == ["d"]  # paused with nothing running: one task at a time
     assert sh.send(ws.MemorySample(100)) == [ws.SendMetrics(False), ws.Report("started", "e"), ws.Run("e")]
     assert sh.send(ws.MemorySample(960)) == [ws.Terminate(960)]
+    sh.check()
+
+
+def quick_shell() -> Shell:
+    """One slot; function ``f`` has run once, in a millisecond."""
+    sh = Shell(0)
+    sh.state = ws.WorkerState({"cpu": 1.0})
+    sh.send(ws.Compute((ws.TaskIn("warm", func="f", resources=CPU),)))
+    sh.send(ws.TaskDone("warm", True, 8, 0.001))
+    return sh
+
+
+def test_quick_tasks_queued_together_run_as_one_batch_that_holds_the_slot_until_its_last_task() -> None:
+    sh = quick_shell()
+    cmds = sh.send(ws.Compute(tuple(ws.TaskIn(f"t{i}", func="f", resources=CPU) for i in range(ws.BATCH + 5))))
+    batch = [c for c in cmds if isinstance(c, ws.Run | ws.RunBatch)]
+    assert batch == [ws.RunBatch(tuple(f"t{i}" for i in range(ws.BATCH)))]  # one slot: one batch
+    started = [c.item for c in cmds if isinstance(c, ws.Report) and c.kind == "started"]
+    assert started == list(batch[0].keys)  # every task of it is reported started, before it runs
+    sh.check()
+    for key in batch[0].keys[:-1]:  # the slot stays taken while any task of the batch runs
+        cmds = sh.send(ws.TaskDone(key, True, 8, 0.001))
+        assert not [c for c in cmds if isinstance(c, ws.Run | ws.RunBatch)] and sh.state.free["cpu"] == 0.0
+        sh.check()
+    cmds = sh.send(ws.TaskDone(batch[0].keys[-1], True, 8, 0.001))
+    assert [c for c in cmds if isinstance(c, ws.RunBatch)] == [ws.RunBatch(tuple(f"t{i}" for i in range(ws.BATCH, ws.BATCH + 5)))]
+    sh.check()
+
+
+def test_slow_unknown_solo_or_differently_shaped_tasks_are_never_batched() -> None:
+    sh = quick_shell()
+    sh.send(ws.Compute((ws.TaskIn("slow-warm", func="s", resources=CPU),)))
+    sh.send(ws.TaskDone("slow-warm", True, 8, 0.5))  # s is slow
+    sh.send(ws.Compute((ws.TaskIn("head", func="f", resources=CPU),)))  # takes the slot
+    sh.send(ws.Compute((ws.TaskIn("a", func="f", resources=CPU), ws.TaskIn("solo", func="f", solo=True, resources=CPU), ws.TaskIn("b", func="f", resources=CPU),
+                        ws.TaskIn("slow", func="s", resources=CPU), ws.TaskIn("new", func="n", resources=CPU), ws.TaskIn("c", func="f", resources=CPU),
+                        ws.TaskIn("big", (), (("cpu", 1.0), ("gpu", 1.0)), func="f"))))  # fmt: skip
+    sh.state.resources["gpu"] = sh.state.free["gpu"] = 1.0
+    order = []
+    key = "head"
+    while key is not None:
+        cmds = sh.send(ws.TaskDone(key, True, 8, 0.001 if key not in ("slow",) else 0.5))
+        sh.check()
+        runs = [c for c in cmds if isinstance(c, ws.Run | ws.RunBatch)]
+        order += [c.keys if isinstance(c, ws.RunBatch) else (c.key,) for c in runs]
+        key = next(iter(sh.state.running), None)
+        while key is not None and sh.state.batch_of.get(key) is not None and len(sh.state.running) > 1:
+            sh.send(ws.TaskDone(key, True, 8, 0.001))  # finish a batch's tasks in order
+            key = next(iter(sh.state.running), None)
+    # a alone (solo is next, and cannot join), solo alone, b alone (slow is next), slow, new (never
+    # ran: unknown), then c with ... big needs a gpu as well: another shape, so c runs alone too
+    assert order == [("a",), ("solo",), ("b",), ("slow",), ("new",), ("c",), ("big",)], order
+
+
+def test_a_batch_task_that_secedes_leaves_the_batch_and_the_rest_keeps_the_slot() -> None:
+    sh = quick_shell()
+    cmds = sh.send(ws.Compute(tuple(ws.TaskIn(k, func="f", resources=CPU) for k in ("a", "b", "c"))))
+    assert ws.RunBatch(("a", "b", "c")) in cmds
+    assert sh.send(ws.Secede("a")) == [ws.Report("seceded", "a")]
+    assert sh.state.free["cpu"] == 0.0  # b and c run on in the slot
+    sh.check()
+    sh.send(ws.TaskDone("b", True, 8, 0.001))
+    assert sh.state.free["cpu"] == 0.0
+    sh.send(ws.TaskDone("c", True, 8, 0.001))
+    assert sh.state.free["cpu"] == 1.0  # the batch ended; a, seceded, holds no slot
+    sh.send(ws.TaskDone("a", True, 8, 0.3))
+    assert sh.state.free["cpu"] == 1.0 and not sh.state.running
     sh.check()

@@ -1,11 +1,14 @@
 """Task slots: threads that run task functions and hand results back to the event loop.
 
-State: a queue of work items and a list of finished items.  The loop puts work in with
-:meth:`SlotPool.submit`; a thread deserialises the arguments, substitutes dependency values, calls
-the function, times it and appends the outcome to ``done``.  The first outcome after the loop last
-drained schedules one ``on_done`` call on the loop (coalesced wake-ups), so 10,000 tiny tasks cost a
-handful of loop wake-ups, not 10,000.  Threads are created on demand up to the number of tasks the
-worker admits at once (its resources decide that).
+State: a queue of entries (each a list of work items: one task, or a batch of quick tasks that
+run one after another in one slot) and a list of finished items.  The loop puts work in with
+:meth:`SlotPool.submit` / :meth:`SlotPool.submit_batch`; a thread deserialises the arguments,
+substitutes dependency values, calls the function, times it and appends the outcome to ``done``.
+The first outcome after the loop last drained schedules one ``on_done`` call on the loop (coalesced
+wake-ups); inside a batch the loop is woken at its end or every ``WAKE_EVERY`` seconds, so a batch
+of tiny tasks costs one wake-up and one report message.  Threads are created on demand up to the
+number of entries the worker runs at once (its resources decide that).  A task that secedes hands
+the rest of its batch back (:meth:`SlotPool.detach_rest`), so nothing waits behind it.
 """
 
 from __future__ import annotations
@@ -38,13 +41,18 @@ class Outcome:
     value: Any
     duration: float
     tb: str = ""
+    last: bool = True  # the last outcome of its queue entry (the entry's thread is free again)
+
+
+#: inside a batch, wake the loop at least this often (seconds) so progress is reported
+WAKE_EVERY = 0.005
 
 
 class SlotPool:
     def __init__(self, loop: asyncio.AbstractEventLoop, on_done: Callable[[], None]) -> None:
         self.loop = loop
         self.on_done = on_done
-        self.q: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[list[WorkItem] | None] = queue.SimpleQueue()
         self.done: list[Outcome] = []
         self._lock = threading.Lock()
         self._wake_pending = False
@@ -52,35 +60,61 @@ class SlotPool:
         self.busy = 0
 
     def submit(self, item: WorkItem) -> None:
+        self.submit_batch([item])
+
+    def submit_batch(self, items: list[WorkItem]) -> None:
+        """Run ``items`` one after another in one slot thread (called in the loop)."""
         self.busy += 1
         if self.busy > len(self.threads):
             t = threading.Thread(target=self._run, name=f"tidepool-slot-{len(self.threads)}", daemon=True)
             self.threads.append(t)
             t.start()
-        self.q.put(item)
+        self.q.put(items)
 
     def drain(self) -> list[Outcome]:
         with self._lock:
             out, self.done = self.done, []
             self._wake_pending = False
-        self.busy -= len(out)
+        self.busy -= sum(1 for o in out if o.last)
         return out
+
+    @staticmethod
+    def detach_rest() -> list[WorkItem]:
+        """Called in a task's own thread: the tasks queued behind it in its batch, taken out (the
+        caller submits them again, so they do not wait for this task)."""
+        batch: list[WorkItem] | None = getattr(current, "batch", None)
+        if not batch:
+            return []
+        i = current.index
+        rest = batch[i + 1 :]
+        del batch[i + 1 :]
+        return rest
 
     def _run(self) -> None:
         while True:
-            item = self.q.get()
-            if item is None:
+            batch = self.q.get()
+            if batch is None:
                 return
-            outcome = run_item(item)
-            with self._lock:
-                self.done.append(outcome)
-                wake = not self._wake_pending
-                self._wake_pending = True
-            if wake:
-                try:
-                    self.loop.call_soon_threadsafe(self.on_done)
-                except RuntimeError:  # loop closed during shutdown
-                    return
+            current.batch = batch
+            woke = time.perf_counter()
+            i = 0
+            while i < len(batch):
+                current.index = i
+                outcome = run_item(batch[i])
+                i += 1
+                outcome.last = i >= len(batch)  # (a seceding task may have cut the batch short)
+                with self._lock:
+                    self.done.append(outcome)
+                    wake = not self._wake_pending and (outcome.last or time.perf_counter() - woke >= WAKE_EVERY)
+                    if wake:
+                        self._wake_pending = True
+                if wake:
+                    woke = time.perf_counter()
+                    try:
+                        self.loop.call_soon_threadsafe(self.on_done)
+                    except RuntimeError:  # loop closed during shutdown
+                        return
+            current.batch = None
 
     def stop(self) -> None:
         for _ in self.threads:

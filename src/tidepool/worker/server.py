@@ -234,13 +234,14 @@ class Worker:
                 if t.get("inline"):
                     self._inline_wanted.add(t["key"])
             tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
-                                   tuple(tuple(r) for r in t.get("resources") or ())))  # fmt: skip
+                                   tuple(tuple(r) for r in t.get("resources") or ()), 0, t["func"],
+                                   bool(t.get("solo"))))  # fmt: skip
         return ws.Compute(tuple(tasks))
 
     # ---- carrying out the state's commands -------------------------------------------------------
     def _apply(self, commands: list[ws.Command]) -> None:
         now = False  # a report to send at once is in the batch
-        starts: list[WorkItem] = []  # handed to the slots after the batch is sent
+        starts: list[list[WorkItem]] = []  # handed to the slots after the batch is sent
         for c in commands:
             t = type(c)
             if t is ws.Report:
@@ -252,7 +253,11 @@ class Worker:
             elif t is ws.Run:
                 work = self._work_item(c.key)  # type: ignore[union-attr]
                 if work is not None:
-                    starts.append(work)
+                    starts.append([work])
+            elif t is ws.RunBatch:
+                items = [w for k in c.keys if (w := self._work_item(k)) is not None]  # type: ignore[union-attr]
+                if items:
+                    starts.append(items)
             elif t is ws.Fetch:
                 self.loop.create_task(self._fetch(c.key, c.holders))  # type: ignore[union-attr]
             elif t is ws.Store:
@@ -271,8 +276,8 @@ class Worker:
             self.outbox.flush()
         else:
             self.outbox.soon()
-        for work in starts:
-            self.pool.submit(work)
+        for items in starts:
+            self.pool.submit_batch(items)
 
     def _with_inline(self, kind: str, item: Any) -> Any:
         """A finished report of a task whose small value goes back inline, with its pickle."""
@@ -354,8 +359,16 @@ class Worker:
         self._apply(self.state.handle(ws.FetchFailed(key, kind, got, holder)))
 
     def secede(self, key: str) -> None:
-        """Called from a task's thread: that task leaves its slot (it will wait on other tasks)."""
-        self.loop.call_soon_threadsafe(lambda: self._apply(self.state.handle(ws.Secede(key))))
+        """Called from a task's thread: that task leaves its slot (it will wait on other tasks);
+        the tasks queued behind it in its batch go on in another thread."""
+        rest = self.pool.detach_rest()
+
+        def seceded() -> None:
+            self._apply(self.state.handle(ws.Secede(key)))
+            if rest:
+                self.pool.submit_batch(rest)
+
+        self.loop.call_soon_threadsafe(seceded)
 
     # ---- serving peers and clients ---------------------------------------------------------------
     async def _serve_peer(self, conn: Connection) -> None:

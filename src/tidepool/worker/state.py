@@ -23,10 +23,17 @@ Events come from the scheduler (:class:`Compute`, :class:`FreeKeys`, :class:`Ste
 :class:`Replicate`, :class:`Secede`), from the shell's own machinery (:class:`TaskDone`,
 :class:`FetchDone`, :class:`FetchFailed`, :class:`SpillFailed`, :class:`Unservable`) and from
 the memory monitor (:class:`MemorySample`).  Commands tell the shell what to do: start a task in a
-slot (:class:`Run`), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
+slot (:class:`Run`, or :class:`RunBatch` for quick tasks run one after another in one slot), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
 :class:`Spill`), tell the scheduler (:class:`Report`: ``started`` always comes before the
 ``Run`` of the same tasks, so a task that kills the process is blamed, not its queue), send
 metrics now (:class:`SendMetrics`), or end the process over its memory limit (:class:`Terminate`).
+
+Batches: a task whose function last ran in under ``QUICK`` seconds starts together with the quick
+tasks queued right behind it that need the same resources (up to ``BATCH``): one slot, one thread
+hand-off and one report message for the lot instead of one each.  All of them are reported
+``started``; a task the scheduler marks ``solo`` (it was running when a worker died) is never
+batched, so a crash's blame is exact from the second crash on.  A batch member that secedes
+leaves the batch; the rest keeps the slot.
 
 Memory rules (levels in ``worker/memory.py``, fractions of ``limit``): values held in memory past
 ``target`` spill, least recently used first, as they are stored; the monitor's samples go through
@@ -37,6 +44,7 @@ above ``terminate`` it ends (and restarts when it can).  A value read from disk 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,6 +66,11 @@ class TaskIn:
     deps: Mapping[str, Holders] = field(default_factory=dict)
     resources: Shape = ()
     memory: int = 0
+    #: its function's id: tasks of a function that last ran in under ``QUICK`` seconds run in
+    #: batches (``""``: never batched, as in the simulator)
+    func: str = ""
+    #: never in a batch (the scheduler says so after a worker died while it ran: blame stays exact)
+    solo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +175,14 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
+class RunBatch:
+    """Run ``keys`` one after another in one slot (quick tasks: one hand-off to a thread, one
+    wake-up of the loop for the lot).  The slot's resources are held until the last one ends."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Fetch:
     """Copy ``key`` from one of ``holders``; answer with :class:`FetchDone` or :class:`FetchFailed`."""
 
@@ -213,11 +234,11 @@ class Terminate:
     rss: int
 
 
-Command = Run | Fetch | Store | Drop | Spill | Report | SendMetrics | Terminate
+Command = Run | RunBatch | Fetch | Store | Drop | Spill | Report | SendMetrics | Terminate
 
 
 class _Task:
-    __slots__ = ("key", "deps", "resources", "memory", "missing")
+    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo")
 
     def __init__(self, t: TaskIn) -> None:
         self.key = t.key
@@ -225,6 +246,14 @@ class _Task:
         self.resources = t.resources
         self.memory = t.memory
         self.missing: set[str] = set()
+        self.func = t.func
+        self.solo = t.solo
+
+
+#: a function whose last run took less than this (seconds) is quick: its queued tasks run in batches
+QUICK = 0.002
+#: at most this many tasks in one batch (so a batch holds its slot for about ``BATCH * QUICK`` s)
+BATCH = 32
 
 
 class WorkerState:
@@ -249,6 +278,10 @@ class WorkerState:
         self.fetching: dict[str, list[str | None]] = {}
         self.paused = False
         self.executed = 0
+        self.last_run: dict[str, float] = {}  # function id -> seconds its last successful run took
+        self.batch_of: dict[str, int] = {}  # running task in a batch -> the batch's id
+        self.batch_left: dict[int, int] = {}  # batch id -> its tasks still running
+        self._batch_ids = itertools.count()
         self._handlers: dict[type, Any] = {
             Compute: self._compute, FreeKeys: self._free, StealKeys: self._steal, Replicate: self._replicate,
             Secede: self._secede, TaskDone: self._done, FetchDone: self._fetched, FetchFailed: self._fetch_failed,
@@ -355,18 +388,34 @@ class WorkerState:
         if t is None or e.key in self.seceded:
             return
         self.seceded.add(e.key)
-        for name, amount in t.resources:
-            self.free[name] = self.free.get(name, 0.0) + amount
+        if self._leave_batch(e.key):  # the rest of its batch keeps the slot (the shell runs it on)
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) + amount
         out.append(Report("seceded", e.key))
         self._start_ready(out)
+
+    def _leave_batch(self, key: str) -> bool:
+        """``key`` no longer runs in its batch; True if its slot is free now (no batch, or the last)."""
+        head = self.batch_of.pop(key, None)
+        if head is None:
+            return True
+        left = self.batch_left[head] - 1
+        if left:
+            self.batch_left[head] = left
+            return False
+        del self.batch_left[head]
+        return True
 
     def _done(self, e: TaskDone, out: list[Command]) -> None:
         t = self.running.pop(e.key, None)
         if e.key in self.seceded:
             self.seceded.discard(e.key)  # its resources went back when it seceded
         elif t is not None:
-            for name, amount in t.resources:
-                self.free[name] = self.free.get(name, 0.0) + amount
+            if e.ok and t.func:
+                self.last_run[t.func] = e.duration
+            if self._leave_batch(e.key):
+                for name, amount in t.resources:
+                    self.free[name] = self.free.get(name, 0.0) + amount
         if e.key in self.cancelled:
             self.cancelled.discard(e.key)  # nobody wants the result: it is not kept
         elif e.ok:
@@ -423,6 +472,7 @@ class WorkerState:
         one = self.paused
         skipped: list[_Task] = []
         started: list[_Task] = []
+        runs: list[Command] = []
         while q:
             t = q.popleft()
             self.queued.discard(t.key)
@@ -444,6 +494,12 @@ class WorkerState:
                 if nb is not None:
                     self.memory[d] = nb
             started.append(t)
+            batch = self._batch(t) if q and not one and self._quick(t) else None
+            if batch:
+                started.extend(batch)
+                runs.append(RunBatch((t.key, *(m.key for m in batch))))
+            else:
+                runs.append(Run(t.key))
             if one:
                 break
         if skipped:
@@ -451,7 +507,36 @@ class WorkerState:
             self.queued.update(t.key for t in skipped)
         if started:
             out.extend(Report("started", t.key) for t in started)  # before any of them can crash us
-            out.extend(Run(t.key) for t in started)
+            out.extend(runs)
+
+    def _quick(self, t: _Task) -> bool:
+        last = self.last_run.get(t.func) if t.func and not t.solo else None
+        return last is not None and last < QUICK
+
+    def _batch(self, head: _Task) -> list[_Task]:
+        """Queued tasks that run after ``head`` in its slot: the next ones in the queue while they
+        are quick, need the same resources and have their inputs here (up to ``BATCH`` in all)."""
+        q = self.queue
+        members: list[_Task] = []
+        while q and len(members) < BATCH - 1:
+            t = q[0]
+            if t.resources != head.resources or not self._quick(t) or any(d not in self for d in t.deps):
+                break
+            q.popleft()
+            self.queued.discard(t.key)
+            self.running[t.key] = t
+            for d in t.deps:
+                nb = self.memory.pop(d, None)
+                if nb is not None:
+                    self.memory[d] = nb
+            members.append(t)
+        if members:
+            bid = next(self._batch_ids)
+            self.batch_left[bid] = len(members) + 1
+            self.batch_of[head.key] = bid
+            for t in members:
+                self.batch_of[t.key] = bid
+        return members
 
     # ---- memory ----------------------------------------------------------------------------------
     def _store(self, key: str, nbytes: int, out: list[Command]) -> None:
@@ -517,7 +602,17 @@ class WorkerState:
                 assert not a & b, ("a task in two places", a & b)
         assert self.seceded <= set(self.running) and self.cancelled <= set(self.running)
         used: dict[str, float] = {}
+        assert set(self.batch_of) <= set(self.running) and not set(self.batch_of) & self.seceded
+        assert set(self.batch_of.values()) == set(self.batch_left), "a batch without its count"
+        for bid, n in self.batch_left.items():
+            assert n == sum(1 for b in self.batch_of.values() if b == bid) and n > 0, ("batch count", bid)
+        counted: set[int] = set()
         for k, t in self.running.items():
+            in_batch = self.batch_of.get(k)
+            if in_batch is not None:
+                if in_batch in counted:
+                    continue  # a batch holds its slot once
+                counted.add(in_batch)
             if k not in self.seceded:
                 for name, amount in t.resources:
                     used[name] = used.get(name, 0.0) + amount
