@@ -103,8 +103,10 @@ def quick_or_crash(x: int) -> int:
 
 @pytest.mark.integration
 def test_a_task_that_kills_its_worker_inside_a_batch_is_blamed_alone() -> None:
-    """The first crash blames every task of the batch once; they come back ``solo`` and run one by
-    one, so only the crasher dies again and fails (allowed_failures=1: two crashes)."""
+    """The first crash blames no task, or every task of the batch once (a quick task's "started"
+    may not have left yet); either way all of them come back ``solo`` and run one by one with
+    "started" sent first, so only the crasher dies again, and it alone fails once two crashes are
+    blamed on it (allowed_failures=1): after two or three crashes in all, never more."""
     with tidepool.LocalCluster(n_workers=1, slots=1, allowed_failures=1) as cluster, \
             tidepool.Client(cluster) as client:  # fmt: skip
         futs = client.map(quick_or_crash, range(40))
@@ -112,7 +114,7 @@ def test_a_task_that_kills_its_worker_inside_a_batch_is_blamed_alone() -> None:
         def alive() -> bool:
             return any(p["alive"] for p in cluster.provider.list().values())
 
-        for _ in range(4):
+        for _ in range(6):
             wait_until(lambda: futs[20].done() or not alive(), timeout=60, what="a crash")
             if futs[20].done():
                 break
@@ -123,4 +125,4 @@ def test_a_task_that_kills_its_worker_inside_a_batch_is_blamed_alone() -> None:
             cluster.add_workers(1, wait=False)
         others = [f for i, f in enumerate(futs) if i != 20]
         assert client.gather(others, timeout=60) == [i for i in range(40) if i != 20]
-        assert client.scheduler_info()["counters"]["workers_lost"] == 2
+        assert client.scheduler_info()["counters"]["workers_lost"] in (2, 3)

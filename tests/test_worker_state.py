@@ -259,3 +259,13 @@ def test_a_batch_task_that_secedes_leaves_the_batch_and_the_rest_keeps_the_slot(
     sh.send(ws.TaskDone("a", True, 8, 0.3))
     assert sh.state.free["cpu"] == 1.0 and not sh.state.running
     sh.check()
+
+
+def test_a_quick_task_run_alone_is_marked_quick_and_an_unknown_or_solo_one_is_not() -> None:
+    sh = quick_shell()
+    assert ws.Run("q", True) in sh.send(ws.Compute((ws.TaskIn("q", func="f", resources=CPU),)))
+    sh.send(ws.TaskDone("q", True, 8, 0.001))
+    assert ws.Run("u", False) in sh.send(ws.Compute((ws.TaskIn("u", func="unknown", resources=CPU),)))
+    sh.send(ws.TaskDone("u", True, 8, 0.001))
+    assert ws.Run("s", False) in sh.send(ws.Compute((ws.TaskIn("s", func="f", solo=True, resources=CPU),)))
+    sh.check()

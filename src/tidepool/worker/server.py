@@ -10,11 +10,13 @@ Data flow: :meth:`Worker._scheduler_loop` (the one connection loop: register, th
 order) turns ``compute``, ``free``, ``steal``, ``replicate`` into state events; slot threads,
 fetches, the data server and the memory monitor feed events too.  :meth:`Worker._apply` carries
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
-Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
-replies, and seceded tasks) are sent at once: the scheduler hears a task started before it can
-crash the process.  "At once" is once per batch of commands: every task the batch starts is
-reported in one message, sent before any of them is handed to a slot (so crash blame stays exact:
-a worker that dies has told the scheduler of every task it was running).  If the scheduler connection is lost the worker stops, unless it may retry
+Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` of a task
+that is not quick (and steal replies, and seceded tasks) are sent at once: the scheduler hears such
+a task started before it can crash the process.  "At once" is once per batch of commands: every
+task the batch starts is reported in one message, sent before any of them is handed to a slot.
+Quick tasks (their function last ran in under 2 ms, ``worker/state.py``) run in batches on one slot
+thread and their ``started`` rides with their outcomes: one message per batch, not two per task;
+a crash among them is blamed on the next run, which the scheduler makes ``solo``.  If the scheduler connection is lost the worker stops, unless it may retry
 within a reconnect window (``worker/reconnect.py``: it keeps its work and registers again).
 """
 
@@ -60,7 +62,7 @@ from tidepool.worker.spill import SpillStore, worker_store
 
 log = logging.getLogger("tidepool.worker")
 #: report kinds sent at once rather than with the next batch
-_NOW = frozenset({"started", "stolen", "kept", "seceded"})
+_NOW = frozenset({"stolen", "kept", "seceded"})
 
 
 class Worker:
@@ -241,16 +243,21 @@ class Worker:
     # ---- carrying out the state's commands -------------------------------------------------------
     def _apply(self, commands: list[ws.Command]) -> None:
         now = False  # a report to send at once is in the batch
+        later = False  # a report to send on the next loop turn (a quick task's "started" waits for its outcome)
         starts: list[list[WorkItem]] = []  # handed to the slots after the batch is sent
         for c in commands:
             t = type(c)
             if t is ws.Report:
                 self.outbox.add(c.kind, self._with_inline(c.kind, c.item))  # type: ignore[union-attr]
                 now = now or c.kind in _NOW  # type: ignore[union-attr]
+                later = later or c.kind != "started"  # type: ignore[union-attr]
                 if c.kind in ("missing", "stolen", "erred"):  # type: ignore[union-attr]
                     item = c.item  # type: ignore[union-attr]
                     self._forget((item[0] if isinstance(item, list) else item["key"] if isinstance(item, dict) else item,))
             elif t is ws.Run:
+                # the scheduler hears "started" before a task that is not quick can crash us (a
+                # quick task's rides with its outcome: worker/state.py)
+                now = now or not c.quick  # type: ignore[union-attr]
                 work = self._work_item(c.key)  # type: ignore[union-attr]
                 if work is not None:
                     starts.append([work])
@@ -272,9 +279,9 @@ class Worker:
                 self._send_metrics()
             elif t is ws.Terminate:
                 self.loop.create_task(self._memory_terminate(c.rss))  # type: ignore[union-attr]
-        if now:  # the scheduler hears "started" before any of these tasks can crash us
+        if now:
             self.outbox.flush()
-        else:
+        elif later:
             self.outbox.soon()
         for items in starts:
             self.pool.submit_batch(items)

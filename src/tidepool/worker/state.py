@@ -25,15 +25,18 @@ Events come from the scheduler (:class:`Compute`, :class:`FreeKeys`, :class:`Ste
 the memory monitor (:class:`MemorySample`).  Commands tell the shell what to do: start a task in a
 slot (:class:`Run`, or :class:`RunBatch` for quick tasks run one after another in one slot), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
 :class:`Spill`), tell the scheduler (:class:`Report`: ``started`` always comes before the
-``Run`` of the same tasks, so a task that kills the process is blamed, not its queue), send
+``Run`` of the same tasks, and the shell sends it before a task that is not quick runs, so a task
+that kills the process is blamed, not its queue), send
 metrics now (:class:`SendMetrics`), or end the process over its memory limit (:class:`Terminate`).
 
-Batches: a task whose function last ran in under ``QUICK`` seconds starts together with the quick
-tasks queued right behind it that need the same resources (up to ``BATCH``): one slot, one thread
-hand-off and one report message for the lot instead of one each.  All of them are reported
-``started``; a task the scheduler marks ``solo`` (it was running when a worker died) is never
-batched, so a crash's blame is exact from the second crash on.  A batch member that secedes
-leaves the batch; the rest keeps the slot.
+Quick tasks: a task whose function last ran in under ``QUICK`` seconds starts together with the
+quick tasks queued right behind it that need the same resources (up to ``BATCH``): one slot, one
+thread hand-off and one report message for the lot instead of one each.  Their ``started`` reports
+ride with the next batch of reports (a ``Run`` that is not ``quick`` makes the shell send them at
+once), so a quick task that kills the process is not blamed by that crash; the scheduler then sends
+every task that was on the dead worker ``solo`` (never batched, never quick: ``started`` first), so
+the next crash blames exactly the task that ran.  A task whose function never ran here is never
+quick.  A batch member that secedes leaves the batch; the rest keeps the slot.
 
 Memory rules (levels in ``worker/memory.py``, fractions of ``limit``): values held in memory past
 ``target`` spill, least recently used first, as they are stored; the monitor's samples go through
@@ -169,9 +172,12 @@ Event = Compute | FreeKeys | StealKeys | Replicate | Secede | TaskDone | FetchDo
 # ---- commands ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Start ``key`` in a slot now (its inputs are held here)."""
+    """Start ``key`` in a slot now (its inputs are held here).  ``quick``: its function last ran in
+    under ``QUICK`` seconds, so its ``started`` report may ride with its outcome (see the module
+    docstring); otherwise the shell sends ``started`` before the task runs."""
 
     key: str
+    quick: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,7 +505,7 @@ class WorkerState:
                 started.extend(batch)
                 runs.append(RunBatch((t.key, *(m.key for m in batch))))
             else:
-                runs.append(Run(t.key))
+                runs.append(Run(t.key, self._quick(t)))
             if one:
                 break
         if skipped:
