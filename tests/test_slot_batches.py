@@ -1,8 +1,9 @@
-"""Quick tasks run in batches on one slot thread (``worker/executor.py``, ``worker/state.py``).
+"""Quick tasks run in lanes on one slot thread (``worker/executor.py``, ``worker/state.py``).
 
-The pool itself is driven with a real event loop and deterministic work; the end-to-end tests use
-real worker processes: a map of tiny tasks runs in batches, and a task that kills its worker from
-inside a batch is blamed alone in the end (the batch's other tasks are retried one by one).
+The pool itself is driven with a real event loop and deterministic work (a task that blocks on an
+event until the test lets it go); the end-to-end tests use real worker processes: a map of tiny
+tasks runs in lanes, and a task that kills its worker from inside a lane is blamed alone in the
+end (the lane's other tasks are retried one by one).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 
@@ -21,11 +23,14 @@ from tidepool.worker.context import current_task, get_worker
 from tidepool.worker.executor import Outcome, SlotPool, WorkItem
 
 
-def _pool_run(items: list[WorkItem], monkeypatch: pytest.MonkeyPatch) -> tuple[list[Outcome], int]:
-    """Run one batch; return its outcomes and how many times the loop was woken for them."""
-    monkeypatch.setattr(executor, "WAKE_EVERY", 1e9)  # only the batch's end wakes the loop
+def _pool_run(items: list[WorkItem], monkeypatch: pytest.MonkeyPatch, meanwhile: object = None,
+              expect: int | None = None) -> tuple[list[Outcome], int, SlotPool]:  # fmt: skip
+    """Run one lane; ``meanwhile(pool)`` is called in the loop once it was submitted.  Returns the
+    outcomes, how many times the loop was woken for them, and the pool (stopped)."""
+    monkeypatch.setattr(executor, "WAKE_EVERY", 1e9)  # only the lane's end wakes the loop
+    n = len(items) if expect is None else expect
 
-    async def main() -> tuple[list[Outcome], int]:
+    async def main() -> tuple[list[Outcome], int, SlotPool]:
         got: list[Outcome] = []
         wakes = 0
         done = asyncio.Event()
@@ -34,22 +39,22 @@ def _pool_run(items: list[WorkItem], monkeypatch: pytest.MonkeyPatch) -> tuple[l
             nonlocal wakes
             wakes += 1
             got.extend(pool.drain())
-            if got and got[-1].last:
+            if len(got) >= n:
                 done.set()
 
         pool = SlotPool(asyncio.get_running_loop(), on_done)
-        pool.submit_batch(items)
+        pool.submit_lane(7, items)
+        if callable(meanwhile):
+            await asyncio.get_running_loop().run_in_executor(None, meanwhile, pool)
         await asyncio.wait_for(done.wait(), 30)
+        await asyncio.get_running_loop().run_in_executor(None, wait_until, lambda: pool.busy == 0)
         pool.stop()
-        assert pool.busy == 0
-        return got, wakes
+        return got, wakes, pool
 
     return asyncio.run(main())
 
 
-def test_a_batch_runs_in_order_on_one_thread_and_wakes_the_loop_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
+def test_a_lane_runs_in_order_on_one_thread_and_wakes_the_loop_once(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
 
     def record(x: int) -> int:
@@ -59,40 +64,49 @@ def test_a_batch_runs_in_order_on_one_thread_and_wakes_the_loop_once(monkeypatch
         return x * 10
 
     items = [WorkItem(f"k{i}", lambda i=i: record(i), None, {}) for i in range(8)]
-    outcomes, wakes = _pool_run(items, monkeypatch)
+    outcomes, wakes, pool = _pool_run(items, monkeypatch)
     assert [o.key for o in outcomes] == [f"k{i}" for i in range(8)]
     assert [o.value for o in outcomes if o.ok] == [0, 10, 20, 40, 50, 60, 70]
     assert isinstance(outcomes[3].value, ValueError) and "three" in outcomes[3].tb  # one failure, the rest ran
-    assert [o.last for o in outcomes] == [False] * 7 + [True]
-    assert wakes == 1 and len(set(threads)) == 1
+    assert wakes == 1 and len(set(threads)) == 1 and pool.lanes == {}
 
 
-def test_a_task_that_secedes_hands_the_rest_of_its_batch_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    rest: list[WorkItem] = []
+def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While ``a`` runs, ``c`` and ``d`` come out (they never run); ``a`` itself is taken already."""
+    go, running = threading.Event(), threading.Event()
+    ran: list[str] = []
 
-    def seceding() -> str:
-        rest.extend(SlotPool.detach_rest())
-        return "left"
+    def blocking() -> str:
+        running.set()
+        go.wait(30)
+        return "a"
 
-    items = [WorkItem("a", lambda: 1, None, {}), WorkItem("b", seceding, None, {}),
-             WorkItem("c", lambda: 3, None, {}), WorkItem("d", lambda: 4, None, {})]  # fmt: skip
-    outcomes, _ = _pool_run(items, monkeypatch)
-    assert [(o.key, o.value, o.last) for o in outcomes] == [("a", 1, False), ("b", "left", True)]
-    assert [w.key for w in rest] == ["c", "d"]  # not run by that thread: the caller submits them again
+    def meanwhile(pool: SlotPool) -> None:
+        assert running.wait(30)
+        assert pool.running_long(0.0) == ["a"]
+        assert [w.key for w in pool.unline(7, ("a", "c", "d"))] == ["c", "d"]
+        go.set()
+
+    items = [WorkItem("a", blocking, None, {})] + [WorkItem(k, lambda k=k: ran.append(k), None, {}) for k in "bcd"]
+    outcomes, _, pool = _pool_run(items, monkeypatch, meanwhile, expect=2)
+    assert [o.key for o in outcomes] == ["a", "b"] and ran == ["b"]
+    assert pool.unline(7, ("b",)) == [] and pool.running_long(0.0) == []  # the lane ended
 
 
 # ---- end to end ---------------------------------------------------------------------------------
 def in_batch(x: int) -> bool:
-    """True if this task runs inside a batch on its worker."""
+    """True if this task runs inside a lane on its worker."""
     st = get_worker().state  # type: ignore[attr-defined]
-    return st.batch_of.get(current_task()) is not None
+    key = current_task()
+    t = st.lined.get(key) or st.running.get(key)
+    return t is not None and t.batch is not None
 
 
 @pytest.mark.integration
 def test_a_map_of_tiny_tasks_runs_mostly_in_batches() -> None:
     with tidepool.LocalCluster(n_workers=1, slots=1) as cluster, tidepool.Client(cluster) as client:
         flags = client.gather(client.map(in_batch, range(300)))
-    assert sum(flags) >= 150, f"only {sum(flags)} of 300 tiny tasks ran in a batch"
+    assert sum(flags) >= 150, f"only {sum(flags)} of 300 tiny tasks ran in a lane"
 
 
 def quick_or_crash(x: int) -> int:
@@ -102,11 +116,11 @@ def quick_or_crash(x: int) -> int:
 
 
 @pytest.mark.integration
-def test_a_task_that_kills_its_worker_inside_a_batch_is_blamed_alone() -> None:
-    """The first crash blames no task, or every task of the batch once (a quick task's "started"
-    may not have left yet); either way all of them come back ``solo`` and run one by one with
-    "started" sent first, so only the crasher dies again, and it alone fails once two crashes are
-    blamed on it (allowed_failures=1): after two or three crashes in all, never more."""
+def test_a_task_that_kills_its_worker_inside_a_lane_is_blamed_alone() -> None:
+    """The first crash blames no task (a quick task is not reported started): all of the dead
+    worker's tasks come back ``solo`` and run one by one with "started" sent first, so only the
+    crasher dies again, and it alone fails once two crashes are blamed on it (allowed_failures=1):
+    after two or three crashes in all, never more."""
     with tidepool.LocalCluster(n_workers=1, slots=1, allowed_failures=1) as cluster, \
             tidepool.Client(cluster) as client:  # fmt: skip
         futs = client.map(quick_or_crash, range(40))
