@@ -327,11 +327,15 @@ class WorkerState:
         self.thresholds = thresholds or MemoryThresholds()
         self.queue: deque[_Task] = deque()
         self.queued: set[str] = set()  # keys in ``queue``
+        #: the first ``blocked`` queued tasks do not fit in ``free`` (until resources are freed or
+        #: the queue's front changes): a scan for tasks to start begins after them
+        self.blocked = 0
         self.waiting: dict[str, _Task] = {}
         self.running: dict[str, _Task] = {}
         self.seceded: set[str] = set()
         self.cancelled: set[str] = set()
         self.memory: dict[str, int] = {}  # in memory, least recently used first
+        self._memory_bytes = 0  # the sum of ``memory`` (kept as it changes: read on every store)
         self.spilled: dict[str, int] = {}
         self.pinned: set[str] = set()
         self.spill_off = "" if limit else "no memory limit"
@@ -357,7 +361,7 @@ class WorkerState:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(self.memory.values())
+        return self._memory_bytes
 
     @property
     def spilled_bytes(self) -> int:
@@ -408,7 +412,7 @@ class WorkerState:
         dropped = []
         for k in e.keys:
             if k in self:
-                self.memory.pop(k, None)
+                self._memory_bytes -= self.memory.pop(k, 0)
                 self.spilled.pop(k, None)
                 self.pinned.discard(k)
                 dropped.append(k)
@@ -423,6 +427,7 @@ class WorkerState:
             if not ks.isdisjoint(self.queued):
                 self.queue = deque(t for t in self.queue if t.key not in ks)
                 self.queued -= ks
+                self.blocked = 0
         if dropped:
             out.append(Drop(tuple(dropped)))
         self._start_ready(out)
@@ -433,6 +438,7 @@ class WorkerState:
         if stolen:
             self.queue = deque(t for t in self.queue if t.key not in ks)
             self.queued -= ks
+            self.blocked = 0
         for k in e.keys:
             if k in self.waiting:  # still fetching inputs: the fetch finishes for nobody
                 del self.waiting[k]
@@ -458,6 +464,7 @@ class WorkerState:
         if b is None:
             for name, amount in t.resources:
                 self.free[name] = self.free.get(name, 0.0) + amount
+            self.blocked = 0
         else:  # it leaves its lane, and the lane's rest does not wait for it
             t.batch = None
             b.running -= 1
@@ -483,6 +490,7 @@ class WorkerState:
             if b is None:
                 for name, amount in t.resources:
                     self.free[name] = self.free.get(name, 0.0) + amount
+                self.blocked = 0
             else:
                 t.batch = None
                 b.running -= 1
@@ -527,6 +535,7 @@ class WorkerState:
         if not b.running and not b.lane:
             for name, amount in b.resources:
                 self.free[name] = self.free.get(name, 0.0) + amount
+            self.blocked = 0
             b.running = -1  # released (never again)
 
     def _runs_long(self, e: RunsLong, out: list[Command]) -> None:
@@ -566,6 +575,7 @@ class WorkerState:
                 out.append(Report("stolen", k))
         if back:  # first in the queue again, in their order
             self.queue.extendleft(reversed(back))
+            self.blocked = 0
             self.queued.update(t.key for t in back)
         if b is not None:
             self._lane_check(b)
@@ -601,7 +611,7 @@ class WorkerState:
 
     def _unservable(self, e: Unservable, out: list[Command]) -> None:
         if e.key in self:
-            self.memory.pop(e.key, None)
+            self._memory_bytes -= self.memory.pop(e.key, 0)
             self.spilled.pop(e.key, None)
             out.append(Drop((e.key,)))
         out.append(Report("unservable", [e.key, e.exc_type, e.message]))
@@ -609,22 +619,21 @@ class WorkerState:
     # ---- slots -----------------------------------------------------------------------------------
     def _start_ready(self, out: list[Command]) -> None:
         q = self.queue
-        if not q or (self.paused and (self.running or self.lined)):
+        i = self.blocked  # tasks before it do not fit: less is free now than when they were looked at
+        if len(q) <= i or (self.paused and (self.running or self.lined)):
             return
         # paused with nothing running: the memory is not ours to spill (unmanaged, or the
         # allocator's); run one task at a time rather than wait forever (the terminate level guards)
         one = self.paused
-        skipped: list[_Task] = []
         started: list[_Task] = []
         runs: list[Command] = []
-        while q:
-            t = q.popleft()
-            self.queued.discard(t.key)
+        while i < len(q) and i <= 64:  # tasks that do not fit are skipped, up to 65 of them
+            t = q[i]
             if not fits(self.free, t.resources):
-                skipped.append(t)
-                if len(skipped) > 64:
-                    break
+                i += 1
                 continue
+            del q[i]
+            self.queued.discard(t.key)
             gone = [d for d in t.deps if d not in self]
             if gone:  # an input was freed here while the task queued: the scheduler reschedules it
                 out.append(Report("missing", [t.key, gone[0], "", "the input was dropped on this worker "
@@ -640,7 +649,7 @@ class WorkerState:
                 b = _Lane(next(self._lane_ids), t.resources)
                 self._line(b, t)
                 if not one:
-                    self._batch(b)
+                    self._batch(b, i)
                 runs.append(RunBatch(b.id, tuple(m.key for m in b.lane)))
             else:
                 self.running[t.key] = t
@@ -648,9 +657,7 @@ class WorkerState:
                 runs.append(Run(t.key))
             if one:
                 break
-        if skipped:
-            q.extendleft(reversed(skipped))
-            self.queued.update(t.key for t in skipped)
+        self.blocked = i
         if started:
             out.extend(Report("started", t.key) for t in started)  # before any of them can crash us
         out.extend(runs)
@@ -664,20 +671,20 @@ class WorkerState:
         b.lane.append(t)
         self.lined[t.key] = t
 
-    def _batch(self, b: _Lane) -> None:
+    def _batch(self, b: _Lane, i: int) -> None:
         """Line up behind the lane's first task the next queued ones while they are quick, need the
         same resources and have their inputs here: up to ``BATCH`` in all, and no more than this
         lane's share of the queue when other slots are free for the same shape (no slot idles
         while one lane holds the queue's last tasks)."""
-        q = self.queue
+        q = self.queue  # its first task was at ``i``: the next ones are there now
         slots = 1 + min((int(self.free.get(name, 0.0) // amount) for name, amount in b.resources if amount > 0),
                         default=0)  # fmt: skip
-        most = min(BATCH, -(-(len(q) + 1) // slots))
-        while q and len(b.lane) < most:
-            t = q[0]
+        most = min(BATCH, -(-(len(q) - i + 1) // slots))
+        while i < len(q) and len(b.lane) < most:
+            t = q[i]
             if t.resources != b.resources or not self._quick(t) or any(d not in self for d in t.deps):
                 break
-            q.popleft()
+            del q[i]
             self.queued.discard(t.key)
             for d in t.deps:
                 nb = self.memory.pop(d, None)
@@ -688,7 +695,7 @@ class WorkerState:
     # ---- memory ----------------------------------------------------------------------------------
     def _store(self, key: str, nbytes: int, out: list[Command]) -> None:
         self.spilled.pop(key, None)
-        self.memory.pop(key, None)
+        self._memory_bytes += nbytes - self.memory.pop(key, 0)
         self.memory[key] = nbytes
         out.append(Store(key, nbytes))
         if self.limit and not self.spill_off:
@@ -707,7 +714,8 @@ class WorkerState:
             keys.append(k)
             nbytes -= nb
         for k in keys:
-            self.spilled[k] = self.memory.pop(k)
+            nb = self.spilled[k] = self.memory.pop(k)
+            self._memory_bytes -= nb
         if keys:
             out.append(Spill(tuple(keys)))
 
@@ -716,6 +724,7 @@ class WorkerState:
             nb = self.spilled.pop(k, None)
             if nb is not None:
                 self.memory[k] = nb
+                self._memory_bytes += nb
                 if not e.disabled:
                     self.pinned.add(k)  # cannot be pickled: never tried again
         if e.disabled:
@@ -740,9 +749,12 @@ class WorkerState:
     def validate(self) -> None:
         """Check the bookkeeping; raises AssertionError on an inconsistency."""
         assert not set(self.memory) & set(self.spilled), "a value both in memory and on disk"
+        assert self._memory_bytes == sum(self.memory.values()), "memory bytes"
         assert self.pinned <= set(self.memory), "a pinned value not in memory"
         queued = [t.key for t in self.queue]
         assert len(queued) == len(set(queued)) and set(queued) == self.queued, "a task queued twice"
+        assert self.blocked <= len(queued) and not any(fits(self.free, t.resources) for t in
+                                                      itertools.islice(self.queue, self.blocked)), "blocked fits"
         places = [set(queued), set(self.waiting), set(self.running), set(self.lined)]
         for i, a in enumerate(places):
             for b in places[i + 1:]:
