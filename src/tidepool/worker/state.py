@@ -10,8 +10,9 @@ State
   ``seceded`` (running tasks that gave their slot back), ``cancelled`` (running tasks whose result
   nobody wants any more), ``lined`` (quick tasks lined up in a slot's lane, not known to have
   started: see "Quick tasks" below);
-- the task queue: ``queue`` (assigned tasks whose inputs are here, in arrival order) and
-  ``waiting`` (tasks whose inputs are being fetched: key -> inputs still missing);
+- the task queue: ``queue`` (assigned tasks whose inputs are here, in arrival order; its first
+  ``blocked`` are known not to fit what is free, so a scan for tasks to start begins after them)
+  and ``waiting`` (tasks whose inputs are being fetched: key -> inputs still missing);
 - data: ``memory`` (key -> bytes, least recently used first) and ``spilled`` (key -> bytes, on
   disk); ``fetching`` (input key -> tasks waiting for it; None stands for a replica asked for);
   ``pinned`` (values that cannot be spilled) and ``spill_off`` (why spilling stopped for good);
