@@ -140,3 +140,31 @@ def test_a_task_that_kills_its_worker_inside_a_lane_is_blamed_alone() -> None:
         others = [f for i, f in enumerate(futs) if i != 20]
         assert client.gather(others, timeout=60) == [i for i in range(40) if i != 20]
         assert client.scheduler_info()["counters"]["workers_lost"] in (2, 3)
+
+
+def gated_mark(gate: str, marker: str) -> str:
+    """Wait for the file ``gate`` (if given), then leave the file ``marker`` (if given)."""
+    if gate:
+        wait_until(lambda: os.path.exists(gate), timeout=30, what="the gate")
+    if marker:
+        with open(marker, "w"):
+            pass
+    return "ok"
+
+
+@pytest.mark.integration
+def test_lined_calls_behind_a_running_one_can_be_cancelled_and_the_running_one_says_so(tmp_path: os.PathLike) -> None:
+    """``gated_mark`` is quick (it ran at once), so the four calls form one lane on the one slot.
+    The first blocks: after ``LONG`` the worker reports it started (``running()``), and the other
+    three, not reached yet, are cancelled out of the lane and never run."""
+    gate, marks = os.path.join(tmp_path, "gate"), [os.path.join(tmp_path, f"m{i}") for i in range(3)]
+    with tidepool.LocalCluster(n_workers=1, slots=1) as cluster, tidepool.Client(cluster) as client:
+        assert client.gather(client.map(gated_mark, ["", ""], ["", ""])) == ["ok", "ok"]
+        first, *rest = client.map(gated_mark, [gate, "", "", ""], ["", *marks])
+        wait_until(first.running, timeout=30, what="the blocked call to be reported running")
+        client.cancel(rest)
+        with open(gate, "w"):
+            pass
+        assert first.result(timeout=30) == "ok"
+        assert client.submit(gated_mark, "", "").result(timeout=30) == "ok"  # the slot went on past them
+    assert not any(os.path.exists(m) for m in marks)
