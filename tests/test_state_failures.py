@@ -46,6 +46,22 @@ def test_only_tasks_executing_on_a_dying_worker_are_suspects() -> None:
     assert all(d.status()[k] == "memory" for k in innocent)
 
 
+def test_tasks_on_a_dead_worker_that_were_not_reported_started_run_solo_until_they_finish() -> None:
+    """A quick task's "started" rides with its outcome, so any task on a worker that died may be
+    what killed it: not blamed, but sent ``solo`` next time (started first, exact blame)."""
+    d = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
+    d.submit([(f"inc-{i}", []) for i in range(6)], [f"inc-{i}" for i in range(6)])
+    d.add_worker("w1")
+    d.start("w1", "inc-0")
+    d.remove_worker("w1")  # killed, not retired
+    st = d.state
+    assert st.tasks["inc-0"].suspicious == 1 and "inc-0" not in st.solo
+    assert st.solo == {f"inc-{i}" for i in range(1, 6)} and all(st.tasks[f"inc-{i}"].suspicious == 0 for i in range(1, 6))
+    d.add_worker("w2")
+    d.run_until_idle()
+    assert all(d.status()[f"inc-{i}"] == "memory" for i in range(6)) and st.solo == set()
+
+
 def test_without_autoscaling_a_task_nobody_can_run_errs_after_the_no_worker_timeout() -> None:
     d = StateDriver(SchedulerState(no_worker_timeout=30))
     d.add_worker("w1")

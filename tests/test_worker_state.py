@@ -2,14 +2,19 @@
 
 A small fake shell (:class:`Shell`) carries out the commands as both real shells must: values it
 is told to ``Store`` are kept (in memory), ``Spill`` moves them to its "disk", ``Drop`` removes
-them; ``Run`` puts a task in a slot.  The events are what a scheduler, slot threads, peers and
-the memory monitor could send at that point.  After every step:
+them; ``Run`` puts a task in a slot; ``RunBatch`` opens a lane whose slot takes its tasks one by
+one (a ``reach`` step), and ``Unline`` takes out those not reached yet and answers at once with
+``Unlined``.  The events are what a scheduler, slot threads, peers, the memory monitor and the
+shell's lane clock could send at that point.  After every step:
 - held + spilled bytes are accounted for: the state's ``memory``/``spilled`` are exactly the
   shell's in-memory/on-disk values, with the same sizes;
-- no task is in two places (queue, waiting, a slot), slots never leak or go negative;
+- no task is in two places (queue, waiting, a slot, a lane), slots never leak or go negative;
+- the state's lined tasks are exactly those in the shell's lanes and those the shell's slots took
+  without the state knowing yet;
 - every task received is reported once: an assignment ends in exactly one outcome report
   (finished, erred, missing, stolen) or is dropped by ``free``; open ones are queued, waiting or
-  running; ``started`` always precedes the ``Run`` of the same task.
+  running; ``started`` always precedes the ``Run`` of the same task; a lane's task is never
+  reported started unless it ran ``LONG``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tidepool.worker.memory import MemoryThresholds
 
 KEYS = [f"k{i}" for i in range(8)]
 LIMIT = 1000
+CPU = (("cpu", 1.0),)
 OUTCOMES = ("finished", "erred", "missing", "stolen")
 
 
@@ -34,7 +40,8 @@ class Shell:
         self.mem: dict[str, int] = {}
         self.disk: dict[str, int] = {}
         self.arrived: dict[str, int] = {}
-        self.slots: set[str] = set()
+        self.slots: set[str] = set()  # tasks the shell's slots run (given by Run, or taken from a lane)
+        self.lanes: dict[int, list[str]] = {}  # lane -> its tasks not taken yet
         self.open: dict[str, int] = {}  # assignments not ended: key -> outcome reports seen
         self.freed: set[str] = set()
         self.terminated = False
@@ -45,18 +52,25 @@ class Shell:
                 if t.key not in self.state.running and t.key not in self.state.waiting and \
                         t.key not in self.state.queued and t.key not in self.state:  # fmt: skip
                     self.open[t.key] = 0
+        if isinstance(event, ws.TaskDone | ws.Secede | ws.RunsLong):
+            for keys in self.lanes.values():  # (a lane's slot reached it, if the test did not say so)
+                if event.key in keys:
+                    keys.remove(event.key)
+                    self.slots.add(event.key)
         if isinstance(event, ws.TaskDone):
             self.slots.discard(event.key)
             if event.key in self.state.cancelled:
                 self.open.pop(event.key, None)  # freed while it ran: its result is dropped, not reported
+
         if isinstance(event, ws.FreeKeys):
             for k in event.keys:
-                if k in self.open and k not in self.state.running:
-                    del self.open[k]  # a queued or waiting task freed: it never runs, nothing to report
+                if k in self.open and k not in self.state.running and k not in self.slots:
+                    del self.open[k]  # a queued, waiting or lined task freed: it never runs, nothing to report
         if isinstance(event, ws.SpillFailed):  # the shell's disk refused: the values stayed in memory
             for k in event.keys:
                 self.mem[k] = self.disk.pop(k)
         cmds = self.state.handle(event)
+        answered: list[Any] = []  # what the state said to the Unlined answers (as the real shell, at once)
         started: set[str] = set()
         for c in cmds:
             if isinstance(c, ws.Report):
@@ -71,6 +85,15 @@ class Shell:
                 assert c.key in started, f"Run({c.key}) before its started report"
                 assert c.key not in self.slots, f"{c.key} in two slots"
                 self.slots.add(c.key)
+            elif isinstance(c, ws.RunBatch):
+                assert not set(c.keys) & (started | self.slots), "a lane's task reported started or in a slot"
+                assert c.lane not in self.lanes and c.keys
+                self.lanes[c.lane] = list(c.keys)
+            elif isinstance(c, ws.Unline):
+                lane = self.lanes.get(c.lane, [])
+                removed = tuple(k for k in c.keys if k in lane)
+                self.lanes[c.lane] = [k for k in lane if k not in removed]
+                answered += self.send(ws.Unlined(c.lane, removed, tuple(k for k in c.keys if k not in removed), c.why))
             elif isinstance(c, ws.Store):
                 self.mem[c.key] = c.nbytes
                 self.disk.pop(c.key, None)
@@ -83,7 +106,7 @@ class Shell:
                     self.disk[k] = self.mem.pop(k)
             elif isinstance(c, ws.Terminate):
                 self.terminated = True
-        return cmds
+        return cmds + answered
 
     def check(self) -> None:
         s = self.state
@@ -91,9 +114,11 @@ class Shell:
         assert s.memory == self.mem, (s.memory, self.mem)
         assert s.spilled == self.disk, (s.spilled, self.disk)
         assert s.memory_bytes + s.spilled_bytes == sum(self.mem.values()) + sum(self.disk.values())
-        assert set(s.running) == self.slots
+        assert set(s.running) <= self.slots
+        lined = {k for keys in self.lanes.values() for k in keys} | (self.slots - set(s.running))
+        assert set(s.lined) == lined, (s.lined, lined)
         assert all(v >= -1e-9 for v in s.free.values()), s.free
-        places = {t.key for t in s.queue} | set(s.waiting) | set(s.running)
+        places = {t.key for t in s.queue} | set(s.waiting) | set(s.running) | set(s.lined)
         for k in self.open:
             assert k in places, f"{k} was received, is not done, and is nowhere"
 
@@ -111,7 +136,7 @@ def _key(c: ws.Report) -> str:
 def steps(draw: st.DrawFn) -> list[tuple[str, Any]]:
     return draw(st.lists(st.tuples(
         st.sampled_from(["compute", "free", "steal", "done", "fetched", "fetch-failed", "memory", "secede",
-                         "replicate", "spill-failed"]),
+                         "replicate", "spill-failed", "reach", "reach", "runs-long"]),
         st.randoms(use_true_random=False)), min_size=1, max_size=60))  # fmt: skip
 
 
@@ -120,21 +145,29 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
     pick = lambda xs: rnd.choice(sorted(xs)) if xs else None  # noqa: E731
     if kind == "compute":
         tasks = []
-        for key in rnd.sample(KEYS, rnd.randint(1, 3)):
-            deps = {d: (("peer", "tcp://peer:1"),) for d in rnd.sample(KEYS, rnd.randint(0, 2)) if d != key}
+        for key in rnd.sample(KEYS, rnd.randint(1, 5)):
+            deps = {d: (("peer", "tcp://peer:1"),) for d in rnd.sample(KEYS, rnd.randint(0, 2) // 2 * 2) if d != key}
             res = (("cpu", float(rnd.choice([1, 2]))),) + ((("gpu", 1.0),) if rnd.random() < 0.2 else ())
-            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300)))
+            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300), rnd.choice(["", "f", "g"]), rnd.random() < 0.2))
         return ws.Compute(tuple(tasks))
     if kind == "free":
         return ws.FreeKeys(tuple(rnd.sample(KEYS, rnd.randint(1, 3))))
     if kind == "steal":
         return ws.StealKeys(tuple(rnd.sample(KEYS, rnd.randint(1, 3))))
+    if kind == "reach":  # a lane's slot takes its next task (no event: the state hears later)
+        lane = pick([i for i, keys in sh.lanes.items() if keys])
+        if lane is not None:
+            sh.slots.add(sh.lanes[lane].pop(0))
+        return None
+    if kind == "runs-long":
+        key = pick(sh.slots - set(s.running))
+        return None if key is None else ws.RunsLong(key)
     if kind == "done":
-        key = pick(s.running)
+        key = pick(sh.slots)
         if key is None:
             return None
         if rnd.random() < 0.8:
-            return ws.TaskDone(key, True, rnd.randint(1, 400), 0.1)
+            return ws.TaskDone(key, True, rnd.randint(1, 400), rnd.choice([0.0005, 0.1]))
         return ws.TaskDone(key, False, error={"type": "ValueError", "message": "boom"})
     if kind == "fetched":
         key = pick(s.fetching)
@@ -145,7 +178,7 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
     if kind == "memory":
         return ws.MemorySample(rnd.randint(0, int(LIMIT * 0.97)))
     if kind == "secede":
-        key = pick(s.running)
+        key = pick(sh.slots)
         return None if key is None else ws.Secede(key)
     if kind == "replicate":
         return ws.Replicate(rnd.choice(KEYS), (("peer", "tcp://peer:1"),))
@@ -157,11 +190,11 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
 @given(steps(), st.sampled_from([0, LIMIT]))
 def test_random_event_sequences_keep_every_invariant(seq: list[tuple[str, Any]], limit: int) -> None:
     sh = Shell(limit)
+    sh.state.last_run.update(f=0.0005, g=0.0005)  # quick until one takes long: lanes from the start
     for kind, rnd in seq:
         event = _event(sh, kind, rnd)
-        if event is None:
-            continue
-        sh.send(event)
+        if event is not None:
+            sh.send(event)
         sh.check()
 
 
@@ -189,4 +222,135 @@ def test_values_past_the_target_spill_least_recently_used_first_and_pause_stops_
     assert list(sh.state.running) == ["d"]  # paused with nothing running: one task at a time
     assert sh.send(ws.MemorySample(100)) == [ws.SendMetrics(False), ws.Report("started", "e"), ws.Run("e")]
     assert sh.send(ws.MemorySample(960)) == [ws.Terminate(960)]
+    sh.check()
+
+
+def quick_shell(cpus: float = 1.0) -> Shell:
+    """``cpus`` one-cpu slots; function ``f`` has run once, in a millisecond."""
+    sh = Shell(0)
+    sh.state = ws.WorkerState({"cpu": cpus})
+    sh.send(ws.Compute((ws.TaskIn("warm", func="f", resources=CPU),)))
+    sh.send(ws.TaskDone("warm", True, 8, 0.001))
+    return sh
+
+
+def quick(*keys: str, func: str = "f") -> ws.Compute:
+    return ws.Compute(tuple(ws.TaskIn(k, func=func, resources=CPU) for k in keys))
+
+
+def lanes(cmds: list[Any]) -> list[tuple[str, ...]]:
+    return [c.keys for c in cmds if isinstance(c, ws.RunBatch)]
+
+
+def test_quick_tasks_queued_together_run_in_one_lane_that_holds_the_slot_until_it_is_empty() -> None:
+    sh = quick_shell()
+    cmds = sh.send(quick(*(f"t{i}" for i in range(ws.BATCH + 5))))
+    assert lanes(cmds) == [tuple(f"t{i}" for i in range(ws.BATCH))]  # one slot: one lane
+    assert not [c for c in cmds if isinstance(c, ws.Report | ws.Run)]  # none reported started
+    sh.check()
+    for i in range(ws.BATCH - 1):  # the slot stays taken while the lane has tasks
+        cmds = sh.send(ws.TaskDone(f"t{i}", True, 8, 0.001))
+        assert cmds == [ws.Store(f"t{i}", 8), ws.Report("finished", [f"t{i}", 8, 0.001])] and sh.state.free["cpu"] == 0.0
+        sh.check()
+    cmds = sh.send(ws.TaskDone(f"t{ws.BATCH - 1}", True, 8, 0.001))
+    assert lanes(cmds) == [tuple(f"t{i}" for i in range(ws.BATCH, ws.BATCH + 5))]
+    sh.check()
+
+
+def test_a_lane_takes_only_its_share_of_the_queue_when_other_slots_are_free() -> None:
+    sh = quick_shell(cpus=2.0)
+    assert lanes(sh.send(quick("a", "b", "c", "d", "e"))) == [("a", "b", "c"), ("d", "e")]
+    sh.check()
+
+
+def test_lined_tasks_are_freed_or_stolen_unless_the_slot_took_them_already() -> None:
+    sh = quick_shell()
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c", "d")) if isinstance(c, ws.RunBatch)]
+    sh.lanes[lane].remove("a")
+    sh.slots.add("a")  # the slot took a; b, c and d wait in the lane
+    cmds = sh.send(ws.FreeKeys(("c",)))
+    assert ws.Unline(lane, ("c",), "free") in cmds and "c" not in sh.state.lined and "c" not in sh.open
+    sh.check()
+    cmds = sh.send(ws.StealKeys(("a", "b", "x")))
+    assert cmds[:2] == [ws.Report("kept", "x"), ws.Unline(lane, ("a", "b"), "steal")]
+    assert ws.Report("kept", "a") in cmds and ws.Report("stolen", "b") in cmds  # the Unlined answer's
+    assert list(sh.state.running) == ["a"] and list(sh.state.lined) == ["d"]
+    sh.check()
+    cmds = sh.send(ws.FreeKeys(("a",)))  # running: it ends, its result is dropped
+    assert sh.state.cancelled == {"a"}
+    assert sh.send(ws.TaskDone("a", True, 8, 0.001)) == []
+    sh.check()
+    sh.send(ws.TaskDone("d", True, 8, 0.001))
+    assert sh.state.free["cpu"] == 1.0 and not sh.state.running and not sh.state.lined
+    sh.check()
+
+
+def test_a_lane_task_that_runs_long_is_reported_started_and_the_rest_goes_back_to_the_queue() -> None:
+    sh = quick_shell()
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    sh.lanes[lane].remove("a")
+    sh.slots.add("a")
+    cmds = sh.send(ws.RunsLong("a"))
+    assert cmds[:2] == [ws.Report("started", "a"), ws.Unline(lane, ("b", "c"), "cut")]
+    assert [t.key for t in sh.state.queue] == ["b", "c"] and sh.state.free["cpu"] == 0.0  # a holds the slot
+    sh.check()
+    cmds = sh.send(ws.TaskDone("a", True, 8, 0.5))  # f is slow now: b runs alone, started first
+    assert cmds[-2:] == [ws.Report("started", "b"), ws.Run("b")]
+    sh.check()
+
+
+def test_a_lane_task_that_took_long_cuts_its_lane() -> None:
+    sh = quick_shell(cpus=2.0)
+    sh.send(quick("x"))  # takes one slot
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    cmds = sh.send(ws.TaskDone("a", True, 8, 0.5))
+    assert ws.Unline(lane, ("b", "c"), "cut") in cmds and [c.key for c in cmds if isinstance(c, ws.Run)] == ["b"]
+    assert [t.key for t in sh.state.queue] == ["c"]
+    sh.check()
+
+
+def test_a_lane_task_that_secedes_frees_the_slot_for_the_rest_of_its_lane() -> None:
+    sh = quick_shell()
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    sh.lanes[lane].remove("a")
+    sh.slots.add("a")
+    cmds = sh.send(ws.Secede("a"))
+    assert cmds[0] == ws.Unline(lane, ("b", "c"), "cut") and ws.Report("seceded", "a") in cmds
+    assert lanes(cmds) == [("b", "c")]  # the slot a left runs them, in a new lane
+    sh.check()
+    sh.send(ws.TaskDone("a", True, 8, 0.3))
+    assert sh.state.free["cpu"] == 0.0 and "a" not in sh.state.running
+    sh.check()
+
+
+def test_slow_unknown_solo_or_differently_shaped_tasks_never_join_a_lane() -> None:
+    sh = quick_shell()
+    sh.state.resources["gpu"] = sh.state.free["gpu"] = 1.0
+    sh.send(ws.Compute((ws.TaskIn("slow-warm", func="s", resources=CPU),)))
+    sh.send(ws.TaskDone("slow-warm", True, 8, 0.5))  # s is slow
+    sh.send(ws.Compute((ws.TaskIn("head", func="s", resources=CPU),)))  # takes the slot
+    sh.send(ws.Compute((ws.TaskIn("a", func="f", resources=CPU), ws.TaskIn("solo", func="f", solo=True, resources=CPU),
+                        ws.TaskIn("b", func="f", resources=CPU), ws.TaskIn("slow", func="s", resources=CPU),
+                        ws.TaskIn("new", func="n", resources=CPU), ws.TaskIn("c", func="f", resources=CPU),
+                        ws.TaskIn("big", (), (("cpu", 1.0), ("gpu", 1.0)), func="f"))))  # fmt: skip
+    order = []
+    key: str | None = "head"
+    while key is not None:
+        cmds = sh.send(ws.TaskDone(key, True, 8, 0.5 if key in ("head", "slow") else 0.001))
+        sh.check()
+        order += [c.keys if isinstance(c, ws.RunBatch) else (c.key,) for c in cmds if isinstance(c, ws.Run | ws.RunBatch)]
+        key = next(iter([*sh.state.running, *sh.state.lined]), None)
+    # a alone (solo is next, and cannot join), solo (never quick: Run), b alone (slow is next),
+    # slow, new (never ran here: unknown), c alone (big needs a gpu as well: another shape), big
+    assert order == [("a",), ("solo",), ("b",), ("slow",), ("new",), ("c",), ("big",)], order
+
+
+def test_a_quick_task_alone_is_a_lane_of_one_and_an_unknown_or_solo_one_is_run_and_reported() -> None:
+    sh = quick_shell()
+    assert lanes(sh.send(quick("q"))) == [("q",)]
+    sh.send(ws.TaskDone("q", True, 8, 0.001))
+    assert sh.send(quick("u", func="unknown"))[-2:] == [ws.Report("started", "u"), ws.Run("u")]
+    sh.send(ws.TaskDone("u", True, 8, 0.001))
+    assert sh.send(ws.Compute((ws.TaskIn("s", func="f", solo=True, resources=CPU),)))[-2:] == \
+        [ws.Report("started", "s"), ws.Run("s")]  # fmt: skip
     sh.check()

@@ -145,6 +145,8 @@ class ComputeTask:
     resources: list[list[Any]] | None = None
     #: a small value goes back inline in the finished report (``comm/inline.py``)
     inline: bool = False
+    #: run it alone, never in a batch of quick tasks (a worker died while it ran: exact blame)
+    solo: bool = False
 
     def encode(self) -> dict[str, Any]:
         item: dict[str, Any] = {"key": self.key, "func": self.func_id, "payload": self.payload}
@@ -153,12 +155,14 @@ class ComputeTask:
         item["resources"] = self.resources or [["cpu", 1.0]]
         if self.inline:
             item["inline"] = True
+        if self.solo:
+            item["solo"] = True
         return item
 
     @staticmethod
     def decode(item: dict[str, Any]) -> ComputeTask:
         return ComputeTask(item["key"], item["func"], item.get("payload"), item.get("deps") or {},
-                           item.get("resources") or [], bool(item.get("inline")))  # fmt: skip
+                           item.get("resources") or [], bool(item.get("inline")), bool(item.get("solo")))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,7 +210,8 @@ class Scheduler:
                 } if ts.deps else None  # fmt: skip
                 shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
                 tasks_by_worker.setdefault(ws.id, []).append(
-                    ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape, ts.key in self.inline_keys))
+                    ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape, ts.key in self.inline_keys,
+                                ts.suspicious > 0 or ts.key in state.solo))  # fmt: skip
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):

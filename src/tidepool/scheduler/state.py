@@ -93,6 +93,10 @@ class SchedulerState:
         self._fit_any: dict[ev.Shape, bool] = {}
         self.retiring: dict[str, set[str]] = {}
         self.retire_reason: dict[str, str] = {}
+        #: tasks that were on a worker that died without having been reported started there: a
+        #: quick task's "started" rides with its outcome, so one of them may be what killed it.  They
+        #: run "solo" next time (started reported first, never batched): blame is exact then
+        self.solo: set[str] = set()
         self._priority = 0
         self._worker_seq = 0
         self.now = 0.0
@@ -463,6 +467,8 @@ class SchedulerState:
             ws.executed += 1
         ts.nbytes = nbytes
         ts.suspicious = 0
+        if self.solo:
+            self.solo.discard(ts.key)
         self._move(ts, TS.MEMORY)
         ts.waiting_on = NOSET
         self._add_holder(ts, ws, nbytes)
@@ -579,6 +585,8 @@ class SchedulerState:
                     stack.append(dep)
             if ts.state in ("released", "erred") and not ts.dependents:
                 del self.tasks[ts.key]
+                if self.solo:
+                    self.solo.discard(ts.key)
                 self.tally.forget(ts)
                 self.counters["forgotten"] += 1
                 for dep in ts.deps:
@@ -648,8 +656,10 @@ class SchedulerState:
             executing = ts.executing
             ts.worker = None
             ts.executing = ts.stealing = ts.seceded = False
-            if not e.graceful and executing:  # queued tasks were innocent bystanders
+            if not e.graceful and executing:
                 ts.suspicious += 1
+            elif not e.graceful:  # queued, or a quick task whose "started" was still to come
+                self.solo.add(ts.key)
             if ts.suspicious > self.allowed_failures:
                 self._fail(ts, "KilledWorkerError", explain.killed_workers(ts, ws.name, e.reason), out)
             else:

@@ -1,11 +1,17 @@
 """Task slots: threads that run task functions and hand results back to the event loop.
 
-State: a queue of work items and a list of finished items.  The loop puts work in with
-:meth:`SlotPool.submit`; a thread deserialises the arguments, substitutes dependency values, calls
-the function, times it and appends the outcome to ``done``.  The first outcome after the loop last
-drained schedules one ``on_done`` call on the loop (coalesced wake-ups), so 10,000 tiny tasks cost a
-handful of loop wake-ups, not 10,000.  Threads are created on demand up to the number of tasks the
-worker admits at once (its resources decide that).
+State: a queue of lanes (each a deque of work items: one task, or quick tasks that one slot runs
+one after another), the open lanes by id, and a list of finished items.  The loop puts work in
+with :meth:`SlotPool.submit` / :meth:`SlotPool.submit_lane`; a thread deserialises the arguments,
+substitutes dependency values, calls the function, times it and appends the outcome to ``done``.
+A slot thread takes a lane's next item only when the previous one returned (under the pool's
+lock, together with handing in the outcome), so until then the loop can take it back out
+(:meth:`SlotPool.unline`: cancelled, stolen, or cut from a lane whose member runs long) and it
+never runs here.  The first outcome after the loop last drained schedules one ``on_done`` call on
+the loop (coalesced wake-ups) when the lane ends, or every ``WAKE_EVERY`` seconds inside a lane,
+so a lane of tiny tasks costs one wake-up and one report message.  :meth:`SlotPool.running_long`
+says which lane members have run for a while (the worker reports them started).  Threads are
+created on demand up to the number of lanes the worker runs at once (its resources decide that).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,47 +47,111 @@ class Outcome:
     tb: str = ""
 
 
+class Lane:
+    """Work items one slot thread runs in order; ``now``: the one it runs and since when."""
+
+    __slots__ = ("id", "items", "now")
+
+    def __init__(self, lane_id: int | None, items: list[WorkItem]) -> None:
+        self.id = lane_id
+        self.items = deque(items)
+        self.now: tuple[str, float] | None = None
+
+
+#: inside a lane, wake the loop at least this often (seconds) so progress is reported
+WAKE_EVERY = 0.005
+
+
 class SlotPool:
     def __init__(self, loop: asyncio.AbstractEventLoop, on_done: Callable[[], None]) -> None:
         self.loop = loop
         self.on_done = on_done
-        self.q: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[Lane | None] = queue.SimpleQueue()
         self.done: list[Outcome] = []
+        self.lanes: dict[int, Lane] = {}  # open lanes (not ended by their thread) by id
         self._lock = threading.Lock()
         self._wake_pending = False
         self.threads: list[threading.Thread] = []
-        self.busy = 0
+        self.busy = 0  # lanes submitted and not ended
 
     def submit(self, item: WorkItem) -> None:
-        self.busy += 1
-        if self.busy > len(self.threads):
+        self._submit(Lane(None, [item]))
+
+    def submit_lane(self, lane_id: int, items: list[WorkItem]) -> None:
+        """Run ``items`` one after another in one slot thread (called in the loop)."""
+        lane = Lane(lane_id, items)
+        with self._lock:
+            self.lanes[lane_id] = lane
+        self._submit(lane)
+
+    def _submit(self, lane: Lane) -> None:
+        with self._lock:
+            self.busy += 1
+            more = self.busy > len(self.threads)
+        if more:
             t = threading.Thread(target=self._run, name=f"tidepool-slot-{len(self.threads)}", daemon=True)
             self.threads.append(t)
             t.start()
-        self.q.put(item)
+        self.q.put(lane)
+
+    def unline(self, lane_id: int, keys: tuple[str, ...]) -> list[WorkItem]:
+        """Take ``keys`` out of an open lane if its thread has not reached them (called in the loop)."""
+        with self._lock:
+            lane = self.lanes.get(lane_id)
+            if lane is None or not lane.items:
+                return []
+            ks = set(keys)
+            out = [w for w in lane.items if w.key in ks]
+            if out:
+                lane.items = deque(w for w in lane.items if w.key not in ks)
+        return out
+
+    def running_long(self, seconds: float) -> list[str]:
+        """Keys of lane members that have been running for ``seconds`` or more."""
+        now = time.perf_counter()
+        with self._lock:
+            return [cur[0] for lane in self.lanes.values() if (cur := lane.now) is not None and now - cur[1] >= seconds]
 
     def drain(self) -> list[Outcome]:
         with self._lock:
             out, self.done = self.done, []
             self._wake_pending = False
-        self.busy -= len(out)
         return out
 
     def _run(self) -> None:
+        current.key = None
         while True:
-            item = self.q.get()
-            if item is None:
+            lane = self.q.get()
+            if lane is None:
                 return
-            outcome = run_item(item)
+            woke = time.perf_counter()
             with self._lock:
-                self.done.append(outcome)
-                wake = not self._wake_pending
-                self._wake_pending = True
-            if wake:
-                try:
-                    self.loop.call_soon_threadsafe(self.on_done)
-                except RuntimeError:  # loop closed during shutdown
-                    return
+                item = self._next(lane)
+            while item is not None:
+                lane.now = (item.key, time.perf_counter())
+                outcome = run_item(item)
+                lane.now = None
+                with self._lock:
+                    self.done.append(outcome)
+                    item = self._next(lane)  # taken together with handing the outcome in
+                    wake = not self._wake_pending and (item is None or time.perf_counter() - woke >= WAKE_EVERY)
+                    if wake:
+                        self._wake_pending = True
+                if wake:
+                    woke = time.perf_counter()
+                    try:
+                        self.loop.call_soon_threadsafe(self.on_done)
+                    except RuntimeError:  # loop closed during shutdown
+                        return
+
+    def _next(self, lane: Lane) -> WorkItem | None:
+        """The lane's next item, or None and the lane ends (called holding the lock)."""
+        if lane.items:
+            return lane.items.popleft()
+        self.busy -= 1
+        if lane.id is not None:
+            self.lanes.pop(lane.id, None)
+        return None
 
     def stop(self) -> None:
         for _ in self.threads:

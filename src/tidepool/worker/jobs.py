@@ -119,4 +119,4 @@ def metrics(store: Mapping[str, Any], state: WorkerState, monitor: MemoryMonitor
             "spilled": spill.spilled_bytes if spill else 0, "spilled_total": spill.spilled_total if spill else 0,
             "spill_disabled": spill.disabled if spill else "",
             "peak_rss": monitor.peak() if monitor is not None else rss, "memory_limit": state.limit,
-            "paused": state.paused, "running": len(state.running), "queued": len(state.queue), "time": time.time()}  # fmt: skip
+            "paused": state.paused, "running": len(state.running), "queued": len(state.queue) + len(state.lined), "time": time.time()}  # fmt: skip

@@ -87,7 +87,7 @@ def rejoin_message(worker: Worker) -> dict[str, Any]:
     return {
         "held": [[k, st.nbytes(k)] for k in [*st.memory, *st.spilled]],
         "running": [*st.running, *erring],
-        "queued": [*(t.key for t in st.queue), *st.waiting],
+        "queued": [*(t.key for t in st.queue), *st.lined, *st.waiting],
     }
 
 

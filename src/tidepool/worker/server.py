@@ -11,11 +11,17 @@ order) turns ``compute``, ``free``, ``steal``, ``replicate`` into state events; 
 fetches, the data server and the memory monitor feed events too.  :meth:`Worker._apply` carries
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
 Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
-replies, and seceded tasks) are sent at once: the scheduler hears a task started before it can
-crash the process.  "At once" is once per batch of commands: every task the batch starts is
-reported in one message, sent before any of them is handed to a slot (so crash blame stays exact:
-a worker that dies has told the scheduler of every task it was running).  If the scheduler connection is lost the worker stops, unless it may retry
-within a reconnect window (``worker/reconnect.py``: it keeps its work and registers again).
+replies, and seceded tasks) are sent at once: the scheduler hears a task that is not quick started
+before it can crash the process.  "At once" is once per batch of commands: every task the batch
+starts is reported in one message, sent before any of them is handed to a slot.  Quick tasks
+(their function last ran in under 2 ms, ``worker/state.py``) run in lanes, one slot thread taking
+one after another, and are never reported started (their outcome says it; one message per lane
+wake-up, not two per task); a lane member not reached yet is taken back out for a ``free``,
+``steal`` or cut (:meth:`Worker._unline`), and a timer (:meth:`Worker._watch`, while lanes are
+open) tells the state of a member running ``LONG``.  A crash among quick tasks is blamed on the
+next run, which the scheduler makes ``solo``.  If the scheduler connection is lost the worker
+stops, unless it may retry within a reconnect window (``worker/reconnect.py``: it keeps its work
+and registers again).
 """
 
 from __future__ import annotations
@@ -107,6 +113,8 @@ class Worker:
         self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
         self._inline_wanted: set[str] = set()  # tasks whose small value goes back in the report
         self._inline: dict[str, Serialized] = {}  # their pickles, until the finished report takes them
+        self._returned: dict[str, WorkItem] = {}  # taken back out of a lane (cut): run again later
+        self._watching = False  # the lane timer is set
         self.outbox = Outbox()
         self.conn: Connection | None = None
         self.address = ""
@@ -229,18 +237,20 @@ class Worker:
         tasks = []
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
-            if t["key"] not in self.state.running:  # one assigned again while it runs keeps that run
+            if t["key"] not in self.state.running and t["key"] not in self.state.lined:  # one assigned again keeps that run
                 self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
                 if t.get("inline"):
                     self._inline_wanted.add(t["key"])
             tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
-                                   tuple(tuple(r) for r in t.get("resources") or ())))  # fmt: skip
+                                   tuple(tuple(r) for r in t.get("resources") or ()), 0, t["func"],
+                                   bool(t.get("solo"))))  # fmt: skip
         return ws.Compute(tuple(tasks))
 
     # ---- carrying out the state's commands -------------------------------------------------------
     def _apply(self, commands: list[ws.Command]) -> None:
         now = False  # a report to send at once is in the batch
         starts: list[WorkItem] = []  # handed to the slots after the batch is sent
+        lanes = False  # a lane was opened
         for c in commands:
             t = type(c)
             if t is ws.Report:
@@ -253,6 +263,13 @@ class Worker:
                 work = self._work_item(c.key)  # type: ignore[union-attr]
                 if work is not None:
                     starts.append(work)
+            elif t is ws.RunBatch:  # nothing to report first: it goes to a slot now (an Unline may follow)
+                items = [w for k in c.keys if (w := self._work_item(k)) is not None]  # type: ignore[union-attr]
+                if items:
+                    self.pool.submit_lane(c.lane, items)  # type: ignore[union-attr]
+                    lanes = True
+            elif t is ws.Unline:
+                self._unline(c)  # type: ignore[arg-type]
             elif t is ws.Fetch:
                 self.loop.create_task(self._fetch(c.key, c.holders))  # type: ignore[union-attr]
             elif t is ws.Store:
@@ -273,6 +290,35 @@ class Worker:
             self.outbox.soon()
         for work in starts:
             self.pool.submit(work)
+        if lanes and not self._watching:
+            self._watching = True
+            self.loop.call_later(ws.LONG / 2, self._watch)
+
+    def _unline(self, c: ws.Unline) -> None:
+        """Take tasks out of a lane its slot has not reached; the state hears which ones."""
+        removed = self.pool.unline(c.lane, c.keys)
+        if c.why == "cut":
+            for w in removed:
+                self._returned[w.key] = w
+        got = {w.key for w in removed}
+        self._apply(self.state.handle(ws.Unlined(c.lane, tuple(got), tuple(k for k in c.keys if k not in got), c.why)))
+        if c.why != "cut":
+            self._forget(tuple(got))
+
+    def _watch(self) -> None:
+        """Every ``LONG / 2`` s while lanes are open: outcomes not delivered yet are, and lane members
+        running ``LONG`` go to the state."""
+        self._watching = False
+        if self.closed is None or self.closed.is_set():
+            return
+        if self.pool.done:  # outcomes of a lane whose next member runs on (it may wait for them)
+            self._on_done()
+        for key in self.pool.running_long(ws.LONG):
+            if key in self.state.lined:
+                self._apply(self.state.handle(ws.RunsLong(key)))
+        if self.pool.lanes:
+            self._watching = True
+            self.loop.call_later(ws.LONG / 2, self._watch)
 
     def _with_inline(self, kind: str, item: Any) -> Any:
         """A finished report of a task whose small value goes back inline, with its pickle."""
@@ -286,12 +332,16 @@ class Worker:
         """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
         st = self.state
         for k in keys:
-            if k not in st.running and k not in st.queued and k not in st.waiting:
+            if k not in st.running and k not in st.queued and k not in st.waiting and k not in st.lined:
                 self._specs.pop(k, None)
+                self._returned.pop(k, None)
                 self._inline_wanted.discard(k)
 
     def _work_item(self, key: str) -> WorkItem | None:
         """What a slot runs for ``key`` (its inputs read now), or None if it failed at once."""
+        back = self._returned.pop(key, None)
+        if back is not None:  # cut from a lane before it ran: as it was
+            return back
         func_id, payload, deps = self._specs.pop(key)
         func = self.functions.get(func_id)
         try:
@@ -355,7 +405,12 @@ class Worker:
 
     def secede(self, key: str) -> None:
         """Called from a task's thread: that task leaves its slot (it will wait on other tasks)."""
-        self.loop.call_soon_threadsafe(lambda: self._apply(self.state.handle(ws.Secede(key))))
+
+        def seceded() -> None:
+            self._on_done()  # what ran before it in its lane goes out first: it may wait for those
+            self._apply(self.state.handle(ws.Secede(key)))
+
+        self.loop.call_soon_threadsafe(seceded)
 
     # ---- serving peers and clients ---------------------------------------------------------------
     async def _serve_peer(self, conn: Connection) -> None:

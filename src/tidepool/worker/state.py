@@ -8,9 +8,11 @@ State
 -----
 - slots: ``free`` (resources not taken by running tasks), ``running`` (key -> task in a slot),
   ``seceded`` (running tasks that gave their slot back), ``cancelled`` (running tasks whose result
-  nobody wants any more);
-- the task queue: ``queue`` (assigned tasks whose inputs are here, in arrival order) and
-  ``waiting`` (tasks whose inputs are being fetched: key -> inputs still missing);
+  nobody wants any more), ``lined`` (quick tasks lined up in a slot's lane, not known to have
+  started: see "Quick tasks" below);
+- the task queue: ``queue`` (assigned tasks whose inputs are here, in arrival order; its first
+  ``blocked`` are known not to fit what is free, so a scan for tasks to start begins after them)
+  and ``waiting`` (tasks whose inputs are being fetched: key -> inputs still missing);
 - data: ``memory`` (key -> bytes, least recently used first) and ``spilled`` (key -> bytes, on
   disk); ``fetching`` (input key -> tasks waiting for it; None stands for a replica asked for);
   ``pinned`` (values that cannot be spilled) and ``spill_off`` (why spilling stopped for good);
@@ -23,10 +25,28 @@ Events come from the scheduler (:class:`Compute`, :class:`FreeKeys`, :class:`Ste
 :class:`Replicate`, :class:`Secede`), from the shell's own machinery (:class:`TaskDone`,
 :class:`FetchDone`, :class:`FetchFailed`, :class:`SpillFailed`, :class:`Unservable`) and from
 the memory monitor (:class:`MemorySample`).  Commands tell the shell what to do: start a task in a
-slot (:class:`Run`), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
-:class:`Spill`), tell the scheduler (:class:`Report`: ``started`` always comes before the
-``Run`` of the same tasks, so a task that kills the process is blamed, not its queue), send
-metrics now (:class:`SendMetrics`), or end the process over its memory limit (:class:`Terminate`).
+slot (:class:`Run`, or :class:`RunBatch` for a lane of quick tasks), take tasks back out of a lane
+(:class:`Unline`), fetch an input (:class:`Fetch`), drop or spill values (:class:`Drop`,
+:class:`Spill`), tell the scheduler (:class:`Report`: ``started`` always comes before the ``Run``
+of the same tasks and the shell sends it at once, so a task that kills the process is blamed, not
+its queue), send metrics now (:class:`SendMetrics`), or end the process over its memory limit
+(:class:`Terminate`).
+
+Quick tasks: a task whose function last ran in under ``QUICK`` seconds is quick.  A quick task
+starts a *lane* (:class:`RunBatch`) with the quick tasks queued right behind it that need the same
+resources (up to ``BATCH``): one slot runs them one after another, pulling the next one only when
+the previous one returned (one thread hand-off, one loop wake-up and one report message for the
+lot).  A lane member is only taken when the slot reaches it; until then it is ``lined``: a
+``FreeKeys`` or ``StealKeys`` takes it back out (:class:`Unline`, answered by :class:`Unlined`,
+which says which ones the slot had already taken) and it never runs there, and it is not reported
+started.  A quick task's ``started`` is never sent: its outcome says it.  The lane is cut (the rest
+goes back to the front of the queue, to run unbatched if its function is no longer quick) when a
+member ran ``QUICK`` or longer, when one runs ``LONG`` and still has not returned
+(:class:`RunsLong`, from the shell's clock; that one is reported started then), and when one
+secedes.  The slot is free again once the lane is empty and its taken members ended.  So a quick
+task that kills the process is not blamed by that crash; the scheduler then sends every task that
+was on the dead worker ``solo`` (never quick: ``started`` first), so the next crash blames exactly
+the task that ran.  A task whose function never ran here is never quick.
 
 Memory rules (levels in ``worker/memory.py``, fractions of ``limit``): values held in memory past
 ``target`` spill, least recently used first, as they are stored; the monitor's samples go through
@@ -37,6 +57,7 @@ above ``terminate`` it ends (and restarts when it can).  A value read from disk 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,6 +79,11 @@ class TaskIn:
     deps: Mapping[str, Holders] = field(default_factory=dict)
     resources: Shape = ()
     memory: int = 0
+    #: its function's id: tasks of a function that last ran in under ``QUICK`` seconds run in
+    #: batches (``""``: never batched, as in the simulator)
+    func: str = ""
+    #: never in a batch (the scheduler says so after a worker died while it ran: blame stays exact)
+    solo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +118,25 @@ class Secede:
     """A running task gives its slot back (it waits on other tasks)."""
 
     key: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunsLong:
+    """The slot running lane member ``key`` has been in it for ``LONG`` seconds or more (the
+    shell's clock says so): it started, and the rest of its lane should not wait behind it."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unlined:
+    """The shell's answer to :class:`Unline`: ``removed`` were taken out of lane ``lane`` before
+    its slot reached them (they never ran), ``taken`` had been reached already (they run or ran)."""
+
+    lane: int
+    removed: tuple[str, ...]
+    taken: tuple[str, ...]
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +195,35 @@ class MemorySample:
 
 
 Event = Compute | FreeKeys | StealKeys | Replicate | Secede | TaskDone | FetchDone | FetchFailed | SpillFailed \
-    | Unservable | MemorySample  # fmt: skip
+    | Unservable | MemorySample | RunsLong | Unlined  # fmt: skip
 
 
 # ---- commands ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Start ``key`` in a slot now (its inputs are held here)."""
+    """Start ``key`` in a slot now (its inputs are held here; its ``started`` was reported)."""
 
     key: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunBatch:
+    """Open lane ``lane`` in a slot: run ``keys`` one after another, taking each only when the
+    previous one returned (quick tasks: one hand-off to a thread, one wake-up of the loop for the
+    lot).  Answer :class:`Unline` for it until the slot has taken every key."""
+
+    lane: int
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Unline:
+    """Take ``keys`` out of lane ``lane`` if its slot has not reached them; answer at once with
+    :class:`Unlined` (passing ``why`` back: ``free``, ``steal`` or ``cut``)."""
+
+    lane: int
+    keys: tuple[str, ...]
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +278,25 @@ class Terminate:
     rss: int
 
 
-Command = Run | Fetch | Store | Drop | Spill | Report | SendMetrics | Terminate
+Command = Run | RunBatch | Unline | Fetch | Store | Drop | Spill | Report | SendMetrics | Terminate
+
+
+class _Lane:
+    """A slot running quick tasks one after another: ``lane`` holds the members it has not reached
+    (as far as the state knows), ``running`` counts those it took that have not ended (seceded ones
+    left it).  Its slot (``resources``) is held until both are empty."""
+
+    __slots__ = ("id", "resources", "lane", "running")
+
+    def __init__(self, lane_id: int, resources: Shape) -> None:
+        self.id = lane_id
+        self.resources = resources
+        self.lane: deque[_Task] = deque()
+        self.running = 0
 
 
 class _Task:
-    __slots__ = ("key", "deps", "resources", "memory", "missing")
+    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo", "batch")
 
     def __init__(self, t: TaskIn) -> None:
         self.key = t.key
@@ -225,6 +304,17 @@ class _Task:
         self.resources = t.resources
         self.memory = t.memory
         self.missing: set[str] = set()
+        self.func = t.func
+        self.solo = t.solo
+        self.batch: _Lane | None = None  # the lane it is lined in or runs in
+
+
+#: a function whose last run took less than this (seconds) is quick: its queued tasks run in batches
+QUICK = 0.002
+#: at most this many tasks in one lane (so a lane holds its slot for about ``BATCH * QUICK`` s)
+BATCH = 32
+#: a lane member still running after this long (seconds) is reported started and its lane is cut
+LONG = 0.01
 
 
 class WorkerState:
@@ -238,21 +328,29 @@ class WorkerState:
         self.thresholds = thresholds or MemoryThresholds()
         self.queue: deque[_Task] = deque()
         self.queued: set[str] = set()  # keys in ``queue``
+        #: the first ``blocked`` queued tasks do not fit in ``free`` (until resources are freed or
+        #: the queue's front changes): a scan for tasks to start begins after them
+        self.blocked = 0
         self.waiting: dict[str, _Task] = {}
         self.running: dict[str, _Task] = {}
         self.seceded: set[str] = set()
         self.cancelled: set[str] = set()
         self.memory: dict[str, int] = {}  # in memory, least recently used first
+        self._memory_bytes = 0  # the sum of ``memory`` (kept as it changes: read on every store)
         self.spilled: dict[str, int] = {}
         self.pinned: set[str] = set()
         self.spill_off = "" if limit else "no memory limit"
         self.fetching: dict[str, list[str | None]] = {}
         self.paused = False
         self.executed = 0
+        self.last_run: dict[str, float] = {}  # function id -> seconds its last successful run took
+        self.lined: dict[str, _Task] = {}  # quick tasks in a lane, not known to be reached
+        self._lane_ids = itertools.count()
         self._handlers: dict[type, Any] = {
             Compute: self._compute, FreeKeys: self._free, StealKeys: self._steal, Replicate: self._replicate,
             Secede: self._secede, TaskDone: self._done, FetchDone: self._fetched, FetchFailed: self._fetch_failed,
             SpillFailed: self._spill_failed, Unservable: self._unservable, MemorySample: self._memory,
+            RunsLong: self._runs_long, Unlined: self._unlined,
         }  # fmt: skip
 
     # ---- queries ---------------------------------------------------------------------------------
@@ -264,7 +362,7 @@ class WorkerState:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(self.memory.values())
+        return self._memory_bytes
 
     @property
     def spilled_bytes(self) -> int:
@@ -287,7 +385,7 @@ class WorkerState:
             if key in self.running:
                 self.cancelled.discard(key)  # re-assigned while still running: keep that run
                 continue
-            if key in self.waiting or key in self.queued:
+            if key in self.waiting or key in self.queued or key in self.lined:
                 continue  # assigned again while it waits here: it runs once
             if key in self:
                 out.append(Report("finished", [key, self.nbytes(key), 0.0]))
@@ -315,7 +413,7 @@ class WorkerState:
         dropped = []
         for k in e.keys:
             if k in self:
-                self.memory.pop(k, None)
+                self._memory_bytes -= self.memory.pop(k, 0)
                 self.spilled.pop(k, None)
                 self.pinned.discard(k)
                 dropped.append(k)
@@ -323,11 +421,14 @@ class WorkerState:
                 self.cancelled.add(k)
             elif k in self.waiting:
                 del self.waiting[k]
+        if self.lined:
+            self._unline([k for k in e.keys if k in self.lined], "free", out)
         if self.queue:
             ks = set(e.keys)  # one set, not a list scan per queued task (cancelling 10,000 at once)
             if not ks.isdisjoint(self.queued):
                 self.queue = deque(t for t in self.queue if t.key not in ks)
                 self.queued -= ks
+                self.blocked = 0
         if dropped:
             out.append(Drop(tuple(dropped)))
         self._start_ready(out)
@@ -338,35 +439,65 @@ class WorkerState:
         if stolen:
             self.queue = deque(t for t in self.queue if t.key not in ks)
             self.queued -= ks
+            self.blocked = 0
         for k in e.keys:
             if k in self.waiting:  # still fetching inputs: the fetch finishes for nobody
                 del self.waiting[k]
                 stolen.append(k)
-        got = set(stolen)
+        lined = [k for k in e.keys if k in self.lined] if self.lined else []
+        got = set(stolen).union(lined)  # lined: the shell's Unlined answer says stolen or kept
         out.extend(Report("stolen", k) for k in stolen)
         out.extend(Report("kept", k) for k in e.keys if k not in got)
+        self._unline(lined, "steal", out)
 
     def _replicate(self, e: Replicate, out: list[Command]) -> None:
         if e.key not in self:
             self._need(e.key, e.holders, None, out)
 
     def _secede(self, e: Secede, out: list[Command]) -> None:
+        if e.key in self.lined:  # its slot reached it (it secedes from there)
+            self._taken(self.lined[e.key])
         t = self.running.get(e.key)
         if t is None or e.key in self.seceded:
             return
         self.seceded.add(e.key)
-        for name, amount in t.resources:
-            self.free[name] = self.free.get(name, 0.0) + amount
+        b = t.batch
+        if b is None:
+            for name, amount in t.resources:
+                self.free[name] = self.free.get(name, 0.0) + amount
+            self.blocked = 0
+        else:  # it leaves its lane, and the lane's rest does not wait for it
+            t.batch = None
+            b.running -= 1
+            self._cut(b, out)
+            self._lane_check(b)
         out.append(Report("seceded", e.key))
         self._start_ready(out)
 
     def _done(self, e: TaskDone, out: list[Command]) -> None:
         t = self.running.pop(e.key, None)
+        if t is None and e.key in self.lined:  # its slot reached it and it ended at once
+            t = self.lined.pop(e.key)
+            b = t.batch
+            assert b is not None
+            b.lane.remove(t)
+            b.running += 1
         if e.key in self.seceded:
             self.seceded.discard(e.key)  # its resources went back when it seceded
         elif t is not None:
-            for name, amount in t.resources:
-                self.free[name] = self.free.get(name, 0.0) + amount
+            if e.ok and t.func:
+                self.last_run[t.func] = e.duration
+            b = t.batch
+            if b is None:
+                for name, amount in t.resources:
+                    self.free[name] = self.free.get(name, 0.0) + amount
+                self.blocked = 0
+            else:
+                t.batch = None
+                b.running -= 1
+                if e.duration >= QUICK:  # not quick after all: the rest is not held behind the next one
+                    self._cut(b, out)
+                self._lane_check(b)
         if e.key in self.cancelled:
             self.cancelled.discard(e.key)  # nobody wants the result: it is not kept
         elif e.ok:
@@ -376,6 +507,79 @@ class WorkerState:
         elif t is not None:
             self.executed += 1
             out.append(Report("erred", dict(e.error or {}, key=e.key)))
+        self._start_ready(out)
+
+    # ---- lanes of quick tasks --------------------------------------------------------------------
+    def _taken(self, t: _Task) -> None:
+        """Lined ``t`` was reached by its slot: it runs there."""
+        del self.lined[t.key]
+        b = t.batch
+        assert b is not None
+        b.lane.remove(t)
+        b.running += 1
+        self.running[t.key] = t
+
+    def _unline(self, keys: list[str], why: str, out: list[Command]) -> None:
+        by_lane: dict[int, list[str]] = {}
+        for k in keys:
+            b = self.lined[k].batch
+            assert b is not None
+            by_lane.setdefault(b.id, []).append(k)
+        out.extend(Unline(lane, tuple(ks), why) for lane, ks in by_lane.items())
+
+    def _cut(self, b: _Lane, out: list[Command]) -> None:
+        if b.lane:
+            out.append(Unline(b.id, tuple(t.key for t in b.lane), "cut"))
+
+    def _lane_check(self, b: _Lane) -> None:
+        """The lane's slot is free once nothing is lined in it and nothing it took still runs."""
+        if not b.running and not b.lane:
+            for name, amount in b.resources:
+                self.free[name] = self.free.get(name, 0.0) + amount
+            self.blocked = 0
+            b.running = -1  # released (never again)
+
+    def _runs_long(self, e: RunsLong, out: list[Command]) -> None:
+        t = self.lined.get(e.key)
+        if t is None:
+            return  # ended (or left) meanwhile
+        b = t.batch
+        assert b is not None
+        self._taken(t)
+        out.append(Report("started", e.key))  # the scheduler hears it executes (crash blame, cancel)
+        self._cut(b, out)
+
+    def _unlined(self, e: Unlined, out: list[Command]) -> None:
+        back: list[_Task] = []
+        b: _Lane | None = None
+        for k in e.taken:
+            t = self.lined.get(k)
+            if t is None:
+                continue
+            b = t.batch
+            self._taken(t)
+            if e.why == "free":
+                self.cancelled.add(k)  # it runs; nobody wants its result
+            elif e.why == "steal":
+                out.append(Report("kept", k))
+        for k in e.removed:
+            t = self.lined.pop(k, None)
+            if t is None:
+                continue
+            b = t.batch
+            assert b is not None
+            b.lane.remove(t)
+            t.batch = None
+            if e.why == "cut":
+                back.append(t)
+            elif e.why == "steal":
+                out.append(Report("stolen", k))
+        if back:  # first in the queue again, in their order
+            self.queue.extendleft(reversed(back))
+            self.blocked = 0
+            self.queued.update(t.key for t in back)
+        if b is not None:
+            self._lane_check(b)
         self._start_ready(out)
 
     def _fetched(self, e: FetchDone, out: list[Command]) -> None:
@@ -408,7 +612,7 @@ class WorkerState:
 
     def _unservable(self, e: Unservable, out: list[Command]) -> None:
         if e.key in self:
-            self.memory.pop(e.key, None)
+            self._memory_bytes -= self.memory.pop(e.key, 0)
             self.spilled.pop(e.key, None)
             out.append(Drop((e.key,)))
         out.append(Report("unservable", [e.key, e.exc_type, e.message]))
@@ -416,21 +620,21 @@ class WorkerState:
     # ---- slots -----------------------------------------------------------------------------------
     def _start_ready(self, out: list[Command]) -> None:
         q = self.queue
-        if not q or (self.paused and self.running):
+        i = self.blocked  # tasks before it do not fit: less is free now than when they were looked at
+        if len(q) <= i or (self.paused and (self.running or self.lined)):
             return
         # paused with nothing running: the memory is not ours to spill (unmanaged, or the
         # allocator's); run one task at a time rather than wait forever (the terminate level guards)
         one = self.paused
-        skipped: list[_Task] = []
         started: list[_Task] = []
-        while q:
-            t = q.popleft()
-            self.queued.discard(t.key)
+        runs: list[Command] = []
+        while i < len(q) and i <= 64:  # tasks that do not fit are skipped, up to 65 of them
+            t = q[i]
             if not fits(self.free, t.resources):
-                skipped.append(t)
-                if len(skipped) > 64:
-                    break
+                i += 1
                 continue
+            del q[i]
+            self.queued.discard(t.key)
             gone = [d for d in t.deps if d not in self]
             if gone:  # an input was freed here while the task queued: the scheduler reschedules it
                 out.append(Report("missing", [t.key, gone[0], "", "the input was dropped on this worker "
@@ -438,25 +642,61 @@ class WorkerState:
                 continue
             for name, amount in t.resources:
                 self.free[name] = self.free.get(name, 0.0) - amount
-            self.running[t.key] = t
             for d in t.deps:  # just used: most recently used now
                 nb = self.memory.pop(d, None)
                 if nb is not None:
                     self.memory[d] = nb
-            started.append(t)
+            if self._quick(t):  # a lane: nothing is reported started, it is taken as the slot reaches it
+                b = _Lane(next(self._lane_ids), t.resources)
+                self._line(b, t)
+                if not one:
+                    self._batch(b, i)
+                runs.append(RunBatch(b.id, tuple(m.key for m in b.lane)))
+            else:
+                self.running[t.key] = t
+                started.append(t)
+                runs.append(Run(t.key))
             if one:
                 break
-        if skipped:
-            q.extendleft(reversed(skipped))
-            self.queued.update(t.key for t in skipped)
+        self.blocked = i
         if started:
             out.extend(Report("started", t.key) for t in started)  # before any of them can crash us
-            out.extend(Run(t.key) for t in started)
+        out.extend(runs)
+
+    def _quick(self, t: _Task) -> bool:
+        last = self.last_run.get(t.func) if t.func and not t.solo else None
+        return last is not None and last < QUICK
+
+    def _line(self, b: _Lane, t: _Task) -> None:
+        t.batch = b
+        b.lane.append(t)
+        self.lined[t.key] = t
+
+    def _batch(self, b: _Lane, i: int) -> None:
+        """Line up behind the lane's first task the next queued ones while they are quick, need the
+        same resources and have their inputs here: up to ``BATCH`` in all, and no more than this
+        lane's share of the queue when other slots are free for the same shape (no slot idles
+        while one lane holds the queue's last tasks)."""
+        q = self.queue  # its first task was at ``i``: the next ones are there now
+        slots = 1 + min((int(self.free.get(name, 0.0) // amount) for name, amount in b.resources if amount > 0),
+                        default=0)  # fmt: skip
+        most = min(BATCH, -(-(len(q) - i + 1) // slots))
+        while i < len(q) and len(b.lane) < most:
+            t = q[i]
+            if t.resources != b.resources or not self._quick(t) or any(d not in self for d in t.deps):
+                break
+            del q[i]
+            self.queued.discard(t.key)
+            for d in t.deps:
+                nb = self.memory.pop(d, None)
+                if nb is not None:
+                    self.memory[d] = nb
+            self._line(b, t)
 
     # ---- memory ----------------------------------------------------------------------------------
     def _store(self, key: str, nbytes: int, out: list[Command]) -> None:
         self.spilled.pop(key, None)
-        self.memory.pop(key, None)
+        self._memory_bytes += nbytes - self.memory.pop(key, 0)
         self.memory[key] = nbytes
         out.append(Store(key, nbytes))
         if self.limit and not self.spill_off:
@@ -475,7 +715,8 @@ class WorkerState:
             keys.append(k)
             nbytes -= nb
         for k in keys:
-            self.spilled[k] = self.memory.pop(k)
+            nb = self.spilled[k] = self.memory.pop(k)
+            self._memory_bytes -= nb
         if keys:
             out.append(Spill(tuple(keys)))
 
@@ -484,6 +725,7 @@ class WorkerState:
             nb = self.spilled.pop(k, None)
             if nb is not None:
                 self.memory[k] = nb
+                self._memory_bytes += nb
                 if not e.disabled:
                     self.pinned.add(k)  # cannot be pickled: never tried again
         if e.disabled:
@@ -508,19 +750,36 @@ class WorkerState:
     def validate(self) -> None:
         """Check the bookkeeping; raises AssertionError on an inconsistency."""
         assert not set(self.memory) & set(self.spilled), "a value both in memory and on disk"
+        assert self._memory_bytes == sum(self.memory.values()), "memory bytes"
         assert self.pinned <= set(self.memory), "a pinned value not in memory"
         queued = [t.key for t in self.queue]
         assert len(queued) == len(set(queued)) and set(queued) == self.queued, "a task queued twice"
-        places = [set(queued), set(self.waiting), set(self.running)]
+        assert self.blocked <= len(queued) and not any(fits(self.free, t.resources) for t in
+                                                      itertools.islice(self.queue, self.blocked)), "blocked fits"
+        places = [set(queued), set(self.waiting), set(self.running), set(self.lined)]
         for i, a in enumerate(places):
             for b in places[i + 1:]:
                 assert not a & b, ("a task in two places", a & b)
         assert self.seceded <= set(self.running) and self.cancelled <= set(self.running)
         used: dict[str, float] = {}
+        lanes: dict[int, _Lane] = {}
+        for k, t in self.lined.items():
+            lane = t.batch
+            assert lane is not None and t in lane.lane and lane.running >= 0, ("lined outside an open lane", k)
+            lanes[lane.id] = lane
         for k, t in self.running.items():
-            if k not in self.seceded:
+            lane = t.batch
+            if lane is not None:
+                assert k not in self.seceded and lane.running > 0, ("runs in a closed lane", k)
+                lanes[lane.id] = lane
+            elif k not in self.seceded:
                 for name, amount in t.resources:
                     used[name] = used.get(name, 0.0) + amount
+        for lane in lanes.values():  # a lane holds its slot once
+            assert sorted(t.key for t in lane.lane) == sorted(k for k, t in self.lined.items() if t.batch is lane), ("lane", lane.id)
+            assert lane.running == sum(1 for t in self.running.values() if t.batch is lane), ("lane count", lane.id)
+            for name, amount in lane.resources:
+                used[name] = used.get(name, 0.0) + amount
         for name, total in self.resources.items():
             assert abs(self.free.get(name, 0.0) + used.get(name, 0.0) - total) < 1e-9, ("slots leak", name)
         for k, t in self.waiting.items():
