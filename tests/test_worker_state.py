@@ -160,7 +160,7 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
             sh.slots.add(sh.lanes[lane].pop(0))
         return None
     if kind == "runs-long":
-        key = pick(sh.slots - set(s.running))
+        key = pick(sh.slots)  # (the shell's clock names any lane member running, known taken or not)
         return None if key is None else ws.RunsLong(key)
     if kind == "done":
         key = pick(sh.slots)
@@ -354,3 +354,36 @@ def test_a_quick_task_alone_is_a_lane_of_one_and_an_unknown_or_solo_one_is_run_a
     assert sh.send(ws.Compute((ws.TaskIn("s", func="f", solo=True, resources=CPU),)))[-2:] == \
         [ws.Report("started", "s"), ws.Run("s")]  # fmt: skip
     sh.check()
+
+
+def test_a_lane_task_taken_before_a_cut_that_runs_long_is_reported_started() -> None:
+    """The slot takes a lane's next task as it hands in the previous outcome, so a cut after a member
+    that took QUICK or longer always finds the next one taken: if that one then runs LONG, the
+    scheduler must hear it started (crash blame, Future.running), as for any lane member."""
+    sh = quick_shell()
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    for k in ("a", "b"):  # the slot ran a, and took b together with handing in a's outcome
+        sh.lanes[lane].remove(k)
+        sh.slots.add(k)
+    cmds = sh.send(ws.TaskDone("a", True, 8, 0.005))  # a was slow: cut; b was taken already
+    assert ws.Unline(lane, ("b", "c"), "cut") in cmds and [t.key for t in sh.state.queue] == ["c"]
+    assert sh.send(ws.RunsLong("b")) == [ws.Report("started", "b")]
+    assert sh.send(ws.RunsLong("b")) == []  # once
+    sh.check()
+
+
+def test_a_lane_task_kept_by_a_steal_or_freed_that_runs_long_still_cuts_its_lane() -> None:
+    """A running lane member named by a steal (kept) or a free (cancelled) is taken out of ``lined``
+    by the Unlined answer; when it then runs LONG the rest of its lane must not wait behind it."""
+    for event in (ws.StealKeys(("a",)), ws.FreeKeys(("a",))):
+        sh = quick_shell(cpus=2.0)
+        sh.send(quick("x", func="s"))  # x (never ran here: not quick) takes one slot
+        (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+        sh.lanes[lane].remove("a")
+        sh.slots.add("a")
+        sh.send(event)
+        assert "a" in sh.state.running and list(sh.state.lined) == ["b", "c"]
+        cmds = sh.send(ws.RunsLong("a"))
+        assert ws.Unline(lane, ("b", "c"), "cut") in cmds, (event, cmds)
+        assert not sh.state.lined
+        sh.check()

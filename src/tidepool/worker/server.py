@@ -313,8 +313,8 @@ class Worker:
             return
         if self.pool.done:  # outcomes of a lane whose next member runs on (it may wait for them)
             self._on_done()
-        for key in self.pool.running_long(ws.LONG):
-            if key in self.state.lined:
+        for key in self.pool.running_long(ws.LONG):  # the state skips those it was told of already
+            if key in self.state.lined or key in self.state.running:
                 self._apply(self.state.handle(ws.RunsLong(key)))
         if self.pool.lanes:
             self._watching = True

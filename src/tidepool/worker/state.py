@@ -296,7 +296,7 @@ class _Lane:
 
 
 class _Task:
-    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo", "batch")
+    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo", "batch", "long")
 
     def __init__(self, t: TaskIn) -> None:
         self.key = t.key
@@ -307,6 +307,7 @@ class _Task:
         self.func = t.func
         self.solo = t.solo
         self.batch: _Lane | None = None  # the lane it is lined in or runs in
+        self.long = False  # a lane member reported running LONG (started, its lane cut)
 
 
 #: a function whose last run took less than this (seconds) is quick: its queued tasks run in batches
@@ -541,11 +542,15 @@ class WorkerState:
 
     def _runs_long(self, e: RunsLong, out: list[Command]) -> None:
         t = self.lined.get(e.key)
-        if t is None:
-            return  # ended (or left) meanwhile
+        if t is not None:
+            self._taken(t)
+        else:  # taken already (an Unlined answer said so: a cut, a free or a steal): still in its lane
+            t = self.running.get(e.key)
+            if t is None or t.batch is None or t.long:
+                return  # ended, left its lane (seceded) or reported already
         b = t.batch
         assert b is not None
-        self._taken(t)
+        t.long = True
         out.append(Report("started", e.key))  # the scheduler hears it executes (crash blame, cancel)
         self._cut(b, out)
 
