@@ -387,3 +387,26 @@ def test_a_lane_task_kept_by_a_steal_or_freed_that_runs_long_still_cuts_its_lane
         assert ws.Unline(lane, ("b", "c"), "cut") in cmds, (event, cmds)
         assert not sh.state.lined
         sh.check()
+
+
+def test_a_pause_stops_the_lined_tasks_of_open_lanes_from_starting() -> None:
+    """Above the pause level no new task starts: a lane's members its slot has not reached yet
+    are new tasks too, so they go back to the queue until the worker resumes."""
+    sh = Shell(LIMIT)
+    sh.state = ws.WorkerState({"cpu": 1.0}, limit=LIMIT, thresholds=MemoryThresholds(0.5, 0.6, 0.8, 0.95))
+    sh.send(ws.Compute((ws.TaskIn("warm", func="f", resources=CPU),)))
+    sh.send(ws.TaskDone("warm", True, 8, 0.001))
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    sh.lanes[lane].remove("a")
+    sh.slots.add("a")
+    cmds = sh.send(ws.MemorySample(850))
+    assert ws.SendMetrics(True) in cmds and ws.Unline(lane, ("a", "b", "c"), "cut") in cmds, cmds  # a: taken
+    assert [t.key for t in sh.state.queue] == ["b", "c"] and not sh.state.lined
+    sh.check()
+    sh.send(ws.TaskDone("a", True, 8, 0.001))  # paused, nothing running: one at a time
+    assert list(sh.state.lined) == ["b"] and [t.key for t in sh.state.queue] == ["c"]
+    sh.check()
+    assert lanes(sh.send(ws.MemorySample(100))) == [] and sh.state.lined  # resumed: b's lane still runs
+    sh.send(ws.TaskDone("b", True, 8, 0.001))
+    assert not sh.state.queue and list(sh.state.lined) == ["c"]
+    sh.check()

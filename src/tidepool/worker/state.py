@@ -51,8 +51,9 @@ the task that ran.  A task whose function never ran here is never quick.
 Memory rules (levels in ``worker/memory.py``, fractions of ``limit``): values held in memory past
 ``target`` spill, least recently used first, as they are stored; the monitor's samples go through
 the pure :func:`~tidepool.worker.memory.memory_action`: above ``spill`` more values spill, above
-``pause`` no new task starts (one at a time if nothing runs), below it again the worker resumes,
-above ``terminate`` it ends (and restarts when it can).  A value read from disk stays there.
+``pause`` no new task starts (one at a time if nothing runs; open lanes are cut), below it again
+the worker resumes, above ``terminate`` it ends (and restarts when it can).  A value read from
+disk stays there.
 """
 
 from __future__ import annotations
@@ -746,6 +747,9 @@ class WorkerState:
         if action is Action.PAUSE and not self.paused:
             self.paused = True
             out.append(SendMetrics(True))
+            # a lane's members its slot has not reached are new tasks too: back to the queue
+            for b in {id(t.batch): t.batch for t in self.lined.values() if t.batch is not None}.values():
+                self._cut(b, out)
         elif action is Action.RESUME and self.paused:
             self.paused = False
             out.append(SendMetrics(False))
