@@ -13,6 +13,15 @@ from typing import Any
 
 
 def sizeof(obj: Any, _depth: int = 0) -> int:
+    """``obj``'s size in bytes, roughly; never raises (a result's odd ``nbytes`` or ``__len__``
+    must not fail the worker loop that sizes it, nor the outcomes handed in with it)."""
+    try:
+        return _estimate(obj, _depth)
+    except Exception:  # noqa: BLE001 - a size estimate must never fail a task
+        return 64
+
+
+def _estimate(obj: Any, _depth: int) -> int:
     nbytes = getattr(obj, "nbytes", None)
     if isinstance(nbytes, int) and not isinstance(obj, type):
         return nbytes + 100
