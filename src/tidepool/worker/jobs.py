@@ -91,9 +91,14 @@ def _blob(exc: BaseException) -> Serialized | None:
 
 
 def error_report(exc: BaseException, tb: str, duration: float = 0.0) -> dict[str, Any]:
-    """The ``erred`` entry of a task that raised ``exc`` (its key is added by the state)."""
+    """The ``erred`` entry of a task that raised ``exc`` (its key is added by the state); never
+    raises (it runs in the worker loop, with the other outcomes of that wake-up waiting on it)."""
+    try:
+        message = str(exc)[:10_000]
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails still fails its task
+        message = f"<{type(exc).__name__}: str() failed>"
     return {"exception": _blob(exc), "traceback": tb, "type": type(exc).__name__,
-            "message": str(exc)[:10_000], "duration": duration}  # fmt: skip
+            "message": message, "duration": duration}  # fmt: skip
 
 
 def reexec(worker_id: str) -> None:
