@@ -410,3 +410,21 @@ def test_a_pause_stops_the_lined_tasks_of_open_lanes_from_starting() -> None:
     sh.send(ws.TaskDone("b", True, 8, 0.001))
     assert not sh.state.queue and list(sh.state.lined) == ["c"]
     sh.check()
+
+
+def test_a_quick_task_whose_input_is_on_disk_is_not_lined_behind_another() -> None:
+    """The shell reads a lane's inputs when it opens the lane (``Worker._work_item``): an input on
+    disk comes back into memory then, for every member, long before its slot reaches it (and
+    outside the member's measured time).  So only the lane's first task may read from disk."""
+    sh = Shell(LIMIT)
+    sh.state = ws.WorkerState({"cpu": 1.0}, limit=LIMIT, thresholds=MemoryThresholds(0.5, 0.6, 0.8, 0.95))
+    for key in ("a", "b", "c"):  # 300 bytes each: a and b go to disk (target 500)
+        sh.send(ws.Compute((ws.TaskIn(key, func="s", resources=CPU),)))
+        sh.send(ws.TaskDone(key, True, 300, 0.5))
+    sh.send(ws.Compute((ws.TaskIn("warm", func="f", resources=CPU),)))
+    sh.send(ws.TaskDone("warm", True, 8, 0.001))
+    assert set(sh.state.spilled) == {"a", "b"} and "c" in sh.state.memory
+    here = (("w", "tcp://w:1"),)
+    cmds = sh.send(ws.Compute(tuple(ws.TaskIn(f"t{d}", {d: here}, CPU, func="f") for d in ("a", "b", "c"))))
+    assert lanes(cmds) == [("ta",)], lanes(cmds)
+    sh.check()

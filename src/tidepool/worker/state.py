@@ -34,7 +34,7 @@ its queue), send metrics now (:class:`SendMetrics`), or end the process over its
 
 Quick tasks: a task whose function last ran in under ``QUICK`` seconds is quick.  A quick task
 starts a *lane* (:class:`RunBatch`) with the quick tasks queued right behind it that need the same
-resources (up to ``BATCH``): one slot runs them one after another, pulling the next one only when
+resources and whose inputs are in memory, not on disk (up to ``BATCH``): one slot runs them one after another, pulling the next one only when
 the previous one returned (one thread hand-off, one loop wake-up and one report message for the
 lot).  A lane member is only taken when the slot reaches it; until then it is ``lined``: a
 ``FreeKeys`` or ``StealKeys`` takes it back out (:class:`Unline`, answered by :class:`Unlined`,
@@ -680,7 +680,7 @@ class WorkerState:
 
     def _batch(self, b: _Lane, i: int) -> None:
         """Line up behind the lane's first task the next queued ones while they are quick, need the
-        same resources and have their inputs here: up to ``BATCH`` in all, and no more than this
+        same resources and have their inputs in memory: up to ``BATCH`` in all, and no more than this
         lane's share of the queue when other slots are free for the same shape (no slot idles
         while one lane holds the queue's last tasks)."""
         q = self.queue  # its first task was at ``i``: the next ones are there now
@@ -689,7 +689,9 @@ class WorkerState:
         most = min(BATCH, -(-(len(q) - i + 1) // slots))
         while i < len(q) and len(b.lane) < most:
             t = q[i]
-            if t.resources != b.resources or not self._quick(t) or any(d not in self for d in t.deps):
+            # its inputs in memory: the shell reads a lane's inputs as it opens it, so one on disk
+            # would come back into memory long before the slot reaches its task
+            if t.resources != b.resources or not self._quick(t) or any(d not in self.memory for d in t.deps):
                 break
             del q[i]
             self.queued.discard(t.key)
