@@ -93,6 +93,31 @@ def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch
     assert pool.unline(7, ("b",)) == [] and pool.running_long(0.0) == []  # the lane ended
 
 
+def test_a_stopped_pool_runs_no_lane_member_its_slot_had_not_reached() -> None:
+    """A worker closing (retired, restarted, lost its scheduler) stops its pool: the running task
+    ends as it will, but the rest of its lane (up to 31 calls of user code) must not start."""
+    go, running = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def blocking() -> str:
+        running.set()
+        go.wait(30)
+        return "a"
+
+    async def main() -> SlotPool:
+        pool = SlotPool(asyncio.get_running_loop(), lambda: None)
+        pool.submit_lane(3, [WorkItem("a", blocking, None, {})] + [WorkItem(k, lambda k=k: ran.append(k), None, {})
+                                                                      for k in "bcd"])  # fmt: skip
+        assert await asyncio.get_running_loop().run_in_executor(None, running.wait, 30)
+        pool.stop()
+        go.set()
+        await asyncio.get_running_loop().run_in_executor(None, pool.threads[0].join, 30)
+        return pool
+
+    pool = asyncio.run(main())
+    assert not pool.threads[0].is_alive() and ran == []
+
+
 # ---- end to end ---------------------------------------------------------------------------------
 def in_batch(x: int) -> bool:
     """True if this task runs inside a lane on its worker."""

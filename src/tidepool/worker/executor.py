@@ -11,7 +11,8 @@ never runs here.  The first outcome after the loop last drained schedules one ``
 the loop (coalesced wake-ups) when the lane ends, or every ``WAKE_EVERY`` seconds inside a lane,
 so a lane of tiny tasks costs one wake-up and one report message.  :meth:`SlotPool.running_long`
 says which lane members have run for a while (the worker reports them started).  Threads are
-created on demand up to the number of lanes the worker runs at once (its resources decide that).
+created on demand up to the number of lanes the worker runs at once (its resources decide that);
+:meth:`SlotPool.stop` ends them once their current tasks return (lane members not reached never run).
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ class SlotPool:
         return None
 
     def stop(self) -> None:
+        """End the slot threads once their current tasks return; lane members not reached never run."""
+        with self._lock:
+            for lane in self.lanes.values():
+                lane.items.clear()
         for _ in self.threads:
             self.q.put(None)
 
