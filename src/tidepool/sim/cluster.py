@@ -45,7 +45,7 @@ from tidepool.config import ClusterConfig, parse
 from tidepool.errors import ConfigError
 from tidepool.resources import parse_bytes
 from tidepool.scaling.node_types import NodeType
-from tidepool.sim.provider import PRESETS, StartupModel, model_from
+from tidepool.sim.provider import PRESETS, ZERO, StartupModel, model_from
 
 _SIM_KEYS = ("startup", "latency", "bandwidth", "interval", "tick", "heartbeat", "seed", "node_types",
              "forecast_budget", "cores", "setup", "restart", "disk", "unmanaged", "overhead")
@@ -206,7 +206,9 @@ def preset_cluster(text: str) -> SimCluster:
         raise ConfigError(f"cluster {text!r}: NODES and CPUS are numbers") from exc
     model = PRESETS[parts[0]]
     estimate = 0.5 if parts[0] == "local" else round(model.mean_startup, 1)
-    nt = NodeType("default", {"cpu": cpus}, max_nodes=nodes, startup_estimate=estimate)
+    # the simulator bills from allocation: a queue wait (Slurm's) is not billed, the boot after it is
+    billed = None if model.queue == ZERO else round(model.boot.mean, 1)
+    nt = NodeType("default", {"cpu": cpus}, max_nodes=nodes, startup_estimate=estimate, billed_startup=billed)
     return SimCluster([nt], {"default": model}, None, source=text)
 
 
