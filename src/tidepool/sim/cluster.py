@@ -30,7 +30,10 @@ slurm, anything else -> cloud.  ``cost`` of a node type is read as its price per
 
 Short forms for the command line (:func:`preset_cluster`): ``local:4`` (node type ``default``,
 1 cpu, at most 4 nodes, local start-up, as ``LocalCluster.adapt(maximum=4)``), ``cloud:10000``,
-``slurm:1000``, optionally ``:CPUS`` per worker (``cloud:1000:8``).
+``slurm:1000``, optionally ``:CPUS`` per worker (``cloud:1000:8``).  A short form's node type
+says what the simulator bills of a start-up (``billed_startup``: from allocation, so a preset with
+a queue wait bills only its mean boot; the others all of it); a cluster file's node types keep
+their own.
 """
 
 from __future__ import annotations
