@@ -92,6 +92,7 @@ NT = "[[node_types]]\nname='a'\n"
         ("[[node_types]]\nname='a'\nworkers_per_node=0\n", "workers_per_node must be a whole number >= 1"),
         ("[[node_types]]\nname='a'\ncost=nan\n", "cost must be a finite number >= 0, got nan"),
         ("[[node_types]]\nname='a'\nstartup_estimate=inf\n", "startup_estimate must be a finite number >= 0"),
+        ("[[node_types]]\nname='a'\nbilled_startup=-5\n", "billed_startup must be a finite number >= 0"),
         ("[[node_types]]\nname='a b'\n", "node type name must be letters, digits"),
         ("[[node_types]]\nmax_nodes=1\n", "[[node_types]] #1 needs a name"),
         ("[node_types]\nname='a'\n", "write [[node_types]] (double brackets)"),

@@ -390,3 +390,48 @@ def test_a_launch_in_flight_does_not_count_as_a_node_to_retire_a_live_one_agains
     # those 4 may queue for minutes: the 5-degree montage ran its last wave on 1-5 nodes (246 s;
     # 218 s when the live ones stay)
     assert default_policy()(snap).retire == ()
+
+
+def test_a_worker_being_retired_does_not_count_as_a_node_to_retire_another_against() -> None:
+    nt = NodeType("default", max_nodes=10, startup_estimate=2.0)  # horizon 3 s
+    # w0's task ends in 1.5 s, then 2 tasks of 10 s: the forecast (on the nodes that stay: w0, w2,
+    # w3) needs 2 nodes within the horizon; w1 is being retired already (the forecast leaves its
+    # slot out, as the controller's ``standing`` does), so only one of w2 and w3 is surplus
+    retiring = WorkerView("w1", "default", "retiring", {"cpu": 1.0}, 1, 0, 0.0, 0, 0, 0, None, joined=-100.0)
+    ws = (worker("w0", running=1), retiring, worker("w2"), worker("w3"))
+    snap = snapshot(0.5, nt, ws, two_phases(1.5, n=2, work=10.0))
+    assert -(-peak_in_use(snap.forecasts[0].profile, 3.0) // 1) == 2
+    # counting w1 as live (4 nodes for 2 needed) retired both idle ones: one node left for two tasks
+    d = default_policy()(snap)
+    assert len(d.retire) == 1 and d.retire[0] in {"w2", "w3"}
+
+
+# ---- the billed part of a start-up (a Slurm job's queue wait is free) ---------------------------
+def test_an_idle_node_is_held_past_a_start_up_only_for_what_a_relaunch_would_bill() -> None:
+    # a Slurm-like type: 200 s from request to worker, of which 190 s in the queue (not billed) and
+    # 10 s of boot after the job starts (billed); w0's task ends in 250 s, then two 30 s tasks
+    work = RemainingWork((250.0, 30.0, 30.0), ((), (0,), (0,)), (0,))
+    ws = (worker("w0", running=1), worker("w1"))
+    cloud = NodeType("default", max_nodes=4, startup_estimate=200.0)  # all billed: horizon 1.5 x 200
+    assert default_policy()(snapshot(1.0, cloud, ws, work)).retire == ()
+    # billed 10 s: holding w1 idle 250 s costs more than a relaunch that bills 10 s and arrives in
+    # time (horizon 200 + 0.5 x 10); launched then, not now (the launch horizon is unchanged)
+    slurm = NodeType("default", max_nodes=4, startup_estimate=200.0, billed_startup=10.0)
+    d = default_policy()(snapshot(1.0, slurm, ws, work))
+    assert d.retire == ("w1",) and "within 205.0s" in d.why[0][1]
+    # ... but one needed within the start-up itself is kept: a relaunch would come too late
+    work = RemainingWork((150.0, 30.0, 30.0), ((), (0,), (0,)), (0,))
+    assert default_policy()(snapshot(1.0, slurm, ws, work)).retire == ()
+
+
+def test_with_no_work_known_an_idle_node_is_held_for_what_a_relaunch_would_bill() -> None:
+    # between two computes (or after the last): the ski-rental hold is what a relaunch bills, 10 s
+    # of boot on Slurm, not a share of its queue wait (six nodes that came after 1000genome-10ch
+    # finished were each held 30 s)
+    ws = (worker("w0", idle_since=0.0),)
+    slurm = NodeType("default", max_nodes=4, startup_estimate=200.0, billed_startup=10.0)
+    assert default_policy()(snapshot(9.0, slurm, ws, None)).retire == ()
+    d = default_policy()(snapshot(10.5, slurm, ws, None))
+    assert d.retire == ("w0",) and "kept 10.0s" in d.why[0][1]
+    cloud = NodeType("default", max_nodes=4, startup_estimate=200.0)  # billed from the request
+    assert default_policy()(snapshot(10.5, cloud, ws, None)).retire == ()

@@ -56,6 +56,19 @@ def test_node_type_validation_errors_are_clear() -> None:
         NodeType("x", {"cpu": 1, "memory": "lots"})
     assert NodeType("m", {"cpu": 8, "memory": "16GB"}, workers_per_node=2).worker_resources == {
         "cpu": 4.0, "memory": 8e9}
+    with pytest.raises(ConfigError, match="billed_startup must be a finite number >= 0"):
+        NodeType("x", billed_startup=float("nan"))
+    assert NodeType("s", startup_estimate=200, billed_startup=10).billed_startup == 10.0
+    assert NodeType("c").billed_startup is None  # all of a start-up is billed (a cloud VM)
+
+
+def test_simulated_presets_say_which_part_of_a_start_up_is_billed() -> None:
+    from tidepool.sim import preset_cluster
+
+    # the simulator bills from allocation: a Slurm queue wait is free, its boot is not
+    slurm = preset_cluster("slurm:4").node_types[0]
+    assert slurm.billed_startup == 10.0 and slurm.startup_estimate > 150
+    assert preset_cluster("cloud:4").node_types[0].billed_startup is None
 
 
 def test_gpu_demand_only_goes_to_gpu_types_and_cpu_demand_avoids_them() -> None:

@@ -37,6 +37,12 @@ class NodeType:
     number <= ``max_nodes``) idle workers are kept ready apart from ``min_nodes``;
     ``replace_before=True`` launches a replacement for a worker whose end is known (walltime,
     preemption notice) the type's measured start-up time before that end.
+
+    Billing: ``billed_startup`` (a finite number >= 0, or None) is how many seconds of a start-up
+    are billed.  None (the default) bills all of it, as a cloud VM is billed from its request; a
+    Slurm job is billed from when it starts running, so its queue wait is free and only the boot
+    after it is billed: set it to that boot time.  The default policy prices holding an idle node
+    against what a relaunch would bill (at most the start-up itself).
     """
 
     name: str
@@ -54,6 +60,7 @@ class NodeType:
     fallback_healthy: float = 900.0
     min_idle: int = 0
     replace_before: bool = False
+    billed_startup: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -75,6 +82,8 @@ class NodeType:
             )
         set_(self, "cost", _finite(self.name, "cost", self.cost))
         set_(self, "startup_estimate", _finite(self.name, "startup_estimate", self.startup_estimate))
+        if self.billed_startup is not None:
+            set_(self, "billed_startup", _finite(self.name, "billed_startup", self.billed_startup))
         for key in ("preemptible", "replace_before"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"node type {self.name!r}: {key} must be true or false, got {getattr(self, key)!r}")

@@ -7,21 +7,25 @@ the unfinished graph forward on the pool (:func:`~tidepool.scaling.forecast.type
 the remaining time with 0, 1, 2, ... extra nodes, how long each new node would work and when it
 would start, and the width the graph uses over time on the pool as it is.
 
-One model of holding cost decides both ways.  A node costs its start-up ``S`` (billed, idle) plus
-the time it is held.  So:
+One model of holding cost decides both ways.  A node costs its start-up ``S`` plus the time it is
+held; of a start-up only ``B`` is billed (the node type's ``billed_startup``: all of ``S`` unless
+set; a Slurm job's queue wait is free, its boot is not).  So:
 
 - **launch** ``k`` more nodes when they shorten the forecast, each works at least ``S x
   launch_factor``, and all of them get work within ``S x (1 + slack)`` of the launch (needed on
   arrival, not bought early to wait); the largest such ``k``;
-- **retire** an idle node when the forecast's width within the same ``S x (1 + slack)`` never
-  needs it: holding it idle that long costs more than a relaunch just in time, and by the launch
-  rule's own horizon that relaunch is not due now, so a retirement is not undone by the next
-  launch.  The width is set against the nodes that have joined, not launches in flight (the
-  forecast counts their slots from their expected arrival; a queued job may come much later).  A
+- **retire** an idle node when the forecast's width within ``S + B x slack`` never needs it (a
+  node needed within ``S`` is kept: a relaunch would come late): holding it idle that long costs
+  more than a relaunch just in time, which bills ``B``.  Where ``B = S`` that is the launch rule's
+  own horizon, so the relaunch is not due now and a retirement is not undone by the next launch;
+  where ``B < S`` (Slurm) a node may be retired and bought again at once, its queue wait free.
+  The width is set against the nodes that have joined and are not being retired, not launches in
+  flight (the forecast counts their slots from their expected arrival; a queued job may come much
+  later).  A
   node holding values a waiting task needs is first kept a moment (``LOCALITY_HOLD``, at most what a
   relaunch would cost, as below) in case that task runs there; values only a client wants (the
-  run's results) keep no node.  With no graph at all (between two computes) an idle node is kept about its start-up
-  (what a relaunch would cost; the ski-rental rule), at most ``hold_cap`` seconds;
+  run's results) keep no node.  With no graph at all (between two computes) an idle node is kept about ``B``
+  (what a relaunch would bill; the ski-rental rule), at most ``hold_cap`` seconds;
 - before any task has finished every duration is a guess (the scheduler's 0.5 s prior): under
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
   and Spark's rules do, and let the forecast take over once durations are measured.
@@ -159,6 +163,8 @@ class GraphPlan:
         for f in snap.forecasts:
             if len(f.extra) < 2 or snap.blocked(f.node_type):
                 continue
+            # bought when needed on arrival: the slack covers the spread of start-ups (a queue wait
+            # too), so it is a share of the whole start-up, billed or not
             soon = f.startup * (1.0 + slack)
             guessing = snap.finished == 0  # every duration is the scheduler's prior until a task finished
             if self.deadline is not None:
@@ -313,7 +319,8 @@ class GraphPlan:
 
     # ---- retirements --------------------------------------------------------------------------
     def _hold_empty(self, startup: float) -> float:
-        """How long an idle node is kept when no work is known: its start-up (a relaunch's cost)."""
+        """How long an idle node is kept when no work is known: what a relaunch would bill
+        (``startup``: the billed part of a start-up)."""
         if self.budget is not None:
             return self.min_idle  # a budget does not pay for idle time on speculation
         if self.objective == "cheapest" or self.deadline is not None:
@@ -345,7 +352,8 @@ class GraphPlan:
             if idle_for < self.min_idle:
                 continue
             f = by_type.get(w.node_type)
-            text = self._why_retire(snap, w, f, startup, startup * (1.0 + slack), idle_for, surplus)
+            billed = _billed(snap, w.node_type, startup)
+            text = self._why_retire(snap, w, f, billed, hold_horizon(startup, billed, slack), idle_for, surplus)
             if text is None:
                 continue
             retire.append(w.id)
@@ -353,20 +361,22 @@ class GraphPlan:
             reasons.append(text)
         return retire, why
 
-    def _why_retire(self, snap: ClusterSnapshot, w: WorkerView, f: TypeForecast | None, startup: float,
+    def _why_retire(self, snap: ClusterSnapshot, w: WorkerView, f: TypeForecast | None, billed: float,
                     horizon: float, idle_for: float, surplus: dict[str, int]) -> str | None:  # fmt: skip
+        """Why ``w`` retires now, or None; ``billed``: what a relaunch of its type would bill."""
         label = self.label
         if f is not None and f.profile:
             need = -(-peak_in_use(f.profile, horizon) // max(1, f.slots_per_node))
-            live = snap.live_nodes_of(w.node_type)
+            live = snap.staying_nodes_of(w.node_type)
             if w.node_type not in surplus:
                 # against the nodes that have joined: a launch in flight is no node yet (a Slurm job
                 # may queue for minutes), and the forecast that gives ``need`` already counts its
-                # slots from their expected arrival on
+                # slots from their expected arrival on; nor against nodes being retired (the
+                # forecast's pool leaves them out: counted, each retired one more idle node)
                 surplus[w.node_type] = live - need
             if surplus[w.node_type] <= 0:
                 return None
-            if w.unique_for_tasks and idle_for < min(self._hold_empty(f.startup), LOCALITY_HOLD):
+            if w.unique_for_tasks and idle_for < min(self._hold_empty(billed), LOCALITY_HOLD):
                 # values a waiting task needs would move: not for a node idle only a moment (a task
                 # may yet run there); values only a client wants move to a survivor or the client
                 # either way, so they buy no holding
@@ -384,9 +394,9 @@ class GraphPlan:
         elif _special(w):  # gpu (...) nodes are kept for work that needs them, not held on spec
             hold, what = self.min_idle, "no known work needs its " + "/".join(sorted(_special(w)))
         elif known:  # work exists, none of it prefers this node type
-            hold, what = min(self.hold_cap, startup / 4), "no remaining work prefers its node type"
+            hold, what = min(self.hold_cap, billed / 4), "no remaining work prefers its node type"
         else:  # nothing known at all (between two computes): the ski-rental rule
-            hold, what = self._hold_empty(startup), "no work is known"
+            hold, what = self._hold_empty(billed), "no work is known"
         if idle_for < max(hold, self.min_idle):
             return None
         held = f" holding {w.unique_keys} needed values (moved to survivors first)" if w.unique_keys else ""
@@ -425,6 +435,25 @@ def default_policy(objective: str = "balanced", deadline: float | None = None, b
         raise ConfigError(f"unknown options {sorted(unknown)} of the default policy; it takes objective, deadline, "
                           "budget, hold_cap, min_idle, min_lifetime")  # fmt: skip
     return Planned(GraphPlan(objective, deadline, budget, **options), **mine)
+
+
+def hold_horizon(startup: float, billed: float, slack: float) -> float:
+    """How far ahead an idle node is held for the forecast's width: a relaunch needs the whole
+    start-up to arrive (``startup``), and beyond that a node is worth holding idle only ``slack`` x
+    what a relaunch bills (``billed``: all of the start-up on a cloud, only the boot after a Slurm
+    job starts: the queue wait is free).  A negative slack shortens the whole start-up (-1: nothing
+    ahead, only what the forecast uses now)."""
+    if slack < 0:
+        return max(0.0, startup * (1.0 + slack))
+    return startup + slack * billed
+
+
+def _billed(snap: ClusterSnapshot, node_type: str, startup: float) -> float:
+    """Seconds of a start-up of ``startup`` s that a node of ``node_type`` is billed for."""
+    nt = snap.node_type(node_type)
+    if nt is None or nt.billed_startup is None:
+        return startup
+    return min(nt.billed_startup, startup)
 
 
 def _wasted(snap: ClusterSnapshot, node_type: str, needed: set[str]) -> bool:

@@ -133,6 +133,13 @@ class ClusterSnapshot:
         per = nt.workers_per_node if nt else 1
         return -(-sum(1 for w in self.workers if w.node_type == name) // per)
 
+    def staying_nodes_of(self, name: str) -> int:
+        """Joined nodes of a type not being retired (as the controller's ``standing`` counts them,
+        and as the forecast's pool does: a retiring worker's slots take no new task)."""
+        nt = self.node_type(name)
+        per = nt.workers_per_node if nt else 1
+        return -(-sum(1 for w in self.workers if w.node_type == name and w.state != "retiring") // per)
+
     def blocked(self, name: str) -> bool:
         if name in self.unusable:
             return True

@@ -30,7 +30,10 @@ slurm, anything else -> cloud.  ``cost`` of a node type is read as its price per
 
 Short forms for the command line (:func:`preset_cluster`): ``local:4`` (node type ``default``,
 1 cpu, at most 4 nodes, local start-up, as ``LocalCluster.adapt(maximum=4)``), ``cloud:10000``,
-``slurm:1000``, optionally ``:CPUS`` per worker (``cloud:1000:8``).
+``slurm:1000``, optionally ``:CPUS`` per worker (``cloud:1000:8``).  A short form's node type
+says what the simulator bills of a start-up (``billed_startup``: from allocation, so a preset with
+a queue wait bills only its mean boot; the others all of it); a cluster file's node types keep
+their own.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from tidepool.config import ClusterConfig, parse
 from tidepool.errors import ConfigError
 from tidepool.resources import parse_bytes
 from tidepool.scaling.node_types import NodeType
-from tidepool.sim.provider import PRESETS, StartupModel, model_from
+from tidepool.sim.provider import PRESETS, ZERO, StartupModel, model_from
 
 _SIM_KEYS = ("startup", "latency", "bandwidth", "interval", "tick", "heartbeat", "seed", "node_types",
              "forecast_budget", "cores", "setup", "restart", "disk", "unmanaged", "overhead")
@@ -206,7 +209,9 @@ def preset_cluster(text: str) -> SimCluster:
         raise ConfigError(f"cluster {text!r}: NODES and CPUS are numbers") from exc
     model = PRESETS[parts[0]]
     estimate = 0.5 if parts[0] == "local" else round(model.mean_startup, 1)
-    nt = NodeType("default", {"cpu": cpus}, max_nodes=nodes, startup_estimate=estimate)
+    # the simulator bills from allocation: a queue wait (Slurm's) is not billed, the boot after it is
+    billed = None if model.queue == ZERO else round(model.boot.mean, 1)
+    nt = NodeType("default", {"cpu": cpus}, max_nodes=nodes, startup_estimate=estimate, billed_startup=billed)
     return SimCluster([nt], {"default": model}, None, source=text)
 
 
