@@ -225,6 +225,22 @@ def test_values_past_the_target_spill_least_recently_used_first_and_pause_stops_
     sh.check()
 
 
+def test_an_unservable_value_that_could_not_be_spilled_is_forgotten_everywhere() -> None:
+    """A value that cannot be pickled stays in memory for good (pinned); when the data server then
+    finds it can never send it and drops it, the state forgets it as pinned too (before, a pinned
+    key outlived its value: the invariants failed, and a later value under that key never spilled)."""
+    sh = Shell(LIMIT)
+    for key, nb in (("a", 200), ("b", 200), ("c", 200)):
+        sh.send(ws.Compute((ws.TaskIn(key),)))
+        sh.send(ws.TaskDone(key, True, nb))
+    assert sh.disk == {"a": 200}
+    sh.send(ws.SpillFailed(("a",)))  # it does not pickle: back in memory, never tried again
+    assert "a" in sh.state.pinned
+    sh.send(ws.Unservable("a", "PicklingError", "cannot pickle"))
+    assert "a" not in sh.state.pinned and "a" not in sh.state
+    sh.check()
+
+
 def quick_shell(cpus: float = 1.0) -> Shell:
     """``cpus`` one-cpu slots; function ``f`` has run once, in a millisecond."""
     sh = Shell(0)

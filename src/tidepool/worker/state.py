@@ -620,6 +620,7 @@ class WorkerState:
         if e.key in self:
             self._memory_bytes -= self.memory.pop(e.key, 0)
             self.spilled.pop(e.key, None)
+            self.pinned.discard(e.key)
             out.append(Drop((e.key,)))
         out.append(Report("unservable", [e.key, e.exc_type, e.message]))
 
