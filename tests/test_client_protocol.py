@@ -152,38 +152,86 @@ def test_releases_merge_and_skip_keys_wanted_again() -> None:
     assert held["b"].key == "b"
 
 
+def test_a_loop_of_submit_and_result_sends_one_release_for_many_calls() -> None:
+    """submit(...).result() in a loop drops each future right after its result: the releases wait
+    for the shell's timer and go as one message, while every graph update goes at once; an update
+    that names a waiting key (the same explicit key submitted again) sends the releases first."""
+    core = ClientProtocol()
+    for i in range(5):
+        core.send({"op": "update-graph", "tasks": [[f"inc-{i}", "f", None, [], {}, 0, ""]], "wanted": [f"inc-{i}"]})
+        core.release_dropped(f"inc-{i}")
+    assert [m["op"] for m in iter(core.next_message, None)] == ["update-graph"] * 5
+    core.send({"op": "update-graph", "tasks": [["x", "f", None, ["inc-2"], {}, 0, ""]], "wanted": ["x"]})
+    assert core.next_message() == {"op": "release", "keys": [f"inc-{i}" for i in range(5)]}
+    assert core.next_message()["wanted"] == ["x"] and core.next_message() is None
+    core.release_dropped("x")
+    assert core.queue_dropped() is True  # the outbox was empty: the shell starts a drain
+    assert core.next_message() == {"op": "release", "keys": ["x"]}
+
+
 ops = st.lists(st.one_of(st.tuples(st.just("graph"), st.integers(0, 5)),
+                         st.tuples(st.just("want"), st.sampled_from("abcdef")),
                          st.tuples(st.just("release"), st.sampled_from("abcdef")),
                          st.tuples(st.just("drop"), st.sampled_from("abcdef"))), max_size=40)  # fmt: skip
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops, st.sets(st.sampled_from("abcdef")))
 def test_the_outbox_keeps_the_order_messages_were_made_in(made: list[tuple[str, Any]], alive: set[str]) -> None:
+    """Everything goes in the order it was made, except that the releases of dropped futures wait
+    (until ``queue_dropped``, the shell's timer) while graph updates that name none of their keys
+    go ahead; adjacent releases merge, and dropped keys with a live future are left out."""
     core = ClientProtocol()
     held = table(core, sorted(alive))
     for kind, arg in made:
         if kind == "graph":
             core.send({"op": "update-graph", "n": arg})
+        elif kind == "want":  # an update that names a key (wanted, or as a task's key or input)
+            core.send({"op": "update-graph", "tasks": [[arg, "f", None, [], {}, 0, ""]], "wanted": [arg]})
         elif kind == "release":
             core.send({"op": "release", "keys": [arg]})
         else:
             core.release_dropped(arg)
+    core.queue_dropped()  # the shell's timer
     sent = []
     while (msg := core.next_message()) is not None:
         sent.append(msg)
-    # expected: the same sequence, adjacent releases merged, dropped keys with a live future left out
+    # the model: the outbox as made, then merged as next_message merges it
+    outbox: list[tuple[str, Any, bool]] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            outbox.append(("release", list(pending), True))
+            pending.clear()
+
+    for kind, arg in made:
+        if kind == "drop":
+            if arg not in pending:
+                pending.append(arg)
+        elif kind == "graph":
+            outbox.append(("graph", arg, False))
+        elif kind == "want":
+            if arg in pending:
+                flush()
+            outbox.append(("want", arg, False))
+        else:
+            flush()
+            outbox.append(("release", [arg], False))
+    flush()
     expected: list[dict[str, Any]] = []
     run: list[str] = []
-    for kind, arg in made + [("graph", -1)]:
-        if kind == "graph":
-            if run:
-                expected.append({"op": "release", "keys": run})
-                run = []
-            if arg != -1:
-                expected.append({"op": "update-graph", "n": arg})
-        elif kind == "release" or arg not in held:
-            run.append(arg)
+    for kind, arg, auto in outbox + [("graph", -1, False)]:
+        if kind == "release":
+            run += [k for k in arg if not (auto and k in held)]
+            continue
+        if run:
+            expected.append({"op": "release", "keys": run})
+            run = []
+        if kind == "want":
+            expected.append({"op": "update-graph", "tasks": [[arg, "f", None, [], {}, 0, ""]], "wanted": [arg]})
+        elif arg != -1:
+            expected.append({"op": "update-graph", "n": arg})
     assert sent == expected
 
 

@@ -53,6 +53,8 @@ log = logging.getLogger("tidepool.client")
 #: outbox (larger ones are encoded once, by the async drain, instead of tried twice)
 SEND_AT_ONCE_TASKS = 64
 SEND_AT_ONCE_KEYS = 4096
+#: how long the release of a dropped future waits for others to go with it (seconds)
+RELEASE_DELAY = 0.02
 #: seconds a closing client waits for a durable scheduler to take its goodbye
 GOODBYE_TIMEOUT = 5.0
 
@@ -480,15 +482,25 @@ class ClientConnection:
         self.post(Release(list(keys)).encode())
 
     def release_dropped(self, key: str) -> None:
-        """Weak-reference finaliser of a future: its key is released after all posted before."""
+        """Weak-reference callback of a future: its key is released after all posted before, within
+        ``RELEASE_DELAY`` (with the releases of other futures dropped meanwhile: one message)."""
         if self.closed:
             return
         with self.lock:
-            self.core.release_dropped(key)
-            kick = not self._draining
-            self._draining = True
+            first = self.core.release_dropped(key)
+        if first:
+            self.loop.call_soon(self._arm_releases)
+
+    def _arm_releases(self) -> None:
+        asyncio.get_running_loop().call_later(RELEASE_DELAY, self._send_releases)
+
+    def _send_releases(self) -> None:
+        with self.lock:
+            kick = self.core.queue_dropped() and not self._draining
+            if kick:
+                self._draining = True
         if kick:
-            self.loop.call_soon(self._start_drain)
+            self._start_drain()
 
     def pin(self, future: Future[Any]) -> None:
         """Keep ``future`` alive until it is done (it has done-callbacks, or came from the executor)."""

@@ -23,6 +23,11 @@ ordered ``outbox``.
 The outbox keeps graph updates, releases and requests in the order they were made: a release of a
 future dropped right after submitting its dependent never overtakes that dependent's update.  A
 run of releases leaves as one message, without the keys whose future was made again meanwhile.
+Releases of dropped futures wait in ``dropped`` (the shell queues them every
+``RELEASE_DELAY``, :meth:`ClientProtocol.queue_dropped`), so a loop of ``submit(...).result()``
+costs the scheduler and the worker one release per many calls, not one per call: a graph update
+that names none of those keys may go ahead of them (the client holds no future of theirs, so no
+task of it can need them); any other message, or an update that names one, sends them first.
 
 A :class:`Fetch` is the plan of one ``result()``/``gather()``: the values that came inline, which holder to read each key from
 (known from reports, else asked with who-has), how often a named holder failed in a row, and when
@@ -170,6 +175,8 @@ class ClientProtocol:
         self.cancelling: dict[str, str | None] = {}
         self.sent_funcs: set[str] = set()
         self.outbox: collections.deque[dict[str, Any]] = collections.deque()
+        #: keys of dropped futures whose release waits (for the next queue_dropped), in order
+        self.dropped: dict[str, None] = {}
         self._ids = itertools.count(1)
         #: set once the scheduler connection is lost: every later call raises it
         self.lost: ConnectionLostError | None = None
@@ -177,9 +184,18 @@ class ClientProtocol:
     # ---- outgoing ----------------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> bool:
         """Queue ``msg`` behind everything queued before; True if the outbox was empty (the shell
-        must start draining)."""
+        must start draining).  Waiting releases of dropped futures go first unless ``msg`` is a
+        graph update that names none of them."""
+        if self.dropped and (msg.get("op") != "update-graph" or self._names_dropped(msg)):
+            self.queue_dropped()
         self.outbox.append(msg)
         return len(self.outbox) == 1
+
+    def _names_dropped(self, msg: dict[str, Any]) -> bool:
+        dropped = self.dropped
+        if any(k in dropped for k in msg.get("wanted") or ()):
+            return True
+        return any(t[0] in dropped or any(d in dropped for d in t[3]) for t in msg.get("tasks") or ())
 
     def request(self, msg: dict[str, Any]) -> int:
         """Queue a request; returns its id (the :class:`Answered` event carries it back)."""
@@ -187,11 +203,23 @@ class ClientProtocol:
         self.send({**msg, "id": rid})
         return rid
 
-    def release_dropped(self, key: str) -> None:
-        """The last future of ``key`` was dropped: release it after everything queued before."""
+    def release_dropped(self, key: str) -> bool:
+        """The last future of ``key`` was dropped: its release waits in ``dropped``; True if it is
+        the first to wait (the shell arms its ``queue_dropped`` timer)."""
         if self.idents and key not in self.futures:
             self.idents.pop(key, None)
-        self.send({"op": "release", "keys": [key], "auto": True})
+        first = not self.dropped
+        self.dropped[key] = None
+        return first
+
+    def queue_dropped(self) -> bool:
+        """Queue the waiting releases of dropped futures as one message at the end of the outbox;
+        True if the outbox was empty (the shell must start draining)."""
+        if not self.dropped:
+            return False
+        keys, self.dropped = list(self.dropped), {}
+        self.outbox.append({"op": "release", "keys": keys, "auto": True})
+        return len(self.outbox) == 1
 
     def next_message(self) -> dict[str, Any] | None:
         """The next message to send (None: the outbox is empty).
