@@ -325,6 +325,22 @@ def test_a_lane_task_that_took_long_cuts_its_lane() -> None:
     sh.check()
 
 
+def test_a_lane_task_that_made_a_large_result_cuts_its_lane_and_its_function_is_not_quick() -> None:
+    """A quick function that made a large result: the rest of its lane goes back to the queue (the
+    results of a lane wait for the loop while the slot runs on, so 32 results of 20 MiB could pass
+    a worker's memory limit before it is sampled), and its next tasks start one by one."""
+    sh = quick_shell(cpus=2.0)
+    sh.send(quick("x"))  # takes one slot
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    cmds = sh.send(ws.TaskDone("a", True, ws.QUICK_BYTES + 1, 0.001))
+    assert ws.Unline(lane, ("b", "c"), "cut") in cmds and [c.key for c in cmds if isinstance(c, ws.Run)] == ["b"]
+    sh.check()
+    big = ws.QUICK_BYTES + 1
+    assert sh.send(ws.TaskDone("b", True, big, 0.001)) == [ws.Store("b", big), ws.Report("finished", ["b", big, 0.001]),
+                                                           ws.Report("started", "c"), ws.Run("c")]  # fmt: skip
+    sh.check()
+
+
 def test_a_lane_task_that_secedes_frees_the_slot_for_the_rest_of_its_lane() -> None:
     sh = quick_shell()
     (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]

@@ -32,8 +32,8 @@ of the same tasks and the shell sends it at once, so a task that kills the proce
 its queue), send metrics now (:class:`SendMetrics`), or end the process over its memory limit
 (:class:`Terminate`).
 
-Quick tasks: a task whose function last ran in under ``QUICK`` seconds is quick.  A quick task
-starts a *lane* (:class:`RunBatch`) with the quick tasks queued right behind it that need the same
+Quick tasks: a task whose function last ran in under ``QUICK`` seconds, making a result of at
+most ``QUICK_BYTES``, is quick.  A quick task starts a *lane* (:class:`RunBatch`) with the quick tasks queued right behind it that need the same
 resources and whose inputs are in memory, not on disk (up to ``BATCH``): one slot runs them one after another, pulling the next one only when
 the previous one returned (one thread hand-off, one loop wake-up and one report message for the
 lot).  A lane member is only taken when the slot reaches it; until then it is ``lined``: a
@@ -41,7 +41,7 @@ lot).  A lane member is only taken when the slot reaches it; until then it is ``
 which says which ones the slot had already taken) and it never runs there, and it is not reported
 started.  A quick task's ``started`` is never sent: its outcome says it.  The lane is cut (the rest
 goes back to the front of the queue, to run unbatched if its function is no longer quick) when a
-member ran ``QUICK`` or longer, when one runs ``LONG`` and still has not returned
+member ran ``QUICK`` or longer or made a result over ``QUICK_BYTES``, when one runs ``LONG`` and still has not returned
 (:class:`RunsLong`, from the shell's clock; that one is reported started then), and when one
 secedes.  The slot is free again once the lane is empty and its taken members ended.  So a quick
 task that kills the process is not blamed by that crash; the scheduler then sends every task that
@@ -313,6 +313,10 @@ class _Task:
 
 #: a function whose last run took less than this (seconds) is quick: its queued tasks run in batches
 QUICK = 0.002
+#: ... and whose last result was at most this big (bytes): a lane's results wait for the loop to
+#: store them (and spill them) while the slot runs the next member, so a lane of large results could
+#: pass the memory limit between two samples (32 members making 20 MiB each on a 1 GB worker)
+QUICK_BYTES = 2**20
 #: at most this many tasks in one lane (so a lane holds its slot for about ``BATCH * QUICK`` s)
 BATCH = 32
 #: a lane member still running after this long (seconds) is reported started and its lane is cut
@@ -487,8 +491,9 @@ class WorkerState:
         if e.key in self.seceded:
             self.seceded.discard(e.key)  # its resources went back when it seceded
         elif t is not None:
+            big = e.ok and e.nbytes > QUICK_BYTES
             if e.ok and t.func:
-                self.last_run[t.func] = e.duration
+                self.last_run[t.func] = e.duration if not big else float("inf")  # a large result: never quick
             b = t.batch
             if b is None:
                 for name, amount in t.resources:
@@ -497,7 +502,7 @@ class WorkerState:
             else:
                 t.batch = None
                 b.running -= 1
-                if e.duration >= QUICK:  # not quick after all: the rest is not held behind the next one
+                if e.duration >= QUICK or big:  # not quick after all: the rest is not held behind the next one
                     self._cut(b, out)
                 self._lane_check(b)
         if e.key in self.cancelled:
