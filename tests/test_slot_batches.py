@@ -188,6 +188,10 @@ def test_lined_calls_behind_a_running_one_can_be_cancelled_and_the_running_one_s
         first, *rest = client.map(gated_mark, [gate, "", "", ""], ["", *marks])
         wait_until(first.running, timeout=30, what="the blocked call to be reported running")
         client.cancel(rest)
+        # the scheduler answers the cancel once it has sent the worker its free; a run goes to the
+        # worker after it on the same connection, so when it returns the worker has dropped them
+        # (else the gate could open, and the slot start the next call, before the free was read)
+        client.run(os.getpid)
         with open(gate, "w"):
             pass
         assert first.result(timeout=30) == "ok"
