@@ -224,9 +224,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             fut.set_exception(err)
         return fut  # type: ignore[no-any-return]
 
-    def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any]) -> None:
+    def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any],
+                    fresh: bool = False) -> None:  # fmt: skip
         self._check_graph(tasks, functions)
-        self._post_graph(UpdateGraph(tasks, wanted, functions).encode(), functions)
+        self._post_graph(UpdateGraph(tasks, wanted, functions).encode(), functions, fresh)
 
     def _check_graph(self, tasks: list[TaskSpec], functions: dict[str, Any]) -> None:
         """Everything that can refuse a graph update, before it is sent: an open client, no cycle,
@@ -235,9 +236,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         check_acyclic(tasks)
         self._check_frame_size(tasks, functions)
 
-    def _post_graph(self, msg: dict[str, Any], functions: dict[str, Any]) -> None:
+    def _post_graph(self, msg: dict[str, Any], functions: dict[str, Any], fresh: bool = False) -> None:
+        """``fresh``: every task's key was made here just now (see ``ClientProtocol.send``)."""
         conn = self._connection
-        conn.post(msg)
+        conn.post(msg, fresh)
         with conn.lock:
             conn.core.sent_funcs.update(functions)
 
@@ -294,7 +296,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if explicit:
             self._specs.check_collisions([spec])
         fut = self._new_future(key)
-        self._send_graph(tasks, [key], functions)
+        self._send_graph(tasks, [key], functions, fresh=not explicit and not pure and not extra)
         return fut
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], key: Any = None,  # type: ignore[override]
@@ -341,6 +343,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if key is not None:  # explicit keys, a list or a prefix's ``<key>-<i>``: refused as submit's are
             self._specs.check_collisions(mine, batch="this map")
         del mine
+        # made-up keys only (none given, none by content, no delayed graphs among the arguments)
+        fresh = key is None and not pure and all(len(tasks) == len(keys) for tasks, keys, _ in pieces)
         shipped: set[str] = set()  # a function goes in the first piece that needs it (sent in order)
         for i, (tasks, keys, functions) in enumerate(pieces):
             functions = {fid: f for fid, f in functions.items() if fid not in shipped}
@@ -354,7 +358,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         while pieces:
             tasks, keys, functions = pieces.pop()
             futs.extend(self._new_future(k) for k in keys)
-            self._post_graph(UpdateGraph(tasks, keys, functions).encode(), functions)
+            self._post_graph(UpdateGraph(tasks, keys, functions).encode(), functions, fresh)
             del tasks
         return futs
 

@@ -152,10 +152,11 @@ class ClientConnection:
             raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
 
     # ---- the ordered outbox ----------------------------------------------------------------------
-    def post(self, msg: dict[str, Any]) -> None:
-        """Send ``msg`` after everything posted before, from any thread, without waiting."""
+    def post(self, msg: dict[str, Any], fresh: bool = False) -> None:
+        """Send ``msg`` after everything posted before, from any thread, without waiting (a
+        ``fresh`` graph update may go ahead of releases of dropped futures: ``ClientProtocol.send``)."""
         with self.lock:
-            self.core.send(msg)
+            self.core.send(msg, fresh)
             if msg.get("op") == "update-graph":
                 reconnect.remember_graph(self, msg)
             kick = not self._draining

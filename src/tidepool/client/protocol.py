@@ -25,9 +25,9 @@ future dropped right after submitting its dependent never overtakes that depende
 run of releases leaves as one message, without the keys whose future was made again meanwhile.
 Releases of dropped futures wait in ``dropped`` (the shell queues them every
 ``RELEASE_DELAY``, :meth:`ClientProtocol.queue_dropped`), so a loop of ``submit(...).result()``
-costs the scheduler and the worker one release per many calls, not one per call: a graph update
-that names none of those keys may go ahead of them (the client holds no future of theirs, so no
-task of it can need them); any other message, or an update that names one, sends them first.
+costs the scheduler and the worker one release per many calls, not one per call: a *fresh* graph
+update (every task under a key this client just made) may go ahead of them, since no task of it
+can be one of theirs or an input of one; any other message sends them first.
 
 A :class:`Fetch` is the plan of one ``result()``/``gather()``: the values that came inline, which holder to read each key from
 (known from reports, else asked with who-has), how often a named holder failed in a row, and when
@@ -182,20 +182,17 @@ class ClientProtocol:
         self.lost: ConnectionLostError | None = None
 
     # ---- outgoing ----------------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: dict[str, Any], fresh: bool = False) -> bool:
         """Queue ``msg`` behind everything queued before; True if the outbox was empty (the shell
-        must start draining).  Waiting releases of dropped futures go first unless ``msg`` is a
-        graph update that names none of them."""
-        if self.dropped and (msg.get("op") != "update-graph" or self._names_dropped(msg)):
+        must start draining).  Waiting releases of dropped futures go first unless ``msg`` is
+        ``fresh``: a graph update whose every task has a key this client just made (not given, not
+        named by content, no graph of a delayed value or a Dask collection), which no release can
+        concern (a given key may be one the scheduler still holds, or an input of one, until the
+        release arrives)."""
+        if self.dropped and not fresh:
             self.queue_dropped()
         self.outbox.append(msg)
         return len(self.outbox) == 1
-
-    def _names_dropped(self, msg: dict[str, Any]) -> bool:
-        dropped = self.dropped
-        if any(k in dropped for k in msg.get("wanted") or ()):
-            return True
-        return any(t[0] in dropped or any(d in dropped for d in t[3]) for t in msg.get("tasks") or ())
 
     def request(self, msg: dict[str, Any]) -> int:
         """Queue a request; returns its id (the :class:`Answered` event carries it back)."""
