@@ -275,8 +275,10 @@ class Worker:
             elif t is ws.Store:
                 self._store(c.key, self._arrived.pop(c.key), c.nbytes)  # type: ignore[union-attr]
             elif t is ws.Drop:
+                data = self.data
                 for k in c.keys:  # type: ignore[union-attr]
-                    self.data.pop(k, None)
+                    if k in data:  # not pop(): that reads the value first (from disk, if spilled)
+                        del data[k]
                     self._serve_failures.pop(k, None)
             elif t is ws.Spill:
                 self._spill(c.keys)  # type: ignore[union-attr]
