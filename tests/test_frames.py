@@ -533,3 +533,35 @@ def test_an_announced_2gib_part_costs_what_arrived_not_what_was_announced() -> N
     frame = wire({"op": "x", "v": serialize(payload)})
     feed_like_kernel(dec2, frame, [1 << 20, 7, 3 << 20])
     assert len(out2) == 1 and out2[0]["v"].load() == payload
+
+
+def test_encode_after_a_refused_message_and_from_within_a_pack_is_unaffected() -> None:
+    """The encoder's packer is kept between messages: a message refused half-way, or one encoded
+    while another is being packed (a finalizer that sends), leaves nothing behind in the next."""
+    blob = serialize(b"x" * (INLINE_PICKLE + 10))
+    with pytest.raises(TypeError):
+        encode({"op": "a", "v": [1, blob, object()]})
+    with pytest.raises(ProtocolError):
+        encode({"op": "b", "v": blob}, allow_pickles=False)
+    inner: list[list[bytes | memoryview]] = []
+
+    class Sends(Serialized):  # encodes a message of its own while the outer one is being packed
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            self.buffers = ()
+
+        @property  # type: ignore[override]
+        def data(self) -> bytes:
+            inner.append(encode({"op": "inner", "v": serialize(b"y" * (INLINE_PICKLE + 1))}))
+            return pickle.dumps("sent")
+
+    outer = encode({"op": "outer", "v": [Sends(), blob]})
+    assert inner, "the inner message was encoded during the outer pack"
+    assert len(outer) == 2 and len(inner) == 1 and len(inner[0]) == 2
+    (got,) = decode_stream(b"".join(bytes(p) for p in outer))
+    assert deserialize(got["v"][0]) == "sent"
+    assert got["op"] == "outer" and deserialize(got["v"][1]) == b"x" * (INLINE_PICKLE + 10)
+    (got,) = decode_stream(b"".join(bytes(p) for p in inner[0]))
+    assert got["op"] == "inner" and deserialize(got["v"]) == b"y" * (INLINE_PICKLE + 1)
+    assert [bytes(p) for p in encode({"op": "c", "v": 1})] == [bytes(p) for p in encode({"op": "c", "v": 1})]

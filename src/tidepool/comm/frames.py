@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,14 +50,25 @@ DEFAULT_MAX_FRAME = int(os.environ.get("TIDEPOOL_MAX_FRAME_BYTES", 4 * 1024**3))
 MAX_BUFFERS = 1_000_000
 
 
-def encode(msg: dict[str, Any], allow_pickles: bool = True) -> list[bytes | memoryview]:
-    """Encode ``msg`` into frame parts; the first part holds prefix+lengths+header."""
-    buffers: list[bytes | memoryview] = []
+class _Encoder:
+    """A kept msgpack ``Packer`` (one per thread: see :func:`encode`).  ``msgpack.packb`` makes a new
+    one per call, and its 256 KiB buffer can then be an ``mmap``/``munmap`` pair or a heap trim per
+    message wherever ``MALLOC_TRIM_THRESHOLD_`` is set (it fixes glibc's mmap threshold at 128 KiB;
+    worker processes set it)."""
 
-    def default(obj: Any) -> Any:
+    __slots__ = ("packer", "buffers", "allow_pickles", "busy")
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(default=self.default, use_bin_type=True)
+        self.buffers: list[bytes | memoryview] = []
+        self.allow_pickles = True
+        self.busy = False
+
+    def default(self, obj: Any) -> Any:
         if isinstance(obj, Serialized):
-            if not allow_pickles:
+            if not self.allow_pickles:
                 raise ProtocolError("pickled payloads may only be sent after authentication")
+            buffers = self.buffers
             data = obj.data
             if len(data) > INLINE_PICKLE:
                 index = len(buffers)
@@ -72,7 +84,32 @@ def encode(msg: dict[str, Any], allow_pickles: bool = True) -> list[bytes | memo
             return list(obj)
         raise TypeError(f"cannot encode {type(obj).__name__} in a control frame; wrap it in serialize()")
 
-    header = msgpack.packb(msg, default=default, use_bin_type=True)
+
+#: this thread's encoder (a plain object: attributes of a ``threading.local`` are slow to read,
+#: and ``default`` reads them once per pickled value)
+_local = threading.local()
+#: a header larger than this leaves its packer's grown buffer behind (the thread gets a new packer)
+_KEEP_PACKER = 1024 * 1024
+
+
+def encode(msg: dict[str, Any], allow_pickles: bool = True) -> list[bytes | memoryview]:
+    """Encode ``msg`` into frame parts; the first part holds prefix+lengths+header."""
+    enc: _Encoder | None = getattr(_local, "encoder", None)
+    if enc is None:
+        enc = _local.encoder = _Encoder()
+    elif enc.busy:  # entered again from within a pack (a finalizer that sends): a packer of its own
+        enc = _Encoder()
+    enc.busy = True
+    buffers: list[bytes | memoryview] = []
+    enc.buffers = buffers
+    enc.allow_pickles = allow_pickles
+    try:
+        header = enc.packer.pack(msg)  # resets itself after an error too
+    finally:
+        enc.buffers = []
+        enc.busy = False
+    if len(header) > _KEEP_PACKER:
+        enc.packer = msgpack.Packer(default=enc.default, use_bin_type=True)
     head = bytearray(_PREFIX.pack(len(header), len(buffers)))
     for b in buffers:
         head += _LEN.pack(memoryview(b).nbytes)

@@ -10,6 +10,7 @@ report's items) — those stay compact lists on the wire, with one encoder and o
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,6 +220,7 @@ class DataReply:
 #: ``stolen`` / ``kept`` keys (a steal reply: both or neither); ``seceded`` keys; ``unservable``
 #: [key, type, message]
 BATCH_KINDS = ("started", "finished", "erred", "missing", "replicas", "stolen", "kept", "seceded", "unservable")
+_batch_lists = operator.attrgetter(*BATCH_KINDS)
 
 
 @dataclass(slots=True)
@@ -263,8 +265,8 @@ class TaskBatch:
         if kind == "stolen" or kind == "kept":
             self.steal_reply = bool(self.stolen or self.kept)
 
-    def __bool__(self) -> bool:
-        return self.steal_reply or bool(self.other) or any(getattr(self, k) for k in BATCH_KINDS)
+    def __bool__(self) -> bool:  # asked on every report: one C-level read of all kinds, no generator
+        return self.steal_reply or bool(self.other) or any(_batch_lists(self))
 
     def encode(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"op": "task-batch", **self.other} if self.other else {"op": "task-batch"}

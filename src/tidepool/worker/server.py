@@ -247,7 +247,10 @@ class Worker:
         return ws.Compute(tuple(tasks))
 
     # ---- carrying out the state's commands -------------------------------------------------------
-    def _apply(self, commands: list[ws.Command]) -> None:
+    def _apply(self, commands: list[ws.Command], soon: bool = True) -> None:
+        """Carry out ``commands``; reports go out with the next loop turn (``soon``), or at once for
+        those in ``_NOW``.  ``soon=False``: the caller flushes the outbox itself when done (no
+        flush is scheduled: it would be one more loop turn and ``epoll_wait`` per call for nothing)."""
         now = False  # a report to send at once is in the batch
         starts: list[WorkItem] = []  # handed to the slots after the batch is sent
         lanes = False  # a lane was opened
@@ -275,8 +278,10 @@ class Worker:
             elif t is ws.Store:
                 self._store(c.key, self._arrived.pop(c.key), c.nbytes)  # type: ignore[union-attr]
             elif t is ws.Drop:
+                data = self.data
                 for k in c.keys:  # type: ignore[union-attr]
-                    self.data.pop(k, None)
+                    if k in data:  # not pop(): that reads the value first (from disk, if spilled)
+                        del data[k]
                     self._serve_failures.pop(k, None)
             elif t is ws.Spill:
                 self._spill(c.keys)  # type: ignore[union-attr]
@@ -286,7 +291,7 @@ class Worker:
                 self.loop.create_task(self._memory_terminate(c.rss))  # type: ignore[union-attr]
         if now:  # the scheduler hears "started" before any of these tasks can crash us
             self.outbox.flush()
-        else:
+        elif soon:
             self.outbox.soon()
         for work in starts:
             self.pool.submit(work)
@@ -358,7 +363,7 @@ class Worker:
 
     def _on_done(self) -> None:
         for o in self.pool.drain():
-            self._apply(self.state.handle(self._outcome(o)))
+            self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
             self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
             self._inline.pop(o.key, None)  # not reported (cancelled meanwhile)
         # the outcomes of one wake-up go out now, not a loop turn later: a waiting result() hears
@@ -397,7 +402,7 @@ class Worker:
         kind, got = await self.peers.fetch(key, holders)
         if kind == "ok":
             self._arrived[key] = got
-            self._apply(self.state.handle(ws.FetchDone(key, sizeof(got))))
+            self._apply(self.state.handle(ws.FetchDone(key, sizeof(got))), soon=False)
             self.outbox.flush()  # the scheduler learns of the copy now, not later
             return
         holder = holders[-1][0] if kind == "silent" and holders else holders[0][0] if holders else ""
