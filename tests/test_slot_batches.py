@@ -71,8 +71,9 @@ def test_a_lane_runs_in_order_on_one_thread_and_wakes_the_loop_once(monkeypatch:
     assert wakes == 1 and len(set(threads)) == 1 and pool.lanes == {}
 
 
-def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While ``a`` runs, ``c`` and ``d`` come out (they never run); ``a`` itself is taken already."""
+def blocked_lane() -> tuple[threading.Event, threading.Event, list[str], list[WorkItem]]:
+    """A lane a, b, c, d whose first call blocks until ``go`` (``running`` says it started); the
+    others append their key to ``ran``."""
     go, running = threading.Event(), threading.Event()
     ran: list[str] = []
 
@@ -81,13 +82,20 @@ def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch
         go.wait(30)
         return "a"
 
+    items = [WorkItem("a", blocking, None, {})] + [WorkItem(k, lambda k=k: ran.append(k), None, {}) for k in "bcd"]
+    return go, running, ran, items
+
+
+def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While ``a`` runs, ``c`` and ``d`` come out (they never run); ``a`` itself is taken already."""
+    go, running, ran, items = blocked_lane()
+
     def meanwhile(pool: SlotPool) -> None:
         assert running.wait(30)
         assert pool.running_long(0.0) == ["a"]
         assert [w.key for w in pool.unline(7, ("a", "c", "d"))] == ["c", "d"]
         go.set()
 
-    items = [WorkItem("a", blocking, None, {})] + [WorkItem(k, lambda k=k: ran.append(k), None, {}) for k in "bcd"]
     outcomes, _, pool = _pool_run(items, monkeypatch, meanwhile, expect=2)
     assert [o.key for o in outcomes] == ["a", "b"] and ran == ["b"]
     assert pool.unline(7, ("b",)) == [] and pool.running_long(0.0) == []  # the lane ended
@@ -96,18 +104,11 @@ def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch
 def test_a_stopped_pool_runs_no_lane_member_its_slot_had_not_reached() -> None:
     """A worker closing (retired, restarted, lost its scheduler) stops its pool: the running task
     ends as it will, but the rest of its lane (up to 31 calls of user code) must not start."""
-    go, running = threading.Event(), threading.Event()
-    ran: list[str] = []
-
-    def blocking() -> str:
-        running.set()
-        go.wait(30)
-        return "a"
+    go, running, ran, items = blocked_lane()
 
     async def main() -> SlotPool:
         pool = SlotPool(asyncio.get_running_loop(), lambda: None)
-        pool.submit_lane(3, [WorkItem("a", blocking, None, {})] + [WorkItem(k, lambda k=k: ran.append(k), None, {})
-                                                                      for k in "bcd"])  # fmt: skip
+        pool.submit_lane(3, items)
         assert await asyncio.get_running_loop().run_in_executor(None, running.wait, 30)
         pool.stop()
         go.set()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tidepool.worker import state as ws
@@ -258,6 +259,14 @@ def lanes(cmds: list[Any]) -> list[tuple[str, ...]]:
     return [c.keys for c in cmds if isinstance(c, ws.RunBatch)]
 
 
+def lane_with_a_taken(sh: Shell) -> int:
+    """Quick tasks a, b and c queued together: one lane, whose slot has taken a."""
+    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
+    sh.lanes[lane].remove("a")
+    sh.slots.add("a")
+    return lane
+
+
 def test_quick_tasks_queued_together_run_in_one_lane_that_holds_the_slot_until_it_is_empty() -> None:
     sh = quick_shell()
     cmds = sh.send(quick(*(f"t{i}" for i in range(ws.BATCH + 5))))
@@ -303,9 +312,7 @@ def test_lined_tasks_are_freed_or_stolen_unless_the_slot_took_them_already() -> 
 
 def test_a_lane_task_that_runs_long_is_reported_started_and_the_rest_goes_back_to_the_queue() -> None:
     sh = quick_shell()
-    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
-    sh.lanes[lane].remove("a")
-    sh.slots.add("a")
+    lane = lane_with_a_taken(sh)
     cmds = sh.send(ws.RunsLong("a"))
     assert cmds[:2] == [ws.Report("started", "a"), ws.Unline(lane, ("b", "c"), "cut")]
     assert [t.key for t in sh.state.queue] == ["b", "c"] and sh.state.free["cpu"] == 0.0  # a holds the slot
@@ -315,37 +322,26 @@ def test_a_lane_task_that_runs_long_is_reported_started_and_the_rest_goes_back_t
     sh.check()
 
 
-def test_a_lane_task_that_took_long_cuts_its_lane() -> None:
+@pytest.mark.parametrize("nbytes, took", [(8, 0.5), (ws.QUICK_BYTES + 1, 0.001)], ids=["took long", "large result"])
+def test_a_lane_task_that_took_long_or_made_a_large_result_cuts_its_lane(nbytes: int, took: float) -> None:
+    """The rest of its lane goes back to the queue and its function is not quick any more: its
+    next tasks start one by one.  (A lane's results wait for the loop while the slot runs on, so
+    32 results of 20 MiB could pass a worker's memory limit before it is sampled.)"""
     sh = quick_shell(cpus=2.0)
     sh.send(quick("x"))  # takes one slot
     (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
-    cmds = sh.send(ws.TaskDone("a", True, 8, 0.5))
+    cmds = sh.send(ws.TaskDone("a", True, nbytes, took))
     assert ws.Unline(lane, ("b", "c"), "cut") in cmds and [c.key for c in cmds if isinstance(c, ws.Run)] == ["b"]
     assert [t.key for t in sh.state.queue] == ["c"]
     sh.check()
-
-
-def test_a_lane_task_that_made_a_large_result_cuts_its_lane_and_its_function_is_not_quick() -> None:
-    """A quick function that made a large result: the rest of its lane goes back to the queue (the
-    results of a lane wait for the loop while the slot runs on, so 32 results of 20 MiB could pass
-    a worker's memory limit before it is sampled), and its next tasks start one by one."""
-    sh = quick_shell(cpus=2.0)
-    sh.send(quick("x"))  # takes one slot
-    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
-    cmds = sh.send(ws.TaskDone("a", True, ws.QUICK_BYTES + 1, 0.001))
-    assert ws.Unline(lane, ("b", "c"), "cut") in cmds and [c.key for c in cmds if isinstance(c, ws.Run)] == ["b"]
-    sh.check()
-    big = ws.QUICK_BYTES + 1
-    assert sh.send(ws.TaskDone("b", True, big, 0.001)) == [ws.Store("b", big), ws.Report("finished", ["b", big, 0.001]),
-                                                           ws.Report("started", "c"), ws.Run("c")]  # fmt: skip
+    assert sh.send(ws.TaskDone("b", True, nbytes, took)) == [
+        ws.Store("b", nbytes), ws.Report("finished", ["b", nbytes, took]), ws.Report("started", "c"), ws.Run("c")]
     sh.check()
 
 
 def test_a_lane_task_that_secedes_frees_the_slot_for_the_rest_of_its_lane() -> None:
     sh = quick_shell()
-    (lane,) = [c.lane for c in sh.send(quick("a", "b", "c")) if isinstance(c, ws.RunBatch)]
-    sh.lanes[lane].remove("a")
-    sh.slots.add("a")
+    lane = lane_with_a_taken(sh)
     cmds = sh.send(ws.Secede("a"))
     assert cmds[0] == ws.Unline(lane, ("b", "c"), "cut") and ws.Report("seceded", "a") in cmds
     assert lanes(cmds) == [("b", "c")]  # the slot a left runs them, in a new lane
