@@ -212,3 +212,4 @@ def test_a_peer_that_came_back_gets_its_messages_on_its_new_connection() -> None
         assert old.closed and [t["key"] for m in new.sent for t in m["tasks"]] == ["b"]
 
     asyncio.run(main())
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from tidepool.scheduler import events as ev
@@ -209,3 +210,23 @@ def test_the_cost_meter_is_stored_at_the_next_tick_and_given_back_at_a_restart(t
     dur2, _ = _restart(tmp_path)
     assert dur2.cost == {"spent": 3.0, "open": [["worker", "w1", 2.0]], "at": 99.0, "wall": 5000.0}
     dur2.close()
+
+
+def test_an_observer_that_subscribes_after_a_restart_still_sees_its_recovery_reports(tmp_path: Path) -> None:
+    """The "loaded" report of a scheduler restarted from its state directory comes with its first
+    tick, which can run before the command line attaches its journal: a late observer gets the
+    reports applied before it subscribed (the restart test found a journal without "loaded")."""
+    from tidepool.scheduler.server import Scheduler
+
+    s = Scheduler(state_dir=str(tmp_path / "state"))
+    try:
+        report = ev.RecoveryReport("loaded", {"tasks": 3, "finished": 2}, 0.0)
+        asyncio.run(s.apply([ev.Tick(0.0, 0.0), report]))
+        seen: list[ev.Event] = []
+        s.subscribe(lambda events, cmds: seen.extend(events))
+        assert seen == [report]
+        asyncio.run(s.apply([ev.Tick(1.0, 0.0)]))
+        assert seen[1:] == [ev.Tick(1.0, 0.0)]  # later batches as usual, the report not again
+    finally:
+        assert s.durable is not None
+        s.durable.close()

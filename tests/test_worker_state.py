@@ -440,6 +440,25 @@ def test_a_pause_stops_the_lined_tasks_of_open_lanes_from_starting() -> None:
     sh.check()
 
 
+def test_a_quick_task_whose_input_is_large_is_not_lined_behind_another() -> None:
+    """The shell holds a lined task's inputs from the lane's opening until its slot reaches it, so
+    spilling them frees nothing: a lane of quick readers of 10 MiB values held 320 MiB on a 300 MB
+    worker, which restarted over its limit (CI, docs/memory.md's example).  Only small inputs
+    (``QUICK_BYTES`` at most) may be lined; the lane's first task reads its own like any task."""
+    sh = quick_shell()
+    big, small = ws.QUICK_BYTES + 1, 100
+    for key, nb in (("a", big), ("b", big), ("c", small), ("d", small)):
+        sh.send(ws.Compute((ws.TaskIn(key, func="s", resources=CPU),)))
+        sh.send(ws.TaskDone(key, True, nb, 0.5))
+    here = (("w", "tcp://w:1"),)
+    cmds = sh.send(ws.Compute(tuple(ws.TaskIn(f"t{d}", {d: here}, CPU, func="f") for d in "abcd")))
+    assert lanes(cmds) == [("ta",)], lanes(cmds)  # tb's input is large: not lined behind it
+    sh.check()
+    cmds = sh.send(ws.TaskDone("ta", True, 8, 0.001))
+    assert lanes(cmds) == [("tb", "tc", "td")]  # tb heads the next lane; small inputs line up behind it
+    sh.check()
+
+
 def test_a_quick_task_whose_input_is_on_disk_is_not_lined_behind_another() -> None:
     """The shell reads a lane's inputs when it opens the lane (``Worker._work_item``): an input on
     disk comes back into memory then, for every member, long before its slot reaches it (and

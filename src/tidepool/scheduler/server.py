@@ -104,6 +104,8 @@ class Scheduler:
         self.inline_values: dict[str, Any] = {}
         self._inline_prune_at = INLINE_KEYS_PRUNE
         self.observers: list[Observer] = []
+        #: the reports of a restart from the state directory (``RecoveryReport``), for late observers
+        self.recovery_reports: list[ev.RecoveryReport] = []
         self.busy_seconds = 0.0  # time spent applying event batches, and how many (for /metrics)
         self.batches = 0
         self.tick_seconds = 0.0  # how long the last tick's batch took
@@ -158,8 +160,15 @@ class Scheduler:
             await asyncio.to_thread(self.durable.close)
 
     def subscribe(self, observer: Observer) -> None:
-        """``observer(events, commands)`` is called after every batch is applied."""
+        """``observer(events, commands)`` is called after every batch is applied.  The reports of a
+        restart from the state directory applied before it subscribed ("loaded" comes with the
+        first tick, which can run before a journal is attached) are given to it at once."""
         self.observers.append(observer)
+        if self.recovery_reports:
+            try:
+                observer(list(self.recovery_reports), [])
+            except Exception:
+                log.exception("scheduler observer failed")
 
     # ---- applying events ----------------------------------------------------------------------
     async def apply(self, events: list[ev.Event], defer: bool = False) -> list[ev.Command]:
@@ -168,6 +177,8 @@ class Scheduler:
         messages of every other batch applied in that turn."""
         began = time.perf_counter()
         cmds = self.state.handle_many(events)
+        if self.durable is not None:
+            self.recovery_reports += [e for e in events if isinstance(e, ev.RecoveryReport)]
         for obs in self.observers:
             try:
                 obs(events, cmds)

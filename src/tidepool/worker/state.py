@@ -34,7 +34,7 @@ its queue), send metrics now (:class:`SendMetrics`), or end the process over its
 
 Quick tasks: a task whose function last ran in under ``QUICK`` seconds, making a result of at
 most ``QUICK_BYTES``, is quick.  A quick task starts a *lane* (:class:`RunBatch`) with the quick tasks queued right behind it that need the same
-resources and whose inputs are in memory, not on disk (up to ``BATCH``): one slot runs them one after another, pulling the next one only when
+resources and whose inputs are in memory, not on disk, and small (``QUICK_BYTES`` at most; up to ``BATCH``): one slot runs them one after another, pulling the next one only when
 the previous one returned (one thread hand-off, one loop wake-up and one report message for the
 lot).  A lane member is only taken when the slot reaches it; until then it is ``lined``: a
 ``FreeKeys`` or ``StealKeys`` takes it back out (:class:`Unline`, answered by :class:`Unlined`,
@@ -686,7 +686,7 @@ class WorkerState:
 
     def _batch(self, b: _Lane, i: int) -> None:
         """Line up behind the lane's first task the next queued ones while they are quick, need the
-        same resources and have their inputs in memory: up to ``BATCH`` in all, and no more than this
+        same resources and have their inputs in memory and at most ``QUICK_BYTES`` each: up to ``BATCH`` in all, and no more than this
         lane's share of the queue when other slots are free for the same shape (no slot idles
         while one lane holds the queue's last tasks)."""
         q = self.queue  # its first task was at ``i``: the next ones are there now
@@ -697,7 +697,11 @@ class WorkerState:
             t = q[i]
             # its inputs in memory: the shell reads a lane's inputs as it opens it, so one on disk
             # would come back into memory long before the slot reaches its task
-            if t.resources != b.resources or not self._quick(t) or any(d not in self.memory for d in t.deps):
+            # and small: the shell holds a lined task's inputs until the slot reaches it, so spilling
+            # them would free nothing (32 members reading 10 MiB each held 320 MiB on a 300 MB worker)
+            memory = self.memory
+            if t.resources != b.resources or not self._quick(t) or \
+                    any(memory.get(d, QUICK_BYTES + 1) > QUICK_BYTES for d in t.deps):  # fmt: skip
                 break
             del q[i]
             self.queued.discard(t.key)
