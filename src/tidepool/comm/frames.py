@@ -59,10 +59,13 @@ class _Encoder:
     __slots__ = ("packer", "buffers", "allow_pickles", "busy")
 
     def __init__(self) -> None:
-        self.packer = msgpack.Packer(default=self.default, use_bin_type=True)
+        self.packer = self.new_packer()
         self.buffers: list[bytes | memoryview] = []
         self.allow_pickles = True
         self.busy = False
+
+    def new_packer(self) -> msgpack.Packer:
+        return msgpack.Packer(default=self.default, use_bin_type=True)
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, Serialized):
@@ -109,7 +112,7 @@ def encode(msg: dict[str, Any], allow_pickles: bool = True) -> list[bytes | memo
         enc.buffers = []
         enc.busy = False
     if len(header) > _KEEP_PACKER:
-        enc.packer = msgpack.Packer(default=enc.default, use_bin_type=True)
+        enc.packer = enc.new_packer()
     head = bytearray(_PREFIX.pack(len(header), len(buffers)))
     for b in buffers:
         head += _LEN.pack(memoryview(b).nbytes)

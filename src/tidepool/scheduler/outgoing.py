@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,14 @@ class _Line:
         self.conn = conn
         self.items: deque[_Item] = deque()
         self.writer: asyncio.Task[None] | None = None
+
+
+def _settle(items: Iterable[_Item]) -> None:
+    """Release the waiters among ``items`` (futures standing for "all before me is written"): what
+    was before them is written, or dropped with its connection."""
+    for m in items:
+        if isinstance(m, asyncio.Future) and not m.done():
+            m.set_result(None)
 
 
 def _encode(m: _Item) -> dict[str, Any]:
@@ -176,9 +184,7 @@ class Outgoing:
         if line is None:
             conn = current
             if conn is None:  # gone: nothing to write to
-                for m in msgs:
-                    if isinstance(m, asyncio.Future) and not m.done():
-                        m.set_result(None)
+                _settle(msgs)
                 return
             line = self._lines[(client, pid)] = _Line(conn)
         line.items.extend(msgs)
@@ -192,9 +198,7 @@ class Outgoing:
             while items:
                 m = items[0]
                 if isinstance(m, asyncio.Future):
-                    items.popleft()
-                    if not m.done():
-                        m.set_result(None)
+                    _settle((items.popleft(),))
                     continue
                 msg = _encode(m)
                 if not conn.send_nowait(msg):
@@ -214,8 +218,7 @@ class Outgoing:
             while items:
                 m = items.popleft()
                 if isinstance(m, asyncio.Future):
-                    if not m.done():
-                        m.set_result(None)
+                    _settle((m,))
                     continue
                 msg = _encode(m)
                 await conn.send(msg)
@@ -235,15 +238,13 @@ class Outgoing:
         if exc is not None:
             log.info("send to %s %s failed: %s", "client" if client else "worker", pid, exc)
         line.conn.close()
-        for m in line.items:
-            if isinstance(m, asyncio.Future) and not m.done():
-                m.set_result(None)
+        _settle(line.items)
         line.items.clear()
         if self._lines.get((client, pid)) is line:
             del self._lines[(client, pid)]
 
     async def idle(self) -> None:
-        """Wait until every line is written (tests, and a scheduler closing)."""
+        """Wait until every line is written (or dropped with its connection)."""
         while writers := [line.writer for line in self._lines.values() if line.writer is not None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*writers, return_exceptions=True)
