@@ -244,3 +244,28 @@ def test_illegal_lifecycle_moves_raise_and_each_move_keeps_its_reason() -> None:
     with pytest.raises(InvalidTransition, match="already"):
         table.add("w1", "cpu", "a1", IS.NAMED, 11.0, "again")
     table.validate()
+
+
+def test_a_request_has_arrived_when_every_worker_still_in_it_registered() -> None:
+    """``all_arrived`` (a count kept as instances move, not a scan per join) agrees with the scan:
+    a worker that failed and left the request does not count, even when it registers after all."""
+    table = InstanceTable()
+    req = table.request("a1", "cpu", 3, 0.0, 300.0, "the policy asked")
+    table.move_request(req, IS.NAMED, 0.5, "the provider named 3 workers")
+    insts = {}
+    for w in ("w0", "w1", "w2"):
+        insts[w] = table.add(w, "cpu", "a1", IS.NAMED, 0.5, "named")
+        table.enlist(req, w)
+    table.move(insts["w0"], IS.JOINED, 1.0, "registered")
+    assert not table.all_arrived(req)
+    table.move(insts["w1"], IS.FAILED, 2.0, "its job ended before it registered")
+    table.delist(req, "w1")
+    assert not table.all_arrived(req)
+    table.move(insts["w1"], IS.JOINED, 3.0, "registered after all")  # no longer one of the request's
+    assert not table.all_arrived(req) and len(table.arrived(req)) == 1
+    table.move(insts["w2"], IS.JOINED, 4.0, "registered")
+    table.move(insts["w2"], IS.FAILED, 5.0, "setup failed")  # counted as not arrived, as the scan does
+    assert not table.all_arrived(req)
+    table.move(insts["w2"], IS.JOINED, 6.0, "registered again")
+    assert table.all_arrived(req) and len(table.arrived(req)) == len(req.workers) == 2
+    table.validate()

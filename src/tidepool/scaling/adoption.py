@@ -77,5 +77,5 @@ def adopt(table: InstanceTable, rows: Mapping[str, Mapping[str, Any]], listing: 
             table.move_request(req, IS.NAMED, now, f"{len(wids)} of its workers are still listed by the provider")
         for wid in wids:
             table.add(wid, node_type, rid, IS.NAMED, now, "adopted: listed by the provider after a restart")
-            req.workers.append(wid)
+            table.enlist(req, wid)
     return records

@@ -430,7 +430,7 @@ class ScalingController(Replacing):
         for w in r.workers:
             if table.get(w) is None:
                 table.add(w, req.node_type, req.id, IS.NAMED, r.at, f"named by the provider for launch {req.id}")
-                req.workers.append(w)
+                table.enlist(req, w)
 
     def _joined(self, r: Joined) -> None:
         inst = self.instances.get(r.worker)
@@ -504,7 +504,7 @@ class ScalingController(Replacing):
             self._launch_failed(LaunchFailed(rid, message, now))
             return
         table.move(table.instances[wid], IS.FAILED, now, message)
-        req.workers.remove(wid)
+        table.delist(req, wid)
         rec = self.fallbacks.trouble(req.node_type, now, f"capacity error: {message}")
         if rec is not None:
             self.journal.record(rec.pop("kind"), rec.pop("t"), **rec)
@@ -535,7 +535,7 @@ class ScalingController(Replacing):
 
     def _maybe_arrived(self, req: Request, now: float) -> None:
         """Every worker still coming of ``req`` registered: learn the start-up of its type."""
-        if len(self.instances.arrived(req)) < len(req.workers):
+        if not self.instances.all_arrived(req):
             return
         # the typical start-up of its nodes: the median, not the last straggler (the slowest
         # of 500 queue waits says little about the next launch of a few nodes)

@@ -75,6 +75,8 @@ REQUEST_TRANSITIONS: dict[tuple[IS, IS], str] = {
 LIVE = frozenset({IS.JOINED, IS.READY, IS.RETIRING})
 #: states after which nothing happens any more
 FINAL = frozenset({IS.GONE, IS.FAILED})
+#: states of a worker that has not registered (yet, or ever): it has not arrived
+NOT_ARRIVED = frozenset({IS.NAMED, IS.FAILED})
 
 
 @dataclass
@@ -126,6 +128,11 @@ class InstanceTable:
         self.live: dict[str, Instance] = {}
         #: instances being retired now
         self.retiring: dict[str, Instance] = {}
+        #: request id -> its workers (``Request.workers`` as a set) and how many of them arrived:
+        #: kept as instances move, so "has every worker of a 10,000-node request arrived?" is not
+        #: a scan of the request per join (that made 10,000 joins 10**8 steps)
+        self._members: dict[str, set[str]] = {}
+        self._arrived_n: dict[str, int] = {}
 
     # ---- requests -------------------------------------------------------------------------------
     def request(self, rid: str, node_type: str, nodes: int, now: float, deadline: float, why: str) -> Request:
@@ -145,7 +152,28 @@ class InstanceTable:
     def arrived(self, req: Request) -> list[str]:
         """Its workers that registered (whatever became of them since)."""
         inst = self.instances
-        return [w for w in req.workers if w in inst and inst[w].state not in (IS.NAMED, IS.FAILED)]
+        return [w for w in req.workers if w in inst and inst[w].state not in NOT_ARRIVED]
+
+    def all_arrived(self, req: Request) -> bool:
+        """Every worker of ``req`` registered (whatever became of them since); ``arrived`` without
+        the scan."""
+        return self._arrived_n.get(req.id, 0) >= len(req.workers)
+
+    def enlist(self, req: Request, wid: str) -> None:
+        """``wid`` (in the table already) becomes one of ``req``'s workers."""
+        req.workers.append(wid)
+        self._members.setdefault(req.id, set()).add(wid)
+        inst = self.instances.get(wid)
+        if inst is not None and inst.state not in NOT_ARRIVED:
+            self._arrived_n[req.id] = self._arrived_n.get(req.id, 0) + 1
+
+    def delist(self, req: Request, wid: str) -> None:
+        """``wid`` is no longer one of ``req``'s workers (it failed; the rest stay pending)."""
+        req.workers.remove(wid)
+        self._members.get(req.id, set()).discard(wid)
+        inst = self.instances.get(wid)
+        if inst is not None and inst.state not in NOT_ARRIVED:
+            self._arrived_n[req.id] -= 1
 
     def missing(self, req: Request) -> list[str]:
         """Its workers that have not registered yet."""
@@ -167,6 +195,10 @@ class InstanceTable:
     def move(self, inst: Instance, new: IS, now: float, why: str) -> None:
         if (inst.state, new) not in INSTANCE_TRANSITIONS:
             raise InvalidTransition(f"worker {inst.worker}: {inst.state} -> {new} ({why})")
+        rid = inst.request
+        if rid is not None and (inst.state in NOT_ARRIVED) != (new in NOT_ARRIVED) \
+                and inst.worker in self._members.get(rid, ()):  # fmt: skip
+            self._arrived_n[rid] = self._arrived_n.get(rid, 0) + (1 if inst.state in NOT_ARRIVED else -1)
         inst.state = new
         inst.history.append((now, new, why))
         if new in LIVE:
@@ -195,5 +227,7 @@ class InstanceTable:
                 assert inst.request in self.requests, (wid, inst.request)
         for rid, req in self.requests.items():
             assert (rid in self.open) == req.open, (rid, req.state)
+            assert self._members.get(rid, set()) == set(req.workers), (rid, req.workers)
+            assert self._arrived_n.get(rid, 0) == len(self.arrived(req)), (rid, self._arrived_n.get(rid))
             assert req.history and req.history[-1][1] is req.state, (rid, req.history)
             assert all(why for _, _, why in req.history), (rid, req.history)
