@@ -305,10 +305,12 @@ class Worker:
         if c.why == "cut":
             for w in removed:
                 self._returned[w.key] = w
-        got = {w.key for w in removed}
-        self._apply(self.state.handle(ws.Unlined(c.lane, tuple(got), tuple(k for k in c.keys if k not in got), c.why)))
+        got = tuple(w.key for w in removed)  # in lane order: cut ones go back to the queue so
+        out = {w.key for w in removed}
+        taken = tuple(k for k in c.keys if k not in out)
+        self._apply(self.state.handle(ws.Unlined(c.lane, got, taken, c.why)))
         if c.why != "cut":
-            self._forget(tuple(got))
+            self._forget(got)
 
     def _watch(self) -> None:
         """Every ``LONG / 2`` s while lanes are open: outcomes not delivered yet are, and lane members

@@ -1,0 +1,174 @@
+"""The worker shell's own bookkeeping around lanes and outcomes (``worker/server.py``), without
+threads, sockets or a clock.
+
+A :class:`Worker` is built but not started; its slot pool is a fake (:class:`FakePool`) whose lanes
+the test moves by hand (which member the slot took, which ran long, which outcomes are done), its
+loop a fake that records the timers set, and its outbox records what would go to the scheduler.
+The events are fed in as the real shell feeds them (``_compute`` + ``_apply``, ``_on_done``,
+``_watch``), so what is checked is the shell's code, driven by the real ``WorkerState``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tidepool.comm.messages import TaskBatch
+from tidepool.worker import state as ws
+from tidepool.worker.executor import Outcome, WorkItem
+from tidepool.worker.outbox import Outbox
+from tidepool.worker.server import Worker
+
+
+class FakePool:
+    """A slot pool the test moves: lanes are lists of work items not taken yet, ``now`` the member
+    each lane's slot runs; ``long`` the keys the pool would say run ``LONG``."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[int, list[WorkItem]] = {}
+        self.now: dict[int, str | None] = {}
+        self.done: list[Outcome] = []
+        self.long: set[str] = set()
+        self.solo: list[str] = []  # keys given to a slot on their own (Run)
+
+    def submit(self, item: WorkItem) -> None:
+        self.solo.append(item.key)
+
+    def submit_lane(self, lane_id: int, items: list[WorkItem]) -> None:
+        self.lanes[lane_id] = list(items)
+        self.now[lane_id] = None
+
+    def take(self, lane_id: int) -> str:
+        """The lane's slot takes its next member."""
+        key = self.lanes[lane_id].pop(0).key
+        self.now[lane_id] = key
+        return key
+
+    def end(self, lane_id: int) -> None:
+        """The lane's slot found it empty: it ends."""
+        assert not self.lanes[lane_id]
+        del self.lanes[lane_id], self.now[lane_id]
+
+    def unline(self, lane_id: int, keys: tuple[str, ...]) -> list[WorkItem]:
+        items = self.lanes.get(lane_id, [])
+        out = [w for w in items if w.key in keys]
+        self.lanes[lane_id] = [w for w in items if w.key not in keys] if lane_id in self.lanes else []
+        return out
+
+    def running_long(self, seconds: float) -> list[str]:
+        return [k for k in self.now.values() if k is not None and k in self.long]
+
+    def members(self) -> list[str | None]:
+        return list(self.now.values())
+
+    def drain(self) -> list[Outcome]:
+        out, self.done = self.done, []
+        return out
+
+    def stop(self) -> None:
+        pass
+
+
+class FakeLoop:
+    """Records the timers set (``call_later``) instead of running them."""
+
+    def __init__(self) -> None:
+        self.timers: list[Callable[[], None]] = []
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        self.timers.append(fn)
+
+    def fire(self) -> int:
+        """Run the timers set so far; returns how many there were."""
+        timers, self.timers = self.timers, []
+        for fn in timers:
+            fn()
+        return len(timers)
+
+
+class RecordingOutbox(Outbox):
+    """Every report the shell adds, in order (nothing is sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = TaskBatch()
+        self.flushes = 0
+
+    def add(self, kind: str, item: Any) -> None:
+        self.sent.add(kind, item)
+
+    def soon(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def f(*args: Any) -> int:
+    return 1
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    """A one-slot worker (not started) whose function ``f`` last ran in a millisecond: quick."""
+    w = Worker("tcp://127.0.0.1:1", "token", slots=1, memory_limit=0)
+    w.pool = FakePool()  # type: ignore[assignment]
+    w.loop = FakeLoop()  # type: ignore[assignment]
+    w.outbox = RecordingOutbox()
+    w.closed = asyncio.Event()  # open (never set: the worker does not close here)
+    w.functions["f"] = f
+    w.state.last_run["f"] = 0.001
+    try:
+        yield w
+    finally:
+        shutil.rmtree(w.setup_dir, ignore_errors=True)
+
+
+def pool(w: Worker) -> FakePool:
+    assert isinstance(w.pool, FakePool)
+    return w.pool
+
+
+def compute(w: Worker, *keys: str, func: str = "f") -> None:
+    """The scheduler assigns ``keys`` (no inputs), as ``_serve_scheduler`` handles ``compute``."""
+    c = w._compute({"tasks": [{"key": k, "func": func, "resources": [["cpu", 1.0]]} for k in keys]})
+    w._apply(w.state.handle(c))
+    w._forget(tuple(t.key for t in c.tasks))
+
+
+def finish(w: Worker, key: str, duration: float = 0.001) -> None:
+    """``key`` returned in its slot; the loop wakes for it."""
+    pool(w).done.append(Outcome(key, True, 1, duration))
+    w._on_done()
+
+
+def only_open(w: Worker) -> None:
+    """The shell holds a spec or a taken-back work item only for tasks the state has not ended."""
+    st = w.state
+    open_keys = set(st.queued) | set(st.waiting) | set(st.running) | set(st.lined)
+    assert set(w._specs) <= open_keys, (w._specs, open_keys)
+    assert set(w._returned) <= open_keys, (w._returned, open_keys)
+
+
+def reported(w: Worker) -> tuple[list[str], list[str]]:
+    """Keys reported finished and erred so far."""
+    assert isinstance(w.outbox, RecordingOutbox)
+    return [item[0] for item in w.outbox.sent.finished], [e["key"] for e in w.outbox.sent.erred]
+
+
+# ---- lanes cut -----------------------------------------------------------------------------------
+def test_members_cut_from_a_lane_go_back_to_the_queue_in_their_order(worker: Worker) -> None:
+    """The shell answered a cut with the members it took out as a set: they went back to the front
+    of the queue in hash order, not in the order they were assigned (31 members: never by chance)."""
+    w, p = worker, pool(worker)
+    keys = [f"t{i:02d}" for i in range(ws.BATCH)]
+    compute(w, *keys)
+    (lane,) = p.lanes
+    assert p.take(lane) == "t00"
+    p.long.add("t00")
+    w.loop.fire()  # type: ignore[attr-defined]  # the lane clock: t00 runs LONG, the rest is cut
+    assert [t.key for t in w.state.queue] == keys[1:] and list(w._returned) == keys[1:]
