@@ -172,3 +172,54 @@ def test_members_cut_from_a_lane_go_back_to_the_queue_in_their_order(worker: Wor
     p.long.add("t00")
     w.loop.fire()  # type: ignore[attr-defined]  # the lane clock: t00 runs LONG, the rest is cut
     assert [t.key for t in w.state.queue] == keys[1:] and list(w._returned) == keys[1:]
+
+
+# ---- specs of tasks cut from a lane ------------------------------------------------------------
+def test_a_task_cut_from_its_lane_and_assigned_again_leaves_no_spec_behind(worker: Worker) -> None:
+    """b and c are cut from a's lane (a runs long) and go back to the queue; the scheduler assigns
+    them again while they wait there.  They run once, from their lane's work items; the new specs
+    were left in ``_specs`` for ever (one per such task: arguments of finished tasks held)."""
+    w, p = worker, pool(worker)
+    compute(w, "a", "b", "c")
+    (lane,) = p.lanes
+    assert p.take(lane) == "a"
+    p.long.add("a")
+    w.loop.fire()  # type: ignore[attr-defined]  # the lane clock: a runs LONG, b and c are cut
+    assert set(w._returned) == {"b", "c"} and [t.key for t in w.state.queue] == ["b", "c"]
+    compute(w, "b", "c")  # assigned again while they wait
+    only_open(w)
+    finish(w, "a", 0.5)  # f is slow now: b runs alone, then c
+    p.end(lane)
+    assert p.solo == ["b"]
+    finish(w, "b", 0.5)
+    finish(w, "c", 0.5)
+    assert p.solo == ["b", "c"] and reported(w) == (["a", "b", "c"], [])
+    assert not w.state.running and not w.state.queued
+    only_open(w)
+    assert w._specs == {} and w._returned == {}
+
+
+def test_cut_cancelled_or_stolen_lane_members_leave_no_spec_behind(worker: Worker) -> None:
+    """Every way a lane member's life ends here (it ran, was freed or stolen before its slot
+    reached it, or was cut and then freed or stolen in the queue) leaves nothing in ``_specs``."""
+    w, p = worker, pool(worker)
+    compute(w, *"abcdef")
+    (lane,) = p.lanes
+    assert p.take(lane) == "a"
+    w._apply(w.state.handle(ws.FreeKeys(("b",))))  # lined: taken out, never runs
+    w._forget(("b",))
+    w._apply(w.state.handle(ws.StealKeys(("c",))))
+    only_open(w)
+    p.long.add("a")
+    w.loop.fire()  # type: ignore[attr-defined]  # cut: d, e and f back to the queue
+    compute(w, "d", "e", "f")
+    w._apply(w.state.handle(ws.FreeKeys(("d",))))
+    w._forget(("d",))
+    w._apply(w.state.handle(ws.StealKeys(("e",))))
+    only_open(w)
+    finish(w, "a", 0.5)
+    p.end(lane)
+    finish(w, "f", 0.5)
+    assert p.solo == ["f"] and w.outbox.sent.stolen == ["c", "e"]  # type: ignore[attr-defined]
+    assert reported(w) == (["a", "f"], [])
+    assert w._specs == {} and w._returned == {} and not w._inline_wanted

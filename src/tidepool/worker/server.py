@@ -237,11 +237,12 @@ class Worker:
         tasks = []
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
-            if t["key"] not in self.state.running and t["key"] not in self.state.lined:  # one assigned again keeps that run
-                self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
+            key = t["key"]  # one assigned again keeps that run, or its work item cut from a lane
+            if key not in self.state.running and key not in self.state.lined and key not in self._returned:
+                self._specs[key] = (t["func"], t.get("payload"), list(deps))
                 if t.get("inline"):
-                    self._inline_wanted.add(t["key"])
-            tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
+                    self._inline_wanted.add(key)
+            tasks.append(ws.TaskIn(key, {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
                                    tuple(tuple(r) for r in t.get("resources") or ()), 0, t["func"],
                                    bool(t.get("solo"))))  # fmt: skip
         return ws.Compute(tuple(tasks))
@@ -347,7 +348,8 @@ class Worker:
     def _work_item(self, key: str) -> WorkItem | None:
         """What a slot runs for ``key`` (its inputs read now), or None if it failed at once."""
         back = self._returned.pop(key, None)
-        if back is not None:  # cut from a lane before it ran: as it was
+        if back is not None:  # cut from a lane before it ran: as it was (a spec from an assignment
+            self._specs.pop(key, None)  # made again while it waited back in the queue is not needed)
             return back
         func_id, payload, deps = self._specs.pop(key)
         func = self.functions.get(func_id)
