@@ -91,21 +91,24 @@ class FakeLoop:
 
 
 class RecordingOutbox(Outbox):
-    """Every report the shell adds, in order (nothing is sent)."""
+    """Every report the shell adds (``sent``: all of them; ``batch``: those since the last flush);
+    nothing is sent."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sent = TaskBatch()
-        self.flushes = 0
+        self.flushed: list[TaskBatch] = []
 
     def add(self, kind: str, item: Any) -> None:
+        super().add(kind, item)
         self.sent.add(kind, item)
 
     def soon(self) -> None:
         pass
 
     def flush(self) -> None:
-        self.flushes += 1
+        self.flushed.append(self.batch)
+        self.batch = TaskBatch()
 
 
 def f(*args: Any) -> int:
@@ -223,3 +226,51 @@ def test_cut_cancelled_or_stolen_lane_members_leave_no_spec_behind(worker: Worke
     assert p.solo == ["f"] and w.outbox.sent.stolen == ["c", "e"]  # type: ignore[attr-defined]
     assert reported(w) == (["a", "f"], [])
     assert w._specs == {} and w._returned == {} and not w._inline_wanted
+
+
+# ---- one outcome whose handling fails --------------------------------------------------------
+class Poison:
+    """A result the test makes the shell choke on."""
+
+
+@pytest.mark.parametrize("where", ["outcome", "store"])
+def test_an_outcome_whose_handling_raises_is_reported_erred_and_the_others_of_its_wake_up_still_go(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str) -> None:  # fmt: skip
+    """Three lane members return in one wake-up; handling b's outcome raises, either before the
+    state hears of it (sizing its value) or after (storing it).  b is logged and reported erred
+    with a clear message, a and c are reported finished, all in the wake-up's flush.  Before, the
+    exception left ``_on_done``: c's outcome was lost (its task hung for ever) and nothing was
+    flushed."""
+    w, p = worker, pool(worker)
+    compute(w, "a", "b", "c")
+    (lane,) = p.lanes
+    for k in "abc":
+        assert p.take(lane) == k
+        p.done.append(Outcome(k, True, Poison() if k == "b" else 1, 0.001))
+    p.end(lane)
+    if where == "outcome":
+        from tidepool.worker import server
+
+        real = server.sizeof
+        monkeypatch.setattr(server, "sizeof", lambda v: 1 // 0 if isinstance(v, Poison) else real(v))
+    else:
+        real_store = w._store
+
+        def store(key: str, value: Any, nbytes: int) -> None:
+            if key == "b":
+                raise OSError(28, "No space left on device")
+            real_store(key, value, nbytes)
+
+        monkeypatch.setattr(w, "_store", store)
+    assert isinstance(w.outbox, RecordingOutbox)
+    w.outbox.flushed.clear()
+    with caplog.at_level("ERROR", "tidepool.worker"):
+        w._on_done()
+    assert reported(w) == (["a", "c"], ["b"])
+    (err,) = w.outbox.sent.erred
+    assert err["type"] == "RuntimeError" and "task 'b'" in err["message"]
+    assert ("ZeroDivisionError" if where == "outcome" else "No space left") in err["message"]
+    assert [r for r in caplog.records if "task b" in r.getMessage()]
+    assert len(w.outbox.flushed) == 1 and not w.outbox.batch  # one flush for the wake-up, all in it
+    assert not w.state.running and not w.state.lined and w.state.free["cpu"] == 1.0  # the slot is free
+    w.state.validate()

@@ -10,6 +10,8 @@ Data flow: :meth:`Worker._scheduler_loop` (the one connection loop: register, th
 order) turns ``compute``, ``free``, ``steal``, ``replicate`` into state events; slot threads,
 fetches, the data server and the memory monitor feed events too.  :meth:`Worker._apply` carries
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
+An outcome whose handling raises (a bug, a failed store) is logged and its task reported erred; the
+other outcomes of that wake-up are handled all the same (:meth:`Worker._on_done`).
 Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
 replies, and seceded tasks) are sent at once: the scheduler hears a task that is not quick started
 before it can crash the process.  "At once" is once per batch of commands: every task the batch
@@ -367,12 +369,41 @@ class Worker:
 
     def _on_done(self) -> None:
         for o in self.pool.drain():
-            self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
+            try:
+                self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
+            except Exception as exc:  # noqa: BLE001 - the other outcomes of this wake-up still go
+                self._outcome_failed(o, exc)
             self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
             self._inline.pop(o.key, None)  # not reported (cancelled meanwhile)
         # the outcomes of one wake-up go out now, not a loop turn later: a waiting result() hears
         # of them one turn sooner, and reports of many tiny tasks stay one message per wake-up
         self.outbox.flush()
+
+    def _outcome_failed(self, o: Outcome, exc: Exception) -> None:
+        """Handling the outcome ``o`` raised ``exc`` (a bug, or storing the value failed): logged,
+        and the task is reported erred (unless its outcome went into the report batch already), so
+        its client gets an error rather than waiting for ever."""
+        import traceback
+
+        log.exception("worker %s: handling the outcome of task %s failed", self.id, o.key)
+        tb = traceback.format_exc()
+        try:
+            message = str(exc)[:1000]
+        except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+            message = "str() failed"
+        why = RuntimeError(f"worker {self.name} could not handle the outcome of task {o.key!r}: "
+                           f"{type(exc).__name__}: {message}")  # fmt: skip
+        error = jobs.error_report(why, tb, o.duration)
+        st = self.state
+        if o.key in st.running or o.key in st.lined:  # the state did not take the outcome in: it
+            try:  # frees the slot and reports (nothing if the task was freed meanwhile)
+                self._apply(st.handle(ws.TaskDone(o.key, False, duration=o.duration, error=error)), soon=False)
+                return
+            except Exception:  # noqa: BLE001 - reported below
+                log.exception("worker %s: reporting task %s erred failed too", self.id, o.key)
+        batch = self.outbox.batch
+        if all(item[0] != o.key for item in batch.finished) and all(e.get("key") != o.key for e in batch.erred):
+            self.outbox.add("erred", dict(error, key=o.key))
 
     def _outcome(self, o: Outcome) -> ws.TaskDone:
         inline = o.key in self._inline_wanted
