@@ -274,3 +274,54 @@ def test_an_outcome_whose_handling_raises_is_reported_erred_and_the_others_of_it
     assert len(w.outbox.flushed) == 1 and not w.outbox.batch  # one flush for the wake-up, all in it
     assert not w.state.running and not w.state.lined and w.state.free["cpu"] == 1.0  # the slot is free
     w.state.validate()
+
+
+# ---- the lane clock ----------------------------------------------------------------------------
+def timers(w: Worker) -> int:
+    """Fire the lane timers set; how many were set again by them."""
+    loop = w.loop
+    assert isinstance(loop, FakeLoop)
+    loop.fire()
+    return len(loop.timers)
+
+
+def test_the_lane_clock_stops_while_only_a_seceded_lane_member_runs(worker: Worker) -> None:
+    """a secedes from its lane (it waits on other tasks, maybe for minutes); b and c run in a new
+    lane.  Once that lane ended, only a runs, which the state no longer watches: the timer is not
+    set again (it fired every ``LONG / 2`` s for as long as a ran).  A new lane sets it again."""
+    w, p = worker, pool(worker)
+    compute(w, "a", "b", "c")
+    (first,) = p.lanes
+    assert len(w.loop.timers) == 1  # type: ignore[attr-defined]  # a lane opened: the clock runs
+    assert p.take(first) == "a"
+    w._apply(w.state.handle(ws.Secede("a")))  # as Worker.secede: its lane is cut, b and c go on
+    second = max(p.lanes)
+    assert second != first and [w.key for w in p.lanes[second]] == ["b", "c"] and p.lanes[first] == []
+    assert timers(w) == 1  # the new lane's slot has not taken b yet
+    p.long.add("a")  # a runs long: nothing to say (it seceded)
+    assert p.take(second) == "b" and timers(w) == 1
+    finish(w, "b")
+    assert p.take(second) == "c"
+    finish(w, "c")
+    p.end(second)
+    assert timers(w) == 0  # only a runs: the clock stops
+    assert reported(w) == (["b", "c"], []) and w.outbox.sent.started == []  # type: ignore[attr-defined]
+    compute(w, "d")  # a lane opens: the clock runs again
+    assert len(w.loop.timers) == 1  # type: ignore[attr-defined]
+
+
+def test_the_lane_clock_stops_while_only_a_member_reported_running_long_runs(worker: Worker) -> None:
+    """x ran ``LONG``: it is reported started once and its lane cut; then it is not watched any
+    more, and the timer is not set again while it runs on."""
+    w, p = worker, pool(worker)
+    compute(w, "x", "y")
+    (lane,) = p.lanes
+    assert p.take(lane) == "x"
+    assert timers(w) == 1  # x runs, not long yet
+    p.long.add("x")
+    assert timers(w) == 0  # reported, its lane cut: nothing more to watch
+    assert w.outbox.sent.started == ["x"] and p.lanes[lane] == []  # type: ignore[attr-defined]
+    assert [t.key for t in w.state.queue] == ["y"]  # waits for x's slot
+    finish(w, "x", 0.5)
+    p.end(lane)
+    assert p.solo == ["y"] and not w.loop.timers  # type: ignore[attr-defined]  # y is not quick: no lane

@@ -19,8 +19,8 @@ starts is reported in one message, sent before any of them is handed to a slot. 
 (their function last ran in under 2 ms, ``worker/state.py``) run in lanes, one slot thread taking
 one after another, and are never reported started (their outcome says it; one message per lane
 wake-up, not two per task); a lane member not reached yet is taken back out for a ``free``,
-``steal`` or cut (:meth:`Worker._unline`), and a timer (:meth:`Worker._watch`, while lanes are
-open) tells the state of a member running ``LONG``.  A crash among quick tasks is blamed on the
+``steal`` or cut (:meth:`Worker._unline`), and a timer (:meth:`Worker._watch`, while a lane member
+that has not seceded or been reported long runs) tells the state of a member running ``LONG``.  A crash among quick tasks is blamed on the
 next run, which the scheduler makes ``solo``.  If the scheduler connection is lost the worker
 stops, unless it may retry within a reconnect window (``worker/reconnect.py``: it keeps its work
 and registers again).
@@ -316,17 +316,21 @@ class Worker:
             self._forget(got)
 
     def _watch(self) -> None:
-        """Every ``LONG / 2`` s while lanes are open: outcomes not delivered yet are, and lane members
-        running ``LONG`` go to the state."""
+        """Every ``LONG / 2`` s while a lane's slot runs a member the state watches (or has not taken
+        its first one yet): outcomes not delivered yet are, and members running ``LONG`` go to the
+        state.  A member that seceded or was reported running ``LONG`` is not watched, and its lane
+        was cut (nothing follows it): while only such members run, the timer stays off (for a
+        task that runs for minutes it woke the loop every 5 ms); the next lane opened sets it."""
         self._watching = False
         if self.closed is None or self.closed.is_set():
             return
         if self.pool.done:  # outcomes of a lane whose next member runs on (it may wait for them)
             self._on_done()
-        for key in self.pool.running_long(ws.LONG):  # the state skips those it was told of already
-            if key in self.state.lined or key in self.state.running:
-                self._apply(self.state.handle(ws.RunsLong(key)))
-        if self.pool.lanes:
+        st = self.state
+        for key in self.pool.running_long(ws.LONG):
+            if st.watched(key):
+                self._apply(st.handle(ws.RunsLong(key)))
+        if any(key is None or st.watched(key) for key in self.pool.members()):
             self._watching = True
             self.loop.call_later(ws.LONG / 2, self._watch)
 
