@@ -92,13 +92,13 @@ def test_tasks_the_slot_has_not_reached_can_be_taken_out_of_its_lane(monkeypatch
 
     def meanwhile(pool: SlotPool) -> None:
         assert running.wait(30)
-        assert pool.running_long(0.0) == ["a"]
+        assert pool.running_long(0.0) == ["a"] and pool.members() == ["a"]
         assert [w.key for w in pool.unline(7, ("a", "c", "d"))] == ["c", "d"]
         go.set()
 
     outcomes, _, pool = _pool_run(items, monkeypatch, meanwhile, expect=2)
     assert [o.key for o in outcomes] == ["a", "b"] and ran == ["b"]
-    assert pool.unline(7, ("b",)) == [] and pool.running_long(0.0) == []  # the lane ended
+    assert pool.unline(7, ("b",)) == [] and pool.running_long(0.0) == [] and pool.members() == []  # the lane ended
 
 
 def test_a_stopped_pool_runs_no_lane_member_its_slot_had_not_reached() -> None:

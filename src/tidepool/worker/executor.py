@@ -10,7 +10,8 @@ lock, together with handing in the outcome), so until then the loop can take it 
 never runs here.  The first outcome after the loop last drained schedules one ``on_done`` call on
 the loop (coalesced wake-ups) when the lane ends, or every ``WAKE_EVERY`` seconds inside a lane,
 so a lane of tiny tasks costs one wake-up and one report message.  :meth:`SlotPool.running_long`
-says which lane members have run for a while (the worker reports them started).  Threads are
+says which lane members have run for a while (the worker reports them started), and
+:meth:`SlotPool.members` which ones run now (the worker's lane timer runs while it cares).  Threads are
 created on demand up to the number of lanes the worker runs at once (its resources decide that);
 :meth:`SlotPool.stop` ends them once their current tasks return (lane members not reached never run).
 """
@@ -106,6 +107,12 @@ class SlotPool:
             if out:
                 lane.items = deque(w for w in lane.items if w.key not in ks)
         return out
+
+    def members(self) -> list[str | None]:
+        """The key of the member each open lane's slot runs now (None: it has not taken one yet, or
+        is between two)."""
+        with self._lock:
+            return [cur[0] if (cur := lane.now) is not None else None for lane in self.lanes.values()]
 
     def running_long(self, seconds: float) -> list[str]:
         """Keys of lane members that have been running for ``seconds`` or more."""

@@ -10,6 +10,8 @@ Data flow: :meth:`Worker._scheduler_loop` (the one connection loop: register, th
 order) turns ``compute``, ``free``, ``steal``, ``replicate`` into state events; slot threads,
 fetches, the data server and the memory monitor feed events too.  :meth:`Worker._apply` carries
 out the commands: run a task in a slot, fetch an input, store, drop or spill values, and report.
+An outcome whose handling raises (a bug, a failed store) is logged and its task reported erred; the
+other outcomes of that wake-up are handled all the same (:meth:`Worker._on_done`).
 Reports go out in one ``task-batch`` message per loop wake-up, except that ``started`` (and steal
 replies, and seceded tasks) are sent at once: the scheduler hears a task that is not quick started
 before it can crash the process.  "At once" is once per batch of commands: every task the batch
@@ -17,8 +19,8 @@ starts is reported in one message, sent before any of them is handed to a slot. 
 (their function last ran in under 2 ms, ``worker/state.py``) run in lanes, one slot thread taking
 one after another, and are never reported started (their outcome says it; one message per lane
 wake-up, not two per task); a lane member not reached yet is taken back out for a ``free``,
-``steal`` or cut (:meth:`Worker._unline`), and a timer (:meth:`Worker._watch`, while lanes are
-open) tells the state of a member running ``LONG``.  A crash among quick tasks is blamed on the
+``steal`` or cut (:meth:`Worker._unline`), and a timer (:meth:`Worker._watch`, while a lane member
+that has not seceded or been reported long runs) tells the state of a member running ``LONG``.  A crash among quick tasks is blamed on the
 next run, which the scheduler makes ``solo``.  If the scheduler connection is lost the worker
 stops, unless it may retry within a reconnect window (``worker/reconnect.py``: it keeps its work
 and registers again).
@@ -237,11 +239,12 @@ class Worker:
         tasks = []
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
-            if t["key"] not in self.state.running and t["key"] not in self.state.lined:  # one assigned again keeps that run
-                self._specs[t["key"]] = (t["func"], t.get("payload"), list(deps))
+            key = t["key"]  # one assigned again keeps that run, or its work item cut from a lane
+            if key not in self.state.running and key not in self.state.lined and key not in self._returned:
+                self._specs[key] = (t["func"], t.get("payload"), list(deps))
                 if t.get("inline"):
-                    self._inline_wanted.add(t["key"])
-            tasks.append(ws.TaskIn(t["key"], {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
+                    self._inline_wanted.add(key)
+            tasks.append(ws.TaskIn(key, {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
                                    tuple(tuple(r) for r in t.get("resources") or ()), 0, t["func"],
                                    bool(t.get("solo"))))  # fmt: skip
         return ws.Compute(tuple(tasks))
@@ -305,23 +308,29 @@ class Worker:
         if c.why == "cut":
             for w in removed:
                 self._returned[w.key] = w
-        got = {w.key for w in removed}
-        self._apply(self.state.handle(ws.Unlined(c.lane, tuple(got), tuple(k for k in c.keys if k not in got), c.why)))
+        got = tuple(w.key for w in removed)  # in lane order: cut ones go back to the queue so
+        out = {w.key for w in removed}
+        taken = tuple(k for k in c.keys if k not in out)
+        self._apply(self.state.handle(ws.Unlined(c.lane, got, taken, c.why)))
         if c.why != "cut":
-            self._forget(tuple(got))
+            self._forget(got)
 
     def _watch(self) -> None:
-        """Every ``LONG / 2`` s while lanes are open: outcomes not delivered yet are, and lane members
-        running ``LONG`` go to the state."""
+        """Every ``LONG / 2`` s while a lane's slot runs a member the state watches (or has not taken
+        its first one yet): outcomes not delivered yet are, and members running ``LONG`` go to the
+        state.  A member that seceded or was reported running ``LONG`` is not watched, and its lane
+        was cut (nothing follows it): while only such members run, the timer stays off (for a
+        task that runs for minutes it woke the loop every 5 ms); the next lane opened sets it."""
         self._watching = False
         if self.closed is None or self.closed.is_set():
             return
         if self.pool.done:  # outcomes of a lane whose next member runs on (it may wait for them)
             self._on_done()
-        for key in self.pool.running_long(ws.LONG):  # the state skips those it was told of already
-            if key in self.state.lined or key in self.state.running:
-                self._apply(self.state.handle(ws.RunsLong(key)))
-        if self.pool.lanes:
+        st = self.state
+        for key in self.pool.running_long(ws.LONG):
+            if st.watched(key):
+                self._apply(st.handle(ws.RunsLong(key)))
+        if any(key is None or st.watched(key) for key in self.pool.members()):
             self._watching = True
             self.loop.call_later(ws.LONG / 2, self._watch)
 
@@ -345,7 +354,8 @@ class Worker:
     def _work_item(self, key: str) -> WorkItem | None:
         """What a slot runs for ``key`` (its inputs read now), or None if it failed at once."""
         back = self._returned.pop(key, None)
-        if back is not None:  # cut from a lane before it ran: as it was
+        if back is not None:  # cut from a lane before it ran: as it was (a spec from an assignment
+            self._specs.pop(key, None)  # made again while it waited back in the queue is not needed)
             return back
         func_id, payload, deps = self._specs.pop(key)
         func = self.functions.get(func_id)
@@ -363,12 +373,41 @@ class Worker:
 
     def _on_done(self) -> None:
         for o in self.pool.drain():
-            self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
+            try:
+                self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
+            except Exception as exc:  # noqa: BLE001 - the other outcomes of this wake-up still go
+                self._outcome_failed(o, exc)
             self._arrived.pop(o.key, None)  # not stored: nobody wanted it any more
             self._inline.pop(o.key, None)  # not reported (cancelled meanwhile)
         # the outcomes of one wake-up go out now, not a loop turn later: a waiting result() hears
         # of them one turn sooner, and reports of many tiny tasks stay one message per wake-up
         self.outbox.flush()
+
+    def _outcome_failed(self, o: Outcome, exc: Exception) -> None:
+        """Handling the outcome ``o`` raised ``exc`` (a bug, or storing the value failed): logged,
+        and the task is reported erred (unless its outcome went into the report batch already), so
+        its client gets an error rather than waiting for ever."""
+        import traceback
+
+        log.exception("worker %s: handling the outcome of task %s failed", self.id, o.key)
+        tb = traceback.format_exc()
+        try:
+            message = str(exc)[:1000]
+        except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+            message = "str() failed"
+        why = RuntimeError(f"worker {self.name} could not handle the outcome of task {o.key!r}: "
+                           f"{type(exc).__name__}: {message}")  # fmt: skip
+        error = jobs.error_report(why, tb, o.duration)
+        st = self.state
+        if o.key in st.running or o.key in st.lined:  # the state did not take the outcome in: it
+            try:  # frees the slot and reports (nothing if the task was freed meanwhile)
+                self._apply(st.handle(ws.TaskDone(o.key, False, duration=o.duration, error=error)), soon=False)
+                return
+            except Exception:  # noqa: BLE001 - reported below
+                log.exception("worker %s: reporting task %s erred failed too", self.id, o.key)
+        batch = self.outbox.batch
+        if all(item[0] != o.key for item in batch.finished) and all(e.get("key") != o.key for e in batch.erred):
+            self.outbox.add("erred", dict(error, key=o.key))
 
     def _outcome(self, o: Outcome) -> ws.TaskDone:
         inline = o.key in self._inline_wanted

@@ -374,6 +374,14 @@ class WorkerState:
     def spilled_bytes(self) -> int:
         return sum(self.spilled.values())
 
+    def watched(self, key: str) -> bool:
+        """``key`` is lined, or runs in its lane and was not reported running ``LONG``: a
+        :class:`RunsLong` for it would change something (the shell's lane clock watches it)."""
+        if key in self.lined:
+            return True
+        t = self.running.get(key)
+        return t is not None and t.batch is not None and not t.long
+
     @property
     def task_memory(self) -> int:
         """What the running tasks themselves use (as far as their specs say)."""
