@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from tidepool.scaling.forecast import RemainingWork
 from tidepool.scaling.snapshot import Demand, Shape, WorkerView
+from tidepool.scheduler.retire import unique_summary
 
 if TYPE_CHECKING:
     from tidepool.scaling.controller import Actions, ScalingController
+    from tidepool.scheduler.records import TaskRecord
     from tidepool.scheduler.state import SchedulerState
 
 
@@ -166,11 +168,19 @@ def group_estimates(state: SchedulerState, now: float, running: dict[str, float]
 
 def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None = None) -> RemainingWork:
     """The unfinished part of the graph (optionally only tasks of the given resource ``shapes``)."""
+    return _remaining(state, now, shapes)[0]
+
+
+def _remaining(state: SchedulerState, now: float,
+               shapes: set[Shape] | None = None) -> tuple[RemainingWork, list[TaskRecord]]:  # fmt: skip
+    """:func:`remaining_work` and its tasks in the same order (one pass over a million tasks is
+    what a forecast step costs: the per-kind numbers are worked out once per kind, not per task)."""
     est = state.estimates
     running_now = executing(state)
     raised = group_estimates(state, now, running_now)
     # a seceded task (worker_client) holds no slot: its time is the time of the tasks it waits for
-    tasks = [ts for ts in state.tasks.values() if ts.state in ("waiting", "ready", "no-worker", "running")
+    unfinished = ("waiting", "ready", "no-worker", "running")
+    tasks = [ts for ts in state.tasks.values() if ts.state in unfinished
              and not ts.seceded and (shapes is None or ts.shape in shapes)]  # fmt: skip
     tasks.sort(key=lambda t: t.priority)
     index = {ts.key: i for i, ts in enumerate(tasks)}
@@ -191,15 +201,22 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
         rs = state.tasks.get(key)
         if rs is not None:
             longest[rs.group] = max(longest.get(rs.group, 0.0), now - started)
+    kinds: dict[str, tuple[float, bool, float]] = {}  # group -> (estimate, seen finish, shown to launches)
+    get = index.get
     for i, ts in enumerate(tasks):
-        e = raised.get(ts.group)
-        if e is None:
-            e = est.estimate(ts.group)
-        st = est.groups.get(ts.group)
-        seen = st is not None and st.count > 0
-        shown = e if seen else min(e, max(est.default_prior, longest.get(ts.group, 0.0)))
-        if ts.key in running_now:
-            elapsed = max(0.0, now - running_now[ts.key])
+        g = ts.group
+        kind = kinds.get(g)
+        if kind is None:
+            r = raised.get(g)
+            k_est = est.estimate(g) if r is None else r
+            st = est.groups.get(g)
+            k_seen = st is not None and st.count > 0
+            kind = kinds[g] = (k_est, k_seen,
+                               k_est if k_seen else min(k_est, max(est.default_prior, longest.get(g, 0.0))))
+        e, seen, shown = kind
+        began = running_now.get(ts.key)
+        if began is not None:
+            elapsed = max(0.0, now - began)
             durations.append(max(e - elapsed, elapsed / 4))
             running.append(i)
             launch.append(max(shown - elapsed, elapsed / 4))
@@ -210,21 +227,21 @@ def remaining_work(state: SchedulerState, now: float, shapes: set[Shape] | None 
             durations.append(e)
             launch.append(shown)
             hold.append(e)
-        deps.append(tuple(index[d.key] for d in ts.deps if d.key in index))
+        deps.append(tuple([j for d in ts.deps if (j := get(d.key)) is not None]))
     as_tuple = tuple(durations)
-    return RemainingWork(as_tuple, tuple(deps), tuple(running), tuple(t.key for t in tasks), frozenset(unknown),
+    work = RemainingWork(as_tuple, tuple(deps), tuple(running), tuple([t.key for t in tasks]), frozenset(unknown),
                          None if tuple(launch) == as_tuple else tuple(launch),
                          None if tuple(hold) == as_tuple else tuple(hold))  # fmt: skip
+    return work, tasks
 
 
 def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
     out = []
     for ws in state.workers.values():
-        unique = state.unique_data(ws)
+        n, nbytes, for_tasks = unique_summary(ws)
         out.append(WorkerView(
             ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, ws.assigned,
-            ws.occupancy, ws.nbytes, len(unique), sum(t.nbytes for t in unique), ws.idle_since, ws.joined,
-            ws.memory_limit, sum(1 for t in unique if t.waiters),
+            ws.occupancy, ws.nbytes, n, nbytes, ws.idle_since, ws.joined, ws.memory_limit, for_tasks,
         ))  # fmt: skip
     return tuple(sorted(out, key=lambda w: w.id))
 
@@ -235,9 +252,8 @@ def demand_of(state: SchedulerState) -> tuple[Demand, ...]:
 
 
 def graph_view(state: SchedulerState, now: float) -> GraphView:
-    work = remaining_work(state, now)
-    tasks = state.tasks
-    return GraphView(work, tuple(tasks[k].shape for k in work.keys))
+    work, tasks = _remaining(state, now)
+    return GraphView(work, tuple([t.shape for t in tasks]))
 
 
 def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: Sequence[str] = (),

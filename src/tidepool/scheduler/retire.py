@@ -78,6 +78,21 @@ def unique_data(ws: WorkerRecord, leaving: Iterable[str] = ()) -> list[TaskRecor
             if ts.needed and (sum(w not in gone for w in ts.who_has) if gone else len(ts.who_has)) == 1]  # fmt: skip
 
 
+def unique_summary(ws: WorkerRecord) -> tuple[int, int, int]:
+    """``unique_data(ws)`` counted without the list: how many values, their bytes, and how many of
+    them an unfinished task waits for (the controller reads this for every worker on every step)."""
+    n = nbytes = for_tasks = 0
+    for ts in ws.has_what:
+        if len(ts.who_has) == 1:
+            waiters = ts.waiters
+            if waiters or ts.wanted_by:
+                n += 1
+                nbytes += ts.nbytes
+                if waiters:
+                    for_tasks += 1
+    return n, nbytes, for_tasks
+
+
 def start_retire(view: RetireView, e: ev.RetireWorkers) -> list[Intent]:
     """Which of ``e.workers`` may begin retiring, and refusals (with reasons) for the rest."""
     out: list[Intent] = []
