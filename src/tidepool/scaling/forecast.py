@@ -72,12 +72,16 @@ class RemainingWork:
 def critical_path(work: RemainingWork) -> float:
     """Longest chain of estimated durations (indices are in topological order)."""
     finish = [0.0] * len(work)
-    best = 0.0
-    for i, d in enumerate(work.durations):
-        start = max((finish[j] for j in work.deps[i]), default=0.0)
-        finish[i] = start + d
-        best = max(best, finish[i])
-    return best
+    deps = work.deps
+    for i, d in enumerate(work.durations):  # a million tasks a forecast step: no generator per task
+        ds = deps[i]
+        if not ds:
+            finish[i] = d
+        elif len(ds) == 1:
+            finish[i] = finish[ds[0]] + d
+        else:
+            finish[i] = max([finish[j] for j in ds]) + d
+    return max(0.0, max(finish, default=0.0))
 
 
 def list_schedule(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = ()) -> float:
@@ -239,9 +243,11 @@ def next_demand_in(work: RemainingWork) -> float | None:
     if not waiting:
         return None
     running = set(work.running)
+    if not running:
+        return 0.0  # nothing waits on a running task only: something waits on a waiting one
     best: float | None = None
     for i in waiting:
-        if all(j in running for j in work.deps[i]):
+        if work.deps[i][0] in running and all(j in running for j in work.deps[i]):
             if any(j in work.unknown for j in work.deps[i]):
                 t = float("inf")
             else:
