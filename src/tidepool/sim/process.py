@@ -47,7 +47,7 @@ class WorkerProcess:
     """One simulated worker process (see the module docstring)."""
 
     __slots__ = ("id", "node_type", "resources", "state", "alive", "cores", "disk", "engine",
-                 "_fetches", "_work", "_rate", "_since", "_token", "_reports", "_busy", "unmanaged",
+                 "_fetches", "_work", "_rate", "_since", "_token", "_reports", "_reported", "_busy", "unmanaged",
                  "_sampling", "overhead")  # fmt: skip
 
     def __init__(self, wid: str, node_type: str, resources: dict[str, float], engine: Any,
@@ -72,6 +72,7 @@ class WorkerProcess:
         self._since = 0.0
         self._token = 0
         self._reports = TaskBatch()
+        self._reported = False  # something went into _reports since the last flush (cheaper to ask)
 
     # ---- from the scheduler ----------------------------------------------------------------------
     def compute(self, key: str, shape: ev.Shape, deps: tuple[tuple[str, tuple[str, ...], int], ...]) -> None:
@@ -117,6 +118,7 @@ class WorkerProcess:
             t = type(c)
             if t is ws.Report:
                 self._reports.add(c.kind, c.item)  # type: ignore[union-attr]
+                self._reported = True
             elif t is ws.Run:
                 self._start(c.key)  # type: ignore[union-attr]
             elif t is ws.Fetch:
@@ -141,8 +143,9 @@ class WorkerProcess:
 
     def _flush(self) -> None:
         """The state's reports, as the events the scheduler would make of one ``task-batch``."""
-        if not self._reports:
+        if not self._reported:
             return
+        self._reported = False
         reports, self._reports = self._reports, TaskBatch()
         self.engine.out.extend(batch_events(self.id, reports, self.engine.now))
 
