@@ -97,6 +97,36 @@ def test_losing_the_scheduler_fails_every_future_and_call_at_once() -> None:
             client.scheduler_info()
 
 
+def test_closing_the_cluster_before_its_client_fails_every_future_and_call() -> None:
+    cluster = tidepool.LocalCluster(n_workers=1)
+    try:
+        client = tidepool.Client(cluster)
+        assert client.submit(inc, 1).result(timeout=30) == 2
+        pending = client.submit(slow_inc, 1, 60)
+    finally:
+        cluster.close()  # stops the loop thread the client runs on, too
+    with pytest.raises(ConnectionLostError):
+        pending.result(timeout=30)
+    with pytest.raises(ConnectionLostError):
+        client.submit(inc, 2)
+    with pytest.raises(ConnectionLostError):
+        client.scheduler_info()
+    client.close()
+
+
+def test_a_client_of_a_local_cluster_whose_loop_stops_fails_its_futures() -> None:
+    """The client runs on its LocalCluster's loop thread: when that loop stops under it (without
+    the scheduler closing its connection first), its futures fail instead of waiting for ever."""
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        assert client.submit(inc, 1).result(timeout=30) == 2
+        pending = client.submit(slow_inc, 1, 60)
+        cluster._loop.stop()
+        with pytest.raises(ConnectionLostError, match="stopped"):
+            pending.result(timeout=10)
+        with pytest.raises(ConnectionLostError):
+            client.submit(inc, 2)
+
+
 def test_an_unpicklable_result_errs_once_naming_the_task_and_is_not_recomputed() -> None:
     with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
         lock = client.submit(make_lock, key="the-lock")

@@ -213,3 +213,26 @@ def test_a_peer_that_came_back_gets_its_messages_on_its_new_connection() -> None
 
     asyncio.run(main())
 
+
+
+def test_turn_end_hands_over_at_once_when_nothing_else_is_ready_else_at_the_end_of_the_turn() -> None:
+    w = Recorder()
+    out = Outgoing(cast(Any, {"w": w}), {})
+
+    async def main() -> list[int]:
+        seen = []
+        out.free("w", ["a"])
+        out.turn_end()  # nothing else ready in this turn: the turn ends here
+        seen.append(len(w.sent))
+        loop = asyncio.get_running_loop()
+        loop.call_soon(out.free, "w", ["c"])  # another reader's batch, later in this turn
+        out.free("w", ["b"])
+        out.turn_end()
+        seen.append(len(w.sent))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        seen.append(len(w.sent))
+        return seen
+
+    assert asyncio.run(main()) == [1, 1, 2]
+    assert w.sent == [{"op": "free", "keys": ["a"]}, {"op": "free", "keys": ["b", "c"]}]

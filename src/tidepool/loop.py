@@ -78,6 +78,9 @@ class LoopThread:
                 "a blocking tidepool call was made from tidepool's own event-loop thread (for example "
                 "inside a done-callback); use the async API there or run it in another thread"
             )
+        if self.loop.is_closed():  # stopped (a shared loop's owner closed): not a RuntimeError later
+            coro.close()
+            raise TidepoolError(f"tidepool's event loop ({self.thread.name}) is closed")
         fut = self.submit(coro)
         try:
             return fut.result(timeout)

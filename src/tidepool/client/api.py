@@ -51,7 +51,7 @@ from tidepool.futures import _UNSET, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, make_key
 from tidepool.graph.keys import key_name
 from tidepool.graph.refs import RECURSE, collect, replace
-from tidepool.loop import ClosesOnExit
+from tidepool.loop import ClosesOnExit, LoopThread
 
 T = TypeVar("T")
 
@@ -62,6 +62,19 @@ T = TypeVar("T")
 MAP_CHUNK = 50_000
 #: every client created in this process, newest last (``default_client()`` picks the newest open one)
 created: list[weakref.ref[Client]] = []
+
+
+def _shared_loop(cluster: Any) -> LoopThread | None:
+    """The loop thread of a running :class:`LocalCluster` (its scheduler runs there, in this
+    process): a client of it runs on that loop too, else on a loop thread of its own."""
+    from tidepool.cluster import LocalCluster
+
+    if not isinstance(cluster, LocalCluster):
+        return None
+    lt: LoopThread = cluster._loop  # the thread its scheduler runs on, shared on purpose
+    if cluster.closed or lt.loop.is_closed() or not lt.thread.is_alive():
+        return None
+    return lt
 
 
 class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
@@ -96,7 +109,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.token: str = token
         self.timeout = timeout
         self.closed = False
-        self._connection = conn = ClientConnection(address, token, timeout, tls)
+        self._connection = conn = ClientConnection(address, token, timeout, tls, _shared_loop(self.cluster))
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)
         self._setups: list[str] = []

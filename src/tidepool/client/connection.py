@@ -6,6 +6,9 @@ the read loop feeds every message to ``core.receive`` and applies the events it 
 futures, answering requests, waking fetches).  Fetches follow the core's :class:`Fetch` plan and
 read values straight from the workers that hold them, one request per worker, over connections
 kept per worker address.  This class is also every future's :class:`~tidepool.futures.FutureOwner`.
+The loop thread is the client's own, or a :class:`~tidepool.cluster.LocalCluster`'s (a client of
+one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop, and
+fails its futures with :class:`ConnectionLostError` if the cluster stops it first).
 
 Never hanging: once the scheduler connection is lost (and, with a scheduler that announced a
 reconnect window, not regained within it: ``client/reconnect.py``), every pending future and
@@ -66,7 +69,8 @@ class HolderGone(ConnectionLostError):
 class ClientConnection:
     """See the module docstring.  ``setup_errors`` collects workers' setup failures."""
 
-    def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None) -> None:
+    def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None,
+                 loop: LoopThread | None = None) -> None:  # fmt: skip
         self.address = address
         self.token = token
         self.timeout = timeout
@@ -81,7 +85,11 @@ class ClientConnection:
         self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._draining = False
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
-        self.loop = LoopThread("tidepool-client")
+        #: the loop thread: our own, or (``loop``) one we share and never stop: a LocalCluster's, whose
+        #: scheduler then reads and answers our messages in the same thread (no thread hand-off
+        #: and GIL switch per message each way)
+        self.loop = LoopThread("tidepool-client") if loop is None else loop
+        self._own_loop = loop is None
         self.id = "?"
         #: reconnecting to a restarted scheduler (client/reconnect.py)
         self.reconnect_window = 0.0
@@ -140,9 +148,10 @@ class ClientConnection:
             conn.close()
 
     def stop(self) -> None:
-        """Stop the loop thread and the callback thread (after :meth:`aclose`)."""
+        """Stop the loop thread (our own only) and the callback thread (after :meth:`aclose`)."""
         self.closed = True
-        self.loop.stop()
+        if self._own_loop:
+            self.loop.stop()
         self._callbacks.shutdown(wait=False)
 
     def check_open(self) -> None:
@@ -250,7 +259,10 @@ class ClientConnection:
                 with self.lock:
                     events = self.core.receive(msg)  # a malformed message is our side's failure
                 self._apply(events)
-        except asyncio.CancelledError:  # close()
+        except asyncio.CancelledError:  # close(), or a shared loop stopping (its cluster closed first)
+            if not self.closed:
+                self._connection_lost(ConnectionLostError(f"the event loop of the connection to the scheduler "
+                                                          f"at {self.address} stopped (its cluster closed)"))  # fmt: skip
             raise
         except Exception as exc:  # a bug or a message we cannot handle: never leave futures waiting
             log.exception("the client could not handle a message from the scheduler at %s; closing "

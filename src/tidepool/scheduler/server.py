@@ -186,7 +186,7 @@ class Scheduler:
                 log.exception("scheduler observer failed")
         self._dispatch(cmds)
         if defer:
-            self.outgoing.soon()
+            self.outgoing.turn_end()
         elif self.outgoing:
             await self.outgoing.flush()
         took = time.perf_counter() - began  # the loop's time spent on this batch (for /metrics)
