@@ -12,8 +12,9 @@ Three workloads, each run on both schedulers with the same client-side code:
 Besides tasks/s, every timed run reports CPU µs per task, split three ways:
 
 - scheduler: the CPU time of the thread that runs the scheduler's event loop (both LocalClusters run
-  the scheduler in this process, on a thread of its own); for Dask that thread also runs the
-  client's comm handling (``Client(cluster)`` shares the cluster's loop), for tidepool it does not.
+  the scheduler in this process, on a thread of its own); for both that thread also runs the
+  client's comm handling (``Client(cluster)`` shares the cluster's loop; tidepool's since
+  2026-12-06).
 - client: the rest of this process (``time.process_time`` less the scheduler thread).
 - workers: psutil ``cpu_times()`` (user + system) of each worker process, summed (tidepool: the
   provider's worker pids; Dask: ``client.run(os.getpid)``; Dask's nanny processes are not counted).
@@ -556,8 +557,8 @@ run on the same machine; the target is **>= {TARGET_RATIO:.0f}x** on a 2-core ma
 - `roundtrip`: `client.submit(inc, i).result()` one call at a time, {min(n, ROUNDTRIPS)} calls per
   run; the latency table pools every run's calls.
 - CPU µs per task (medians over the runs): scheduler = the thread running the scheduler's event
-  loop (in this process for both; for Dask it also runs the client's comm handling, which shares
-  that loop), client = the rest of this process, workers = user + system CPU of the worker
+  loop (in this process for both, and for both it also runs the client's comm handling, which
+  shares that loop), client = the rest of this process, workers = user + system CPU of the worker
   processes summed (Dask's nannies not counted); each a delta over the timed workload divided by
   its tasks.
 
