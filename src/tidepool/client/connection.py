@@ -7,8 +7,9 @@ futures, answering requests, waking fetches).  Fetches follow the core's :class:
 read values straight from the workers that hold them, one request per worker, over connections
 kept per worker address.  This class is also every future's :class:`~tidepool.futures.FutureOwner`.
 The loop thread is the client's own, or a :class:`~tidepool.cluster.LocalCluster`'s (a client of
-one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop, and
-fails its futures with :class:`ConnectionLostError` if the cluster stops it first).
+one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop,
+fails its futures with :class:`ConnectionLostError` if the cluster stops it first, and unpickles the
+values it reads from workers in a thread, not on the scheduler's loop).
 
 Never hanging: once the scheduler connection is lost (and, with a scheduler that announced a
 reconnect window, not regained within it: ``client/reconnect.py``), every pending future and
@@ -42,7 +43,7 @@ from tidepool.client.protocol import (
     cancelled_message,
 )
 from tidepool.comm import Connection, connect
-from tidepool.comm.data import request_data
+from tidepool.comm.data import load_values, request_data
 from tidepool.comm.messages import Cancel, KeyQuery, Release
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
@@ -412,7 +413,15 @@ class ClientConnection:
                 raise HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        return await request_data(conn, lock, keys)
+        if self._own_loop:
+            return await request_data(conn, lock, keys)
+        # a shared loop (its scheduler's): unpickling runs the user's code for as long as it takes,
+        # which would stop the scheduler meanwhile; do it in a thread (it gets the GIL in turns)
+        blobs, failed = await request_data(conn, lock, keys, load=False)
+        if not blobs:
+            return blobs, failed
+        values, bad = await asyncio.to_thread(load_values, blobs)
+        return values, {**failed, **bad}
 
     # ---- the FutureOwner protocol ----------------------------------------------------------------
     def fetch(self, key: str, timeout: float | None) -> Any:
