@@ -36,3 +36,26 @@ def test_a_value_read_from_a_worker_is_not_unpickled_on_the_schedulers_thread() 
         where, n = client.submit(_value_that_says_where_it_was_unpickled).result(timeout=60)
         assert n == 4096
         assert where != cluster._loop.thread.name, where
+
+
+def test_a_client_collected_on_the_schedulers_thread_leaves_the_scheduler() -> None:
+    """A Client is in reference cycles (its spec builder points back at it), so the cyclic garbage
+    collector frees it, in whichever thread it runs: now often the scheduler's, which does most of
+    the allocating.  Its close() then ran on its own loop thread, where the blocking close raised
+    (and was swallowed): the connection stayed open, so the scheduler kept the client, its tasks and
+    their values for ever.  Before the fix the client never left."""
+    import gc
+
+    from tidepool.testing import wait_until
+
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster:
+        client = tidepool.Client(cluster)
+        assert client.submit(len, "abc").result(timeout=60) == 3
+        assert len(cluster.scheduler.client_conns) == 1
+        del client
+
+        async def collect() -> None:
+            gc.collect()
+
+        cluster._loop.run(collect())  # the collection (and the client's __del__) on the scheduler's thread
+        wait_until(lambda: not cluster.scheduler.client_conns, timeout=30)
