@@ -59,3 +59,27 @@ def test_a_client_collected_on_the_schedulers_thread_leaves_the_scheduler() -> N
 
         cluster._loop.run(collect())  # the collection (and the client's __del__) on the scheduler's thread
         wait_until(lambda: not cluster.scheduler.client_conns, timeout=30)
+
+
+def _small_value_that_says_whether_the_client_lock_was_held() -> Any:
+    # rebuilt by eval (a builtin: the pickle stays small, so it comes inline with the report)
+    check = ("any(c()._connection.lock._is_owned() for c in "
+             "__import__('tidepool.client.api', fromlist=['created']).created if c() is not None)")  # fmt: skip
+
+    class Probe:
+        def __reduce__(self) -> Any:
+            return eval, (check,)
+
+    return Probe()
+
+
+def test_an_inline_value_is_not_unpickled_under_the_client_lock() -> None:
+    """The scheduler's thread takes the client's lock to apply every report of a client of a
+    LocalCluster; the user's unpickling code, under that lock in the thread that asked for the
+    value, stopped the scheduler whenever a report came meanwhile.  Before the fix the value said
+    the lock was held while it was rebuilt."""
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(_small_value_that_says_whether_the_client_lock_was_held)
+        fut.exception(timeout=60)
+        assert client._connection.core.inline, "the value was meant to come inline"
+        assert fut.result(timeout=60) is False

@@ -340,15 +340,23 @@ class ClientConnection:
     # ---- fetching values -------------------------------------------------------------------------
     def run_fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
         """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``.
-        Values that all came inline are taken in the calling thread (no hop to the loop)."""
+        Values that came inline are unpickled in the calling thread, outside ``lock`` (the loop
+        thread, perhaps a LocalCluster's scheduler's, takes it for every report): only the rest
+        go through the loop."""
         self.check_open()
+        got: dict[str, Any] = {}
         if self.core.inline:
             with self.lock:
-                got = self.core.inline_values(keys)
+                blobs = self.core.inline_blobs(keys)
+            got, bad = load_values(blobs)
+            if bad:
+                with self.lock:
+                    self.core.not_loadable(bad)
             if len(got) == len(keys):
                 return got
+        rest = [k for k in keys if k not in got]
         try:
-            return self.loop.run(self._fetch_within(keys, timeout))
+            return {**got, **self.loop.run(self._fetch_within(rest, timeout))}
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
 
