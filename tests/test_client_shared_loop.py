@@ -83,3 +83,51 @@ def test_an_inline_value_is_not_unpickled_under_the_client_lock() -> None:
         fut.exception(timeout=60)
         assert client._connection.core.inline, "the value was meant to come inline"
         assert fut.result(timeout=60) is False
+
+
+def _value_rebuilt_once_its_cluster_stops() -> Any:
+    # rebuilt (in the client) only once the scheduler's loop thread is gone: the fetch is still
+    # waiting on the loop when its cluster stops it
+    wait = ("[__import__('time').sleep(0.01) for _ in iter(lambda: any(c().cluster._loop.thread.is_alive() "
+            "for c in __import__('tidepool.client.api', fromlist=['created']).created if c() is not None), False)]"
+            " and None or b'x' * 4096")  # fmt: skip
+
+    class Late:
+        def __reduce__(self) -> Any:
+            return eval, (wait, {"pad": b"x" * 4096})  # over the inline limit: read from the worker
+
+    return Late()
+
+
+def test_a_fetch_cut_by_its_cluster_closing_fails_with_connection_lost() -> None:
+    """The cluster stopping its loop cancels what the client's calls wait for there; the caller got
+    ``concurrent.futures.CancelledError``, which says the future was cancelled (it was not), instead
+    of :class:`ConnectionLostError` as every other call of a client whose cluster closed."""
+    import threading
+
+    from tidepool.errors import ConnectionLostError
+
+    cluster = tidepool.LocalCluster(n_workers=1, dashboard=False)
+    client = tidepool.Client(cluster)
+    try:
+        fut = client.submit(_value_rebuilt_once_its_cluster_stops)
+        fut.exception(timeout=60)
+        out: list[BaseException | bytes] = []
+
+        def fetch() -> None:
+            try:
+                out.append(fut.result(timeout=60))
+            except BaseException as exc:  # noqa: BLE001 - what the caller sees is the point
+                out.append(exc)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        from tidepool.testing import wait_until
+
+        wait_until(lambda: bool(client._connection._workers), timeout=30)  # reading from the worker
+        cluster.close()
+        t.join(60)
+        assert len(out) == 1 and isinstance(out[0], ConnectionLostError), out
+    finally:
+        client.close()
+        cluster.close()

@@ -26,8 +26,8 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from tidepool.client import reconnect
 from tidepool.client.protocol import (
@@ -51,6 +51,7 @@ from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.loop import LoopThread
 
 log = logging.getLogger("tidepool.client")
+T = TypeVar("T")
 
 
 #: messages up to this many tasks (keys) are written in the loop turn that takes them from the
@@ -242,10 +243,21 @@ class ClientConnection:
         finally:
             self.request_msgs.pop(rid, None)
 
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """``LoopThread.run``, except that a loop stopped under the call (a LocalCluster's, closed
+        while we wait: it cancels what runs on it) is a lost connection, not a ``CancelledError``
+        (which says a future was cancelled)."""
+        try:
+            return self.loop.run(coro, timeout)
+        except concurrent.futures.CancelledError:
+            raise self.core.lost or ConnectionLostError(
+                f"the event loop of the connection to the scheduler at {self.address} stopped (its "
+                "cluster closed)") from None  # fmt: skip
+
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
         """:meth:`request`, blocking the calling thread."""
         self.check_open()
-        return self.loop.run(self.request(msg), timeout=timeout)
+        return self.run(self.request(msg), timeout=timeout)
 
     # ---- incoming --------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -356,7 +368,7 @@ class ClientConnection:
                 return got
         rest = [k for k in keys if k not in got]
         try:
-            return {**got, **self.loop.run(self._fetch_within(rest, timeout))}
+            return {**got, **self.run(self._fetch_within(rest, timeout))}
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
 
@@ -448,7 +460,7 @@ class ClientConnection:
         shown = keys[:3]
         try:
             self.check_open()
-            why = self.loop.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
+            why = self.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
             why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
         parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
@@ -482,7 +494,7 @@ class ClientConnection:
                 for k in keys:
                     self.core.cancelling.setdefault(k, None)
         try:
-            self.loop.run(self.request(msg), timeout=self.timeout)
+            self.run(self.request(msg), timeout=self.timeout)
         except (TidepoolError, TimeoutError) as exc:
             log.warning("cancelling %d futures: the scheduler did not answer (%s); those it has not "
                         "reported on keep their state", len(keys), exc)  # fmt: skip
@@ -501,7 +513,7 @@ class ClientConnection:
         if self.closed or self.core.lost is not None or self.on_loop_thread():
             return future._state == RUNNING
         try:
-            running = self.loop.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
+            running = self.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
         except (TidepoolError, TimeoutError):
             return future._state == RUNNING
         if future.key in running:
