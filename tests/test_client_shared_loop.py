@@ -22,19 +22,19 @@ def _value_that_says_where_it_was_unpickled() -> Any:
 
     class Where:  # local: pickled by value (cloudpickle), so the client needs no module of ours
         def __reduce__(self) -> Any:
-            return rebuild, (b"x" * 4096,)  # over the inline limit: read from the worker
+            return rebuild, (b"x" * 100_000,)  # large: read from the worker, unpickled off the loop
 
     del threading
     return Where()
 
 
 def test_a_value_read_from_a_worker_is_not_unpickled_on_the_schedulers_thread() -> None:
-    """Unpickling a value runs the user's code (reconstructors, imports) for as long as it takes; on
-    the scheduler's thread that time stops every worker's and client's traffic.  Before the fix it
+    """Unpickling a large value runs the user's code (reconstructors, imports) for as long as it
+    takes; on the scheduler's thread that time stops every worker's and client's traffic.  Before the fix it
     ran there: the value said it was rebuilt in ``tidepool-cluster``."""
     with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
         where, n = client.submit(_value_that_says_where_it_was_unpickled).result(timeout=60)
-        assert n == 4096
+        assert n == 100_000
         assert where != cluster._loop.thread.name, where
 
 
@@ -94,7 +94,7 @@ def _value_rebuilt_once_its_cluster_stops() -> Any:
 
     class Late:
         def __reduce__(self) -> Any:
-            return eval, (wait, {"pad": b"x" * 4096})  # over the inline limit: read from the worker
+            return eval, (wait, {"pad": b"x" * 100_000})  # large: read from the worker, off the loop
 
     return Late()
 

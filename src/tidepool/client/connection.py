@@ -62,6 +62,10 @@ SEND_AT_ONCE_KEYS = 4096
 RELEASE_DELAY = 0.02
 #: seconds a closing client waits for a durable scheduler to take its goodbye
 GOODBYE_TIMEOUT = 5.0
+#: values read from workers in one reply of at least this many bytes (pickles and buffers) are
+#: unpickled in a thread when the loop is shared with a LocalCluster's scheduler (smaller ones on
+#: the loop: the thread hop costs ~70 us, about a tenth of a 4 KiB value's submit().result())
+LOAD_IN_THREAD_BYTES = 64 * 1024
 
 
 class HolderGone(ConnectionLostError):
@@ -435,12 +439,13 @@ class ClientConnection:
         conn, lock = entry
         if self._own_loop:
             return await request_data(conn, lock, keys)
-        # a shared loop (its scheduler's): unpickling runs the user's code for as long as it takes,
+        # a shared loop (its scheduler's): unpickling a large value runs for as long as it takes,
         # which would stop the scheduler meanwhile; do it in a thread (it gets the GIL in turns)
         blobs, failed = await request_data(conn, lock, keys, load=False)
-        if not blobs:
-            return blobs, failed
-        values, bad = await asyncio.to_thread(load_values, blobs)
+        if sum(b.nbytes for b in blobs.values()) < LOAD_IN_THREAD_BYTES:  # the hop would cost more
+            values, bad = load_values(blobs)
+        else:
+            values, bad = await asyncio.to_thread(load_values, blobs)
         return values, {**failed, **bad}
 
     # ---- the FutureOwner protocol ----------------------------------------------------------------
