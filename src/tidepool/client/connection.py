@@ -9,7 +9,7 @@ kept per worker address.  This class is also every future's :class:`~tidepool.fu
 The loop thread is the client's own, or a :class:`~tidepool.cluster.LocalCluster`'s (a client of
 one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop,
 fails its futures with :class:`ConnectionLostError` if the cluster stops it first, and unpickles the
-values it reads from workers in a thread, not on the scheduler's loop).
+large values it reads from workers in a thread, not on the scheduler's loop).
 
 Never hanging: once the scheduler connection is lost (and, with a scheduler that announced a
 reconnect window, not regained within it: ``client/reconnect.py``), every pending future and
