@@ -236,3 +236,34 @@ def test_turn_end_hands_over_at_once_when_nothing_else_is_ready_else_at_the_end_
 
     assert asyncio.run(main()) == [1, 1, 2]
     assert w.sent == [{"op": "free", "keys": ["a"]}, {"op": "free", "keys": ["b", "c"]}]
+
+
+def test_graph_updates_read_in_one_go_share_one_report_per_client() -> None:
+    """A client's messages that arrive together are handled in one step of the scheduler's reader
+    (``Connection.recv`` does not yield while its inbox holds one): their reports must still go out
+    as one message, as :meth:`Outgoing.turn_end` promises.  Before the fix the first update handed
+    over at once (nothing else was ready in the loop turn), so each update made a report of its own."""
+    from tidepool.comm import connect
+    from tidepool.comm.messages import KeyQuery, UpdateGraph
+    from tidepool.scheduler.server import Scheduler
+
+    async def main() -> list[dict[str, Any]]:
+        sched = await Scheduler().start()
+        try:
+            conn = await connect(sched.address, sched.token, hello={"role": "client"})
+            assert (await conn.recv())["op"] == "welcome"
+            # three updates naming keys the scheduler does not know (each is reported "lost"), written
+            # in one step: they reach the scheduler's socket together and are read in one go
+            for k in ("a", "b", "c"):
+                assert conn.send_nowait(UpdateGraph([], [k]).encode())
+            got = [await conn.recv()]
+            await conn.send(KeyQuery("who-has", ["a"], id=1).encode())  # answered after every report
+            while got[-1].get("op") != "reply":
+                got.append(await conn.recv())
+            conn.close()
+            return got[:-1]
+        finally:
+            await sched.close()
+
+    reports = asyncio.run(main())
+    assert [m["op"] for m in reports] == ["report"], reports

@@ -62,6 +62,8 @@ T = TypeVar("T")
 MAP_CHUNK = 50_000
 #: every client created in this process, newest last (``default_client()`` picks the newest open one)
 created: list[weakref.ref[Client]] = []
+#: closes of clients begun on a shared loop's own thread, not finished yet (see Client.close)
+_closing: set[asyncio.Task[None]] = set()
 
 
 def _shared_loop(cluster: Any) -> LoopThread | None:
@@ -167,10 +169,18 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.closed = True
         conn = self._connection
         conn.closed = True
-        try:
-            self._loop.run(self._aclose(), timeout=10)
-        except Exception:
-            pass
+        if conn.on_loop_thread() and not conn._own_loop:
+            # on a shared loop's thread (a LocalCluster's: the garbage collector ran __del__ there,
+            # or an observer closed us): no waiting there, but the connection must still close, or
+            # the scheduler keeps this client, its tasks and their values
+            task = self._loop.loop.create_task(self._aclose())
+            _closing.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(_closing.discard)
+        else:
+            try:
+                self._loop.run(self._aclose(), timeout=10)
+            except Exception:
+                pass
         with conn.lock:
             pending = [f for f in conn.core.futures.values() if not f.done()]
         for f in pending:

@@ -7,8 +7,9 @@ futures, answering requests, waking fetches).  Fetches follow the core's :class:
 read values straight from the workers that hold them, one request per worker, over connections
 kept per worker address.  This class is also every future's :class:`~tidepool.futures.FutureOwner`.
 The loop thread is the client's own, or a :class:`~tidepool.cluster.LocalCluster`'s (a client of
-one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop, and
-fails its futures with :class:`ConnectionLostError` if the cluster stops it first).
+one runs on its scheduler's loop: fewer thread hand-offs per message; it never stops that loop,
+fails its futures with :class:`ConnectionLostError` if the cluster stops it first, and unpickles the
+large values it reads from workers in a thread, not on the scheduler's loop).
 
 Never hanging: once the scheduler connection is lost (and, with a scheduler that announced a
 reconnect window, not regained within it: ``client/reconnect.py``), every pending future and
@@ -25,8 +26,8 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from tidepool.client import reconnect
 from tidepool.client.protocol import (
@@ -42,7 +43,7 @@ from tidepool.client.protocol import (
     cancelled_message,
 )
 from tidepool.comm import Connection, connect
-from tidepool.comm.data import request_data
+from tidepool.comm.data import load_values, request_data
 from tidepool.comm.messages import Cancel, KeyQuery, Release
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
@@ -50,6 +51,7 @@ from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.loop import LoopThread
 
 log = logging.getLogger("tidepool.client")
+T = TypeVar("T")
 
 
 #: messages up to this many tasks (keys) are written in the loop turn that takes them from the
@@ -60,6 +62,10 @@ SEND_AT_ONCE_KEYS = 4096
 RELEASE_DELAY = 0.02
 #: seconds a closing client waits for a durable scheduler to take its goodbye
 GOODBYE_TIMEOUT = 5.0
+#: values read from workers in one reply of at least this many bytes (pickles and buffers) are
+#: unpickled in a thread when the loop is shared with a LocalCluster's scheduler (smaller ones on
+#: the loop: the thread hop costs ~70 us, about a tenth of a 4 KiB value's submit().result())
+LOAD_IN_THREAD_BYTES = 64 * 1024
 
 
 class HolderGone(ConnectionLostError):
@@ -241,10 +247,21 @@ class ClientConnection:
         finally:
             self.request_msgs.pop(rid, None)
 
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """``LoopThread.run``, except that a loop stopped under the call (a LocalCluster's, closed
+        while we wait: it cancels what runs on it) is a lost connection, not a ``CancelledError``
+        (which says a future was cancelled)."""
+        try:
+            return self.loop.run(coro, timeout)
+        except concurrent.futures.CancelledError:
+            raise self.core.lost or ConnectionLostError(
+                f"the event loop of the connection to the scheduler at {self.address} stopped (its "
+                "cluster closed)") from None  # fmt: skip
+
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
         """:meth:`request`, blocking the calling thread."""
         self.check_open()
-        return self.loop.run(self.request(msg), timeout=timeout)
+        return self.run(self.request(msg), timeout=timeout)
 
     # ---- incoming --------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -339,15 +356,23 @@ class ClientConnection:
     # ---- fetching values -------------------------------------------------------------------------
     def run_fetch(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
         """Fetch values, the whole of it (asking, connecting, reading) bounded by ``timeout``.
-        Values that all came inline are taken in the calling thread (no hop to the loop)."""
+        Values that came inline are unpickled in the calling thread, outside ``lock`` (the loop
+        thread, perhaps a LocalCluster's scheduler's, takes it for every report): only the rest
+        go through the loop."""
         self.check_open()
+        got: dict[str, Any] = {}
         if self.core.inline:
             with self.lock:
-                got = self.core.inline_values(keys)
+                blobs = self.core.inline_blobs(keys)
+            got, bad = load_values(blobs)
+            if bad:
+                with self.lock:
+                    self.core.not_loadable(bad)
             if len(got) == len(keys):
                 return got
+        rest = [k for k in keys if k not in got]
         try:
-            return self.loop.run(self._fetch_within(keys, timeout))
+            return {**got, **self.run(self._fetch_within(rest, timeout))}
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
 
@@ -412,7 +437,16 @@ class ClientConnection:
                 raise HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        return await request_data(conn, lock, keys)
+        if self._own_loop:
+            return await request_data(conn, lock, keys)
+        # a shared loop (its scheduler's): unpickling a large value runs for as long as it takes,
+        # which would stop the scheduler meanwhile; do it in a thread (it gets the GIL in turns)
+        blobs, failed = await request_data(conn, lock, keys, load=False)
+        if sum(b.nbytes for b in blobs.values()) < LOAD_IN_THREAD_BYTES:  # the hop would cost more
+            values, bad = load_values(blobs)
+        else:
+            values, bad = await asyncio.to_thread(load_values, blobs)
+        return values, {**failed, **bad}
 
     # ---- the FutureOwner protocol ----------------------------------------------------------------
     def fetch(self, key: str, timeout: float | None) -> Any:
@@ -431,7 +465,7 @@ class ClientConnection:
         shown = keys[:3]
         try:
             self.check_open()
-            why = self.loop.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
+            why = self.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
             why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
         parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
@@ -465,7 +499,7 @@ class ClientConnection:
                 for k in keys:
                     self.core.cancelling.setdefault(k, None)
         try:
-            self.loop.run(self.request(msg), timeout=self.timeout)
+            self.run(self.request(msg), timeout=self.timeout)
         except (TidepoolError, TimeoutError) as exc:
             log.warning("cancelling %d futures: the scheduler did not answer (%s); those it has not "
                         "reported on keep their state", len(keys), exc)  # fmt: skip
@@ -484,7 +518,7 @@ class ClientConnection:
         if self.closed or self.core.lost is not None or self.on_loop_thread():
             return future._state == RUNNING
         try:
-            running = self.loop.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
+            running = self.run(self.request(KeyQuery("running", [future.key]).encode()), timeout=self.timeout)
         except (TidepoolError, TimeoutError):
             return future._state == RUNNING
         if future.key in running:

@@ -301,6 +301,17 @@ class ClientProtocol:
         if blob is not None:
             self.inline_bytes -= blob.nbytes
 
+    def inline_blobs(self, keys: list[str]) -> dict[str, Any]:
+        """The pickles of the values of ``keys`` that came inline, for a caller that unpickles them
+        outside the shell's lock (the user's code: it may take long) and calls
+        :meth:`not_loadable` with those that fail."""
+        return {k: b for k in keys if (b := self.inline.get(k)) is not None}
+
+    def not_loadable(self, keys: Any) -> None:
+        """These inline values do not unpickle here: read them from their holders (which say why)."""
+        for k in keys:
+            self._drop_inline(k)
+
     def inline_values(self, keys: list[str]) -> dict[str, Any]:
         """The values of ``keys`` that came inline and unpickle here (the rest are read from their
         holders, which also report why a value cannot be unpickled)."""

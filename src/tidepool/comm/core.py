@@ -118,6 +118,11 @@ class Connection:
                 self._waiters.discard(w)
         return self._inbox.popleft()
 
+    def buffered(self) -> bool:
+        """Whether a message has already arrived and waits to be read (:meth:`recv` returns it
+        without yielding to the event loop)."""
+        return bool(self._inbox)
+
     def recv_buffered(self, op: str) -> Any:
         """The next message if it has already arrived and is an ``op`` message, else None (nothing
         taken): lets a reader handle a run of like messages read in one go as one batch."""

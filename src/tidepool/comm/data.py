@@ -16,12 +16,14 @@ from tidepool.comm.messages import DataReply, GetData
 
 
 async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
-                       idle_timeout: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+                       idle_timeout: float | None = None, *,
+                       load: bool = True) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
     """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
     and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
     unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
     that sends nothing for that long raises :class:`~tidepool.errors.PeerSilentError` (and the
-    connection closes)."""
+    connection closes).  ``load=False``: the values are the pickles, for :func:`load_values` to
+    unpickle elsewhere (e.g. off an event loop that others share)."""
     values: dict[str, Any] = {}
     failed: dict[str, str] = {}
     todo = list(keys)
@@ -30,14 +32,28 @@ async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
             await conn.send(GetData(todo).encode())
             raw = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
         reply = DataReply.decode(raw)
-        for k, blob in reply.data.items():
-            try:
-                values[k] = blob.load()
-            except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
-                failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
+        if load:
+            got, bad = load_values(reply.data)
+            values.update(got)
+            failed.update(bad)
+        else:
+            values.update(reply.data)
         failed.update(reply.failed)
         todo = reply.deferred
     return values, failed
 
 
-__all__ = ["request_data"]
+def load_values(blobs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Unpickle ``blobs`` (key -> :class:`~tidepool.comm.serialize.Serialized`): the values, and
+    for each that does not unpickle here, why."""
+    values: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for k, blob in blobs.items():
+        try:
+            values[k] = blob.load()
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raised
+            failed[k] = f"the value of {k!r} cannot be unpickled here: {type(exc).__name__}: {exc}"
+    return values, failed
+
+
+__all__ = ["load_values", "request_data"]

@@ -6,7 +6,7 @@ handed over yet; then per peer the messages handed over and not written yet, wit
 them when its connection cannot take them at once.  Data flow: the shell's ``_dispatch`` turns the
 state's commands into entries here; a batch that asks for nothing back (a worker's ``task-batch``,
 a client's ``update-graph``) leaves them for the end of the loop turn (:meth:`Outgoing.turn_end`:
-at once when nothing else is ready to run in that turn), so the commands of every message read in
+at once when nothing else is ready to run in that turn and the reader holds no message already read), so the commands of every message read in
 that turn go out together; anything else hands them over at once (:meth:`Outgoing.flush`).  A reply or a message outside the batches goes through the same
 peer's line (:meth:`Outgoing.send_worker`, :meth:`Outgoing.send_client`, :meth:`Outgoing.post_client`),
 after what was made for that peer before it, so nothing overtakes.

@@ -171,10 +171,12 @@ class Scheduler:
                 log.exception("scheduler observer failed")
 
     # ---- applying events ----------------------------------------------------------------------
-    async def apply(self, events: list[ev.Event], defer: bool = False) -> list[ev.Command]:
+    async def apply(self, events: list[ev.Event], defer: bool = False, more: bool = False) -> list[ev.Command]:
         """Apply ``events`` and send the commands' messages: at once, or with ``defer`` (nothing
         is sent after this that must follow them) at the end of this loop turn, together with the
-        messages of every other batch applied in that turn."""
+        messages of every other batch applied in that turn.  ``more``: the caller goes on in this
+        step with messages it has already read (its connection's inbox is not empty), so the
+        messages wait for the end of the turn even when nothing else is ready in it."""
         began = time.perf_counter()
         cmds = self.state.handle_many(events)
         if self.durable is not None:
@@ -185,7 +187,9 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler observer failed")
         self._dispatch(cmds)
-        if defer:
+        if defer and more:
+            self.outgoing.soon()
+        elif defer:
             self.outgoing.turn_end()
         elif self.outgoing:
             await self.outgoing.flush()
@@ -397,7 +401,7 @@ class Scheduler:
                     if inline:  # forwarded by the reports of this batch, then dropped
                         self.inline_values.update(inline)
                     try:
-                        await self.apply(events, defer=True)
+                        await self.apply(events, defer=True, more=conn.buffered())
                     finally:
                         for k in inline:
                             self.inline_values.pop(k, None)
@@ -461,7 +465,7 @@ class Scheduler:
         try:
             while True:
                 msg = await conn.recv()
-                await self._client_message(cid, conn, msg)
+                await self._client_message(cid, conn, msg, more=conn.buffered())
         except CommError:
             pass
         finally:
@@ -474,7 +478,8 @@ class Scheduler:
                 self._said_bye.discard(cid)
                 await self.apply([ev.ClientGone(cid, self.clock())])
 
-    async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any]) -> None:
+    async def _client_message(self, cid: str, conn: Connection, msg: dict[str, Any], more: bool = False) -> None:
+        """Handle one message of client ``cid``; ``more``: others already read follow in this step."""
         op = msg.get("op")
         now = self.clock()
         if op == "update-graph":
@@ -483,7 +488,7 @@ class Scheduler:
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
             if len(graph.wanted) <= INLINE_WANTED:
                 self.inline_keys.update(graph.wanted)
-            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)], defer=True)
+            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)], defer=True, more=more)
             if len(self.inline_keys) > self._inline_prune_at:  # keys of clients gone without a release
                 self.inline_keys.intersection_update(self.state.tasks)
                 self._inline_prune_at = max(INLINE_KEYS_PRUNE, 2 * len(self.inline_keys))

@@ -1,0 +1,133 @@
+"""A client of a LocalCluster shares its scheduler's event-loop thread: nothing the client does
+there may hold that thread for a time the user's data decides (real processes and sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import tidepool
+
+pytestmark = pytest.mark.integration
+
+
+def _value_that_says_where_it_was_unpickled() -> Any:
+    import threading
+
+    def rebuild(payload: bytes) -> tuple[str, int]:
+        import threading
+
+        return threading.current_thread().name, len(payload)
+
+    class Where:  # local: pickled by value (cloudpickle), so the client needs no module of ours
+        def __reduce__(self) -> Any:
+            return rebuild, (b"x" * 100_000,)  # large: read from the worker, unpickled off the loop
+
+    del threading
+    return Where()
+
+
+def test_a_value_read_from_a_worker_is_not_unpickled_on_the_schedulers_thread() -> None:
+    """Unpickling a large value runs the user's code (reconstructors, imports) for as long as it
+    takes; on the scheduler's thread that time stops every worker's and client's traffic.  Before the fix it
+    ran there: the value said it was rebuilt in ``tidepool-cluster``."""
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+        where, n = client.submit(_value_that_says_where_it_was_unpickled).result(timeout=60)
+        assert n == 100_000
+        assert where != cluster._loop.thread.name, where
+
+
+def test_a_client_collected_on_the_schedulers_thread_leaves_the_scheduler() -> None:
+    """A Client is in reference cycles (its spec builder points back at it), so the cyclic garbage
+    collector frees it, in whichever thread it runs: now often the scheduler's, which does most of
+    the allocating.  Its close() then ran on its own loop thread, where the blocking close raised
+    (and was swallowed): the connection stayed open, so the scheduler kept the client, its tasks and
+    their values for ever.  Before the fix the client never left."""
+    import gc
+
+    from tidepool.testing import wait_until
+
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster:
+        client = tidepool.Client(cluster)
+        assert client.submit(len, "abc").result(timeout=60) == 3
+        assert len(cluster.scheduler.client_conns) == 1
+        del client
+
+        async def collect() -> None:
+            gc.collect()
+
+        cluster._loop.run(collect())  # the collection (and the client's __del__) on the scheduler's thread
+        wait_until(lambda: not cluster.scheduler.client_conns, timeout=30)
+
+
+def _small_value_that_says_whether_the_client_lock_was_held() -> Any:
+    # rebuilt by eval (a builtin: the pickle stays small, so it comes inline with the report)
+    check = ("any(c()._connection.lock._is_owned() for c in "
+             "__import__('tidepool.client.api', fromlist=['created']).created if c() is not None)")  # fmt: skip
+
+    class Probe:
+        def __reduce__(self) -> Any:
+            return eval, (check,)
+
+    return Probe()
+
+
+def test_an_inline_value_is_not_unpickled_under_the_client_lock() -> None:
+    """The scheduler's thread takes the client's lock to apply every report of a client of a
+    LocalCluster; the user's unpickling code, under that lock in the thread that asked for the
+    value, stopped the scheduler whenever a report came meanwhile.  Before the fix the value said
+    the lock was held while it was rebuilt."""
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(_small_value_that_says_whether_the_client_lock_was_held)
+        fut.exception(timeout=60)
+        assert client._connection.core.inline, "the value was meant to come inline"
+        assert fut.result(timeout=60) is False
+
+
+def _value_rebuilt_once_its_cluster_stops() -> Any:
+    # rebuilt (in the client) only once the scheduler's loop thread is gone: the fetch is still
+    # waiting on the loop when its cluster stops it
+    wait = ("[__import__('time').sleep(0.01) for _ in iter(lambda: any(c().cluster._loop.thread.is_alive() "
+            "for c in __import__('tidepool.client.api', fromlist=['created']).created if c() is not None), False)]"
+            " and None or b'x' * 4096")  # fmt: skip
+
+    class Late:
+        def __reduce__(self) -> Any:
+            return eval, (wait, {"pad": b"x" * 100_000})  # large: read from the worker, off the loop
+
+    return Late()
+
+
+def test_a_fetch_cut_by_its_cluster_closing_fails_with_connection_lost() -> None:
+    """The cluster stopping its loop cancels what the client's calls wait for there; the caller got
+    ``concurrent.futures.CancelledError``, which says the future was cancelled (it was not), instead
+    of :class:`ConnectionLostError` as every other call of a client whose cluster closed."""
+    import threading
+
+    from tidepool.errors import ConnectionLostError
+
+    cluster = tidepool.LocalCluster(n_workers=1, dashboard=False)
+    client = tidepool.Client(cluster)
+    try:
+        fut = client.submit(_value_rebuilt_once_its_cluster_stops)
+        fut.exception(timeout=60)
+        out: list[BaseException | bytes] = []
+
+        def fetch() -> None:
+            try:
+                out.append(fut.result(timeout=60))
+            except BaseException as exc:  # noqa: BLE001 - what the caller sees is the point
+                out.append(exc)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        from tidepool.testing import wait_until
+
+        wait_until(lambda: bool(client._connection._workers), timeout=30)  # reading from the worker
+        cluster.close()
+        t.join(60)
+        assert len(out) == 1 and isinstance(out[0], ConnectionLostError), out
+    finally:
+        client.close()
+        cluster.close()
