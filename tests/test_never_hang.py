@@ -89,12 +89,7 @@ def test_losing_the_scheduler_fails_every_future_and_call_at_once() -> None:
         cluster._loop.run(cluster.scheduler.close())  # the scheduler goes away
         with pytest.raises(ConnectionLostError, match="lost the scheduler"):
             pending.result(timeout=30)
-        with pytest.raises(ConnectionLostError):
-            done.result(timeout=30)
-        with pytest.raises(ConnectionLostError):
-            client.submit(inc, 2)
-        with pytest.raises(ConnectionLostError):
-            client.scheduler_info()
+        _every_call_fails(client, done)
 
 
 def test_closing_the_cluster_before_its_client_fails_every_future_and_call() -> None:
@@ -105,13 +100,18 @@ def test_closing_the_cluster_before_its_client_fails_every_future_and_call() -> 
         pending = client.submit(slow_inc, 1, 60)
     finally:
         cluster.close()  # stops the loop thread the client runs on, too
+    _every_call_fails(client, pending)
+    client.close()
+
+
+def _every_call_fails(client: tidepool.Client, future: Any) -> None:
+    """``future``'s result, a new submit and a scheduler query all raise ConnectionLostError."""
     with pytest.raises(ConnectionLostError):
-        pending.result(timeout=30)
+        future.result(timeout=30)
     with pytest.raises(ConnectionLostError):
         client.submit(inc, 2)
     with pytest.raises(ConnectionLostError):
         client.scheduler_info()
-    client.close()
 
 
 def test_a_client_of_a_local_cluster_whose_loop_stops_fails_its_futures() -> None:

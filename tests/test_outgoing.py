@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, cast
 
 from tidepool.comm.messages import ComputeTask, ReportItem
@@ -70,23 +71,31 @@ def test_one_message_per_peer_and_kind_in_order() -> None:
     assert not out and out.messages == 4
 
 
+def _sent_per_step(w: Recorder, steps: Callable[[], list[int]]) -> list[int]:
+    """Run ``steps`` (which appends ``len(w.sent)`` where it looks) in one loop turn, then let the
+    loop run a few turns and look once more."""
+
+    async def main() -> list[int]:
+        seen = steps()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return [*seen, len(w.sent)]
+
+    return asyncio.run(main())
+
+
 def test_soon_sends_at_the_end_of_the_turn_once() -> None:
     w = Recorder()
     out = Outgoing(cast(Any, {"w": w}), {})
 
-    async def main() -> list[int]:
-        seen = []
+    def steps() -> list[int]:
         out.free("w", ["a"])
         out.soon()
         out.free("w", ["b"])  # later in the same turn: in the same message
         out.soon()
-        seen.append(len(w.sent))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        seen.append(len(w.sent))
-        return seen
+        return [len(w.sent)]
 
-    assert asyncio.run(main()) == [0, 1]
+    assert _sent_per_step(w, steps) == [0, 1]
     assert w.sent == [{"op": "free", "keys": ["a", "b"]}]
 
 
@@ -214,27 +223,20 @@ def test_a_peer_that_came_back_gets_its_messages_on_its_new_connection() -> None
     asyncio.run(main())
 
 
-
 def test_turn_end_hands_over_at_once_when_nothing_else_is_ready_else_at_the_end_of_the_turn() -> None:
     w = Recorder()
     out = Outgoing(cast(Any, {"w": w}), {})
 
-    async def main() -> list[int]:
-        seen = []
+    def steps() -> list[int]:
         out.free("w", ["a"])
         out.turn_end()  # nothing else ready in this turn: the turn ends here
-        seen.append(len(w.sent))
-        loop = asyncio.get_running_loop()
-        loop.call_soon(out.free, "w", ["c"])  # another reader's batch, later in this turn
+        seen = [len(w.sent)]
+        asyncio.get_running_loop().call_soon(out.free, "w", ["c"])  # another reader's batch, later in this turn
         out.free("w", ["b"])
         out.turn_end()
-        seen.append(len(w.sent))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        seen.append(len(w.sent))
-        return seen
+        return [*seen, len(w.sent)]
 
-    assert asyncio.run(main()) == [1, 1, 2]
+    assert _sent_per_step(w, steps) == [1, 1, 2]
     assert w.sent == [{"op": "free", "keys": ["a"]}, {"op": "free", "keys": ["b", "c"]}]
 
 
