@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 import tidepool.comm.auth as auth
-from tidepool.comm import Connection, connect, listen, serialize
+from tidepool.comm import Connection, connect, listen, serialize, unix
 from tidepool.comm.admission import PLAIN_PREAMBLE
 from tidepool.comm.core import _memory_connect
 from tidepool.comm.frames import EXT_SERIALIZED, FrameDecoder, encode
@@ -33,7 +33,11 @@ from tidepool.errors import (
 )
 
 TOKEN = "s3cret-token-for-tests"
-ADDRESSES = ["tcp://127.0.0.1:0", "memory://"]
+ADDRESSES = ["tcp://127.0.0.1:0", "unix://", "memory://"]  # unix:// alone: a fresh private path (_at)
+
+
+def _at(address: str) -> str:
+    return address + str(unix.private_socket_path()) if address == "unix://" else address
 T = 10.0  # bound for any single wait; nothing here should take more than a fraction of it
 
 PREFIX = struct.Struct("!II")
@@ -137,7 +141,7 @@ def armed_pickle(tmp_path: Path, name: str) -> tuple[bytes, Path]:
 def test_right_token_connects_and_exchanges(address: str) -> None:
     async def main() -> None:
         server = EchoServer()
-        lst = await listen(address, server.handler, TOKEN)
+        lst = await listen(_at(address), server.handler, TOKEN)
         try:
             conn = await connect(
                 lst.address, TOKEN, timeout=T, hello={"role": "client", "name": "c1"}
@@ -162,7 +166,7 @@ def test_right_token_connects_and_exchanges(address: str) -> None:
 def test_hello_cannot_smuggle_handshake_fields(address: str) -> None:
     async def main() -> None:
         server = EchoServer()
-        lst = await listen(address, server.handler, TOKEN)
+        lst = await listen(_at(address), server.handler, TOKEN)
         try:
             conn = await connect(
                 lst.address, TOKEN, hello={"op": "x", "mac": b"0" * 32, "nonce": b"n"}
@@ -182,7 +186,7 @@ def test_hello_cannot_smuggle_handshake_fields(address: str) -> None:
 def test_wrong_token_is_rejected_and_server_keeps_serving(address: str) -> None:
     async def main() -> None:
         server = EchoServer()
-        lst = await listen(address, server.handler, TOKEN)
+        lst = await listen(_at(address), server.handler, TOKEN)
         try:
             good_before = await connect(lst.address, TOKEN)
             for wrong in ("wrong-token", TOKEN + "x", ""):
@@ -494,7 +498,7 @@ def test_client_cannot_put_pickles_in_its_hello(address: str, tmp_path: Path) ->
 
     async def main() -> None:
         server = EchoServer()
-        lst = await listen(address, server.handler, TOKEN)
+        lst = await listen(_at(address), server.handler, TOKEN)
         try:
             with pytest.raises(ProtocolError, match="authentication"):
                 await connect(lst.address, TOKEN, hello={"evil": serialize(Tripwire(target))})
@@ -513,7 +517,7 @@ async def _pushing_server_roundtrip(address: str) -> Any:
         await conn.send({"op": "welcome", "v": serialize({"big": b"z" * 100_000})})
         await conn.recv()
 
-    lst = await listen(address, push_first, TOKEN)
+    lst = await listen(_at(address), push_first, TOKEN)
     try:
         conn = await connect(lst.address, TOKEN, timeout=T)
         msg = await asyncio.wait_for(conn.recv(), T)
@@ -539,7 +543,7 @@ def test_client_may_send_a_pickle_right_after_connect(address: str) -> None:
             except CommError as exc:
                 got.set_exception(exc)
 
-        lst = await listen(address, handler, TOKEN)
+        lst = await listen(_at(address), handler, TOKEN)
         try:
             conn = await connect(lst.address, TOKEN, timeout=T)
             await conn.send({"op": "update", "v": serialize([1, 2, 3])})
@@ -590,7 +594,7 @@ def test_tokens_from_files_with_whitespace_work(address: str, tmp_path: Path) ->
     f.chmod(0o600)
 
     async def main() -> None:
-        lst = await listen(address, EchoServer().handler, TOKEN)
+        lst = await listen(_at(address), EchoServer().handler, TOKEN)
         try:
             conn = await connect(lst.address, auth.read_token_file(str(f)), timeout=T)
             assert await exchange(conn, 5) == 5

@@ -52,6 +52,10 @@ def test_a_whole_cluster_over_tls(certs: TLSConfig) -> None:
     with tidepool.LocalCluster(n_workers=2, tls=certs) as cluster, tidepool.Client(cluster) as client:
         assert cluster.address.startswith("tls://")
         assert all(w["address"].startswith("tls://") for w in client.scheduler_info()["workers"])
+        # no plain Unix socket beside it: the cluster's own workers and client come over TLS too
+        assert cluster.scheduler.local_address is None
+        assert all(c.peer.startswith("tcp://") for c in cluster.scheduler.worker_conns.values())  # (TLS inside)
+        assert client._connection._conn.peer.startswith("tls://")
         a = client.submit(add, 1, 2, workers=[cluster.workers[0]])
         b = client.submit(add, 3, 4, workers=[cluster.workers[1]])
         c = client.submit(add, a, b, workers=[cluster.workers[0]])  # b travels worker to worker over TLS

@@ -1,4 +1,4 @@
-"""Transports: TCP loopback and memory://, large zero-copy payloads, ordering, concurrency, closing.
+"""Transports: TCP loopback, Unix sockets and memory://, large zero-copy payloads, ordering, concurrency, closing.
 
 Every test runs its own loop with ``asyncio.run`` and bounds each wait with ``asyncio.wait_for``.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tidepool.comm import Connection, Listener, connect, core, listen, serialize
+from tidepool.comm import Connection, Listener, connect, core, listen, serialize, unix
 from tidepool.comm.admission import PLAIN_PREAMBLE
 from tidepool.comm.core import SMALL_FRAME, WRITE_CHUNK, TCPConnection, parse_address
 from tidepool.comm.serialize import Serialized
@@ -29,7 +29,7 @@ from tidepool.errors import (
 )
 
 TOKEN = "transport-test-token"
-ADDRESSES = ["tcp://127.0.0.1:0", "memory://"]
+ADDRESSES = ["tcp://127.0.0.1:0", "unix://", "memory://"]  # unix:// alone: a fresh private path
 T = 10.0  # bound for a single wait
 MiB = 1024**2
 
@@ -83,6 +83,8 @@ async def echo(conn: Connection) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(address: str, handler: Any, **kw: Any) -> Any:
+    if address == "unix://":
+        address += str(unix.private_socket_path())
     lst = await listen(address, handler, TOKEN, **kw)
     try:
         yield lst
@@ -103,13 +105,14 @@ async def serving(address: str, handler: Any, **kw: Any) -> Any:
         ("tcp://some-host.example:1", ("tcp", "some-host.example", 1)),
         ("memory://sched", ("memory", "sched", 0)),
         ("memory://", ("memory", "", 0)),
+        ("unix:///tmp/d/s.sock", ("unix", "/tmp/d/s.sock", 0)),
     ],
 )
 def test_parse_address(address: str, expected: tuple[str, str, int]) -> None:
     assert parse_address(address) == expected
 
 
-@pytest.mark.parametrize("address", ["udp://1.2.3.4:5", "tcp://host", "tcp://host:port", "host"])
+@pytest.mark.parametrize("address", ["udp://1.2.3.4:5", "tcp://host", "tcp://host:port", "host", "unix://"])
 def test_bad_addresses_are_config_errors(address: str) -> None:
     with pytest.raises(ConfigError):
         parse_address(address)

@@ -114,7 +114,7 @@ class LocalCluster(ClosesOnExit):
         #: with ``tls``, every connection (scheduler, workers, clients, worker to worker) is TLS
         self.tls = tls
         self.scheduler = Scheduler(f"{'tls' if tls else 'tcp'}://{host}:{port}", heartbeat_interval=heartbeat_interval,
-                                   tls=tls, **scheduler_kwargs)  # fmt: skip
+                                   tls=tls, local_socket=True, **scheduler_kwargs)  # fmt: skip
         self.scheduler.subscribe(self._observe)
         self._loop.run(self.scheduler.start())
         self.address = self.scheduler.address
@@ -157,7 +157,8 @@ class LocalCluster(ClosesOnExit):
             mem_args += ["--spill-limit", str(spill_limit)]
         if tls is not None:
             env = {**(env or {}), **tls.env()}
-        self.provider = LocalProvider(self.address, self.token, env=env, cwd=workdir,
+        # its own workers connect through the scheduler's Unix socket when it has one (comm/unix.py)
+        self.provider = LocalProvider(self.scheduler.local_address or self.address, self.token, env=env, cwd=workdir,
                                       heartbeat_interval=heartbeat_interval, preload=preload,
                                       extra_args=mem_args, fork_server=fork_server)  # fmt: skip
         self.provider.start_fork_server()  # imports the worker code while the cluster is set up

@@ -76,8 +76,11 @@ class ClientConnection:
     """See the module docstring.  ``setup_errors`` collects workers' setup failures."""
 
     def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None,
-                 loop: LoopThread | None = None) -> None:  # fmt: skip
+                 loop: LoopThread | None = None, via: str | None = None) -> None:  # fmt: skip
         self.address = address
+        #: where the scheduler is reached: ``via`` (an in-process LocalCluster's Unix socket), else
+        #: ``address`` (which is what users see)
+        self.connect_address = via or address
         self.token = token
         self.timeout = timeout
         self.tls = tls
@@ -112,7 +115,7 @@ class ClientConnection:
     async def start(self) -> None:
         try:
             async with asyncio.timeout(self.timeout):
-                self._conn = await connect(self.address, self.token, timeout=self.timeout, tls=self.tls,
+                self._conn = await connect(self.connect_address, self.token, timeout=self.timeout, tls=self.tls,
                                            hello={"role": "client"})  # fmt: skip
                 welcome = await self._conn.recv()
         except TimeoutError:

@@ -79,7 +79,7 @@ async def resume(conn: ClientConnection, why: BaseException) -> None:
     try:
         while loop.time() < deadline and not conn.closed:
             try:
-                new = await connect(conn.address, conn.token, timeout=min(5.0, max(0.1, deadline - loop.time())),
+                new = await connect(conn.connect_address, conn.token, timeout=min(5.0, max(0.1, deadline - loop.time())),
                                     hello={"role": "client", "resume": conn.id}, retry=False, tls=conn.tls)  # fmt: skip
                 welcome = await new.recv()
                 await new.send(_resync(conn))

@@ -1,4 +1,4 @@
-"""Connections: one interface, two transports (TCP and in-memory), authenticated on open.
+"""Connections: one interface, three transports (TCP, Unix sockets, in-memory), authenticated on open.
 
 A :class:`Connection` sends and receives whole messages (``dict``s, see ``frames.py``).  ``send`` is a
 coroutine that writes small frames immediately and large ones in chunks, awaiting the transport's
@@ -7,8 +7,9 @@ returns the next message or raises :class:`ConnectionLostError` once the peer is
 frame raises :class:`ProtocolError` there and closes this connection only.
 
 Addresses are ``tcp://host:port``, ``tls://host:port`` (TCP inside TLS, see ``tls.py``; the token
-handshake still runs inside it) or ``memory://name`` (in-process, for tests; messages still go
-through the frame encoder/decoder so serialisation is exercised).
+handshake still runs inside it), ``unix:///path`` (a Unix socket on this machine, see ``unix.py``:
+the same stream code as TCP, plain only) or ``memory://name`` (in-process, for tests; messages
+still go through the frame encoder/decoder so serialisation is exercised).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tidepool.comm import accept_errors
+from tidepool.comm import accept_errors, unix
 from tidepool.comm.admission import PLAIN_PREAMBLE, TLS_HANDSHAKE_RECORD, PendingTable
 from tidepool.comm.auth import HANDSHAKE_TIMEOUT, client_handshake, server_handshake
 from tidepool.comm.frames import (
@@ -54,15 +55,19 @@ SMALL_FRAME = 256 * 1024
 
 def parse_address(address: str) -> tuple[str, str, int]:
     """Split ``tcp://host:port`` -> ("tcp", host, port) (``tls://`` alike); ``memory://name`` ->
-    ("memory", name, 0)."""
+    ("memory", name, 0); ``unix:///path`` -> ("unix", "/path", 0)."""
     if "://" not in address:
         address = "tcp://" + address
     scheme, rest = address.split("://", 1)
     if scheme == "memory":
         return scheme, rest, 0
+    if scheme == "unix":
+        if not rest:
+            raise ConfigError(f"address {address!r} needs a socket path, e.g. unix:///tmp/tidepool.sock")
+        return scheme, rest, 0
     if scheme not in ("tcp", "tls"):
-        raise ConfigError(f"unsupported address scheme {scheme!r} in {address!r}; use tcp://host:port "
-                          "or tls://host:port")  # fmt: skip
+        raise ConfigError(f"unsupported address scheme {scheme!r} in {address!r}; use tcp://host:port, "
+                          "tls://host:port or unix:///path")  # fmt: skip
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"address {address!r} needs a port, e.g. tcp://127.0.0.1:8786")
@@ -261,11 +266,13 @@ class TCPConnection(Connection):
         self._made_event.set()
         transport.set_write_buffer_limits(high=8 * 1024 * 1024)
         local = transport.get_extra_info("sockname")
-        if local:
+        if isinstance(local, tuple) and local:  # (a Unix socket's name is a path, or empty)
             self.local_host = str(local[0])
         peer = transport.get_extra_info("peername")
-        if peer:
+        if isinstance(peer, tuple) and peer:
             self.peer = f"tcp://{peer[0]}:{peer[1]}"
+        elif isinstance(peer, str | bytes) and (path := peer or local):  # a Unix socket (unnamed end: '')
+            self.peer = f"unix://{path.decode() if isinstance(path, bytes) else path}"
         sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -435,6 +442,13 @@ class Listener:
             _memory_listeners[name] = self
             self.address = f"memory://{name}"
             return self
+        if scheme == "unix":
+            if self.tls is not None:
+                raise ConfigError(f"{self.requested}: Unix sockets are plain; listen on a tls:// address for TLS")
+            lsock = self._lsock = unix.bind(host)
+            self.address = f"unix://{host}"
+            self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
+            return self
         self._ctx = resolve_tls(self.tls, self.requested).server_context() if scheme == "tls" else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         lsock = socket.create_server((host, port), family=family, backlog=1024)
@@ -462,7 +476,7 @@ class Listener:
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
-            source = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            source = str(addr[0]) if isinstance(addr, tuple) else str(addr or "unix")
             self._spawn_tcp(sock, source)
 
     def _spawn_tcp(self, sock: socket.socket, source: str) -> None:
@@ -613,6 +627,8 @@ class Listener:
             self._accept_task.cancel()
         if self._lsock is not None:
             self._lsock.close()
+            if self.address.startswith("unix://"):
+                unix.remove(self.address.removeprefix("unix://"))
         for conn in list(self._conns):  # handshaking or serving: close them all first
             conn.close()
         for t in list(self._tasks):
@@ -707,6 +723,13 @@ async def connect(
             conn: Connection
             if scheme == "memory":
                 conn = _memory_connect(host, max_frame)
+            elif scheme == "unix":
+                conn = stream = TCPConnection(max_frame)
+                await asyncio.wait_for(loop.create_unix_connection(functools.partial(_TCPProtocol, stream), host),
+                                       max(0.1, deadline - loop.time()))  # fmt: skip
+                stream.peer = address
+                if stream.transport is not None:
+                    stream.transport.write(PLAIN_PREAMBLE)
             else:
                 tcp = TCPConnection(max_frame)
                 await asyncio.wait_for(

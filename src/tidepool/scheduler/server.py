@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from tidepool.comm import Connection, Serialized, listen
+from tidepool.comm import Connection, Listener, Serialized, listen, unix
 from tidepool.comm.auth import new_token
 from tidepool.comm.inline import INLINE_WANTED
 from tidepool.comm.messages import (
@@ -74,6 +75,7 @@ class Scheduler:
         state_dir: str | None = None,
         reconnect_window: float | None = None,
         recovery_wait: float | None = None,
+        local_socket: bool = False,
         **state_kwargs: Any,
     ) -> None:
         #: worker id -> the node type it is being launched as (see expect_workers)
@@ -81,6 +83,12 @@ class Scheduler:
         self.refused_registrations = 0
         self.requested_address = address
         self.tls = tls
+        #: ``local_socket``: also listen on a Unix socket in a private directory (not with TLS, which
+        #: every connection then uses), for peers on this machine: a LocalCluster's own workers and
+        #: in-process client (comm/unix.py says why); its address, once started, else None
+        self.local_socket = local_socket and tls is None
+        self.local_address: str | None = None
+        self.local_listener: Listener | None = None
         #: with ``state_dir``: the store, and what a restart from it waits for (scheduler/recovery.py)
         self.durable: Durability | None = None
         if state_dir is not None:
@@ -137,11 +145,25 @@ class Scheduler:
             self.subscribe(self.durable.observe)
         self.listener = await listen(where, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
+        if self.local_socket:
+            await self._listen_locally()
         if self.durable is not None:
             self.durable.store.set_address(self.address)
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
         log.info("scheduler listening at %s", self.address)
         return self
+
+    async def _listen_locally(self) -> None:
+        path = unix.private_socket_path() if hasattr(socket, "AF_UNIX") else None
+        if path is None:
+            return  # no Unix sockets here (or no short enough path): TCP serves everybody
+        try:
+            self.local_listener = await listen(f"unix://{path}", self._handle_conn, self.token)
+        except OSError as exc:
+            unix.remove(path)
+            log.info("no Unix socket for local peers (%s); they connect over TCP", exc)
+            return
+        self.local_address = self.local_listener.address
 
     async def close(self) -> None:
         if self._closed:
@@ -156,6 +178,8 @@ class Scheduler:
         for conn in list(self.client_conns.values()):
             conn.close()
         await self.listener.close()
+        if self.local_listener is not None:
+            await self.local_listener.close()
         if self.durable is not None:
             await asyncio.to_thread(self.durable.close)
 

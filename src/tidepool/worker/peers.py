@@ -38,12 +38,13 @@ Fetched = tuple[str, Any]
 
 
 def listen_host(scheduler: str) -> str:
-    """Where the data server listens: loopback for a local scheduler, else every interface (or
+    """Where the data server listens: loopback for a local scheduler (on loopback, or a Unix
+    socket), else every interface (or
     ``$TIDEPOOL_WORKER_HOST``)."""
     from tidepool.comm.core import parse_address
 
-    _, host, _ = parse_address(scheduler)
-    if host in ("127.0.0.1", "localhost", "::1"):
+    scheme, host, _ = parse_address(scheduler)
+    if scheme == "unix" or host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     return os.environ.get("TIDEPOOL_WORKER_HOST", "0.0.0.0")
 
