@@ -37,7 +37,12 @@ ADDRESSES = ["tcp://127.0.0.1:0", "unix://", "memory://"]  # unix:// alone: a fr
 
 
 def _at(address: str) -> str:
-    return address + str(unix.private_socket_path()) if address == "unix://" else address
+    if address != "unix://":
+        return address
+    path = unix.private_socket_path()
+    if path is None:
+        pytest.skip("no Unix socket path short enough here")
+    return address + path
 T = 10.0  # bound for any single wait; nothing here should take more than a fraction of it
 
 PREFIX = struct.Struct("!II")

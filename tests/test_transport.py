@@ -84,7 +84,10 @@ async def echo(conn: Connection) -> None:
 @contextlib.asynccontextmanager
 async def serving(address: str, handler: Any, **kw: Any) -> Any:
     if address == "unix://":
-        address += str(unix.private_socket_path())
+        path = unix.private_socket_path()
+        if path is None:
+            pytest.skip("no Unix socket path short enough here")
+        address += path
     lst = await listen(address, handler, TOKEN, **kw)
     try:
         yield lst

@@ -237,7 +237,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def main() -> None:
         on_preemption_notice()  # SIGUSR1 is a notice, not a kill
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
-                   name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval,
+                   name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval, host=args.listen_host,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,
                    memory_share=args.memory_share, spill_dir=args.spill_dir, spill_limit=args.spill_limit,
                    tls=_tls(args), reconnect_window=args.reconnect_window)  # fmt: skip
@@ -380,6 +380,9 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> None:
     w.add_argument("--slots", type=int, default=None, help="tasks run at once (default: CPU count)")
     w.add_argument("--resources", default="", help='JSON, e.g. \'{"cpu": 8, "gpu": 2}\'')
     w.add_argument("--node-type", default="default")
+    w.add_argument("--listen-host", default=None,
+                   help="interface its data server listens on (default: loopback for a scheduler on this "
+                        "machine, else $TIDEPOOL_WORKER_HOST or every interface)")  # fmt: skip
     w.add_argument("--name", default=None)
     w.add_argument("--id", default=None, help="worker id (default: random)")
     w.add_argument("--memory-limit", default=None,

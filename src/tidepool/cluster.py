@@ -45,6 +45,7 @@ from tidepool.scaling.node_types import NodeType
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.server import Scheduler
 from tidepool.telemetry.journal import Journal
+from tidepool.worker.peers import listen_host
 
 log = logging.getLogger("tidepool.cluster")
 
@@ -101,6 +102,19 @@ class LocalCluster(ClosesOnExit):
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
             raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
+        # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
+        # memory shared by as many workers as it has cores (docs/memory.md)
+        mem_args = ["--memory-share", str(os.cpu_count() or 1)]
+        if memory_limit is not None:
+            from tidepool.worker.memory import resolve_limit
+
+            resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
+            mem_args += ["--memory-limit", str(memory_limit)]
+        if spill_limit is not None:
+            from tidepool.worker.spill import resolve_spill_limit
+
+            resolve_spill_limit(spill_limit, ".")  # a typo fails here, not in every worker
+            mem_args += ["--spill-limit", str(spill_limit)]
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
         self.timeout = timeout
@@ -142,26 +156,22 @@ class LocalCluster(ClosesOnExit):
             self.dashboard_link = self.dashboard.link
             if dashboard is not None:  # asked for by name: say where it is
                 print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
-        # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
-        # memory shared by as many workers as it has cores (docs/memory.md)
-        mem_args = ["--memory-share", str(os.cpu_count() or 1)]
-        if memory_limit is not None:
-            from tidepool.worker.memory import resolve_limit
-
-            resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
-            mem_args += ["--memory-limit", str(memory_limit)]
-        if spill_limit is not None:
-            from tidepool.worker.spill import resolve_spill_limit
-
-            resolve_spill_limit(spill_limit, ".")  # a typo fails here, not in every worker
-            mem_args += ["--spill-limit", str(spill_limit)]
         if tls is not None:
             env = {**(env or {}), **tls.env()}
-        # its own workers connect through the scheduler's Unix socket when it has one (comm/unix.py)
-        self.provider = LocalProvider(self.scheduler.local_address or self.address, self.token, env=env, cwd=workdir,
-                                      heartbeat_interval=heartbeat_interval, preload=preload,
-                                      extra_args=mem_args, fork_server=fork_server)  # fmt: skip
-        self.provider.start_fork_server()  # imports the worker code while the cluster is set up
+        # its own workers connect through the scheduler's Unix socket when it has one (comm/unix.py),
+        # its data server where it always listened (the cluster's host), whichever way it registers
+        mem_args += ["--listen-host", listen_host(self.address)]
+        try:
+            self.provider = LocalProvider(self.scheduler.local_address or self.address, self.token, env=env,
+                                          cwd=workdir, heartbeat_interval=heartbeat_interval, preload=preload,
+                                          extra_args=mem_args, fork_server=fork_server)  # fmt: skip
+            self.provider.start_fork_server()  # imports the worker code while the cluster is set up
+        except BaseException:  # leave no scheduler thread (nor its sockets) behind
+            if self.dashboard is not None:
+                self._loop.run(self.dashboard.stop(), timeout=10)
+            self._loop.run(self.scheduler.close(), timeout=10)
+            self._loop.stop()
+            raise
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType(node_type, res, max_nodes=10_000)

@@ -271,8 +271,11 @@ class TCPConnection(Connection):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and peer:
             self.peer = f"tcp://{peer[0]}:{peer[1]}"
-        elif isinstance(peer, str | bytes) and (path := peer or local):  # a Unix socket (unnamed end: '')
-            self.peer = f"unix://{path.decode() if isinstance(path, bytes) else path}"
+        elif isinstance(peer, str | bytes):  # a Unix socket: its name, and the process at the other end
+            name = peer or local
+            name = name.decode(errors="replace") if isinstance(name, bytes) else name
+            pid = unix.peer_pid(transport.get_extra_info("socket"))
+            self.peer = f"unix://{name.replace(chr(0), '@')}" + (f" (pid {pid})" if pid else "")
         sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -725,7 +728,8 @@ async def connect(
                 conn = _memory_connect(host, max_frame)
             elif scheme == "unix":
                 conn = stream = TCPConnection(max_frame)
-                await asyncio.wait_for(loop.create_unix_connection(functools.partial(_TCPProtocol, stream), host),
+                await asyncio.wait_for(loop.create_unix_connection(functools.partial(_TCPProtocol, stream),
+                                                                   unix.connect_name(host)),
                                        max(0.1, deadline - loop.time()))  # fmt: skip
                 stream.peer = address
                 if stream.transport is not None:

@@ -154,16 +154,18 @@ class Scheduler:
         return self
 
     async def _listen_locally(self) -> None:
-        path = unix.private_socket_path() if hasattr(socket, "AF_UNIX") else None
-        if path is None:
-            return  # no Unix sockets here (or no short enough path): TCP serves everybody
+        """Open the Unix socket of ``local_socket``; without one (no Unix sockets here, no short
+        enough path, an error making it) TCP serves everybody, as it does every other peer."""
+        path = None
         try:
-            self.local_listener = await listen(f"unix://{path}", self._handle_conn, self.token)
+            path = unix.private_socket_path() if hasattr(socket, "AF_UNIX") else None
+            if path is not None:
+                self.local_listener = await listen(f"unix://{path}", self._handle_conn, self.token)
+                self.local_address = self.local_listener.address
         except OSError as exc:
-            unix.remove(path)
+            if path is not None:
+                unix.remove(path)
             log.info("no Unix socket for local peers (%s); they connect over TCP", exc)
-            return
-        self.local_address = self.local_listener.address
 
     async def close(self) -> None:
         if self._closed:
@@ -177,9 +179,11 @@ class Scheduler:
             conn.close()
         for conn in list(self.client_conns.values()):
             conn.close()
-        await self.listener.close()
-        if self.local_listener is not None:
-            await self.local_listener.close()
+        try:
+            await self.listener.close()
+        finally:
+            if self.local_listener is not None:
+                await self.local_listener.close()
         if self.durable is not None:
             await asyncio.to_thread(self.durable.close)
 
