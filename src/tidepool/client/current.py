@@ -43,7 +43,7 @@ def get_client() -> Client:
         return default_client()
     with _lock:
         if _worker_client is None or _worker_client.closed:
-            _worker_client = Client(worker.scheduler_address, token=worker.token, name=f"{worker.id}-client")
+            _worker_client = Client(worker.scheduler_public_address, token=worker.token, name=f"{worker.id}-client")
         return _worker_client
 
 

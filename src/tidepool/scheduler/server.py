@@ -398,7 +398,7 @@ class Scheduler:
         setups = [[name, blob] for name, blob in self.setups.items()] if rejoin is None else []
         window = self.durable.reconnect_window if self.durable is not None else 0.0
         await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups,
-                         "reconnect_window": window})  # fmt: skip
+                         "reconnect_window": window, "address": self.address})  # fmt: skip
         self.worker_conns[wid] = conn
         now = self.clock()
         gated = self.durable is not None and not self.durable.gate_open

@@ -29,6 +29,7 @@ class TaskHost(Protocol):
     name: str
     node_type: str
     scheduler_address: str
+    scheduler_public_address: str
     token: str
     resources: dict[str, float]
     data: MutableMapping[str, Any]

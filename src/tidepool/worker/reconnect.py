@@ -41,6 +41,7 @@ class Worker(Protocol):
     name: str
     address: str
     scheduler_address: str
+    scheduler_public_address: str
     token: str
     tls: TLSConfig | None
     resources: dict[str, Any]
@@ -73,8 +74,11 @@ def registration(worker: Worker) -> dict[str, Any]:
 
 
 def registered(worker: Worker, reply: dict[str, Any]) -> None:
-    """Take in the scheduler's ``registered`` reply: heartbeat interval and reconnect window."""
+    """Take in the scheduler's ``registered`` reply: heartbeat interval, reconnect window, and the
+    scheduler's own address (a LocalCluster's workers register through its Unix socket)."""
     worker.heartbeat_interval = float(reply.get("heartbeat_interval", worker.heartbeat_interval))
+    if reply.get("address"):  # (a scheduler older than this field: we keep the one we were given)
+        worker.scheduler_public_address = str(reply["address"])
     own = worker.reconnect_window_setting
     worker.reconnect_window = float(own) if own is not None else float(reply.get("reconnect_window") or 0.0)
     worker.outbox.hold = worker.reconnect_window > 0

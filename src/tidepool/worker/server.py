@@ -80,6 +80,9 @@ class Worker:
                  restartable: bool = False, tls: TLSConfig | None = None,
                  fetch_timeout: float | None = None, reconnect_window: float | None = None) -> None:  # fmt: skip
         self.scheduler_address = scheduler
+        #: the address the scheduler gives itself (its TCP one, when we came through its Unix
+        #: socket): what a client made in a task connects to and shows (``get_client``)
+        self.scheduler_public_address = scheduler
         self.token = token
         self.scheme = parse_address(scheduler)[0]
         # tls:// scheduler: this worker's data server speaks TLS too, with the same certificates
