@@ -22,6 +22,7 @@ from tidepool.client.protocol import (
     Running,
     Settled,
     WorkerSetupFailed,
+    make_exception,
 )
 from tidepool.comm.messages import ClientReport, ReportItem, TaskSpec, UpdateGraph
 from tidepool.errors import (
@@ -62,7 +63,7 @@ def apply(events: list[Event], futs: dict[str, KeyFuture]) -> None:
         if isinstance(e, Finished) and not futs[e.key].done():
             futs[e.key].set_result(("memory", e.holder))
         elif isinstance(e, Failed) and not futs[e.key].done():
-            futs[e.key].set_exception(e.error)
+            futs[e.key].set_exception(e.error())
 
 
 def report(*items: list[Any]) -> dict[str, Any]:
@@ -352,8 +353,8 @@ def test_waiting_keys_that_can_never_come_raise() -> None:
     with pytest.raises(concurrent.futures.CancelledError):
         fetch.check_waiting()
     core.receive(report(["a", "erred", erred("KilledWorkerError")]))
-    with pytest.raises(KilledWorkerError):
-        fetch.check_waiting()
+    key, info = fetch.check_waiting() or ("", {})  # failed: the caller builds its exception
+    assert key == "a" and isinstance(make_exception(key, info), KilledWorkerError)
 
 
 # ---- the wire records ------------------------------------------------------------------------------------

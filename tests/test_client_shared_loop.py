@@ -131,3 +131,31 @@ def test_a_fetch_cut_by_its_cluster_closing_fails_with_connection_lost() -> None
     finally:
         client.close()
         cluster.close()
+
+
+def _raise_an_exception_that_says_where_it_was_unpickled() -> None:
+    def rebuild() -> RuntimeError:
+        import threading
+
+        return RuntimeError(threading.current_thread().name)
+
+    class Where(Exception):  # local: pickled by value; its reduce is the user's code on unpickling
+        def __reduce__(self) -> Any:
+            return rebuild, ()
+
+    raise Where("boom")
+
+
+def test_a_tasks_exception_is_not_unpickled_on_the_schedulers_thread() -> None:
+    """A task's exception comes back pickled; unpickling it runs the user's code (its
+    ``__reduce__``), which on the scheduler's thread would stop every worker's and client's
+    traffic for as long as it takes.  Before the fix the exception said it was rebuilt in
+    ``tidepool-cluster``; a gather that waits on the failed key builds it off that thread too."""
+    with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(_raise_an_exception_that_says_where_it_was_unpickled)
+        with pytest.raises(RuntimeError) as info:
+            fut.result(timeout=60)
+        assert str(info.value) and str(info.value) != cluster._loop.thread.name, str(info.value)
+        with pytest.raises(RuntimeError) as again:
+            client.gather([fut], timeout=60)
+        assert str(again.value) != cluster._loop.thread.name

@@ -41,6 +41,7 @@ from tidepool.client.protocol import (
     Settled,
     WorkerSetupFailed,
     cancelled_message,
+    make_exception,
 )
 from tidepool.comm import Connection, connect
 from tidepool.comm.data import load_values, request_data
@@ -321,12 +322,35 @@ class ClientConnection:
                         f.set_result(IN_MEMORY)
             elif isinstance(e, Failed):
                 if not f.done():
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        f.set_exception(e.error)
+                    if e.pickled:  # the task's own exception: unpickled off this loop, then set
+                        self._fail_off_loop(f, e)
+                    else:
+                        with contextlib.suppress(concurrent.futures.InvalidStateError):
+                            f.set_exception(e.error())
             elif isinstance(e, Cancelled):  # this future, or one downstream of it
                 f._mark_cancelled()
             elif isinstance(e, Running):
                 f._mark_running()
+
+    def _fail_off_loop(self, f: Any, e: Failed) -> None:
+        """Fail future ``f`` with ``e``'s exception, unpickled in a thread: unpickling runs the
+        exception's own code (its ``__reduce__``), which must not hold this loop, perhaps an
+        in-process cluster's scheduler's.  Until then ``f`` is pending, as it was before the
+        report came (nothing else is told in between: the report's ``Settled`` only wakes fetches,
+        which build their exception off this loop too)."""
+
+        def built(done: asyncio.Future[BaseException]) -> None:
+            if f.done():  # cancelled meanwhile, or the connection was lost
+                return
+            if done.cancelled():  # the loop is closing
+                exc: BaseException = ConnectionLostError(f"the client closed before the exception of task "
+                                                         f"{e.key!r} was read")  # fmt: skip
+            else:  # (building it raised: that is the exception to give)
+                exc = done.exception() or done.result()
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                f.set_exception(exc)
+
+        asyncio.get_running_loop().run_in_executor(None, e.error).add_done_callback(built)
 
     def _connection_lost(self, exc: BaseException, broken: bool = False) -> None:
         if broken:  # the scheduler may be fine: our side of the connection failed
@@ -405,7 +429,9 @@ class ClientConnection:
                 if not plan.remaining:
                     break
                 # lost with a worker (being recomputed) or raced a move: wait for the next report
-                plan.check_waiting()
+                erred = plan.check_waiting()
+            if erred is not None:  # its task failed: its exception, unpickled off this loop
+                raise await loop.run_in_executor(None, make_exception, *erred)
             waits = []
             for k in plan.remaining:
                 w = loop.create_future()

@@ -95,10 +95,20 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """``key``'s task failed (or the scheduler no longer knows it): fail its future with ``error``."""
+    """``key``'s task failed (or the scheduler no longer knows it): fail its future with
+    :meth:`error`, the exception built from the scheduler's record ``info``.  Building it may
+    unpickle the task's own exception (:attr:`pickled`), which runs code of the user's: the shell
+    chooses the thread."""
 
     key: str
-    error: BaseException
+    info: dict[str, Any]
+
+    @property
+    def pickled(self) -> bool:
+        return self.info.get("exception") is not None
+
+    def error(self) -> BaseException:
+        return make_exception(self.key, self.info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +281,7 @@ class ClientProtocol:
             if detail.get("type") == "KeyCollisionError":  # the key stays the other task's
                 self.idents.pop(key, None)
             self.errors[key] = detail
-            events.append(Failed(key, make_exception(key, detail)))
+            events.append(Failed(key, detail))
         elif status in ("cancelled", "running"):  # answers to a cancel request of ours
             if key in self.cancelling:  # a caller of cancel() waits: it applies the outcome
                 self.cancelling[key] = status
@@ -281,7 +291,7 @@ class ClientProtocol:
             info = {"type": "TaskCancelledError", "message": f"the scheduler does not know {key!r} "
                     "(released earlier?); submit it again", "origin": key}  # fmt: skip
             self.errors[key] = info
-            events.append(Failed(key, make_exception(key, info)))
+            events.append(Failed(key, info))
         events.append(Settled(key))
 
     # ---- inline values -----------------------------------------------------------------------------
@@ -450,18 +460,21 @@ class Fetch:
     def end_round(self) -> None:
         self.remaining = self._next
 
-    def check_waiting(self) -> None:
-        """Raise if a key not read yet can never come (its task failed, or it was cancelled)."""
+    def check_waiting(self) -> tuple[str, dict[str, Any]] | None:
+        """Whether a key not read yet can never come: raises if it was cancelled (or the scheduler
+        is lost); returns a key whose task failed, with its error record (``make_exception``
+        builds the exception, which may unpickle it: the caller chooses the thread); else None."""
         core = self.core
         for k in self.remaining:
             err = core.errors.get(k)
             if err is not None:
-                raise make_exception(k, err)
+                return k, err
             f = core.futures.get(k)
             if f is not None and f.cancelled():  # its value is gone for good
                 raise concurrent.futures.CancelledError(cancelled_message(k))
         if core.lost is not None:
             raise core.lost
+        return None
 
 
 def cancelled_message(key: str) -> str:
