@@ -59,6 +59,8 @@ INLINE_KEYS_PRUNE = 10_000
 #: seconds a connected worker may stay silent before it is removed (a task holding the GIL, or
 #: a huge result being pickled, blocks its heartbeats; a dead process closes its socket instead)
 DEFAULT_HEARTBEAT_TTL = 300.0
+#: seconds ``close()`` waits for workers whose connection could not take the close message at once
+CLOSE_SEND_WAIT = 2.0
 
 
 class Scheduler:
@@ -173,9 +175,18 @@ class Scheduler:
         self._closed = True
         for t in self._tasks:
             t.cancel()
+        bye = {"op": "close", "reason": "scheduler closing"}
+        late = []  # connections that could not take the close at once (busy writing, or paused)
         for conn in list(self.worker_conns.values()):
-            with contextlib.suppress(CommError):  # not waiting for a worker that stopped reading
-                conn.send_nowait({"op": "close", "reason": "scheduler closing"})
+            with contextlib.suppress(CommError):
+                if not conn.send_nowait(bye):
+                    late.append(asyncio.ensure_future(conn.send(bye)))
+        if late:  # waited for a moment, all at once: not for ever on a worker that stopped reading
+            await asyncio.wait(late, timeout=CLOSE_SEND_WAIT)
+            for t in late:
+                t.cancel()
+                t.add_done_callback(_retrieve)
+        for conn in list(self.worker_conns.values()):
             conn.close()
         for conn in list(self.client_conns.values()):
             conn.close()
@@ -700,6 +711,12 @@ class Scheduler:
                 await self.apply(events)
             except Exception:
                 log.exception("tick failed")
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
+    """Mark a send's outcome seen (a failed send to a closing worker is no news)."""
+    if not t.cancelled():
+        t.exception()
 
 
 def _given(**kwargs: Any) -> dict[str, Any]:
