@@ -159,3 +159,27 @@ def test_a_tasks_exception_is_not_unpickled_on_the_schedulers_thread() -> None:
         with pytest.raises(RuntimeError) as again:
             client.gather([fut], timeout=60)
         assert str(again.value) != cluster._loop.thread.name
+
+
+def test_a_client_with_its_own_cluster_collected_on_that_clusters_thread_closes_the_cluster() -> None:
+    """``Client()`` starts a LocalCluster of its own and closes it with itself.  Collected by the
+    garbage collector on that cluster's loop thread, the cluster's close could not wait on its
+    own loop there: the scheduler stayed open (its listening socket leaked) until the process
+    ended.  Before the fix the scheduler never closed."""
+    import gc
+
+    from tidepool.testing import wait_until
+
+    client = tidepool.Client()  # with a LocalCluster of its own
+    cluster = client.cluster
+    assert isinstance(cluster, tidepool.LocalCluster)
+    assert client.submit(len, "abcd").result(timeout=60) == 4
+    loop = cluster._loop
+    del client
+
+    async def collect() -> None:
+        gc.collect()
+
+    loop.run(collect())  # the collection (and the client's __del__) on the cluster's own thread
+    wait_until(lambda: cluster.closed and cluster.scheduler._closed, timeout=30)
+    wait_until(lambda: not loop.thread.is_alive(), timeout=30)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -193,7 +194,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 pass
         conn.stop()
         if self._own_cluster is not None:
-            self._own_cluster.close()
+            if conn.on_loop_thread():
+                # on that cluster's own loop thread (the garbage collector ran __del__ there): its
+                # close waits on that loop, so it runs in a thread of its own
+                threading.Thread(target=self._own_cluster.close, name="tidepool-cluster-close", daemon=True).start()
+            else:
+                self._own_cluster.close()
 
     async def _aclose(self) -> None:
         if self._starting is not None and not self._starting.done():
