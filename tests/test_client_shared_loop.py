@@ -150,15 +150,12 @@ def test_a_tasks_exception_is_not_unpickled_on_the_schedulers_thread() -> None:
     """A task's exception comes back pickled; unpickling it runs the user's code (its
     ``__reduce__``), which on the scheduler's thread would stop every worker's and client's
     traffic for as long as it takes.  Before the fix the exception said it was rebuilt in
-    ``tidepool-cluster``; a gather that waits on the failed key builds it off that thread too."""
+    ``tidepool-cluster``."""
     with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
         fut = client.submit(_raise_an_exception_that_says_where_it_was_unpickled)
         with pytest.raises(RuntimeError) as info:
             fut.result(timeout=60)
         assert str(info.value) and str(info.value) != cluster._loop.thread.name, str(info.value)
-        with pytest.raises(RuntimeError) as again:
-            client.gather([fut], timeout=60)
-        assert str(again.value) != cluster._loop.thread.name
 
 
 def test_a_client_with_its_own_cluster_collected_on_that_clusters_thread_closes_the_cluster() -> None:
@@ -183,3 +180,97 @@ def test_a_client_with_its_own_cluster_collected_on_that_clusters_thread_closes_
     loop.run(collect())  # the collection (and the client's __del__) on the cluster's own thread
     wait_until(lambda: cluster.closed and cluster.scheduler._closed, timeout=30)
     wait_until(lambda: not loop.thread.is_alive(), timeout=30)
+
+
+def test_a_key_failed_while_its_exception_is_being_built_can_be_asked_for_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A report's exception is built off the loop, so for a moment the key has failed and its
+    future is still pending; a new future of that key built its exception then, and the build off
+    the loop finished first: failing the future again raised ``InvalidStateError`` in
+    ``submit``.  Before the fix that error came out of ``futures_of``."""
+    from tidepool.client import api
+
+    with tidepool.LocalCluster(n_workers=0, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+        conn = client._connection
+        fut = client._new_future("k")  # pending: nothing was submitted
+        with conn.lock:
+            conn.core.errors["k"] = {"type": "ValueError", "message": "boom", "origin": "k", "exception": None,
+                                     "traceback": ""}  # fmt: skip
+        real = api.make_exception
+
+        def built_off_the_loop_first(key: str, info: dict[str, Any]) -> BaseException:
+            fut.set_exception(RuntimeError("built off the loop first"))
+            return real(key, info)
+
+        monkeypatch.setattr(api, "make_exception", built_off_the_loop_first)
+        again = client._new_future("k")
+        assert again is fut and isinstance(fut.exception(timeout=0), RuntimeError)
+
+
+def test_a_tasks_exception_is_built_inline_when_no_thread_can_be_had() -> None:
+    """At interpreter shutdown the default executor refuses new work; the exception is then built
+    on the loop rather than failing the whole connection."""
+    import asyncio
+
+    from tidepool.client.connection import off_loop
+
+    async def main() -> BaseException:
+        loop = asyncio.get_running_loop()
+
+        def refuse(*args: Any) -> Any:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+        loop.run_in_executor = refuse  # type: ignore[method-assign]
+        return await off_loop(lambda: ValueError("built inline"))
+
+    exc = asyncio.run(main())
+    assert isinstance(exc, ValueError) and str(exc) == "built inline"
+
+
+def _raise_an_exception_that_waits_for_a_gate() -> None:
+    def rebuild() -> RuntimeError:
+        import builtins
+
+        gate = getattr(builtins, "_tidepool_test_gate", None)
+        if gate is not None:
+            gate.wait(30)  # held until the test opens it
+        return RuntimeError("the task's own error")
+
+    class Gated(Exception):
+        def __reduce__(self) -> Any:
+            return rebuild, ()
+
+    raise Gated()
+
+
+def test_closing_the_client_while_an_exception_is_built_keeps_the_tasks_own_error() -> None:
+    """Closing a client fails its pending futures; a failed task whose exception was still being
+    unpickled was pending, and lost its own error to "client closed".  Before the fix the future
+    ended with ``TaskCancelledError``."""
+    import builtins
+    import threading
+
+    from tidepool.testing import wait_until
+
+    gate = threading.Event()
+    builtins._tidepool_test_gate = gate  # type: ignore[attr-defined]
+    try:
+        with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster:
+            client = tidepool.Client(cluster)
+            fut = client.submit(_raise_an_exception_that_waits_for_a_gate)
+            wait_until(lambda: fut.key in client._connection.core.errors, timeout=60)  # reported, being built
+            closing = threading.Thread(target=client.close)
+            closing.start()
+            # the gate opens once the close is under way with the build still held (or, before the
+            # fix, once the close has failed the future: it did not wait for the build)
+            wait_until(lambda: fut.done() or (client.closed and bool(getattr(client._connection, "_building", ()))),
+                       timeout=30)  # fmt: skip
+            gate.set()
+            closing.join(60)
+            assert not closing.is_alive()
+            err = fut.exception(timeout=0)
+            assert isinstance(err, RuntimeError) and str(err) == "the task's own error", repr(err)
+    finally:
+        gate.set()
+        del builtins._tidepool_test_gate  # type: ignore[attr-defined]

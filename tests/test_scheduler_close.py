@@ -4,7 +4,11 @@ moment (asyncio sockets; the workers are fakes that record what they were sent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from typing import Any
+
+import pytest
 
 from tidepool.errors import ConnectionLostError
 from tidepool.scheduler import server
@@ -56,3 +60,23 @@ def test_close_reaches_busy_workers_and_does_not_wait_for_stuck_ones(monkeypatch
     assert conns["idle"].sent == [bye] and conns["busy"].sent == [bye]
     assert conns["stuck"].sent == [] and conns["gone"].sent == []
     assert all(c.closed for c in conns.values())
+
+
+def test_a_close_cancelled_while_it_waits_still_closes_everything(monkeypatch: Any) -> None:
+    """A caller's timeout may cancel close() while it waits for a stuck worker: the connections
+    and the listener are closed all the same (a second close() would do nothing)."""
+    monkeypatch.setattr(server, "CLOSE_SEND_WAIT", 30.0)
+
+    async def main() -> tuple[FakeConn, str]:
+        s = await Scheduler().start()
+        stuck = FakeConn(stuck=True)
+        s.worker_conns["stuck"] = stuck  # type: ignore[assignment]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(s.close(), 0.1)
+        return stuck, s.address
+
+    stuck, address = asyncio.run(main())
+    assert stuck.closed
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=5):
+        pass

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import weakref
@@ -40,7 +41,7 @@ from typing import Any, TypeVar
 from tidepool.client.cluster_calls import ClusterCalls
 from tidepool.client.connection import ClientConnection
 from tidepool.client.executor import ClientExecutor
-from tidepool.client.protocol import cancelled_message
+from tidepool.client.protocol import cancelled_message, make_exception
 from tidepool.client.specs import SpecBuilder, check_acyclic, pure_key
 from tidepool.comm.auth import token_from_env
 from tidepool.comm.frames import encode, frame_size
@@ -196,8 +197,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if self._own_cluster is not None:
             if conn.on_loop_thread():
                 # on that cluster's own loop thread (the garbage collector ran __del__ there): its
-                # close waits on that loop, so it runs in a thread of its own
-                threading.Thread(target=self._own_cluster.close, name="tidepool-cluster-close", daemon=True).start()
+                # close waits on that loop, so it runs in a thread of its own (not a daemon: the
+                # interpreter waits for it at exit, so the workers are stopped)
+                threading.Thread(target=self._own_cluster.close, name="tidepool-cluster-close").start()
             else:
                 self._own_cluster.close()
 
@@ -252,8 +254,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
 
         with conn.lock:
             fut, err = conn.core.claim(key, make)
-        if err is not None:
-            fut.set_exception(err)
+        if err is not None:  # its task failed already: built here, outside the lock the loop takes
+            exc = make_exception(key, err)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed meanwhile
+                fut.set_exception(exc)
         return fut  # type: ignore[no-any-return]
 
     def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any],

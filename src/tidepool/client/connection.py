@@ -24,6 +24,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -73,6 +74,24 @@ class HolderGone(ConnectionLostError):
     """A holder refused the connection: it is gone, and the scheduler will say so (not counted)."""
 
 
+#: seconds closing a client waits for task exceptions still being unpickled
+BUILD_WAIT = 10.0
+
+
+async def off_loop(build: Callable[[], BaseException]) -> BaseException:
+    """``build()`` (it unpickles user code) in a thread, not on this loop; inline when no thread
+    can be had any more (the interpreter is shutting down).  An exception ``build`` raises is
+    what is returned: the one to give."""
+    try:
+        fut = asyncio.get_running_loop().run_in_executor(None, build)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        fut = None
+    try:
+        return build() if fut is None else await fut
+    except Exception as exc:  # noqa: BLE001 - building it failed: that is the error to give
+        return exc
+
+
 class ClientConnection:
     """See the module docstring.  ``setup_errors`` collects workers' setup failures."""
 
@@ -92,6 +111,7 @@ class ClientConnection:
         self.pinned: set[Future[Any]] = set()
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self._building: set[asyncio.Task[None]] = set()  # exceptions being unpickled (_fail_off_loop)
         self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._draining = False
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
@@ -146,6 +166,8 @@ class ClientConnection:
         return self._conn.max_frame
 
     async def aclose(self) -> None:
+        if self._building:  # tasks' exceptions being unpickled: their futures get them, not a close error
+            await asyncio.wait(list(self._building), timeout=BUILD_WAIT)
         if not hasattr(self, "_conn"):  # asynchronous, never connected
             return
         if self.reconnect_window > 0 and self.resuming is None and not self._conn.closed:
@@ -336,21 +358,18 @@ class ClientConnection:
         """Fail future ``f`` with ``e``'s exception, unpickled in a thread: unpickling runs the
         exception's own code (its ``__reduce__``), which must not hold this loop, perhaps an
         in-process cluster's scheduler's.  Until then ``f`` is pending, as it was before the
-        report came (nothing else is told in between: the report's ``Settled`` only wakes fetches,
-        which build their exception off this loop too)."""
+        report came (the report's ``Settled`` only wakes fetches, which build their exception off
+        this loop too); :meth:`aclose` waits for these builds, so closing the client does not
+        replace a task's own exception."""
 
-        def built(done: asyncio.Future[BaseException]) -> None:
-            if f.done():  # cancelled meanwhile, or the connection was lost
-                return
-            if done.cancelled():  # the loop is closing
-                exc: BaseException = ConnectionLostError(f"the client closed before the exception of task "
-                                                         f"{e.key!r} was read")  # fmt: skip
-            else:  # (building it raised: that is the exception to give)
-                exc = done.exception() or done.result()
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
+        async def build() -> None:
+            exc = await off_loop(e.error)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled, or lost meanwhile
                 f.set_exception(exc)
 
-        asyncio.get_running_loop().run_in_executor(None, e.error).add_done_callback(built)
+        task = asyncio.get_running_loop().create_task(build())
+        self._building.add(task)
+        task.add_done_callback(self._building.discard)
 
     def _connection_lost(self, exc: BaseException, broken: bool = False) -> None:
         if broken:  # the scheduler may be fine: our side of the connection failed
@@ -431,7 +450,7 @@ class ClientConnection:
                 # lost with a worker (being recomputed) or raced a move: wait for the next report
                 erred = plan.check_waiting()
             if erred is not None:  # its task failed: its exception, unpickled off this loop
-                raise await loop.run_in_executor(None, make_exception, *erred)
+                raise await off_loop(functools.partial(make_exception, *erred))
             waits = []
             for k in plan.remaining:
                 w = loop.create_future()

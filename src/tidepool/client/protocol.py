@@ -340,10 +340,11 @@ class ClientProtocol:
         self.lost = err
 
     # ---- the futures table -------------------------------------------------------------------------
-    def claim(self, key: str, make: Any) -> tuple[Any, BaseException | None]:
+    def claim(self, key: str, make: Any) -> tuple[Any, dict[str, Any] | None]:
         """The live future of ``key``, or a new one from ``make(key)`` if there is none (or it was
         cancelled, or an earlier attempt under that key was refused as a collision); with the error
-        to fail it with if the key's task failed already."""
+        record to fail it with (``make_exception`` builds the exception: the caller chooses the
+        thread) if the key's task failed already and the future is not done."""
         fut = self.futures.get(key)
         collided = self.errors.get(key, {}).get("type") == "KeyCollisionError"
         if collided:  # that attempt was refused; this one is a new request
@@ -352,7 +353,7 @@ class ClientProtocol:
             fut = make(key)
             self.futures[key] = fut
         err = self.errors.get(key)
-        return fut, (make_exception(key, err) if err is not None and not fut.done() else None)
+        return fut, (err if err is not None and not fut.done() else None)
 
     def collision(self, key: str, ident: tuple[Any, ...]) -> bool:
         """Explicit keys: True if a different live task holds ``key``; else remember this one."""

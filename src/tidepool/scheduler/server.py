@@ -181,22 +181,24 @@ class Scheduler:
             with contextlib.suppress(CommError):
                 if not conn.send_nowait(bye):
                     late.append(asyncio.ensure_future(conn.send(bye)))
-        if late:  # waited for a moment, all at once: not for ever on a worker that stopped reading
-            await asyncio.wait(late, timeout=CLOSE_SEND_WAIT)
+        try:
+            if late:  # waited for a moment, all at once: not for ever on a worker that stopped reading
+                await asyncio.wait(late, timeout=CLOSE_SEND_WAIT)
+        finally:  # the rest runs even if this close is cancelled meanwhile (a caller's timeout)
             for t in late:
                 t.cancel()
                 t.add_done_callback(_retrieve)
-        for conn in list(self.worker_conns.values()):
-            conn.close()
-        for conn in list(self.client_conns.values()):
-            conn.close()
-        try:
-            await self.listener.close()
-        finally:
-            if self.local_listener is not None:
-                await self.local_listener.close()
-        if self.durable is not None:
-            await asyncio.to_thread(self.durable.close)
+            for conn in list(self.worker_conns.values()):
+                conn.close()
+            for conn in list(self.client_conns.values()):
+                conn.close()
+            try:
+                await self.listener.close()
+            finally:
+                if self.local_listener is not None:
+                    await self.local_listener.close()
+            if self.durable is not None:
+                await asyncio.to_thread(self.durable.close)
 
     def subscribe(self, observer: Observer) -> None:
         """``observer(events, commands)`` is called after every batch is applied.  The reports of a
