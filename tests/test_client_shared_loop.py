@@ -233,8 +233,10 @@ def _raise_an_exception_that_waits_for_a_gate() -> None:
         import builtins
 
         gate = getattr(builtins, "_tidepool_test_gate", None)
-        if gate is not None:
-            gate.wait(30)  # held until the test opens it
+        first = not getattr(builtins, "_tidepool_test_gate_used", False)
+        builtins._tidepool_test_gate_used = True  # type: ignore[attr-defined]
+        if gate is not None and first:
+            gate.wait(30)  # the first one built is held until the test opens it
         return RuntimeError("the task's own error")
 
     class Gated(Exception):
@@ -274,3 +276,53 @@ def test_closing_the_client_while_an_exception_is_built_keeps_the_tasks_own_erro
     finally:
         gate.set()
         del builtins._tidepool_test_gate  # type: ignore[attr-defined]
+        vars(builtins).pop("_tidepool_test_gate_used", None)
+
+
+def _raise_an_exception_that_notes_its_builds() -> None:
+    def rebuild() -> RuntimeError:
+        import builtins
+        import time
+
+        notes: list[str] = builtins._tidepool_test_builds  # type: ignore[attr-defined]
+        me = "downstream" if any(n.endswith("start") for n in notes) else "cause"
+        notes.append(f"{me} start")
+        if me == "cause":  # a moment for a build of the other one to start beside it, if one can
+            until = time.monotonic() + 2.0
+            while "downstream start" not in notes and time.monotonic() < until:
+                time.sleep(0.01)
+        notes.append(f"{me} end")
+        return RuntimeError("the task's own error")
+
+    class Noted(Exception):
+        def __reduce__(self) -> Any:
+            return rebuild, ()
+
+    raise Noted()
+
+
+def test_a_failure_and_the_failures_it_causes_reach_their_futures_in_order() -> None:
+    """A task's exception is unpickled in a thread; a task downstream of it fails with the same
+    exception, reported in the same or a later message.  With builds on any free thread the
+    downstream one started beside its cause's and could finish (and fail its future) first.  Now
+    they run one after the other, in the order reported.  Before the fix the notes read "cause
+    start, downstream start, downstream end, cause end"."""
+    import builtins
+
+    from tidepool.testing import wait_until
+
+    notes: list[str] = []
+    builtins._tidepool_test_builds = notes  # type: ignore[attr-defined]
+    order: list[str] = []
+    try:
+        with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+            cause = client.submit(_raise_an_exception_that_notes_its_builds)
+            downstream = client.submit(len, cause)
+            cause.add_done_callback(lambda f: order.append("cause"))
+            downstream.add_done_callback(lambda f: order.append("downstream"))
+            wait_until(lambda: len(order) == 2, timeout=60)
+            assert notes == ["cause start", "cause end", "downstream start", "downstream end"], notes
+            assert order == ["cause", "downstream"]
+            assert str(downstream.exception(timeout=0)) == "the task's own error"
+    finally:
+        del builtins._tidepool_test_builds  # type: ignore[attr-defined]

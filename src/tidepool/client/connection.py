@@ -78,12 +78,13 @@ class HolderGone(ConnectionLostError):
 BUILD_WAIT = 10.0
 
 
-async def off_loop(build: Callable[[], BaseException]) -> BaseException:
-    """``build()`` (it unpickles user code) in a thread, not on this loop; inline when no thread
-    can be had any more (the interpreter is shutting down).  An exception ``build`` raises is
-    what is returned: the one to give."""
+async def off_loop(build: Callable[[], BaseException],
+                   executor: concurrent.futures.Executor | None = None) -> BaseException:  # fmt: skip
+    """``build()`` (it unpickles user code) in a thread of ``executor`` (default: the loop's), not
+    on this loop; inline when no thread can be had any more (the interpreter is shutting down).
+    An exception ``build`` raises is what is returned: the one to give."""
     try:
-        fut = asyncio.get_running_loop().run_in_executor(None, build)
+        fut = asyncio.get_running_loop().run_in_executor(executor, build)
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         fut = None
     try:
@@ -112,6 +113,8 @@ class ClientConnection:
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
         self._building: set[asyncio.Task[None]] = set()  # exceptions being unpickled (_fail_off_loop)
+        #: one thread, so failures reach their futures in the order the scheduler reported them
+        self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-exceptions")
         self._workers: dict[str, tuple[Connection, asyncio.Lock]] = {}
         self._draining = False
         self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidepool-callback")
@@ -185,6 +188,7 @@ class ClientConnection:
         if self._own_loop:
             self.loop.stop()
         self._callbacks.shutdown(wait=False)
+        self._builder.shutdown(wait=False)
 
     def check_open(self) -> None:
         if self.core.lost is not None:
@@ -344,7 +348,7 @@ class ClientConnection:
                         f.set_result(IN_MEMORY)
             elif isinstance(e, Failed):
                 if not f.done():
-                    if e.pickled:  # the task's own exception: unpickled off this loop, then set
+                    if e.pickled or self._building:  # unpickled off this loop (or in line behind one that is)
                         self._fail_off_loop(f, e)
                     else:
                         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -363,7 +367,7 @@ class ClientConnection:
         replace a task's own exception."""
 
         async def build() -> None:
-            exc = await off_loop(e.error)
+            exc = await off_loop(e.error, self._builder)
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled, or lost meanwhile
                 f.set_exception(exc)
 
