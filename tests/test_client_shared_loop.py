@@ -3,6 +3,7 @@ there may hold that thread for a time the user's data decides (real processes an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -133,17 +134,24 @@ def test_a_fetch_cut_by_its_cluster_closing_fails_with_connection_lost() -> None
         cluster.close()
 
 
+def _raise_rebuilt_by(rebuild: Callable[[], BaseException]) -> None:
+    """Raise an exception whose unpickling, where it is read (the client), is ``rebuild()``: the
+    user's code that runs when a task's exception is read."""
+
+    class Rebuilt(Exception):  # local: pickled by value, with ``rebuild``
+        def __reduce__(self) -> Any:
+            return rebuild, ()
+
+    raise Rebuilt()
+
+
 def _raise_an_exception_that_says_where_it_was_unpickled() -> None:
     def rebuild() -> RuntimeError:
         import threading
 
         return RuntimeError(threading.current_thread().name)
 
-    class Where(Exception):  # local: pickled by value; its reduce is the user's code on unpickling
-        def __reduce__(self) -> Any:
-            return rebuild, ()
-
-    raise Where("boom")
+    _raise_rebuilt_by(rebuild)
 
 
 def test_a_tasks_exception_is_not_unpickled_on_the_schedulers_thread() -> None:
@@ -239,11 +247,7 @@ def _raise_an_exception_that_waits_for_a_gate() -> None:
             gate.wait(30)  # the first one built is held until the test opens it
         return RuntimeError("the task's own error")
 
-    class Gated(Exception):
-        def __reduce__(self) -> Any:
-            return rebuild, ()
-
-    raise Gated()
+    _raise_rebuilt_by(rebuild)
 
 
 def test_closing_the_client_while_an_exception_is_built_keeps_the_tasks_own_error() -> None:
@@ -294,11 +298,7 @@ def _raise_an_exception_that_notes_its_builds() -> None:
         notes.append(f"{me} end")
         return RuntimeError("the task's own error")
 
-    class Noted(Exception):
-        def __reduce__(self) -> Any:
-            return rebuild, ()
-
-    raise Noted()
+    _raise_rebuilt_by(rebuild)
 
 
 def test_a_failure_and_the_failures_it_causes_reach_their_futures_in_order() -> None:
