@@ -230,7 +230,7 @@ def test_a_tasks_exception_is_built_inline_when_no_thread_can_be_had() -> None:
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
         loop.run_in_executor = refuse  # type: ignore[method-assign]
-        return await off_loop(lambda: ValueError("built inline"))
+        return await off_loop(lambda: ValueError("built inline"), None)
 
     exc = asyncio.run(main())
     assert isinstance(exc, ValueError) and str(exc) == "built inline"

@@ -104,17 +104,17 @@ class LocalCluster(ClosesOnExit):
             raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
         # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
         # memory shared by as many workers as it has cores (docs/memory.md)
-        mem_args = ["--memory-share", str(os.cpu_count() or 1)]
+        worker_args = ["--memory-share", str(os.cpu_count() or 1)]
         if memory_limit is not None:
             from tidepool.worker.memory import resolve_limit
 
             resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
-            mem_args += ["--memory-limit", str(memory_limit)]
+            worker_args += ["--memory-limit", str(memory_limit)]
         if spill_limit is not None:
             from tidepool.worker.spill import resolve_spill_limit
 
             resolve_spill_limit(spill_limit, ".")  # a typo fails here, not in every worker
-            mem_args += ["--spill-limit", str(spill_limit)]
+            worker_args += ["--spill-limit", str(spill_limit)]
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
         self.timeout = timeout
@@ -150,8 +150,7 @@ class LocalCluster(ClosesOnExit):
             try:
                 self.dashboard = self._loop.run(start_dashboard(self.scheduler, where, lambda: self.autoscaler))
             except BaseException:  # e.g. the extra is not installed: leave no scheduler running
-                self._loop.run(self.scheduler.close(), timeout=10)
-                self._loop.stop()
+                self._abandon_start()
                 raise
             self.dashboard_link = self.dashboard.link
             if dashboard is not None:  # asked for by name: say where it is
@@ -160,17 +159,14 @@ class LocalCluster(ClosesOnExit):
             env = {**(env or {}), **tls.env()}
         # its own workers connect through the scheduler's Unix socket when it has one (comm/unix.py),
         # its data server where it always listened (the cluster's host), whichever way it registers
-        mem_args += ["--listen-host", listen_host(self.address)]
+        worker_args += ["--listen-host", listen_host(self.address)]
         try:
             self.provider = LocalProvider(self.scheduler.local_address or self.address, self.token, env=env,
                                           cwd=workdir, heartbeat_interval=heartbeat_interval, preload=preload,
-                                          extra_args=mem_args, fork_server=fork_server)  # fmt: skip
+                                          extra_args=worker_args, fork_server=fork_server)  # fmt: skip
             self.provider.start_fork_server()  # imports the worker code while the cluster is set up
-        except BaseException:  # leave no scheduler thread (nor its sockets) behind
-            if self.dashboard is not None:
-                self._loop.run(self.dashboard.stop(), timeout=10)
-            self._loop.run(self.scheduler.close(), timeout=10)
-            self._loop.stop()
+        except BaseException:
+            self._abandon_start()
             raise
         res = dict(resources or {})
         res.setdefault("cpu", slots)
@@ -183,6 +179,14 @@ class LocalCluster(ClosesOnExit):
             except BaseException:  # no scheduler thread, fork server or worker left behind
                 self.close()
                 raise
+
+    def _abandon_start(self) -> None:
+        """A start that failed before the workers' provider was made: stop what runs so far (the
+        dashboard, the scheduler and its sockets, the loop thread), so nothing is left behind."""
+        if self.dashboard is not None:
+            self._loop.run(self.dashboard.stop(), timeout=10)
+        self._loop.run(self.scheduler.close(), timeout=10)
+        self._loop.stop()
 
     def _observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         self._joined.update(e.worker for e in events if isinstance(e, ev.WorkerJoin))

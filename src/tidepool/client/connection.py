@@ -78,10 +78,9 @@ class HolderGone(ConnectionLostError):
 BUILD_WAIT = 10.0
 
 
-async def off_loop(build: Callable[[], BaseException],
-                   executor: concurrent.futures.Executor | None = None) -> BaseException:  # fmt: skip
-    """``build()`` (it unpickles user code) in a thread of ``executor`` (default: the loop's), not
-    on this loop; inline when no thread can be had any more (the interpreter is shutting down).
+async def off_loop(build: Callable[[], BaseException], executor: concurrent.futures.Executor | None) -> BaseException:
+    """``build()`` (it unpickles user code) in a thread of ``executor`` (None: the loop's), not on
+    this loop; inline when no thread can be had any more (the interpreter is shutting down).
     An exception ``build`` raises is what is returned: the one to give."""
     try:
         fut = asyncio.get_running_loop().run_in_executor(executor, build)
@@ -454,7 +453,7 @@ class ClientConnection:
                 # lost with a worker (being recomputed) or raced a move: wait for the next report
                 erred = plan.check_waiting()
             if erred is not None:  # its task failed: its exception, unpickled off this loop
-                raise await off_loop(functools.partial(make_exception, *erred))
+                raise await off_loop(functools.partial(make_exception, *erred), self._builder)
             waits = []
             for k in plan.remaining:
                 w = loop.create_future()

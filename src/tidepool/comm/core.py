@@ -269,14 +269,14 @@ class TCPConnection(Connection):
         if isinstance(local, tuple) and local:  # (a Unix socket's name is a path, or empty)
             self.local_host = str(local[0])
         peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
         if isinstance(peer, tuple) and peer:
             self.peer = f"tcp://{peer[0]}:{peer[1]}"
         elif isinstance(peer, str | bytes):  # a Unix socket: its name, and the process at the other end
             name = peer or local
             name = name.decode(errors="replace") if isinstance(name, bytes) else name
-            pid = unix.peer_pid(transport.get_extra_info("socket"))
+            pid = unix.peer_pid(sock)
             self.peer = f"unix://{name.replace(chr(0), '@')}" + (f" (pid {pid})" if pid else "")
-        sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
 
@@ -726,22 +726,14 @@ async def connect(
             conn: Connection
             if scheme == "memory":
                 conn = _memory_connect(host, max_frame)
-            elif scheme == "unix":
-                conn = stream = TCPConnection(max_frame)
-                await asyncio.wait_for(loop.create_unix_connection(functools.partial(_TCPProtocol, stream),
-                                                                   unix.connect_name(host)),
-                                       max(0.1, deadline - loop.time()))  # fmt: skip
-                stream.peer = address
-                if stream.transport is not None:
-                    stream.transport.write(PLAIN_PREAMBLE)
             else:
                 tcp = TCPConnection(max_frame)
-                await asyncio.wait_for(
-                    loop.create_connection(functools.partial(_TCPProtocol, tcp), host, port, ssl=ctx,
-                                           server_hostname=host if ctx is not None else None),
-                    max(0.1, deadline - loop.time()),
-                )
-                tcp.peer = f"{scheme}://{host}:{port}"
+                protocol = functools.partial(_TCPProtocol, tcp)
+                opening = (loop.create_unix_connection(protocol, unix.kernel_name(host)) if scheme == "unix" else
+                           loop.create_connection(protocol, host, port, ssl=ctx,
+                                                  server_hostname=host if ctx is not None else None))  # fmt: skip
+                await asyncio.wait_for(opening, max(0.1, deadline - loop.time()))
+                tcp.peer = address if scheme == "unix" else f"{scheme}://{host}:{port}"
                 if ctx is None and tcp.transport is not None:
                     tcp.transport.write(PLAIN_PREAMBLE)  # tells the listener this is a plain tidepool peer
                 conn = tcp

@@ -50,7 +50,8 @@ def private_socket_path(abstract: bool | None = None) -> str | None:
     return path
 
 
-def _kernel_name(path: str) -> str:
+def kernel_name(path: str) -> str:
+    """What ``bind`` and ``connect`` take for ``path`` (``@name``: a NUL first, the abstract namespace)."""
     return "\0" + path[1:] if path.startswith("@") else path
 
 
@@ -61,7 +62,7 @@ def bind(path: str) -> socket.socket:
         raise ConfigError(f"unix socket path {path!r} is longer than {MAX_PATH} bytes; use a shorter one")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(_kernel_name(path))
+        sock.bind(kernel_name(path))
         if not path.startswith("@"):
             os.chmod(path, 0o600)
         sock.listen(1024)
@@ -70,11 +71,6 @@ def bind(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def connect_name(path: str) -> str:
-    """What ``connect`` takes for ``path``."""
-    return _kernel_name(path)
 
 
 def remove(path: str) -> None:
