@@ -435,3 +435,54 @@ def test_with_no_work_known_an_idle_node_is_held_for_what_a_relaunch_would_bill(
     assert d.retire == ("w0",) and "kept 10.0s" in d.why[0][1]
     cloud = NodeType("default", max_nodes=4, startup_estimate=200.0)  # billed from the request
     assert default_policy()(snapshot(10.5, cloud, ws, None)).retire == ()
+
+
+# ---- the bet on guessed durations and its guess_budget --------------------------------------------
+def gate(n: int) -> RemainingWork:
+    """blast's and bwa's shape while nothing has run: one runnable task of a kind never seen, then
+    ``n`` tasks that need it, every duration the scheduler's 0.5 s prior."""
+    return RemainingWork((0.5,) * (n + 1), ((), *([(0,)] * n)), ())
+
+
+def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> None:
+    # a cloud of 200 nodes booting in 90 s: 1.5 node-hours of start-ups buys 60 of them
+    nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
+    demand = (Demand(CPU, "split", 1, 0.5),)
+    snap = snapshot(0.0, nt, (), gate(400), demand, finished=0)
+    fastest = GraphPlan("fastest")(snap)
+    assert fastest.launch["default"] > 100  # the unlimited bet: every node that gets work
+    plan = GraphPlan()
+    d = plan(snap)
+    assert 30 < d.launch["default"] <= 60
+    assert any("guess_budget=1.5" in r for r in d.reasons)
+    # the budget is for the whole bet: later looks (nodes still booting, or retired on arrival) buy
+    # at most what is left of it, then only what the forecast justifies without a bet
+    later = snapshot(1.0, nt, (), gate(400), demand, finished=0)
+    topped = plan(later).launch["default"]
+    assert d.launch["default"] + topped == 60
+    assert plan(later).launch == GraphPlan(guess_budget=0.0)(later).launch
+    # no bet: only the 4 nodes the prior's 200 task-seconds keep busy half a start-up each
+    assert GraphPlan(guess_budget=0.0)(snap).launch == {"default": 4}
+    assert GraphPlan(guess_budget=3.0)(snap).launch["default"] > d.launch["default"]
+    # node-hours of start-up, not cost: a spot type at a tenth of the price bets on as many nodes
+    spot = NodeType("default", max_nodes=200, startup_estimate=90.0, cost=0.1)
+    assert GraphPlan()(snapshot(0.0, spot, (), gate(400), demand, finished=0)).launch == d.launch
+
+
+def test_guess_budget_does_not_limit_the_nodes_the_forecast_justifies_or_the_runnable_tasks_need() -> None:
+    nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
+    # 150 runnable tasks, each of a duration the user gave (not the prior): 150 nodes, no bet
+    demand = (Demand(CPU, "work", 150, 500.0),)
+    d = GraphPlan(guess_budget=0.0)(snapshot(0.0, nt, (), wide(150, 500.0), demand, finished=0))
+    assert d.launch == {"default": 150}
+    # 150 runnable tasks at the prior: launched for (as Dask's and Spark's rules do), budget or not
+    demand = (Demand(CPU, "work", 150, 0.5),)
+    d = GraphPlan(guess_budget=0.0)(snapshot(0.0, nt, (), wide(150, 0.5), demand, finished=0))
+    assert d.launch == {"default": 150}
+
+
+def test_guess_budget_is_checked() -> None:
+    for bad in (-1.0, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ConfigError, match="guess_budget must be a number >= 0"):
+            GraphPlan(guess_budget=bad)  # type: ignore[arg-type]
+    assert default_policy(guess_budget=0.5).plan.guess_budget == 0.5

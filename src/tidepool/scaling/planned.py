@@ -28,7 +28,10 @@ set; a Slurm job's queue wait is free, its boot is not).  So:
   (what a relaunch would bill; the ski-rental rule), at most ``hold_cap`` seconds;
 - before any task has finished every duration is a guess (the scheduler's 0.5 s prior): under
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
-  and Spark's rules do, and let the forecast take over once durations are measured.
+  and Spark's rules do, and let the forecast take over once durations are measured.  Beyond the
+  nodes the forecast justifies, bet on durations longer than the prior: every node the guessed
+  graph gives work, under ``balanced`` (and a deadline) only as many as ``guess_budget`` pays the
+  start-ups of, in all (``fastest``: no limit).
 
 Spend on evidence, not on guesses: the objective rules launch on the forecast's ``evidence`` view
 (a kind that never finished at the scheduler's prior until its running tasks show it is long), and
@@ -36,7 +39,7 @@ retirements read a width in which a running task of such a kind has at least as 
 ran (``RemainingWork.for_launch`` / ``for_hold``); a deadline or budget plans on the mean.
 
 Objectives (``adapt(objective=...)``): ``balanced`` (the default: launch_factor 0.5 on measured
-durations, 0 on guesses, slack 0.5; on real workflows the best makespan needs nearly every node that
+durations, 0 on guesses up to ``guess_budget``, slack 0.5; on real workflows the best makespan needs nearly every node that
 shortens the run, and the savings come from retiring by the forecast width), ``fastest`` (slack 1: a longer horizon before retiring),
 ``cheapest`` (nodes that work at least 3 x S, slack 0.25, no launch on guesses).  ``deadline=``
 seconds after work first appears: the cheapest pool whose forecast finishes by then (cost = nodes
@@ -82,6 +85,11 @@ GUESS_SLACK = -1.0
 #: slurm:50 2.62 node-hours (now 2.52), the 15-degree montage on cloud:50 7.43 (now 7.39), makespans
 #: unchanged; 5 s retired nodes the montage's last wave needed (1,058 -> 1,085 s)
 LOCALITY_HOLD = 10.0
+#: the default ``guess_budget``: 1.5 node-hours of start-ups, 60 cloud nodes of a 90 s boot.  On the
+#: montages and 1000genome on 200 cloud nodes an unlimited bet bought every node at t=0 and retired
+#: most on arrival (cost 2-4x the bound: 2mass-05d 6.66 node-hours for 165 s, 2.62 for 195 s with
+#: this); blast's 300 long tasks behind a 1 s gate need about 54 nodes at once (36 made it 10% slower)
+GUESS_BUDGET = 1.5
 #: objective -> (launch_factor, slack, guess launches before anything finished)
 _RULES = {"balanced": (0.5, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
@@ -115,15 +123,25 @@ class GraphPlan:
     hold_cap: float = 30.0
     #: an idle node is never retired sooner than this (a task may be on its way to it)
     min_idle: float = 0.05
+    #: ``balanced`` (and a deadline) while every duration is a guess: the most node-hours of billed
+    #: start-ups the nodes bought on the guess may take, per node type; nodes the forecast justifies
+    #: and nodes for the runnable tasks are not counted
+    guess_budget: float = GUESS_BUDGET
     spent: float = field(default=0.0, init=False)
     _last: float | None = field(default=None, init=False)
     _start: float | None = field(default=None, init=False)
     _said: set[str] = field(default_factory=set, init=False)
+    #: node type -> nodes bought on guessed durations so far (the bet ``guess_budget`` limits)
+    _guessed: dict[str, int] = field(default_factory=dict, init=False)
     #: a budget whose reserve for the nodes held leaves nothing: retire idle nodes at once
     _tight: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.deadline, self.budget)
+        g = self.guess_budget
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0 or g == math.inf:
+            raise ConfigError(f"guess_budget must be a number >= 0 (node-hours of start-ups of nodes bought on "
+                              f"guessed durations; 0: no bet), got {g!r}")  # fmt: skip
 
     @property
     def label(self) -> str:
@@ -180,16 +198,16 @@ class GraphPlan:
                         if i else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
-                i, text = self._for_objective(f, 0.0, f.startup * (1.0 + _RULES["balanced"][1]), True)
+                i, text = self._on_guesses(snap, f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]))
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
             elif left is not None:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
+            elif guessing and guess:
+                i, text = self._on_guesses(snap, f.for_launch, factor, soon)
             else:
-                # on guessed durations every node that gets work (how long it works is a guess too)
-                i, text = self._for_objective(f.for_launch, 0.0 if guessing and guess else factor, soon,
-                                              guessing and guess)  # fmt: skip
+                i, text = self._for_objective(f.for_launch, factor, soon)
             if text:
                 reasons.append(text)
             if i > 0:
@@ -216,6 +234,30 @@ class GraphPlan:
                 reasons.append(f"{self.label}: no task has finished yet, so every duration is a guess: launch for "
                                f"the {snap.demand_tasks} runnable tasks ({_counts(extra)})")  # fmt: skip
         return launch
+
+    def _on_guesses(self, snap: ClusterSnapshot, f: TypeForecast, factor: float, soon: float) -> tuple[int, str]:
+        """Launches while every duration is a guess: the nodes the forecast justifies on its own
+        numbers, or a bet on every node that gets work (durations are usually longer than the
+        prior); under ``balanced`` the bet's start-ups cost at most ``guess_budget`` in all."""
+        i, text = self._for_objective(f, factor, soon)
+        j, bet = self._for_objective(f, 0.0, soon, True)
+        if self.objective == "fastest" or j <= i:
+            return (j, bet) if j > i else (i, text)
+        # node-hours of start-up a node lost on the bet costs (not priced: a cheaper type, such as
+        # spot, would otherwise bet on more nodes and lose its saving to boots)
+        boot = _billed(snap, f.node_type, f.startup) / 3600.0
+        cap = math.inf if boot <= 0 else self.guess_budget / boot
+        bought = self._guessed.get(f.node_type, 0)
+        want = f.extra[j]
+        while j > i and f.extra[j] + bought > cap:
+            j -= 1
+        if j <= i:
+            return i, text
+        self._guessed[f.node_type] = bought + f.extra[j]
+        if f.extra[j] < want:
+            bet += (f"; a bet on guessed durations: {f.extra[j]} of the {want} node(s), whose start-ups cost at most "
+                    f"guess_budget={self.guess_budget:g} node-hours ({boot:.3g} each)")  # fmt: skip
+        return j, bet
 
     def _for_objective(self, f: TypeForecast, factor: float, soon: float, guessing: bool = False) -> tuple[int, str]:
         best = 0
@@ -428,12 +470,12 @@ class Planned:
 def default_policy(objective: str = "balanced", deadline: float | None = None, budget: float | None = None,
                    **options: Any) -> Planned:  # fmt: skip
     """The default policy for ``objective`` (or a ``deadline``/``budget``); ``options`` go to
-    :class:`GraphPlan` (``hold_cap``, ``min_idle``) or :class:`Planned` (``min_lifetime``)."""
+    :class:`GraphPlan` (``hold_cap``, ``min_idle``, ``guess_budget``) or :class:`Planned` (``min_lifetime``)."""
     mine = {k: options.pop(k) for k in ("min_lifetime",) if k in options}
-    unknown = set(options) - {"hold_cap", "min_idle"}
+    unknown = set(options) - {"hold_cap", "min_idle", "guess_budget"}
     if unknown:
         raise ConfigError(f"unknown options {sorted(unknown)} of the default policy; it takes objective, deadline, "
-                          "budget, hold_cap, min_idle, min_lifetime")  # fmt: skip
+                          "budget, hold_cap, min_idle, guess_budget, min_lifetime")  # fmt: skip
     return Planned(GraphPlan(objective, deadline, budget, **options), **mine)
 
 
