@@ -4,6 +4,7 @@ of holding cost, the two retirements of issue 33, objectives, deadlines and budg
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -444,6 +445,12 @@ def gate(n: int) -> RemainingWork:
     return RemainingWork((0.5,) * (n + 1), ((), *([(0,)] * n)), ())
 
 
+def launched(snap: ClusterSnapshot, *counts: tuple[str, int]) -> ClusterSnapshot:
+    """``snap`` one round later with these launches (request id, nodes) pending: carried out."""
+    pending = tuple(PendingLaunch(rid, "default", n, (), snap.now) for rid, n in counts)
+    return replace(snap, now=snap.now + 1.0, pending=pending)
+
+
 def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> None:
     # a cloud of 200 nodes booting in 90 s: 1.5 node-hours of start-ups buys 60 of them
     nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
@@ -451,34 +458,76 @@ def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> 
     snap = snapshot(0.0, nt, (), gate(400), demand, finished=0)
     fastest = GraphPlan("fastest")(snap)
     assert fastest.launch["default"] > 100  # the unlimited bet: every node that gets work
+    # the prior's 200 task-seconds keep 4 nodes busy half a start-up each: no bet, those 4
+    assert GraphPlan(guess_budget=0.0)(snap).launch == {"default": 4}
     plan = GraphPlan()
     d = plan(snap)
-    assert 30 < d.launch["default"] <= 60
-    assert any("guess_budget=1.5" in r for r in d.reasons)
-    # the budget is for the whole bet: later looks (nodes still booting, or retired on arrival) buy
-    # at most what is left of it, then only what the forecast justifies without a bet
-    later = snapshot(1.0, nt, (), gate(400), demand, finished=0)
-    topped = plan(later).launch["default"]
-    assert d.launch["default"] + topped == 60
-    assert plan(later).launch == GraphPlan(guess_budget=0.0)(later).launch
-    # no bet: only the 4 nodes the prior's 200 task-seconds keep busy half a start-up each
-    assert GraphPlan(guess_budget=0.0)(snap).launch == {"default": 4}
-    assert GraphPlan(guess_budget=3.0)(snap).launch["default"] > d.launch["default"]
+    assert d.launch == {"default": 60}
+    assert any("limited to 60 by guess_budget=1.5" in r for r in d.reasons)
+    # the launch was carried out: the bet is spent, later rounds buy only what the forecast justifies
+    later = launched(snap, ("a1", 60))
+    again = plan(later)
+    assert again.launch == {"default": 4}
+    assert any("limited to 0" in r and "60 launched while guessing" in r for r in again.reasons)
+    assert GraphPlan(guess_budget=3.0)(snap).launch == {"default": 120}
     # node-hours of start-up, not cost: a spot type at a tenth of the price bets on as many nodes
     spot = NodeType("default", max_nodes=200, startup_estimate=90.0, cost=0.1)
     assert GraphPlan()(snapshot(0.0, spot, (), gate(400), demand, finished=0)).launch == d.launch
+    # a deadline bets as balanced does while durations are guesses, whatever the objective
+    for objective in ("balanced", "fastest"):
+        assert GraphPlan(objective, deadline=3600.0)(snap).launch == d.launch
 
 
-def test_guess_budget_does_not_limit_the_nodes_the_forecast_justifies_or_the_runnable_tasks_need() -> None:
+def test_a_bet_the_controller_did_not_carry_out_is_not_charged() -> None:
     nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
-    # 150 runnable tasks, each of a duration the user gave (not the prior): 150 nodes, no bet
-    demand = (Demand(CPU, "work", 150, 500.0),)
-    d = GraphPlan(guess_budget=0.0)(snapshot(0.0, nt, (), wide(150, 500.0), demand, finished=0))
-    assert d.launch == {"default": 150}
-    # 150 runnable tasks at the prior: launched for (as Dask's and Spark's rules do), budget or not
-    demand = (Demand(CPU, "work", 150, 0.5),)
-    d = GraphPlan(guess_budget=0.0)(snapshot(0.0, nt, (), wide(150, 0.5), demand, finished=0))
-    assert d.launch == {"default": 150}
+    snap = snapshot(0.0, nt, (), gate(400), (Demand(CPU, "split", 1, 0.5),), finished=0)
+    plan = GraphPlan()
+    first = plan(snap).launch
+    # dropped (a stale forecast, a limit): no launch appears, so the next round asks again in full
+    assert plan(replace(snap, now=1.0)).launch == first
+    # carried out only in part (clamped to 30 nodes): the rest of the bet is left
+    assert plan(launched(snap, ("a1", 30))).launch == {"default": 30}
+
+
+def test_a_new_graph_after_an_idle_pool_gets_a_new_bet() -> None:
+    nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
+    demand = (Demand(CPU, "split", 1, 0.5),)
+    snap = snapshot(0.0, nt, (), gate(400), demand, finished=0)
+    plan = GraphPlan()
+    plan(snap)
+    assert plan(launched(snap, ("a1", 60))).launch == {"default": 4}  # spent
+    # the graph was cancelled (nothing finished): no work known, nothing running or waiting
+    plan(snapshot(600.0, nt, (), None, (), finished=0))
+    assert plan(snapshot(3600.0, nt, (), gate(400), demand, finished=0)).launch == {"default": 60}
+
+
+def test_guess_budget_zero_means_no_bet_even_for_a_free_start_up() -> None:
+    free = NodeType("default", max_nodes=200, startup_estimate=90.0, billed_startup=0.0)
+    snap = snapshot(0.0, free, (), gate(400), (Demand(CPU, "split", 1, 0.5),), finished=0)
+    assert GraphPlan(guess_budget=0.0)(snap).launch == {"default": 4}
+    assert GraphPlan()(snap).launch["default"] > 100  # nothing billed: no limit
+
+
+def test_the_runnable_tasks_and_the_nodes_the_forecast_justifies_are_launched_whatever_the_bet() -> None:
+    nt = NodeType("default", max_nodes=400, startup_estimate=90.0)
+    # 100 runnable tasks at the prior, each gating 4 more: 100 nodes for the runnable ones (beyond
+    # the bet's 60, which they serve too: the work behind them runs on them)
+    n = 100
+    durations = (0.5,) * (n * 5)
+    deps = tuple(() for _ in range(n)) + tuple((k % n,) for k in range(4 * n))
+    plan = GraphPlan()
+    snap = snapshot(0.0, nt, (), RemainingWork(durations, deps, ()), (Demand(CPU, "w", n, 0.5),), finished=0)
+    assert plan(snap).launch == {"default": n}
+    later = launched(snap, ("a1", n))  # they count: no bet on top, only what the forecast justifies
+    assert plan(later).launch == GraphPlan(guess_budget=0.0)(later).launch
+    # behind a gate, 70 tasks the user says take 300 s (the forecast justifies a node each) and 400
+    # at the prior: the 70, not limited by the bet's 60
+    durations = (0.5,) + (300.0,) * 70 + (0.5,) * 400
+    work = RemainingWork(durations, ((),) + ((0,),) * 470, ())
+    snap = snapshot(0.0, nt, (), work, (Demand(CPU, "split", 1, 0.5),), finished=0)
+    justified = GraphPlan(guess_budget=0.0)(snap).launch["default"]
+    assert justified >= 70
+    assert GraphPlan()(snap).launch == {"default": justified}
 
 
 def test_guess_budget_is_checked() -> None:

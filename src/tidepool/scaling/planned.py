@@ -30,8 +30,8 @@ set; a Slurm job's queue wait is free, its boot is not).  So:
   ``balanced`` and ``fastest`` (and a deadline) launch for every runnable task as well, as Dask's
   and Spark's rules do, and let the forecast take over once durations are measured.  Beyond the
   nodes the forecast justifies, bet on durations longer than the prior: every node the guessed
-  graph gives work, under ``balanced`` (and a deadline) only as many as ``guess_budget`` pays the
-  start-ups of, in all (``fastest``: no limit).
+  graph gives work, under ``balanced`` (and a deadline) only while the nodes launched since the
+  graph came take at most ``guess_budget`` node-hours of start-ups (``fastest``: no limit).
 
 Spend on evidence, not on guesses: the objective rules launch on the forecast's ``evidence`` view
 (a kind that never finished at the scheduler's prior until its running tasks show it is long), and
@@ -88,7 +88,7 @@ LOCALITY_HOLD = 10.0
 #: the default ``guess_budget``: 1.5 node-hours of start-ups, 60 cloud nodes of a 90 s boot.  On the
 #: montages and 1000genome on 200 cloud nodes an unlimited bet bought every node at t=0 and retired
 #: most on arrival (cost 2-4x the bound: 2mass-05d 6.66 node-hours for 165 s, 2.62 for 195 s with
-#: this); blast's 300 long tasks behind a 1 s gate need about 54 nodes at once (36 made it 10% slower)
+#: this); blast's 300 long tasks behind a 1 s gate need about 54 nodes at once (36 made it 21% slower)
 GUESS_BUDGET = 1.5
 #: objective -> (launch_factor, slack, guess launches before anything finished)
 _RULES = {"balanced": (0.5, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
@@ -123,16 +123,20 @@ class GraphPlan:
     hold_cap: float = 30.0
     #: an idle node is never retired sooner than this (a task may be on its way to it)
     min_idle: float = 0.05
-    #: ``balanced`` (and a deadline) while every duration is a guess: the most node-hours of billed
-    #: start-ups the nodes bought on the guess may take, per node type; nodes the forecast justifies
-    #: and nodes for the runnable tasks are not counted
+    #: ``balanced`` (and a deadline) while every duration is a guess: the bet on longer durations
+    #: launches nodes of a type only while all launched so far take at most this many node-hours of
+    #: billed start-ups; nodes the forecast justifies and nodes for the runnable tasks are launched
+    #: whatever it says (and count)
     guess_budget: float = GUESS_BUDGET
     spent: float = field(default=0.0, init=False)
     _last: float | None = field(default=None, init=False)
     _start: float | None = field(default=None, init=False)
     _said: set[str] = field(default_factory=set, init=False)
-    #: node type -> nodes bought on guessed durations so far (the bet ``guess_budget`` limits)
+    #: node type -> nodes launched while every duration was a guess (``guess_budget`` limits the bet
+    #: to a number of them), counted from the launches that appeared, not from decisions
     _guessed: dict[str, int] = field(default_factory=dict, init=False)
+    #: ids of pending launches already counted
+    _seen: set[str] = field(default_factory=set, init=False)
     #: a budget whose reserve for the nodes held leaves nothing: retire idle nodes at once
     _tight: bool = field(default=False, init=False)
 
@@ -178,6 +182,15 @@ class GraphPlan:
         factor, slack, guess = _RULES[self.objective]
         launch: dict[str, int] = {}
         left = None if self.budget is None else self.budget - self.spent
+        self._charge_bets(snap)
+        # durations are guesses until a task finished: launch for the runnable tasks (a deadline is
+        # not planned on guesses either)
+        runnable: dict[str, int] = {}
+        if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
+            # the plan overflows plain work onto gpu (...) types when the plain ones are full; those
+            # are kept for work that needs what they have (their nodes cost more and idle otherwise)
+            needed = {name for d in snap.demand for name, _ in d.shape if name not in PLAIN}
+            runnable = {k: v for k, v in plan(snap).nodes.items() if v > 0 and not _wasted(snap, k, needed)}
         for f in snap.forecasts:
             if len(f.extra) < 2 or snap.blocked(f.node_type):
                 continue
@@ -198,20 +211,25 @@ class GraphPlan:
                         if i else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
-                i, text = self._on_guesses(snap, f, _RULES["balanced"][0], f.startup * (1.0 + _RULES["balanced"][1]))
+                balanced = f.startup * (1.0 + _RULES["balanced"][1])
+                n, text = self._on_guesses(snap, f, _RULES["balanced"][0], balanced, runnable.get(f.node_type, 0))
+                i = -n
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
             elif left is not None:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
             elif guessing and guess:
-                i, text = self._on_guesses(snap, f.for_launch, factor, soon)
+                n, text = self._on_guesses(snap, f.for_launch, factor, soon, runnable.get(f.node_type, 0))
+                i = -n
             else:
                 i, text = self._for_objective(f.for_launch, factor, soon)
             if text:
                 reasons.append(text)
             if i > 0:
                 launch[f.node_type] = f.extra[i]
+            elif i < 0:  # a count of nodes, not an index into the forecast's candidates
+                launch[f.node_type] = -i
         if self.deadline is not None and not snap.forecasts and not snap.workers and snap.node_types:
             # no forecast yet (none computed, or no graph): whatever the durations, the first node
             # must start; a deadline shorter than the quickest start-up is missed
@@ -222,42 +240,59 @@ class GraphPlan:
                 self._notice("deadline", f"deadline {self.deadline:g}s cannot be met: {left:.0f}s left and the "
                              f"quickest node type takes {quickest:.1f}s to start; running as fast as possible",
                              reasons)  # fmt: skip
-        # durations are guesses until a task finished: a deadline is not planned on them either
-        if (guess or self.deadline is not None) and self.budget is None and snap.demand and snap.finished == 0:
-            p = plan(snap)
-            # the plan overflows plain work onto gpu (...) types when the plain ones are full; those
-            # are kept for work that needs what they have (their nodes cost more and idle otherwise)
-            needed = {name for d in snap.demand for name, _ in d.shape if name not in PLAIN}
-            extra = {k: v for k, v in p.nodes.items() if v > launch.get(k, 0) and not _wasted(snap, k, needed)}
-            if extra:
-                launch.update(extra)
-                reasons.append(f"{self.label}: no task has finished yet, so every duration is a guess: launch for "
-                               f"the {snap.demand_tasks} runnable tasks ({_counts(extra)})")  # fmt: skip
+        extra = {k: v for k, v in runnable.items() if v > launch.get(k, 0)}
+        if extra:
+            launch.update(extra)
+            reasons.append(f"{self.label}: no task has finished yet, so every duration is a guess: launch for "
+                           f"the {snap.demand_tasks} runnable tasks ({_counts(extra)})")  # fmt: skip
         return launch
 
-    def _on_guesses(self, snap: ClusterSnapshot, f: TypeForecast, factor: float, soon: float) -> tuple[int, str]:
-        """Launches while every duration is a guess: the nodes the forecast justifies on its own
-        numbers, or a bet on every node that gets work (durations are usually longer than the
-        prior); under ``balanced`` the bet's start-ups cost at most ``guess_budget`` in all."""
+    def _on_guesses(self, snap: ClusterSnapshot, f: TypeForecast, factor: float, soon: float,
+                    runnable: int) -> tuple[int, str]:  # fmt: skip
+        """How many nodes to launch while every duration is a guess: the larger of those the
+        forecast justifies on its own numbers, those the runnable tasks need (``runnable``), and a
+        bet on every node the guessed graph gives work (durations are usually longer than the
+        prior), the bet limited under ``balanced`` and a deadline to ``guess_budget`` node-hours of
+        start-ups, counting every node launched while guessing (those bought for the runnable
+        tasks serve the work behind them too; ``fastest``: no limit)."""
         i, text = self._for_objective(f, factor, soon)
         j, bet = self._for_objective(f, 0.0, soon, True)
-        if self.objective == "fastest" or j <= i:
-            return (j, bet) if j > i else (i, text)
+        base = max(f.extra[i], runnable)
+        if f.extra[j] <= base:
+            return f.extra[i], text
+        if self.objective == "fastest" and self.deadline is None:
+            return f.extra[j], bet
         # node-hours of start-up a node lost on the bet costs (not priced: a cheaper type, such as
         # spot, would otherwise bet on more nodes and lose its saving to boots)
         boot = _billed(snap, f.node_type, f.startup) / 3600.0
-        cap = math.inf if boot <= 0 else self.guess_budget / boot
-        bought = self._guessed.get(f.node_type, 0)
-        want = f.extra[j]
-        while j > i and f.extra[j] + bought > cap:
-            j -= 1
-        if j <= i:
-            return i, text
-        self._guessed[f.node_type] = bought + f.extra[j]
-        if f.extra[j] < want:
-            bet += (f"; a bet on guessed durations: {f.extra[j]} of the {want} node(s), whose start-ups cost at most "
-                    f"guess_budget={self.guess_budget:g} node-hours ({boot:.3g} each)")  # fmt: skip
-        return j, bet
+        allowed: float
+        if self.guess_budget <= 0:
+            allowed = 0
+        else:
+            allowed = math.inf if boot <= 0 else math.floor(self.guess_budget / boot + 1e-9)
+        used = self._guessed.get(f.node_type, 0)
+        n = int(min(f.extra[j], max(0, allowed - used)))
+        if n >= f.extra[j]:
+            return f.extra[j], bet
+        note = (f"{self.label}: a bet on guessed durations of {f.extra[j]} node(s) limited to {n} by "
+                f"guess_budget={self.guess_budget:g} node-hours of start-ups ({boot:.3g} each: {allowed:g} "
+                f"nodes in all, {used} launched while guessing)")  # fmt: skip
+        if n <= base:
+            return f.extra[i], "; ".join(t for t in (text, note) if t)
+        return n, f"{bet}; {note}"
+
+    def _charge_bets(self, snap: ClusterSnapshot) -> None:
+        """Count the nodes launched while every duration is a guess (from the launches that appeared,
+        not from decisions: a round's launch may be dropped, by a stale forecast or a limit), and
+        start a new count between graphs (no work known, nothing running or waiting)."""
+        for p in snap.pending:
+            if p.request_id not in self._seen:
+                self._seen.add(p.request_id)
+                if snap.finished == 0:
+                    self._guessed[p.node_type] = self._guessed.get(p.node_type, 0) + p.nodes
+        self._seen.intersection_update(p.request_id for p in snap.pending)
+        if not snap.demand and not snap.forecasts and not snap.running and not snap.waiting:
+            self._guessed.clear()
 
     def _for_objective(self, f: TypeForecast, factor: float, soon: float, guessing: bool = False) -> tuple[int, str]:
         best = 0
