@@ -52,3 +52,15 @@ def test_adapt_refuses_an_objective_with_a_policy_of_its_own() -> None:
             cluster.adapt(objective="cheapest", policy=lambda snap: None)
         with pytest.raises(ConfigError, match="did you mean 'fastest'"):
             cluster.adapt(objective="fast")
+        with pytest.raises(ConfigError, match="one or the other"):
+            cluster.adapt(guess_budget=1.0, policy=lambda snap: None)
+        with pytest.raises(ConfigError, match="guess_budget must be a number >= 0"):
+            cluster.adapt(guess_budget=-1.0)
+        assert cluster.autoscaler is None  # refused before anything started
+
+
+def test_adapt_takes_the_default_policys_guess_budget() -> None:
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        scaler = cluster.adapt(maximum=2, guess_budget=0.25)
+        policy = scaler.controller.policy
+        assert isinstance(policy, Planned) and policy.plan.guess_budget == 0.25

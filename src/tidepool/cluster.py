@@ -318,7 +318,7 @@ class LocalCluster(ClosesOnExit):
               journal: str | Journal | None = None, provider: Any = None,
               config: str | ClusterConfig | None = None, objective: str = "balanced",
               deadline: float | None = None, budget: float | None = None,
-              **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
+              guess_budget: float | None = None, **controller_kwargs: Any) -> AutoScaler:  # fmt: skip
         """Let the scheduler grow and shrink the pool by itself.
 
         Without ``node_types``, workers are of this cluster's default type with ``minimum`` ..
@@ -326,7 +326,9 @@ class LocalCluster(ClosesOnExit):
         :class:`~tidepool.scaling.planned.Planned`, for ``objective`` "balanced", "fastest" or
         "cheapest", or to finish ``deadline`` seconds after work first appears at least cost, or to
         spend at most ``budget`` (node type ``cost`` x node-hours) as fast as possible; see
-        docs/scaling.md).  Returns the running :class:`AutoScaler`;
+        docs/scaling.md).  ``guess_budget``: the default policy's bet on durations longer than the
+        scheduler's guess before any task has finished, in node-hours of start-ups per node type
+        (default 1.5; 0: launch only for the runnable tasks and what the forecast justifies).  Returns the running :class:`AutoScaler`;
         its ``journal`` records every decision with its reason.  ``provider`` replaces the
         local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
 
@@ -342,13 +344,14 @@ class LocalCluster(ClosesOnExit):
         from tidepool.scaling.planned import check_objective, default_policy
 
         check_objective(objective, deadline, budget)
-        chosen = objective != "balanced" or deadline is not None or budget is not None
-        if (objective != "balanced" or deadline is not None) and policy is not None:  # (a budget is also a
-            # hard limit, which holds for any policy)
-            raise ConfigError("adapt(): objective and deadline set the default policy; a policy= of "
+        options = {} if guess_budget is None else {"guess_budget": guess_budget}
+        chosen = objective != "balanced" or deadline is not None or budget is not None or bool(options)
+        if (objective != "balanced" or deadline is not None or options) and policy is not None:  # (a budget is
+            # also a hard limit, which holds for any policy)
+            raise ConfigError("adapt(): objective, deadline and guess_budget set the default policy; a policy= of "
                               "your own decides by itself (pass one or the other)")  # fmt: skip
         if policy is None and (config is None or chosen):
-            policy = default_policy(objective, deadline, budget)
+            policy = default_policy(objective, deadline, budget, **options)
         file_limits: dict[str, Any] = {}
         if config is not None:  # a cluster file: its node types, policy, provider and limits
             cfg = config_load(config) if isinstance(config, str) else config
