@@ -235,5 +235,5 @@ def test_adapt_takes_a_budget_with_any_policy_as_a_hard_limit() -> None:
         scaler = cluster.adapt(node_types=[nt], policy=ask_for_ten, budget=3.0, max_cost_per_hour=2.0)
         assert scaler.controller.limits == CostLimits(max_cost_per_hour=2.0, budget=3.0)
         assert scaler.controller.policy is ask_for_ten
-    with tidepool.LocalCluster(n_workers=0) as cluster, pytest.raises(ConfigError, match="objective and deadline"):
+    with tidepool.LocalCluster(n_workers=0) as cluster, pytest.raises(ConfigError, match="objective, deadline and guess_budget set the default policy"):
         cluster.adapt(node_types=[nt], policy=ask_for_ten, deadline=60.0)

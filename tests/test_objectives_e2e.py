@@ -64,3 +64,24 @@ def test_adapt_takes_the_default_policys_guess_budget() -> None:
         scaler = cluster.adapt(maximum=2, guess_budget=0.25)
         policy = scaler.controller.policy
         assert isinstance(policy, Planned) and policy.plan.guess_budget == 0.25
+
+
+def test_adapt_refuses_a_guess_budget_that_would_do_nothing() -> None:
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        for kwargs, said in (({"objective": "fastest"}, "bets without a limit"),
+                             ({"objective": "cheapest"}, "does not bet"),
+                             ({"budget": 2.0}, "does not bet")):  # fmt: skip
+            with pytest.raises(ConfigError, match=said):
+                cluster.adapt(guess_budget=0.0, **kwargs)  # type: ignore[arg-type]
+        assert cluster.autoscaler is None
+
+
+def test_adapt_refuses_to_replace_a_cluster_files_own_policy() -> None:
+    from tidepool.config import parse
+
+    cfg = parse({"policy": {"kind": "backlog"}, "node_types": [{"name": "cpu", "max_nodes": 2}]}, "c.toml")
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        for kwargs in ({"guess_budget": 1.0}, {"objective": "cheapest"}, {"deadline": 60.0}):
+            with pytest.raises(ConfigError, match="c.toml has a \\[policy\\] of its own"):
+                cluster.adapt(config=cfg, **kwargs)  # type: ignore[arg-type]
+        assert cluster.autoscaler is None

@@ -476,6 +476,11 @@ def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> 
     # a deadline bets as balanced does while durations are guesses, whatever the objective
     for objective in ("balanced", "fastest"):
         assert GraphPlan(objective, deadline=3600.0)(snap).launch == d.launch
+    # ... on the launch view (a kind never seen at the prior, not at the mean of the others)
+    view = RemainingWork((0.5,) + (300.0,) * 70, ((),) + ((0,),) * 70, (), for_launch=(0.5,) * 71)
+    shown = snapshot(0.0, nt, (), view, demand, finished=0)
+    assert GraphPlan(deadline=3600.0)(shown).launch == GraphPlan()(shown).launch
+    assert GraphPlan(deadline=3600.0, guess_budget=0.0)(shown).launch == GraphPlan(guess_budget=0.0)(shown).launch
 
 
 def test_a_bet_the_controller_did_not_carry_out_is_not_charged() -> None:
@@ -487,6 +492,11 @@ def test_a_bet_the_controller_did_not_carry_out_is_not_charged() -> None:
     assert plan(replace(snap, now=1.0)).launch == first
     # carried out only in part (clamped to 30 nodes): the rest of the bet is left
     assert plan(launched(snap, ("a1", 30))).launch == {"default": 30}
+    # a launch first seen after some of its nodes joined counts whole (its ``nodes`` are those to come)
+    part = replace(snap, now=1.0, pending=(PendingLaunch("a9", "default", 10, (), 0.0, requested=60),))
+    plan2 = GraphPlan()
+    plan2(snap)
+    assert plan2(part).launch == {"default": 4}
 
 
 def test_a_new_graph_after_an_idle_pool_gets_a_new_bet() -> None:

@@ -345,6 +345,11 @@ class LocalCluster(ClosesOnExit):
 
         check_objective(objective, deadline, budget)
         options = {} if guess_budget is None else {"guess_budget": guess_budget}
+        if options and (budget is not None or (objective != "balanced" and deadline is None)):
+            raise ConfigError(f"adapt(): guess_budget limits the bet on guessed durations of the balanced objective "
+                              f"and of a deadline; {'budget=' if budget is not None else repr(objective)} "
+                              f"{'does not bet' if budget is not None or objective == 'cheapest' else 'bets without a limit'}"
+                              f" (leave guess_budget out)")  # fmt: skip
         chosen = objective != "balanced" or deadline is not None or budget is not None or bool(options)
         if (objective != "balanced" or deadline is not None or options) and policy is not None:  # (a budget is
             # also a hard limit, which holds for any policy)
@@ -355,6 +360,10 @@ class LocalCluster(ClosesOnExit):
         file_limits: dict[str, Any] = {}
         if config is not None:  # a cluster file: its node types, policy, provider and limits
             cfg = config_load(config) if isinstance(config, str) else config
+            if cfg.policy and (objective != "balanced" or deadline is not None or options):
+                raise ConfigError(f"adapt(): objective, deadline and guess_budget set the default policy, and "
+                                  f"{cfg.source or 'the cluster file'} has a [policy] of its own; pass one or the "
+                                  f"other")  # fmt: skip
             file_limits = dict(cfg.autoscaler)
             node_types = node_types or cfg.node_types
             policy = policy or cfg.make_policy()

@@ -688,11 +688,11 @@ class ScalingController(Replacing):
         are counted as live workers already; counting the whole request too would block launches
         while a few nodes of a big request wait in a queue)."""
         if not req.workers:
-            return PendingLaunch(req.id, req.node_type, req.nodes, (), req.since)
+            return PendingLaunch(req.id, req.node_type, req.nodes, (), req.since, req.nodes)
         missing = tuple(self.instances.missing(req))
         nt = self.node_types.get(req.node_type)
         wpn = max(1, nt.workers_per_node if nt is not None else 1)
-        return PendingLaunch(req.id, req.node_type, -(-len(missing) // wpn), missing, req.since)
+        return PendingLaunch(req.id, req.node_type, -(-len(missing) // wpn), missing, req.since, req.nodes)
 
     # ---- 3. act -----------------------------------------------------------------------------------
     def _launch(self, planned: Mapping[str, int], reason: str, now: float, actions: Actions) -> None:

@@ -212,7 +212,8 @@ class GraphPlan:
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
                 balanced = f.startup * (1.0 + _RULES["balanced"][1])
-                n, text = self._on_guesses(snap, f, _RULES["balanced"][0], balanced, runnable.get(f.node_type, 0))
+                n, text = self._on_guesses(snap, f.for_launch, _RULES["balanced"][0], balanced,
+                                           runnable.get(f.node_type, 0))  # fmt: skip
                 i = -n
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
@@ -288,8 +289,8 @@ class GraphPlan:
         for p in snap.pending:
             if p.request_id not in self._seen:
                 self._seen.add(p.request_id)
-                if snap.finished == 0:
-                    self._guessed[p.node_type] = self._guessed.get(p.node_type, 0) + p.nodes
+                if snap.finished == 0:  # the whole launch: some of its nodes may have joined already
+                    self._guessed[p.node_type] = self._guessed.get(p.node_type, 0) + max(p.nodes, p.requested)
         self._seen.intersection_update(p.request_id for p in snap.pending)
         if not snap.demand and not snap.forecasts and not snap.running and not snap.waiting:
             self._guessed.clear()

@@ -55,9 +55,10 @@ class WorkerView:
 class PendingLaunch:
     request_id: str
     node_type: str
-    nodes: int
+    nodes: int  # still to come (those that registered are live workers already)
     worker_ids: tuple[str, ...]
     since: float
+    requested: int = 0  # nodes the launch asked for in all (0: unknown, take ``nodes``)
 
 
 @dataclass(frozen=True)
