@@ -149,7 +149,9 @@ def test_a_dashboard_that_needs_the_token_refuses_requests_without_it() -> None:
             cluster._loop.run(dash.stop())
 
 
-def _browser() -> Any:
+def _browser(tmp: Path) -> Any:
+    """Headless chromium whose temporary files (shared memory without /dev/shm, its profile) go
+    under ``tmp``, not /tmp, where they were left behind after ``quit()``."""
     webdriver = pytest.importorskip("selenium.webdriver")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
@@ -162,16 +164,16 @@ def _browser() -> Any:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(driver), options=opts)
+    return webdriver.Chrome(service=Service(driver, env={**os.environ, "TMPDIR": str(tmp)}), options=opts)
 
 
-def test_the_page_follows_an_elastic_run_in_a_real_browser() -> None:
+def test_the_page_follows_an_elastic_run_in_a_real_browser(tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
     from tidepool.scaling.policies import Adaptive, IdleRetire
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    browser = _browser()
+    browser = _browser(tmp_path)
     try:
         with tidepool.LocalCluster(n_workers=0, dashboard=True) as cluster, tidepool.Client(cluster) as client:
             cluster.adapt(maximum=3, policy=Adaptive(idle=IdleRetire(idle_timeout=1.0, cached_idle_timeout=1.0)))
@@ -273,7 +275,7 @@ def test_the_post_mortem_page_renders_a_finished_run_from_its_journal(tmp_path: 
         line = proc.stdout.readline()  # the CLI prints the link once it serves
         assert " at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         link = line.split(" at ", 1)[1].split()[0]
-        browser = _browser()
+        browser = _browser(tmp_path)
         browser.get(link)
 
         def text(elem_id: str) -> str:
