@@ -350,9 +350,11 @@ class LocalCluster(ClosesOnExit):
                               f"and of a deadline; {'budget=' if budget is not None else repr(objective)} "
                               f"{'does not bet' if budget is not None or objective == 'cheapest' else 'bets without a limit'}"
                               f" (leave guess_budget out)")  # fmt: skip
-        chosen = objective != "balanced" or deadline is not None or budget is not None or bool(options)
-        if (objective != "balanced" or deadline is not None or options) and policy is not None:  # (a budget is
-            # also a hard limit, which holds for any policy)
+        # what makes the default policy the one to run (a budget also chooses it, and is a hard
+        # limit that holds for any policy besides)
+        shapes_default = objective != "balanced" or deadline is not None or bool(options)
+        chosen = shapes_default or budget is not None
+        if shapes_default and policy is not None:
             raise ConfigError("adapt(): objective, deadline and guess_budget set the default policy; a policy= of "
                               "your own decides by itself (pass one or the other)")  # fmt: skip
         if policy is None and (config is None or chosen):
@@ -360,7 +362,7 @@ class LocalCluster(ClosesOnExit):
         file_limits: dict[str, Any] = {}
         if config is not None:  # a cluster file: its node types, policy, provider and limits
             cfg = config_load(config) if isinstance(config, str) else config
-            if cfg.policy and (objective != "balanced" or deadline is not None or options):
+            if cfg.policy and shapes_default:
                 raise ConfigError(f"adapt(): objective, deadline and guess_budget set the default policy, and "
                                   f"{cfg.source or 'the cluster file'} has a [policy] of its own; pass one or the "
                                   f"other")  # fmt: skip

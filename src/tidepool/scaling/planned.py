@@ -204,33 +204,33 @@ class GraphPlan:
                 self._deadline_feasible(snap, f, reasons)
             if not snap.demand and (snap.next_demand_in is None or snap.next_demand_in > soon):
                 continue  # nothing can run before a new node would arrive: launch when it can
+            # n: how many nodes of this type to launch now
             if guessing and self.budget is not None:
                 # a budget is not spent on guesses: one node until durations are measured
-                i = 1 if snap.nodes_of(f.node_type) == 0 else 0
+                n = 1 if snap.nodes_of(f.node_type) == 0 else 0
                 text = (f"budget {self.budget:g}: durations are guesses until a task finishes: one node"
-                        if i else "")  # fmt: skip
+                        if n else "")  # fmt: skip
             elif guessing and self.deadline is not None:
                 # nor is a deadline planned on them: as balanced until durations are measured
                 balanced = f.startup * (1.0 + _RULES["balanced"][1])
                 n, text = self._on_guesses(snap, f.for_launch, _RULES["balanced"][0], balanced,
                                            runnable.get(f.node_type, 0))  # fmt: skip
-                i = -n
             elif self.deadline is not None:
                 i, text = self._for_deadline(snap, f)
+                n = f.extra[i]
             elif left is not None:
                 i, text = self._for_budget(snap, f, left)
                 left -= self._cost(snap, f, i)
+                n = f.extra[i]
             elif guessing and guess:
                 n, text = self._on_guesses(snap, f.for_launch, factor, soon, runnable.get(f.node_type, 0))
-                i = -n
             else:
                 i, text = self._for_objective(f.for_launch, factor, soon)
+                n = f.extra[i]
             if text:
                 reasons.append(text)
-            if i > 0:
-                launch[f.node_type] = f.extra[i]
-            elif i < 0:  # a count of nodes, not an index into the forecast's candidates
-                launch[f.node_type] = -i
+            if n > 0:
+                launch[f.node_type] = n
         if self.deadline is not None and not snap.forecasts and not snap.workers and snap.node_types:
             # no forecast yet (none computed, or no graph): whatever the durations, the first node
             # must start; a deadline shorter than the quickest start-up is missed
