@@ -19,6 +19,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+# The suite runs on the standard event loop, what a plain install gets (the test extra installs
+# uvloop for tests/test_loop_choice.py); ``TIDEPOOL_LOOP=uvloop pytest`` runs all of it on uvloop.
+os.environ.setdefault("TIDEPOOL_LOOP", "asyncio")
 
 
 @pytest.fixture

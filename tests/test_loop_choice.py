@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
+from typing import Any
 
 import pytest
 
@@ -56,3 +58,37 @@ def test_an_unknown_loop_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(LOOP_ENV, "trio")
     with pytest.raises(TidepoolError, match="asyncio, uvloop or auto"):
         new_event_loop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix socket names are Linux's")
+def test_uvloop_connects_to_an_abstract_unix_socket() -> None:
+    """A LocalCluster's scheduler listens on ``unix://@name``; uvloop's own unix connect refused such
+    a name (EINVAL), so with ``tidepool[fast]`` no worker of a LocalCluster could register."""
+    uvloop = pytest.importorskip("uvloop")
+    from tidepool.comm import connect, listen, unix
+
+    async def main() -> tuple[list[Any], Any]:
+        got: list[Any] = []
+
+        async def handler(conn: Any) -> None:
+            got.append(await conn.recv())
+            await conn.send({"op": "pong"})
+
+        path = unix.private_socket_path(abstract=True)
+        assert path is not None and path.startswith("@")
+        listener = await listen(f"unix://{path}", handler, "secret")
+        try:
+            conn = await connect(listener.address, "secret", timeout=5)
+            await conn.send({"op": "ping"})
+            reply = await conn.recv()
+            conn.close()
+        finally:
+            await listener.close()
+        return got, reply
+
+    loop = uvloop.new_event_loop()
+    try:
+        got, reply = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert got == [{"op": "ping"}] and reply == {"op": "pong"}

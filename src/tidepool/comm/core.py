@@ -729,7 +729,7 @@ async def connect(
             else:
                 tcp = TCPConnection(max_frame)
                 protocol = functools.partial(_TCPProtocol, tcp)
-                opening = (loop.create_unix_connection(protocol, unix.kernel_name(host)) if scheme == "unix" else
+                opening = (_open_unix(loop, protocol, host) if scheme == "unix" else
                            loop.create_connection(protocol, host, port, ssl=ctx,
                                                   server_hostname=host if ctx is not None else None))  # fmt: skip
                 await asyncio.wait_for(opening, max(0.1, deadline - loop.time()))
@@ -762,6 +762,20 @@ async def connect(
         conn.close()
         raise
     return conn
+
+
+async def _open_unix(loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.BaseProtocol],
+                     path: str) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:  # fmt: skip
+    """Connect a Unix socket made here, then hand it to the loop: uvloop's own connect refuses an
+    abstract name (``@name``, EINVAL), the standard loop's does not; both take a connected socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, unix.kernel_name(path))
+        return await loop.create_unix_connection(protocol, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _memory_connect(name: str, max_frame: int) -> MemoryConnection:
