@@ -1,5 +1,5 @@
-"""A LocalCluster's scheduler serves its own workers and its in-process client on a Unix socket
-(comm/unix.py); everybody else, and every TLS cluster, stays on TCP (real processes)."""
+"""A LocalCluster's scheduler serves its own workers on a Unix socket (comm/unix.py) and its
+in-process client in memory; everybody else, and every TLS cluster, stays on TCP (real processes)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 import tidepool
 from tidepool.comm import connect, listen, unix
+from tidepool.comm.core import MemoryConnection
 from tidepool.comm.tls import make_certs
 from tidepool.errors import AuthenticationError, ConfigError, ConnectionLostError
 from tidepool.providers.local import LocalProvider
@@ -46,7 +47,7 @@ def _worker_pids(cluster: tidepool.LocalCluster) -> list[int]:
     return [p.proc.pid for p in cluster.provider.procs.values()]
 
 
-def test_a_local_clusters_workers_and_in_process_client_connect_through_a_unix_socket() -> None:
+def test_a_local_clusters_workers_connect_through_a_unix_socket_and_its_in_process_client_in_memory() -> None:
     before = _ours()
     with tidepool.LocalCluster(n_workers=2, dashboard=False) as cluster, tidepool.Client(cluster) as client:
         local = cluster.scheduler.local_address
@@ -58,7 +59,10 @@ def test_a_local_clusters_workers_and_in_process_client_connect_through_a_unix_s
         assert len(conns) == 2 and all(c.peer.startswith("unix://") for c in conns)
         if LINUX:  # each names the process at its other end
             assert sorted(int(c.peer.rsplit("pid ", 1)[1].rstrip(")")) for c in conns) == sorted(_worker_pids(cluster))
-        assert client._connection._conn.peer == local
+        # the client in this very process skips sockets: an in-memory connection on the same loop
+        memory = cluster.scheduler.memory_address
+        assert memory is not None and client._connection._conn.peer == memory
+        assert isinstance(client._connection._conn, MemoryConnection)
         # a value moves worker to worker (over their TCP data servers) and comes back to the client
         w0, w1 = cluster.workers[0], cluster.workers[1]
         a = client.submit(add, 1, 2, workers=[w0])
@@ -70,11 +74,12 @@ def test_a_local_clusters_workers_and_in_process_client_connect_through_a_unix_s
             assert other._connection._conn.peer.startswith("tcp://")
             assert other.submit(add, 5, 6).result(timeout=30) == 11
 
-    async def knock() -> None:
-        await connect(local, cluster.token, timeout=0.5)
+    async def knock(where: str) -> None:
+        await connect(where, cluster.token, timeout=0.5)
 
-    with pytest.raises(ConnectionLostError):  # closed with the cluster
-        asyncio.run(knock())
+    for where in (local, memory):
+        with pytest.raises(ConnectionLostError):  # closed with the cluster
+            asyncio.run(knock(where))
     assert _ours() == before
 
 

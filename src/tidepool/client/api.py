@@ -70,8 +70,8 @@ _closing: set[asyncio.Task[None]] = set()
 
 def _shared_loop(cluster: Any) -> LoopThread | None:
     """The loop thread of a running :class:`LocalCluster` (its scheduler runs there, in this
-    process): a client of it runs on that loop too, and connects through the scheduler's Unix
-    socket when it has one; else on a loop thread of its own."""
+    process): a client of it runs on that loop too, and connects in memory (no socket) when the
+    scheduler offers that; else on a loop thread of its own."""
     from tidepool.cluster import LocalCluster
 
     if not isinstance(cluster, LocalCluster):
@@ -115,7 +115,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.timeout = timeout
         self.closed = False
         shared = _shared_loop(self.cluster)  # then it has a scheduler in this process
-        via = self.cluster.scheduler.local_address if shared is not None and self.cluster is not None else None
+        via = self.cluster.scheduler.memory_address if shared is not None and self.cluster is not None else None
         self._connection = conn = ClientConnection(address, token, timeout, tls, shared, via)
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)

@@ -98,7 +98,7 @@ class ClientConnection:
     def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None,
                  loop: LoopThread | None = None, via: str | None = None) -> None:  # fmt: skip
         self.address = address
-        #: where the scheduler is reached: ``via`` (an in-process LocalCluster's Unix socket), else
+        #: where the scheduler is reached: ``via`` (an in-process LocalCluster's in-memory address), else
         #: ``address`` (which is what users see)
         self.connect_address = via or address
         self.token = token

@@ -8,8 +8,9 @@ frame raises :class:`ProtocolError` there and closes this connection only.
 
 Addresses are ``tcp://host:port``, ``tls://host:port`` (TCP inside TLS, see ``tls.py``; the token
 handshake still runs inside it), ``unix:///path`` (a Unix socket on this machine, see ``unix.py``:
-the same stream code as TCP, plain only) or ``memory://name`` (in-process, for tests; messages
-still go through the frame encoder/decoder so serialisation is exercised).
+the same stream code as TCP, plain only) or ``memory://name`` (in-process: tests, and the client of an
+in-process ``LocalCluster``; messages still go through the frame encoder/decoder, so the bytes and
+limits are those of the sockets).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Unix-domain sockets for peers on the same machine: ``unix:///path/to/socket`` addresses, and on
 Linux ``unix://@name`` for a name in the abstract namespace (no file at all).
 
-A ``LocalCluster``'s scheduler listens on one besides its TCP port, and its own workers and an
-in-process client connect through it: a message costs the kernel less than on loopback TCP (no
+A ``LocalCluster``'s scheduler listens on one besides its TCP port, and its own workers connect
+through it (its in-process client connects in memory): a message costs the kernel less than on loopback TCP (no
 TCP/IP stack), about 17 µs less per one-way hop in an asyncio ping-pong on the machine of
 docs/benchmarks.md, while everything else (frames, the token handshake, flow control, batching) is
 the same code as TCP.  No state here.  On Linux the scheduler's socket is an abstract name: it

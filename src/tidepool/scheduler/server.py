@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -91,6 +93,10 @@ class Scheduler:
         self.local_socket = local_socket and tls is None
         self.local_address: str | None = None
         self.local_listener: Listener | None = None
+        #: with ``local_socket``, also an in-process address (``memory://``) for a client in this very
+        #: process (a LocalCluster's): its messages skip the socket, two loop turns less per round trip
+        self.memory_address: str | None = None
+        self.memory_listener: Listener | None = None
         #: with ``state_dir``: the store, and what a restart from it waits for (scheduler/recovery.py)
         self.durable: Durability | None = None
         if state_dir is not None:
@@ -149,6 +155,9 @@ class Scheduler:
         self.address = self.listener.address
         if self.local_socket:
             await self._listen_locally()
+            self.memory_listener = await listen(f"memory://scheduler-{os.getpid()}-{secrets.token_hex(8)}",
+                                                self._handle_conn, self.token)  # fmt: skip
+            self.memory_address = self.memory_listener.address
         if self.durable is not None:
             self.durable.store.set_address(self.address)
         self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop()))
@@ -197,6 +206,8 @@ class Scheduler:
             finally:
                 if self.local_listener is not None:
                     await self.local_listener.close()
+                if self.memory_listener is not None:
+                    await self.memory_listener.close()
             if self.durable is not None:
                 await asyncio.to_thread(self.durable.close)
 
