@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-dask", action="store_true")
     a = p.parse_args(argv)
     tp = run_tidepool(a.n, a.warmup)
-    print(f"tidepool: median {tp[0]:7.0f} us   p90 {tp[1]:7.0f} us   (n={a.n})", flush=True)
+    from tidepool.loop import loop_kind
+
+    print(f"tidepool: median {tp[0]:7.0f} us   p90 {tp[1]:7.0f} us   (n={a.n}, {loop_kind()} loop)", flush=True)
     dk = None if a.no_dask else run_dask(a.n, a.warmup)
     if dk is not None:
         print(f"dask:     median {dk[0]:7.0f} us   p90 {dk[1]:7.0f} us")
