@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import socket
+import sys
 import tracemalloc
 from collections.abc import Awaitable
 from typing import Any
@@ -606,6 +607,70 @@ def test_connect_retries_until_the_listener_appears() -> None:
 
     run(main())
 
+
+
+def _loops() -> list[str]:
+    import importlib.util
+
+    return ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") is not None else [])
+
+
+@pytest.mark.parametrize("loop_name", _loops())
+@pytest.mark.parametrize("abstract", [False, True] if sys.platform.startswith("linux") else [False])
+def test_a_unix_listener_whose_backlog_is_full_is_retried_like_a_refusal(loop_name: str, abstract: bool,
+                                                                          tmp_path: Any) -> None:  # fmt: skip
+    """A non-blocking Unix connect to a full accept backlog fails with EAGAIN.  The loops'
+    ``sock_connect`` took that for "in progress" and returned an unconnected socket: uvloop then
+    raised a bare RuntimeError (no retry, and not a CommError), the standard loop gave up at once."""
+    name = unix.private_socket_path(abstract=True) if abstract else str(tmp_path / "s.sock")
+    assert name is not None
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(unix.kernel_name(name))
+    listening.listen(0)  # never accepts: one waiting connection fills it
+    fillers: list[socket.socket] = []
+    try:
+        while len(fillers) < 8:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(unix.kernel_name(name))
+            except BlockingIOError:
+                s.close()
+                break
+            fillers.append(s)
+        else:
+            pytest.skip("the kernel accepted 8 connections on a backlog of 0")
+
+        async def main() -> None:
+            with pytest.raises(ConnectionLostError, match=r"within 0\.5s .*backlog is full"):
+                await asyncio.wait_for(connect(f"unix://{name}", TOKEN, timeout=0.5), T)
+
+        loop = __import__("uvloop").new_event_loop() if loop_name == "uvloop" else asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+    finally:
+        for s in fillers:
+            s.close()
+        listening.close()
+
+
+def test_a_memory_listener_refuses_a_peer_on_another_event_loop() -> None:
+    """A memory connection wakes its peer's futures directly, which is not thread-safe: a client on
+    a loop of its own (another thread) authenticated, then waited for replies that never woke it."""
+    home = asyncio.new_event_loop()
+    try:
+        listener = home.run_until_complete(listen("memory://home-loop-only", echo, TOKEN))
+
+        async def elsewhere() -> None:
+            with pytest.raises(ConfigError, match="its own event loop"):
+                await connect("memory://home-loop-only", TOKEN, timeout=T)
+
+        run(elsewhere())
+        home.run_until_complete(listener.close())
+    finally:
+        home.close()
 
 # -- limits and bad frames after authentication --------------------------------------------------
 

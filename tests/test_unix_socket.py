@@ -4,6 +4,7 @@ in-process client in memory; everybody else, and every TLS cluster, stays on TCP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 import tidepool
-from tidepool.comm import connect, listen, unix
+from tidepool.comm import connect, core, listen, unix
 from tidepool.comm.core import MemoryConnection
 from tidepool.comm.tls import make_certs
 from tidepool.errors import AuthenticationError, ConfigError, ConnectionLostError
@@ -217,3 +218,23 @@ def test_unix_addresses_are_plain_and_need_a_short_path(tmp_path: Path) -> None:
         tempfile.tempdir = old
     # a worker of a scheduler on a Unix socket is on this machine: loopback, unless told otherwise
     assert listen_host("unix:///tmp/tidepool-x/scheduler.sock") == "127.0.0.1"
+
+
+def test_the_in_memory_address_is_gone_even_if_closing_another_listener_fails() -> None:
+    """The memory listener was closed last, after the TCP and Unix ones: when one of those raised
+    (or the close was cut short by a timeout) its name stayed registered for the life of the
+    process, holding the whole scheduler and still admitting clients."""
+    cluster = tidepool.LocalCluster(n_workers=0, dashboard=False)
+    sched = cluster.scheduler
+    assert sched.memory_address is not None and sched.local_listener is not None
+    name = sched.memory_address.removeprefix("memory://")
+    close_unix = sched.local_listener.close
+
+    async def failing_close() -> None:
+        await close_unix()
+        raise RuntimeError("closing the Unix listener failed")
+
+    sched.local_listener.close = failing_close  # type: ignore[method-assign]
+    with contextlib.suppress(RuntimeError):
+        cluster.close()
+    assert name not in core._memory_listeners

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import functools
 import itertools
 import logging
@@ -414,6 +415,7 @@ class Listener:
         self._lsock: socket.socket | None = None
         self._ctx: ssl.SSLContext | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # a memory listener's (its peers must share it)
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[Connection] = set()
         self._keys = itertools.count()
@@ -444,6 +446,7 @@ class Listener:
             if name in _memory_listeners:
                 raise ConfigError(f"memory://{name} is already listening")
             _memory_listeners[name] = self
+            self._loop = asyncio.get_running_loop()
             self.address = f"memory://{name}"
             return self
         if scheme == "unix":
@@ -768,11 +771,17 @@ async def connect(
 async def _open_unix(loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.BaseProtocol],
                      path: str) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:  # fmt: skip
     """Connect a Unix socket made here, then hand it to the loop: uvloop's own connect refuses an
-    abstract name (``@name``, EINVAL), the standard loop's does not; both take a connected socket."""
+    abstract name (``@name``, EINVAL), the standard loop's does not; both take a connected socket.
+    A Unix connect never waits: it succeeds, is refused, or finds the listener's accept backlog full
+    (EAGAIN), which is retried like a refusal (the loops' ``sock_connect`` took it for "in progress"
+    and handed back a socket that was not connected)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
-        await loop.sock_connect(sock, unix.kernel_name(path))
+        try:
+            sock.connect(unix.kernel_name(path))
+        except BlockingIOError as exc:
+            raise ConnectionRefusedError(errno.EAGAIN, f"{path}: its accept backlog is full") from exc
         return await loop.create_unix_connection(protocol, sock=sock)
     except BaseException:
         sock.close()
@@ -783,6 +792,9 @@ def _memory_connect(name: str, max_frame: int) -> MemoryConnection:
     listener = _memory_listeners.get(name)
     if listener is None:
         raise ConnectionRefusedError(f"nothing listens on memory://{name}")
+    if listener._loop is not asyncio.get_running_loop():  # its wake-ups are not thread-safe
+        raise ConfigError(f"memory://{name} serves only connections from its own event loop; connect to "
+                          "the scheduler's tcp:// (or unix://) address instead")
     a = MemoryConnection(max_frame)
     b = MemoryConnection(listener.max_frame)
     a.other, b.other = b, a

@@ -201,13 +201,13 @@ class Scheduler:
                 conn.close()
             for conn in list(self.client_conns.values()):
                 conn.close()
+            if self.memory_listener is not None:  # first: its name is unregistered at once, whatever follows
+                await self.memory_listener.close()
             try:
                 await self.listener.close()
             finally:
                 if self.local_listener is not None:
                     await self.local_listener.close()
-                if self.memory_listener is not None:
-                    await self.memory_listener.close()
             if self.durable is not None:
                 await asyncio.to_thread(self.durable.close)
 
