@@ -5,7 +5,9 @@ side) copies what is left of the graph out of the scheduler state into a :class:
 (estimated duration of every unfinished task, its unfinished inputs, and for running tasks the time
 still expected); :func:`list_schedule` plays it forward on ``slots`` task slots plus slots that
 arrive later (new nodes after their startup time), greedily by priority, like the scheduler does;
-:func:`forecast` is ``max(critical path, work / capacity)`` refined by that simulation.
+:func:`forecast` is ``max(critical path, work / capacity)`` refined by that simulation, or, for
+a graph too large to simulate for every candidate pool, by playing it depth by depth
+(:func:`levels`, :func:`layered_time`: a wide phase, then its reduce, then the next phase).
 
 Estimates: a group's duration is its measured mean; a group never seen uses the adaptive prior; a
 task running longer than that is evidence, so the estimate is at least the longest elapsed time of
@@ -211,13 +213,64 @@ def fill_time(total: float, slots: int, arrivals: tuple[float, ...] = ()) -> flo
     return t + (total - done) / rate if rate else float("inf")
 
 
+def levels(work: RemainingWork) -> tuple[tuple[float, float], ...]:
+    """``(total work, longest task)`` per depth of the graph, shallowest first: a task's depth is one
+    more than its deepest unfinished input's (0 without one; indices are in topological order)."""
+    depth = [0] * len(work)
+    sums: list[float] = []
+    longest: list[float] = []
+    deps = work.deps
+    for i, d in enumerate(work.durations):
+        ds = deps[i]
+        k = 0 if not ds else (depth[ds[0]] + 1 if len(ds) == 1 else max([depth[j] for j in ds]) + 1)
+        depth[i] = k
+        if k == len(sums):
+            sums.append(0.0)
+            longest.append(0.0)
+        sums[k] += d
+        if d > longest[k]:
+            longest[k] = d
+    return tuple(zip(sums, longest, strict=True))
+
+
+def layered_time(layers: tuple[tuple[float, float], ...], slots: int, arrivals: tuple[float, ...] = ()) -> float:
+    """When ``layers`` (from :func:`levels`) end if each depth starts once the one before has ended
+    and its work divides over the slots there then (plus those arriving meanwhile), no faster than
+    its longest task.  Where the graph has barriers (a wide phase, a reduce, the next phase) this is
+    about what greedy scheduling gives, while ``max(critical path, work / slots)`` counts only the
+    larger of the two."""
+    arr = sorted(arrivals)
+    n = len(arr)
+    i = 0
+    t = 0.0
+    rate = slots
+    for total, longest in layers:
+        while i < n and arr[i] <= t:
+            rate += 1
+            i += 1
+        if rate == 0 and i >= n:
+            return float("inf")
+        start = t if rate else arr[i]
+        # divisible work from t on: ``rate`` slots now, one more at each later arrival
+        now, done, r, j = t, 0.0, rate, i
+        while j < n and (r == 0 or done + r * (arr[j] - now) < total):
+            done += r * (arr[j] - now)
+            now, r, j = arr[j], r + 1, j + 1
+        filled = now + (total - done) / r
+        t = max(start + longest, filled)
+    return t
+
+
 def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
-             bounds: tuple[float, float] | None = None, simulate: bool = True) -> float:  # fmt: skip
+             bounds: tuple[float, float] | None = None, simulate: bool = True,
+             layers: tuple[tuple[float, float], ...] | None = None) -> float:  # fmt: skip
     """Remaining seconds: the list-scheduling estimate, never below the two lower bounds.
 
     ``bounds``: ``(critical path, total work)`` of ``work`` when the caller already has them (they
-    cost a pass over the graph; a forecast with many candidate pools computes them once).
-    ``simulate=False``: the bound only (no list schedule), for forecasts over many pools.
+    cost a pass over the graph; a forecast with many candidate pools computes them once), and
+    ``layers`` its :func:`levels` alike.  ``simulate=False``: no list schedule, for forecasts over
+    many pools: then the depth-by-depth estimate (:func:`layered_time`), at most the greedy
+    schedule's own bound (the work's fill time plus the critical path) and at least the lower bounds.
     """
     if len(work) == 0:
         return 0.0
@@ -227,9 +280,11 @@ def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
     cp, total = bounds if bounds is not None else (critical_path(work), work.total)
     if slots == 0:
         cp += min(arrivals)
-    bound = max(cp, fill_time(total, slots, arrivals))
+    filled = fill_time(total, slots, arrivals)
+    bound = max(cp, filled)
     if len(work) > SIMULATE_MAX_TASKS or not simulate:
-        return bound
+        layered = layered_time(levels(work) if layers is None else layers, slots, arrivals)
+        return max(bound, min(layered, filled + cp))
     return max(bound, list_schedule(work, slots, arrivals))
 
 
@@ -366,12 +421,13 @@ def _with_extra(name: str, startup: float, spn: int, work: RemainingWork, slots:
     bounds = (critical_path(work), work.total)
     ks = candidates(room, -(-len(work) // spn))
     sim = len(work) * len(ks) <= SIMULATE_BUDGET  # one kind of estimate for every candidate
+    layers = None if sim and len(work) <= SIMULATE_MAX_TASKS else levels(work)
     etas_l: list[float] = []
     busy_l: list[float] = []
     start_l: list[float] = []
     for k in ks:
         new = (startup,) * (k * spn)
-        bound = forecast(work, slots, base + new, bounds, simulate=False)
+        bound = forecast(work, slots, base + new, bounds, simulate=False, layers=layers)
         if not sim or len(work) > SIMULATE_MAX_TASKS:
             etas_l.append(bound)  # divisible work: new slots work from their arrival to the end
             busy_l.append(max(0.0, bound - startup) if k else 0.0)
