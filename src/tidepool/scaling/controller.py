@@ -76,7 +76,7 @@ from tidepool.scaling.planned import default_policy
 from tidepool.scaling.policies import Adaptive, as_decision
 from tidepool.scaling.preemption import FallbackTracker
 from tidepool.scaling.replacement import Replacing
-from tidepool.scaling.shrink import ShrinkSignature, shrink_signature
+from tidepool.scaling.shrink import ShrinkSignature, pool_summary, shrink_signature
 from tidepool.scaling.snapshot import (
     ClusterSnapshot,
     PendingLaunch,
@@ -764,13 +764,15 @@ class ScalingController(Replacing):
         left = {nt.name: standing(snap, nt.name, retiring) for nt in snap.node_types}
         idle = idle_by_type(snap, self.instances.retiring, coming=False)
         why = dict(decision.why)
+        pool = pool_summary(by_id.values()) if decision.retire else None
         for wid in decision.retire:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or not self._ours(ws, now):
                 continue
             if planned.get(ws.node_type):
                 continue
-            sig = shrink_signature(by_id.values(), wid)
+            assert pool is not None
+            sig = shrink_signature(pool, ws, wid)
             if wid in self.refused:
                 if not self.refused[wid].changed(sig):
                     continue  # the same refusal again: said once already
