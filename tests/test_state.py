@@ -207,6 +207,23 @@ def test_retire_moves_unique_data_then_closes() -> None:
     assert d.state.counters["recomputed"] == 0
 
 
+def test_retiring_workers_spread_their_copies_over_the_survivors() -> None:
+    """Two workers retire at once, each holding one value; two empty survivors.  Each retiring
+    worker's copies were planned from the survivors' current holdings alone, so both values went to
+    the same survivor; the copies planned in one pass now count (one each)."""
+    d = StateDriver()
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    d.run_until_idle()
+    assert {next(iter(d.state.tasks[k].who_has)) for k in ("a", "b")} == {"w1", "w2"}
+    d.add_worker("s1")
+    d.add_worker("s2")
+    cmds = d.send(ev.RetireWorkers(["w1", "w2"], d.clock()))
+    targets = sorted(c.worker for c in cmds if isinstance(c, ev.Replicate))
+    assert targets == ["s1", "s2"], targets
+
+
 def test_retire_refused_when_no_survivor_can_take_the_data() -> None:
     d = StateDriver()
     d.add_worker("w1")

@@ -135,6 +135,8 @@ class GraphPlan:
     #: node type -> nodes launched while every duration was a guess (``guess_budget`` limits the bet
     #: to a number of them), counted from the launches that appeared, not from decisions
     _guessed: dict[str, int] = field(default_factory=dict, init=False)
+    #: per node type, this round's (nodes the forecast needs within the horizon, nodes standing)
+    _pool: dict[str, tuple[int, int]] = field(default_factory=dict, init=False)
     #: ids of pending launches already counted
     _seen: set[str] = field(default_factory=set, init=False)
     #: a budget whose reserve for the nodes held leaves nothing: retire idle nodes at once
@@ -416,6 +418,7 @@ class GraphPlan:
             slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
         by_type = {f.node_type: f for f in snap.forecasts}
         surplus: dict[str, int] = {}
+        self._pool.clear()
         retire: list[str] = []
         why: list[tuple[str, str]] = []
         idle = sorted((w for w in snap.workers if w.idle and w.idle_since is not None),
@@ -444,14 +447,16 @@ class GraphPlan:
         """Why ``w`` retires now, or None; ``billed``: what a relaunch of its type would bill."""
         label = self.label
         if f is not None and f.profile:
-            need = -(-peak_in_use(f.profile, horizon) // max(1, f.slots_per_node))
-            live = snap.staying_nodes_of(w.node_type)
-            if w.node_type not in surplus:
+            if w.node_type not in surplus:  # once per type and round (each is a pass over the pool)
+                need = -(-peak_in_use(f.profile, horizon) // max(1, f.slots_per_node))
+                live = snap.staying_nodes_of(w.node_type)
                 # against the nodes that have joined: a launch in flight is no node yet (a Slurm job
                 # may queue for minutes), and the forecast that gives ``need`` already counts its
                 # slots from their expected arrival on; nor against nodes being retired (the
                 # forecast's pool leaves them out: counted, each retired one more idle node)
                 surplus[w.node_type] = live - need
+                self._pool[w.node_type] = (need, live)
+            need, live = self._pool[w.node_type]
             if surplus[w.node_type] <= 0:
                 return None
             if w.unique_for_tasks and idle_for < min(self._hold_empty(billed), LOCALITY_HOLD):

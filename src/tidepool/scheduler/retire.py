@@ -16,6 +16,7 @@ state's, and the state owns every write to its fields.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -134,6 +135,10 @@ def progress_retirements(view: RetireView) -> list[Intent]:
     unique to the second once the first is closed, so it is copied, not lost."""
     out: list[Intent] = []
     leaving: list[str] = []
+    # the survivors by what they hold (and will hold, with the copies planned in this pass), made
+    # once per pass: sorting every survivor again for each retiring worker, and scanning them all
+    # for each value, made a pass over 10,000 retiring workers quadratic
+    targets: list[tuple[float, int, str]] | None = None
     for wid in list(view.retiring):
         ws = view.workers.get(wid)
         if ws is None:
@@ -148,18 +153,16 @@ def progress_retirements(view: RetireView) -> list[Intent]:
         todo = [ts for ts in unique if ts.key not in asked]
         if not todo:
             continue
-        survivors = sorted(
-            (w for w in view.workers.values() if w.state == "running"),
-            key=lambda w: (w.nbytes, w.seq),
-        )
-        if not survivors:
+        if targets is None:
+            targets = [(float(w.nbytes), w.seq, w.id) for w in view.workers.values() if w.state == "running"]
+            heapq.heapify(targets)
+        if not targets:
             continue  # wait: data stays put until a survivor appears or the worker is lost
         plan: dict[str, list[str]] = {}
-        load = {w.id: float(w.nbytes) for w in survivors}
         for ts in sorted(todo, key=lambda t: (-t.nbytes, t.priority, str(t.key))):  # deterministic order
-            target = min(survivors, key=lambda w: (load[w.id], w.seq))
-            load[target.id] += ts.nbytes
-            plan.setdefault(target.id, []).append(ts.key)
+            load, seq, target = heapq.heappop(targets)  # the survivor holding the least
+            heapq.heappush(targets, (load + ts.nbytes, seq, target))
+            plan.setdefault(target, []).append(ts.key)
         out.append(Asked(wid, tuple(ts.key for ts in todo)))
         for target_id, keys in plan.items():
             out.append(ev.Replicate(target_id, keys))
