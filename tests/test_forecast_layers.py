@@ -104,3 +104,12 @@ def test_the_default_policy_buys_the_whole_second_phase_of_a_graph_too_large_to_
     r = simulate(wl, cluster, make_policy("default"), seed=0, policy_name="default", task_records=False)
     assert r.makespan is not None and r.makespan < 600, r.makespan
     assert r.launched_nodes >= 190, r.launched_nodes  # both phases on (nearly) the whole pool
+
+
+def test_a_graph_whose_indices_are_not_in_topological_order_is_ordered_first() -> None:
+    """A replayed journal lists a task before its input: ``levels`` indexed past its list (the
+    journal-replay test of ``tidepool simulate`` crashed with an IndexError)."""
+    work = RemainingWork((1.0, 2.0, 5.0), ((1,), (), (0,)), ())  # 1 -> 0 -> 2
+    assert levels(work) == ((2.0, 2.0), (1.0, 1.0), (5.0, 5.0))
+    assert critical_path(work) == 8.0  # it read the input's finish before computing it: 6
+    assert forecast(work, 1, simulate=False) == list_schedule(work, 1) == 8.0

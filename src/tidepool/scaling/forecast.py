@@ -23,6 +23,7 @@ and builds the width profile on the holding view.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,17 +73,30 @@ class RemainingWork:
 
 
 def critical_path(work: RemainingWork) -> float:
-    """Longest chain of estimated durations (indices are in topological order)."""
+    """Longest chain of estimated durations (indices usually in topological order; a graph whose
+    are not, such as a replayed journal's, is ordered first)."""
     finish = [0.0] * len(work)
     deps = work.deps
-    for i, d in enumerate(work.durations):  # a million tasks a forecast step: no generator per task
-        ds = deps[i]
-        if not ds:
-            finish[i] = d
-        elif len(ds) == 1:
-            finish[i] = finish[ds[0]] + d
+    durations = work.durations
+    order: Iterable[int] = range(len(durations))
+    for _ in range(2):
+        for i in order:  # a million tasks a forecast step: no generator per task
+            d = durations[i]
+            ds = deps[i]
+            if not ds:
+                finish[i] = d
+            elif len(ds) == 1:
+                j = ds[0]
+                if j >= i and isinstance(order, range):
+                    break  # an input listed after its task: order the graph first
+                finish[i] = finish[j] + d
+            else:
+                if isinstance(order, range) and max(ds) >= i:
+                    break
+                finish[i] = max([finish[j] for j in ds]) + d
         else:
-            finish[i] = max([finish[j] for j in ds]) + d
+            return max(0.0, max(finish, default=0.0))
+        order = _topological(deps)
     return max(0.0, max(finish, default=0.0))
 
 
@@ -215,22 +229,52 @@ def fill_time(total: float, slots: int, arrivals: tuple[float, ...] = ()) -> flo
 
 def levels(work: RemainingWork) -> tuple[tuple[float, float], ...]:
     """``(total work, longest task)`` per depth of the graph, shallowest first: a task's depth is one
-    more than its deepest unfinished input's (0 without one; indices are in topological order)."""
-    depth = [0] * len(work)
-    sums: list[float] = []
-    longest: list[float] = []
+    more than its deepest unfinished input's (0 without one).  Indices are usually in topological
+    order (the scheduler's); a graph whose are not (a replayed journal) is ordered first."""
     deps = work.deps
-    for i, d in enumerate(work.durations):
-        ds = deps[i]
-        k = 0 if not ds else (depth[ds[0]] + 1 if len(ds) == 1 else max([depth[j] for j in ds]) + 1)
-        depth[i] = k
-        if k == len(sums):
-            sums.append(0.0)
-            longest.append(0.0)
-        sums[k] += d
-        if d > longest[k]:
-            longest[k] = d
-    return tuple(zip(sums, longest, strict=True))
+    durations = work.durations
+    order: Iterable[int] = range(len(durations))
+    for _ in range(2):
+        depth = [0] * len(durations)
+        sums: list[float] = []
+        longest: list[float] = []
+        for i in order:
+            ds = deps[i]
+            if ds and isinstance(order, range) and max(ds) >= i:
+                break  # an input listed after its task: order the graph first
+            k = 0 if not ds else (depth[ds[0]] + 1 if len(ds) == 1 else max([depth[j] for j in ds]) + 1)
+            depth[i] = k
+            while len(sums) <= k:
+                sums.append(0.0)
+                longest.append(0.0)
+            d = durations[i]
+            sums[k] += d
+            if d > longest[k]:
+                longest[k] = d
+        else:
+            return tuple(zip(sums, longest, strict=True))
+        order = _topological(deps)
+    raise AssertionError("unreachable: a topological order never breaks")
+
+
+def _topological(deps: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Indices in an order where every input comes before its dependents (Kahn's algorithm; tasks on
+    a cycle, which a graph never has, go last)."""
+    n = len(deps)
+    indeg = [len(d) for d in deps]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(deps):
+        for j in ds:
+            dependents[j].append(i)
+    order = [i for i in range(n) if indeg[i] == 0]
+    for i in order:  # grows while it is walked
+        for k in dependents[i]:
+            indeg[k] -= 1
+            if indeg[k] == 0:
+                order.append(k)
+    if len(order) < n:
+        order += [i for i in range(n) if indeg[i] > 0]
+    return order
 
 
 def layered_time(layers: tuple[tuple[float, float], ...], slots: int, arrivals: tuple[float, ...] = ()) -> float:
