@@ -321,15 +321,20 @@ def forecast(work: RemainingWork, slots: int, arrivals: tuple[float, ...] = (),
     total_slots = slots + len(arrivals)
     if total_slots == 0:
         return float("inf")
-    cp, total = bounds if bounds is not None else (critical_path(work), work.total)
-    if slots == 0:
-        cp += min(arrivals)
-    filled = fill_time(total, slots, arrivals)
+    cp, filled = _lower_bounds(slots, arrivals, bounds if bounds is not None else (critical_path(work), work.total))
     bound = max(cp, filled)
     if len(work) > SIMULATE_MAX_TASKS or not simulate:
         layered = layered_time(levels(work) if layers is None else layers, slots, arrivals)
         return max(bound, min(layered, filled + cp))
     return max(bound, list_schedule(work, slots, arrivals))
+
+
+def _lower_bounds(slots: int, arrivals: tuple[float, ...], bounds: tuple[float, float]) -> tuple[float, float]:
+    """The two lower bounds of a non-empty graph on at least one slot, from its ``(critical path,
+    total work)``: the critical path (begun when the first slot arrives, if none is there now) and
+    the time the work would take if it divided perfectly (:func:`fill_time`)."""
+    cp, total = bounds
+    return (cp + min(arrivals) if slots == 0 else cp), fill_time(total, slots, arrivals)
 
 
 def next_demand_in(work: RemainingWork) -> float | None:
@@ -470,15 +475,16 @@ def _with_extra(name: str, startup: float, spn: int, work: RemainingWork, slots:
     busy_l: list[float] = []
     start_l: list[float] = []
     for k in ks:
-        new = (startup,) * (k * spn)
-        bound = forecast(work, slots, base + new, bounds, simulate=False, layers=layers)
-        if not sim or len(work) > SIMULATE_MAX_TASKS:
-            etas_l.append(bound)  # divisible work: new slots work from their arrival to the end
-            busy_l.append(max(0.0, bound - startup) if k else 0.0)
-            start_l.append(startup if k and bound > startup else float("inf"))
+        arrivals = base + (startup,) * (k * spn)
+        if layers is not None:  # too large to simulate for every candidate: the depth-by-depth estimate
+            eta = forecast(work, slots, arrivals, bounds, simulate=False, layers=layers)
+            etas_l.append(eta)  # divisible work: new slots work from their arrival to the end
+            busy_l.append(max(0.0, eta - startup) if k else 0.0)
+            start_l.append(startup if k and eta > startup else float("inf"))
             continue
-        ms, busy, _, first = schedule_detail(work, slots, base + new)
-        etas_l.append(max(bound, ms))
+        ms, busy, _, first = schedule_detail(work, slots, arrivals)
+        # the list schedule, never below the lower bounds (as :func:`forecast` gives it)
+        etas_l.append(max(*_lower_bounds(slots, arrivals, bounds), ms) if slots or arrivals else float("inf"))
         first_new = slots + len(base)
         busy_l.append(sum(busy[first_new:]) / (k * spn) if k else 0.0)
         start_l.append(max(first[first_new:]) if k else float("inf"))
