@@ -519,7 +519,13 @@ def test_replace_before_starts_a_replacement_before_the_walltime_and_leaves_no_g
         retire = [r for r in journal.of_kind("retire") if r["worker"] == first]
         assert retire and "walltime" in retire[0]["reason"] and repl[0]["t"] < retire[0]["t"]
         joined = [r for r in journal.of_kind("worker-join") if f"-{repl[0]['request']}-" in r["worker"]]
-        closed = [r for r in journal.records if r["kind"] in ("worker-close", "worker-leave") and r["worker"] == first]
+
+        def closed_records() -> list[dict[str, Any]]:
+            return [r for r in journal.records if r["kind"] in ("worker-close", "worker-leave") and r["worker"] == first]
+
+        # "retire-done" can be journaled a round before the worker's close is (a loaded machine)
+        wait_until(lambda: bool(closed_records()), patience, "the retired worker's close in the journal")
+        closed = closed_records()
         assert joined and closed and joined[0]["t"] < closed[0]["t"]  # the replacement came first
         start = journal.of_kind("worker-join")[0]["t"]
         counts = [n for t, n in workers_over_time(journal.records) if t >= start]
