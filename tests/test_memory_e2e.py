@@ -13,6 +13,7 @@ import pytest
 
 import tidepool
 from tidepool.errors import KilledWorkerError
+from tidepool.scheduler import events as ev
 from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -30,6 +31,9 @@ def make(i: int) -> np.ndarray:  # type: ignore[type-arg]
 @pytest.mark.timeout(900)  # 10 GB through two workers' disks: minutes when the machine is loaded
 def test_500_results_of_20mb_on_two_1gb_workers_complete_correct_under_the_limit() -> None:
     with tidepool.LocalCluster(n_workers=2, memory_limit="1GB") as cluster, tidepool.Client(cluster) as client:
+        removed: list[str] = []  # why a worker left, for the failure messages below
+        cluster.scheduler.subscribe(lambda events, _: removed.extend(
+            f"{e.worker}: {e.cause.name} ({e.reason})" for e in events if isinstance(e, ev.WorkerRemove)))
         futs: list[tidepool.Future | None] = list(client.map(make, range(500)))  # type: ignore[type-arg]
         tidepool.wait(futs, timeout=900)  # a bound, not a deadline: minutes on a loaded machine
         state = cluster.scheduler.state
@@ -48,7 +52,7 @@ def test_500_results_of_20mb_on_two_1gb_workers_complete_correct_under_the_limit
         for w in state.workers.values():
             m = w.metrics
             assert w.memory_limit == LIMIT
-            assert m["spilled_total"] > 0
+            assert m["spilled_total"] > 0, f"{w.id} never spilled; workers that left meanwhile: {removed}"
             assert m["peak_rss"] <= LIMIT + MARGIN, f"{w.id} peaked at {m['peak_rss'] / MB:.0f} MiB"
 
 
