@@ -135,8 +135,6 @@ class GraphPlan:
     #: node type -> nodes launched while every duration was a guess (``guess_budget`` limits the bet
     #: to a number of them), counted from the launches that appeared, not from decisions
     _guessed: dict[str, int] = field(default_factory=dict, init=False)
-    #: per node type, this round's (nodes the forecast needs within the horizon, nodes standing)
-    _pool: dict[str, tuple[int, int]] = field(default_factory=dict, init=False)
     #: ids of pending launches already counted
     _seen: set[str] = field(default_factory=set, init=False)
     #: a budget whose reserve for the nodes held leaves nothing: retire idle nodes at once
@@ -417,8 +415,10 @@ class GraphPlan:
         if self.budget is not None and self._tight:
             slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
         by_type = {f.node_type: f for f in snap.forecasts}
+        #: per node type, this round's nodes beyond what the forecast needs within the horizon,
+        #: and (nodes it needs, nodes standing) for the reasons
         surplus: dict[str, int] = {}
-        self._pool.clear()
+        pool: dict[str, tuple[int, int]] = {}
         retire: list[str] = []
         why: list[tuple[str, str]] = []
         idle = sorted((w for w in snap.workers if w.idle and w.idle_since is not None),
@@ -434,7 +434,8 @@ class GraphPlan:
                 continue
             f = by_type.get(w.node_type)
             billed = _billed(snap, w.node_type, startup)
-            text = self._why_retire(snap, w, f, billed, hold_horizon(startup, billed, slack), idle_for, surplus)
+            text = self._why_retire(snap, w, f, billed, hold_horizon(startup, billed, slack), idle_for, surplus,
+                                    pool)  # fmt: skip
             if text is None:
                 continue
             retire.append(w.id)
@@ -443,8 +444,10 @@ class GraphPlan:
         return retire, why
 
     def _why_retire(self, snap: ClusterSnapshot, w: WorkerView, f: TypeForecast | None, billed: float,
-                    horizon: float, idle_for: float, surplus: dict[str, int]) -> str | None:  # fmt: skip
-        """Why ``w`` retires now, or None; ``billed``: what a relaunch of its type would bill."""
+                    horizon: float, idle_for: float, surplus: dict[str, int],
+                    pool: dict[str, tuple[int, int]]) -> str | None:  # fmt: skip
+        """Why ``w`` retires now, or None; ``billed``: what a relaunch of its type would bill;
+        ``surplus`` and ``pool``: this round's per-type counts (:meth:`_retire`), filled here once per type."""
         label = self.label
         if f is not None and f.profile:
             if w.node_type not in surplus:  # once per type and round (each is a pass over the pool)
@@ -455,8 +458,8 @@ class GraphPlan:
                 # slots from their expected arrival on; nor against nodes being retired (the
                 # forecast's pool leaves them out: counted, each retired one more idle node)
                 surplus[w.node_type] = live - need
-                self._pool[w.node_type] = (need, live)
-            need, live = self._pool[w.node_type]
+                pool[w.node_type] = (need, live)
+            need, live = pool[w.node_type]
             if surplus[w.node_type] <= 0:
                 return None
             if w.unique_for_tasks and idle_for < min(self._hold_empty(billed), LOCALITY_HOLD):
