@@ -127,6 +127,29 @@ def test_all_the_ways_to_name_tidepool_as_dasks_scheduler(client: tidepool.Clien
     assert float(f2.result()) == pytest.approx(float(x.min().compute(scheduler="sync")))
 
 
+def test_compute_takes_sync_and_dicts_and_lists_mixing_collections_with_plain_values(
+        client: tidepool.Client) -> None:  # fmt: skip
+    """Dask's ``Client.compute`` shapes.  Before: ``sync=True`` was dropped as an unknown option (a
+    pending future came back), and a dict or a list with a plain value was refused with "found no
+    delayed values"."""
+    x = da.arange(100, chunks=10)
+    assert int(client.compute(x.sum(), sync=True)) == 4950
+    out = client.compute({"total": x.sum(), "top": x.max()})
+    assert set(out) == {"total", "top"} and all(isinstance(f, tidepool.Future) for f in out.values())
+    assert client.gather(out) == {"total": 4950, "top": 99}
+    mixed = client.compute([x.sum(), 5], sync=True)
+    assert mixed == [4950, 5]
+    assert client.compute((x.min(), "label"), sync=True) == (0, "label")
+
+    @tidepool.task
+    def one() -> int:
+        return 1
+
+    assert client.compute({"one": one()}, sync=True) == {"one": 1}  # tidepool tasks take sync too
+    with pytest.raises(ConfigError, match="two calls"):
+        client.compute([x.sum(), one()])
+
+
 def test_tidepool_futures_inside_dask_graphs(client: tidepool.Client) -> None:
     fut = client.submit(abs, -5)
     assert dask.delayed(add_two)(fut, 2).compute(scheduler=client.get) == 7  # inline argument

@@ -390,6 +390,15 @@ def test_too_many_buffers_is_a_protocol_error() -> None:
 # -- pre-authentication refusals -----------------------------------------------------------------
 
 
+def test_an_http_answer_before_authentication_says_it_is_a_web_address() -> None:
+    """A client pointed at a dashboard port: before, "frame announces 791752240 buffers"."""
+    dec, out = make_decoder(allow_pickles=False)
+    with pytest.raises(ProtocolError, match="answered in HTTP.*dashboard"):
+        dec.feed(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    assert out == []
+
+
+
 def test_frame_with_buffers_before_auth_is_refused_from_the_prefix() -> None:
     frame = wire({"v": Serialized(pattern(4, INLINE_PICKLE + 1))})  # 1 buffer, no ext needed
     dec, out = make_decoder(allow_pickles=False)

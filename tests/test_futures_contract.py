@@ -423,3 +423,15 @@ def test_client_shutdown_keeps_the_executor_contract(cluster: tidepool.LocalClus
         assert blocker.done() and not blocker.cancelled() and blocker.exception() is None
     finally:
         c.close()
+
+
+def test_a_future_made_from_a_key_and_a_client_reattaches_as_in_dask(client: tidepool.Client) -> None:
+    """Before: ``Future(key, client)`` was never registered with the client, so its ``result()``
+    waited for ever (and ``result(timeout=)`` raised an AttributeError)."""
+    held = client.submit(identity, 42, key="reattach-answer")
+    assert held.result(timeout=30) == 42
+    again: tidepool.Future[int] = tidepool.Future("reattach-answer", client)
+    assert again is held and again.result(timeout=30) == 42  # the client's one future of the key
+    unknown: tidepool.Future[int] = tidepool.Future("reattach-never-submitted", client)
+    with pytest.raises(tidepool.TaskCancelledError):  # said, not waited for
+        unknown.result(timeout=30)

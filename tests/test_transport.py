@@ -122,6 +122,13 @@ def test_bad_addresses_are_config_errors(address: str) -> None:
         parse_address(address)
 
 
+def test_a_port_out_of_range_is_a_config_error_naming_the_range() -> None:
+    """Before: parsed, then bind() raised a bare OverflowError (``tidepool scheduler --port 99999``)."""
+    with pytest.raises(ConfigError, match="0-65535"):
+        parse_address("tcp://127.0.0.1:99999")
+    assert parse_address("tcp://127.0.0.1:65535")[2] == 65535
+
+
 def test_memory_name_can_only_be_listened_on_once() -> None:
     async def main() -> None:
         async with serving("memory://only-once", echo):

@@ -117,6 +117,14 @@ def test_local_cluster_worker_count_must_be_a_whole_number(n: Any) -> None:
         tidepool.LocalCluster(n_workers=n)
 
 
+@pytest.mark.parametrize("slots", [0, -1, 1.5, True])
+def test_local_cluster_slots_must_be_a_whole_number_of_at_least_one(slots: Any) -> None:
+    """Before: ``slots=0`` started a cluster whose workers could run nothing; every task waited and
+    ended in InfeasibleTaskError a minute later (the CLI's ``--slots 0`` was refused)."""
+    with pytest.raises(ConfigError, match="slots must be a whole number >= 1"):
+        tidepool.LocalCluster(n_workers=1, slots=slots)
+
+
 @pytest.mark.integration
 def test_a_corrected_adapt_after_a_refused_one_scales() -> None:
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:

@@ -102,6 +102,7 @@ class LocalCluster(ClosesOnExit):
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
             raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
+        check_slots(slots)
         # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
         # memory shared by as many workers as it has cores (docs/memory.md)
         worker_args = ["--memory-share", str(os.cpu_count() or 1)]
@@ -173,6 +174,7 @@ class LocalCluster(ClosesOnExit):
         self.default_type = NodeType(node_type, res, max_nodes=10_000)
         self.closed = False
         self._extra_provider: Any = None
+        self._close_at_exit()
         if n_workers:
             try:
                 self.add_workers(n_workers, wait=True)
@@ -440,6 +442,13 @@ class LocalCluster(ClosesOnExit):
 
         return describe_html("LocalCluster", self.address, self.workers_by_type(), self.dashboard_link,
                              self.closed)  # fmt: skip
+
+
+def check_slots(slots: Any) -> None:
+    """Refuse a number of task slots per worker that is not a whole number >= 1 (with 0, every task
+    would wait on workers that can run none, as ``tidepool worker --slots 0`` is refused too)."""
+    if not _whole(slots) or slots < 1:
+        raise ConfigError(f"slots must be a whole number >= 1 (tasks a worker runs at once), got {slots!r}")
 
 
 def _whole(value: Any) -> bool:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tidepool.cluster import check_slots
 from tidepool.comm.auth import read_token_file
 from tidepool.errors import ConfigError
 from tidepool.loop import ClosesOnExit
@@ -42,6 +43,7 @@ class DurableLocalCluster(ClosesOnExit):
         """``durable=False`` runs the same scheduler process without ``--state-dir`` (the state
         directory then only holds its log and token file): the baseline that measures what
         ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``)."""
+        check_slots(slots)
         self.durable = durable
         self.state_dir = str(state_dir)
         Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -63,6 +65,7 @@ class DurableLocalCluster(ClosesOnExit):
         res.setdefault("cpu", slots)
         self.default_type = NodeType("default", res, max_nodes=10_000)
         self._req = 0
+        self._close_at_exit()
         if n_workers:
             try:
                 self.add_workers(n_workers)

@@ -150,10 +150,21 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable.
 
     ``client`` is the :class:`~tidepool.Client` it belongs to; the future talks to it only through
-    ``owner`` (a :class:`FutureOwner`; by default the client itself).
+    ``owner`` (a :class:`FutureOwner`; by default the client itself).  ``Future(key, client)``
+    written by a user, as in Dask, re-attaches to ``key``: it is ``client.futures_of([key])[0]``
+    (the client's one future of that key; a key the scheduler does not know fails with
+    ``TaskCancelledError``).
     """
 
+    def __new__(cls, key: Any, client: Any = None, owner: FutureOwner | None = None) -> Future[Any]:
+        if owner is None and callable(getattr(client, "futures_of", None)):
+            fut: Future[Any] = client.futures_of([key])[0]  # registered with its client: it completes
+            return fut
+        return super().__new__(cls)
+
     def __init__(self, key: str, client: Any, owner: FutureOwner | None = None) -> None:
+        if owner is None and getattr(self, "_owner", None) is not None:
+            return  # the client's own future of ``key``, returned by __new__: already set up
         # concurrent.futures.Future.__init__'s fields but its Condition (made on first use)
         self._cond: threading.Condition | None = None
         self._state = PENDING

@@ -14,11 +14,13 @@ uvloop, failing clearly when it is missing).  A process spawned by tidepool inhe
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import importlib.util
 import os
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -138,12 +140,30 @@ async def _cancel_remaining(timeout: float) -> None:
 
 
 class ClosesOnExit:
-    """``with`` support and best-effort cleanup at garbage collection for objects with ``close()``."""
+    """``with`` support, and cleanup at interpreter exit or garbage collection for objects with
+    ``close()`` (a script that never closes its ``Client()`` still exits, and leaves no worker).
+
+    A subclass calls :meth:`_close_at_exit` once it is open: an ``atexit`` hook then closes whatever
+    is still open, newest first (a client before the cluster it started).  ``atexit`` runs while
+    the loop threads (daemons) still do; a close left to ``__del__`` at interpreter shutdown ran
+    after they had stopped, and waited on them until its timeouts.
+    """
 
     closed: bool
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def _close_at_exit(self) -> None:
+        global _exit_hooked
+        with _OPEN_LOCK:
+            if len(_open) >= 2 * _open_pruned[0] + 16:  # many short-lived clients: drop the dead refs
+                _open[:] = [r for r in _open if r() is not None]
+                _open_pruned[0] = len(_open)
+            _open.append(weakref.ref(self))
+            if not _exit_hooked:
+                atexit.register(close_all_at_exit)
+                _exit_hooked = True
 
     def __enter__(self: T) -> T:
         return self
@@ -157,3 +177,23 @@ class ClosesOnExit:
                 self.close()
             except Exception:
                 pass
+
+
+#: weak references to every :class:`ClosesOnExit` opened in this process, oldest first
+_open: list[weakref.ref[ClosesOnExit]] = []
+_open_pruned = [0]
+_OPEN_LOCK = threading.Lock()
+_exit_hooked = False
+
+
+def close_all_at_exit() -> None:
+    """Close every client and cluster still open, newest first (the ``atexit`` hook; see
+    :class:`ClosesOnExit`).  A failure of one close does not stop the others."""
+    while True:
+        with _OPEN_LOCK:
+            if not _open:
+                return
+            obj = _open.pop()()
+        if obj is not None and not getattr(obj, "closed", True):
+            with contextlib.suppress(Exception):
+                obj.close()

@@ -125,6 +125,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if asynchronous:  # connects now, in the client's loop; ``await client`` waits for it
             self._starting: concurrent.futures.Future[None] | None = self._loop.submit(conn.start())
             created.append(weakref.ref(self))
+            self._close_at_exit()
             return
         self._starting = None
         try:
@@ -133,6 +134,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             self._failed_start()
             raise
         created.append(weakref.ref(self))
+        self._close_at_exit()
 
     @property
     def id(self) -> str:
@@ -398,14 +400,20 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             del tasks
         return futs
 
-    def compute(self, collection: Any, *, progress: bool = False, optimize_graph: bool = True,
-                **options: Any) -> Any:  # fmt: skip
-        """Submit the graphs behind delayed values; returns futures in the same structure.
+    def compute(self, collection: Any, *, sync: bool = False, progress: bool = False,
+                optimize_graph: bool = True, **options: Any) -> Any:  # fmt: skip
+        """Submit the graphs behind delayed values; returns futures in the same structure
+        (``sync=True``: the values, as :meth:`gather` gives them).
 
-        Dask collections (one, or a list/tuple of them) are computed too: a future per collection,
-        of what its ``.compute()`` returns; ``options`` (``resources``, ``retries``, ``priority``,
-        ``workers``, ``allow_other_workers``) apply to their tasks.
+        Dask collections (one, or a list, tuple or dict holding them) are computed too: a future
+        per collection, of what its ``.compute()`` returns, other entries given back as they are;
+        ``options`` (``resources``, ``retries``, ``priority``, ``workers``, ``allow_other_workers``)
+        apply to their tasks.
         """
+        result = self._compute(collection, progress, optimize_graph, options)
+        return self.gather(result) if sync else result
+
+    def _compute(self, collection: Any, progress: bool, optimize_graph: bool, options: dict[str, Any]) -> Any:
         from tidepool.dask.client import compute_collections, dask_call
 
         call = dask_call(collection, options, "compute()")

@@ -73,6 +73,8 @@ def parse_address(address: str) -> tuple[str, str, int]:
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"address {address!r} needs a port, e.g. tcp://127.0.0.1:8786")
+    if int(port) > 65535:
+        raise ConfigError(f"port {int(port)} in {address!r} is out of range: a port is 0-65535 (0: any free one)")
     return scheme, host.strip("[]") or "0.0.0.0", int(port)
 
 

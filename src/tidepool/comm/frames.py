@@ -263,6 +263,12 @@ class FrameDecoder:
     def _part_done(self, part: bytes | bytearray) -> None:
         if self._stage == 0:
             self._header_len, self._nbuf = _PREFIX.unpack(part)
+            if bytes(part[:5]) == b"HTTP/" and not self.allow_pickles:  # before authentication
+                raise ProtocolError(
+                    f"the peer answered in HTTP ({bytes(part)!r}...), not tidepool's protocol: is this a "
+                    "dashboard or other web address?  Connect to the scheduler's address (cluster.address, "
+                    "or what `tidepool scheduler` printed), not its dashboard's"
+                )
             if self._nbuf > MAX_BUFFERS:
                 raise ProtocolError(f"frame announces {self._nbuf} buffers (limit {MAX_BUFFERS})")
             if self._nbuf and not self.allow_pickles:

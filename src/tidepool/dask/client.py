@@ -52,13 +52,38 @@ def _check_options(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
 
 def dask_call(collection: Any, options: dict[str, Any], where: str
               ) -> tuple[list[Any], dict[str, Any], Callable[[list[Any]], Any]] | None:  # fmt: skip
-    """For ``compute``/``persist``: if ``collection`` is Dask collections (one, or a list/tuple of
-    them), those, the checked ``options`` and how to give results back in its shape; otherwise
-    None, after refusing ``options`` (tidepool tasks carry their own)."""
-    many = isinstance(collection, (list, tuple))
-    items = list(collection) if many else [collection]
-    if items and all(is_dask_collection(c) for c in items):
-        return items, _check_options(options, where), (lambda out: type(collection)(out) if many else out[0])
+    """For ``compute``/``persist``: if ``collection`` is a Dask collection, or a list, tuple or dict
+    holding at least one (other entries are plain values, given back as they are, as Dask does),
+    those collections, the checked ``options`` and how to give results back in its shape;
+    otherwise None, after refusing ``options`` (tidepool tasks carry their own)."""
+    from tidepool.graph.delayed import Delayed
+    from tidepool.graph.refs import collect
+
+    rebuild: Callable[[list[Any]], Any]
+    if isinstance(collection, dict):
+        names = list(collection)
+        values = list(collection.values())
+        rebuild = lambda vals: type(collection)(zip(names, vals, strict=True))  # noqa: E731
+    elif isinstance(collection, (list, tuple)):
+        values = list(collection)
+        rebuild = lambda vals: type(collection)(vals)  # noqa: E731
+    else:
+        values = [collection]
+        rebuild = lambda vals: vals[0]  # noqa: E731
+    at = [i for i, v in enumerate(values) if is_dask_collection(v)]
+    if at:
+        others = [v for i, v in enumerate(values) if i not in set(at)]
+        if collect(others, Delayed):
+            raise ConfigError(f"{where} got Dask collections and tidepool delayed values together; "
+                              "compute them in two calls")  # fmt: skip
+
+        def repack(out: list[Any]) -> Any:
+            vals = list(values)
+            for i, o in zip(at, out, strict=True):
+                vals[i] = o
+            return rebuild(vals)
+
+        return [values[i] for i in at], _check_options(options, where), repack
     if options:
         raise ConfigError(f"{where} options {sorted(options)} apply to Dask collections only; "
                           "tidepool tasks carry their own (@task(resources=...), .options())")  # fmt: skip

@@ -45,6 +45,7 @@ import builtins
 import contextlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -61,6 +62,8 @@ from typing import Any
 from tidepool.providers import forkserver
 from tidepool.providers.base import IdNames, ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
+
+log = logging.getLogger("tidepool.providers")
 
 WorkerListing = dict[str, dict[str, Any]]
 #: worker numbers, shared by every LocalProvider in this process (ids must not repeat on the machine)
@@ -431,7 +434,11 @@ class LocalProvider:
                 p.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.proc.kill()
-                p.proc.wait()
+                try:  # bounded too: a forked worker's exit is heard by a thread that may be gone
+                    p.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("worker %s (pid %s) did not exit %gs after SIGKILL; not waiting for it",
+                                p.worker_id, getattr(p.proc, "pid", "?"), timeout)  # fmt: skip
         for wid in self.procs:
             self._remove_temp_dir(wid)
         self.procs.clear()
