@@ -435,3 +435,24 @@ def test_a_future_made_from_a_key_and_a_client_reattaches_as_in_dask(client: tid
     unknown: tidepool.Future[int] = tidepool.Future("reattach-never-submitted", client)
     with pytest.raises(tidepool.TaskCancelledError):  # said, not waited for
         unknown.result(timeout=30)
+
+
+def test_a_cancelled_call_still_running_keeps_its_slot_so_new_work_goes_to_the_idle_worker(tmp_path: Path) -> None:
+    """Before: cancelling a running task freed its slot in the scheduler at once, though the call ran
+    on (a thread cannot be stopped); of the next two tasks one queued behind it while the other
+    worker idled, and waited until the call returned."""
+    gate = tmp_path / "gate"
+    with tidepool.LocalCluster(n_workers=2, slots=1) as cluster, tidepool.Client(cluster) as client:
+        state = cluster.scheduler.state
+        blocker = client.submit(gated, str(gate), "blocker", 300.0)
+        wait_until(blocker.running, what="the blocker executing")
+        where = state.tasks[blocker.key].worker
+        assert where is not None
+        client.cancel([blocker])
+        wait_until(lambda: blocker.key in state.workers[where].abandoned, what="the abandoned run counted")
+        # the gate is shut: a task queued behind the cancelled call would not finish before it opens
+        assert client.gather(client.map(inc, [1, 2]), timeout=120) == [2, 3]
+        assert not gate.exists()
+        gate.touch()  # the call returns; its worker says so and has its slot back
+        wait_until(lambda: not state.workers[where].abandoned, 60, what="the ended run reported")
+        assert client.submit(inc, 3).result(timeout=60) == 4

@@ -158,6 +158,59 @@ def test_cancel_running_task_frees_it_on_the_worker() -> None:
     assert frees(d.finish("w1", "slow")) == {"slow"}
 
 
+def test_a_cancelled_run_holds_its_slot_until_the_worker_says_it_ended() -> None:
+    """Before: taking back an executing task freed its slot at once, so the next task queued on
+    that worker behind the call still running there while another worker idled."""
+    d = StateDriver(auto_start=False)
+    d.add_worker("w1")
+    d.add_worker("w2")
+    d.submit([("slow", [])], ["slow"])
+    where = d.state.tasks["slow"].worker
+    assert where is not None
+    other = "w2" if where == "w1" else "w1"
+    d.start(where, "slow")
+    assert frees(d.release(["slow"])) == {"slow"}
+    ws = d.state.workers[where]
+    assert set(ws.abandoned) == {"slow"} and ws.assigned == 1 and ws.occupancy > 0
+    cmds = d.submit([("a", [])], ["a"])
+    assert executes(cmds) == [(other, "a")]  # on the worker with a free slot
+    d.state.validate()
+    d.send(ev.AbandonedRunsEnded(where, ["slow"], d.clock()))
+    assert not ws.abandoned and ws.assigned == 0 and ws.occupancy == 0
+    d.state.validate()
+
+
+def test_a_run_taken_back_before_it_started_or_wanted_again_where_it_runs_holds_no_extra_slot() -> None:
+    d = StateDriver(auto_start=False)
+    d.add_worker("w1", {"cpu": 2})
+    d.submit([("q", [])], ["q"])
+    d.release(["q"])  # never reported started: it was still queued, the worker drops it
+    ws = d.state.workers["w1"]
+    assert not ws.abandoned and ws.assigned == 0
+    d.submit([("r", [])], ["r"])
+    d.start("w1", "r")
+    d.release(["r"])
+    assert set(ws.abandoned) == {"r"} and ws.assigned == 1
+    cmds = d.submit([("r", [])], ["r"])  # wanted again: assigned where it still runs, which keeps that run
+    assert executes(cmds) == [("w1", "r")]
+    assert not ws.abandoned and ws.assigned == 1 and d.state.tasks["r"].executing
+    d.finish("w1", "r")
+    assert d.status() == {"r": "memory"} and ws.assigned == 0 and ws.occupancy == 0
+    d.state.validate()
+
+
+def test_a_task_wanted_again_while_its_abandoned_run_fills_the_only_slot_runs_once_the_run_ended() -> None:
+    d = StateDriver(auto_start=False)
+    d.add_worker("w1")
+    d.submit([("r", [])], ["r"])
+    d.start("w1", "r")
+    d.release(["r"])
+    assert not executes(d.submit([("r", [])], ["r"]))  # the slot is busy with the abandoned run
+    cmds = d.send(ev.AbandonedRunsEnded("w1", ["r"], d.clock()))  # that run's result was dropped
+    assert executes(cmds) == [("w1", "r")]
+    d.state.validate()
+
+
 def test_missing_data_reported_by_worker_triggers_recompute() -> None:
     d = StateDriver()
     d.add_worker("w1")

@@ -35,11 +35,14 @@ def test_round_trip_and_events_in_fixed_order() -> None:
     b.add("replicas", ["a", 8])
     b.add("seceded", "e")
     b.add("unservable", ["f", "Lock", "cannot pickle"])
+    b.add("ended", "g")
     back = TaskBatch.decode(b.encode())
     assert back == b
     out = batch_events("w1", back, 1.0)
     assert [type(e) for e in out] == [ev.TasksStarted, ev.TaskFinished, ev.TaskErred, ev.MissingData,
-                                      ev.AddReplica, ev.TaskSeceded, ev.ValueUnservable]  # fmt: skip
+                                      ev.AddReplica, ev.TaskSeceded, ev.ValueUnservable,
+                                      ev.AbandonedRunsEnded]  # fmt: skip
+    assert out[-1] == ev.AbandonedRunsEnded("w1", ["g"], 1.0)
     assert not any(isinstance(e, ev.StealReply) for e in out)
 
 

@@ -218,8 +218,9 @@ class DataReply:
 #: ``started`` keys; ``finished`` [key, nbytes, duration]; ``erred`` {key, exception, traceback, type,
 #: message, duration}; ``missing`` [key, dep, holder, why?, silent?]; ``replicas`` [key, nbytes];
 #: ``stolen`` / ``kept`` keys (a steal reply: both or neither); ``seceded`` keys; ``unservable``
-#: [key, type, message]
-BATCH_KINDS = ("started", "finished", "erred", "missing", "replicas", "stolen", "kept", "seceded", "unservable")
+#: [key, type, message]; ``ended`` keys (runs nobody wanted any more have returned: their slots are free)
+BATCH_KINDS = ("started", "finished", "erred", "missing", "replicas", "stolen", "kept", "seceded", "unservable",
+               "ended")  # fmt: skip
 _batch_lists = operator.attrgetter(*BATCH_KINDS)
 
 
@@ -240,6 +241,7 @@ class TaskBatch:
     kept: list[str] = field(default_factory=list)
     seceded: list[str] = field(default_factory=list)
     unservable: list[Any] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
     steal_reply: bool = False
     #: kinds this version does not know: sent as they are, and ignored by a reader that does not know
     #: them either (so a worker may report a new kind before every scheduler reads it)
@@ -285,7 +287,7 @@ class TaskBatch:
                 list(msg.get("started") or ()), list(msg.get("finished") or ()), list(msg.get("erred") or ()),
                 list(msg.get("missing") or ()), list(msg.get("replicas") or ()), list(msg.get("stolen") or ()),
                 list(msg.get("kept") or ()), list(msg.get("seceded") or ()), list(msg.get("unservable") or ()),
-                "stolen" in msg or "kept" in msg,
+                list(msg.get("ended") or ()), "stolen" in msg or "kept" in msg,
             )  # fmt: skip
         except TypeError as exc:
             raise ProtocolError(f"malformed task-batch ({exc})") from None

@@ -192,6 +192,16 @@ class StealReply:
 
 
 @dataclass(slots=True)
+class AbandonedRunsEnded:
+    """Runs on ``worker`` that nobody wanted any more (cancelled or released while they executed:
+    a thread cannot be stopped) have returned; their slots are free again."""
+
+    worker: str
+    keys: list[str]
+    now: float
+
+
+@dataclass(slots=True)
 class TaskSeceded:
     """A task on ``worker`` left its slot to wait for tasks it submitted (``worker_client``)."""
 
@@ -302,6 +312,7 @@ Event = (
     | CheckFeasible
     | StealReply
     | TaskSeceded
+    | AbandonedRunsEnded
     | FireAndForget
     | Broadcast
     | Restart

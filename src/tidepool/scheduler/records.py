@@ -228,6 +228,7 @@ class WorkerRecord:
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
         "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
+        "abandoned",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -259,16 +260,22 @@ class WorkerRecord:
         #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
         #: it gets no new work until it is heard from again; it is not declared dead for that
         self.suspect = False
+        #: runs taken back from it while they executed (cancelled, released), key -> the estimate
+        #: counted in ``occupancy``: a thread cannot be stopped, so each holds its slot until the
+        #: worker says it ended
+        self.abandoned: dict[str, float] = {}
 
     @property
     def assigned(self) -> int:
         """Tasks that count against its slots: those assigned to it (running or queued) but for
-        the ones that left their slot (``seceded``)."""
-        return len(self.processing) - self.seceded
+        the ones that left their slot (``seceded``), and the runs nobody wants that still execute
+        there (``abandoned``)."""
+        return len(self.processing) - self.seceded + len(self.abandoned)
 
     def forget_tasks(self, now: float) -> None:
         """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
         self.processing.clear()
+        self.abandoned.clear()
         self.has_what.clear()
         self.nbytes, self.occupancy, self.seceded = 0, 0.0, 0
         self.idle_since = now

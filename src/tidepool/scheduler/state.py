@@ -114,7 +114,8 @@ class SchedulerState:
             ev.TasksStarted: self._tasks_started, ev.ValueUnservable: self._value_unservable,
             ev.CheckFeasible: self._check_feasible, ev.StealReply: self._steal_reply,
             ev.FireAndForget: self._fire_and_forget, ev.Broadcast: self._broadcast, ev.Restart: self._restart,
-            ev.TaskSeceded: self._task_seceded, ev.RetireWorkers: self._retire_workers, **rejoin.handlers(self),
+            ev.TaskSeceded: self._task_seceded, ev.AbandonedRunsEnded: self._abandoned_runs_ended,
+            ev.RetireWorkers: self._retire_workers, **rejoin.handlers(self),
         }  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -375,11 +376,22 @@ class SchedulerState:
             self.room.add(ws.id)
 
     def _take_back(self, ts: TaskRecord, out: list[ev.Command]) -> None:
-        """A running ``ts`` is not wanted any more: off its worker, which drops it."""
+        """A running ``ts`` is not wanted any more: off its worker, which drops it.  If it executes
+        there (and holds a slot), the slot stays counted busy until the worker says the run ended
+        (``AbandonedRunsEnded``): otherwise the next task would queue behind it while another
+        worker idles."""
         w = ts.worker
+        ws = self.workers.get(w) if w is not None else None
+        est = ws.processing.get(ts) if ws is not None and ts.executing and not ts.seceded else None
         self._unassign(ts)
         if w is not None:
             out.append(ev.Free(w, [ts.key]))
+        if est is not None and ws is not None:
+            ws.abandoned[ts.key] = est
+            ws.occupancy += est
+            self._load_changed(ws)
+            if not self._has_room(ws):
+                self.room.discard(ws.id)
 
     def _transfer_outweighs(self, thief: WorkerRecord, ts: TaskRecord) -> bool:
         return pl.transfer_outweighs(thief, ts, self.estimates.estimate(ts.group))
@@ -389,6 +401,9 @@ class SchedulerState:
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
         ts.executing = False
+        if ws.abandoned and ts.key in ws.abandoned:  # wanted again where it still runs: the worker keeps that run
+            ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
+            ts.executing = True
         ts.started = self.now
         ws.processing[ts] = est
         self._load_changed(ws)
@@ -422,7 +437,7 @@ class SchedulerState:
         if ws.processing:
             ws.occupancy -= est
         else:
-            ws.occupancy = 0.0
+            ws.occupancy = sum(ws.abandoned.values()) if ws.abandoned else 0.0
             ws.idle_since = self.now
         self._room_changed(ws)
 
@@ -880,6 +895,17 @@ class SchedulerState:
         self._load_changed(ws)
         est = ws.processing.get(ts, 0.0)
         ws.occupancy = max(0.0, ws.occupancy - est)
+        self._room_changed(ws)
+
+    def _abandoned_runs_ended(self, e: ev.AbandonedRunsEnded, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        if ws is None or not ws.abandoned:
+            return
+        for key in e.keys:
+            est = ws.abandoned.pop(key, None)
+            if est is not None:
+                ws.occupancy = max(0.0, ws.occupancy - est) if ws.processing or ws.abandoned else 0.0
+        self._load_changed(ws)
         self._room_changed(ws)
 
     def _retire_workers(self, e: ev.RetireWorkers, out: list[ev.Command]) -> None:

@@ -4,7 +4,8 @@ shell (``scheduler/server.py``) and by the simulator's worker processes (``sim/p
 Stateless.  Data flow: worker state ``Report`` commands -> :class:`~tidepool.comm.messages.TaskBatch`
 (worker outbox, or the simulated process) -> :func:`batch_events` -> ``SchedulerState.handle_many``.
 The order is fixed: ``started`` first (a task that started and finished in one batch is seen in that
-order), then finished, erred, missing, replicas, the steal reply, seceded and unservable.
+order), then finished, erred, missing, replicas, the steal reply, seceded, unservable and the ended
+runs nobody wanted.
 """
 
 from __future__ import annotations
@@ -34,4 +35,6 @@ def batch_events(wid: str, batch: TaskBatch, now: float) -> list[ev.Event]:
         out.append(ev.TaskSeceded(wid, str(key), now))
     for key, typ, message in batch.unservable:
         out.append(ev.ValueUnservable(wid, str(key), str(typ), str(message), now))
+    if batch.ended:
+        out.append(ev.AbandonedRunsEnded(wid, [str(k) for k in batch.ended], now))
     return out

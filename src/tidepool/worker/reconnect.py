@@ -61,7 +61,7 @@ class Worker(Protocol):
 #: seconds between attempts at most (attempts start 0.1 s apart and double)
 MAX_RETRY_DELAY = 1.0
 #: outbox entries that refer to the old scheduler's plans (or are in the ``rejoin`` message)
-_STALE = ("finished", "missing", "replicas", "started", "stolen", "kept")
+_STALE = ("finished", "missing", "replicas", "started", "stolen", "kept", "ended")
 
 
 def registration(worker: Worker) -> dict[str, Any]:

@@ -515,6 +515,7 @@ class WorkerState:
                 self._lane_check(b)
         if e.key in self.cancelled:
             self.cancelled.discard(e.key)  # nobody wants the result: it is not kept
+            out.append(Report("ended", e.key))  # but the scheduler counts its slot busy until now
         elif e.ok:
             self.executed += 1
             self._store(e.key, e.nbytes, out)
