@@ -456,3 +456,13 @@ def test_a_cancelled_call_still_running_keeps_its_slot_so_new_work_goes_to_the_i
         gate.touch()  # the call returns; its worker says so and has its slot back
         wait_until(lambda: not state.workers[where].abandoned, 60, what="the ended run reported")
         assert client.submit(inc, 3).result(timeout=60) == 4
+
+
+def test_exception_with_a_timeout_says_what_the_task_waits_for(client: tidepool.Client, gate: Path) -> None:
+    """Before: ``exception(timeout=)`` raised a TimeoutError with an empty message."""
+    blocked = occupy_the_slot(client.get_executor(), gate)
+    with pytest.raises(TimeoutError, match="running") as info:
+        blocked.exception(timeout=0.2)
+    assert str(info.value)
+    gate.touch()
+    assert blocked.exception(timeout=30) is None

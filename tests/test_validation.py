@@ -132,3 +132,40 @@ def test_a_corrected_adapt_after_a_refused_one_scales() -> None:
             cluster.adapt(maximum=0)
         cluster.adapt(maximum=1)
         assert client.submit(sum, [1, 2, 3]).result(timeout=60) == 6
+
+
+def test_dask_keyword_names_point_to_tidepools() -> None:
+    """Before: ``threads_per_worker=`` listed every accepted keyword without naming ``slots``."""
+    with pytest.raises(ConfigError, match=r"Dask's threads_per_worker= is slots= in tidepool"):
+        tidepool.LocalCluster(threads_per_worker=2)
+
+
+@pytest.mark.integration
+def test_a_second_adapt_checks_its_keywords_first_then_says_the_first_settings_stay() -> None:
+    """Before: any second adapt() said only "already called", hiding a typo such as minimun=."""
+    with tidepool.LocalCluster(n_workers=0) as cluster:
+        cluster.adapt(maximum=1)
+        with pytest.raises(ConfigError, match="did you mean 'minimum'"):
+            cluster.adapt(minimun=0)
+        with pytest.raises(ConfigError, match="keeps the settings it was started with"):
+            cluster.adapt(maximum=2)
+
+
+@pytest.mark.integration
+def test_scale_grows_and_shrinks_a_fixed_pool_as_in_dask_and_refuses_while_adapting() -> None:
+    """Before: ``cluster.scale`` did not exist (AttributeError)."""
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        (first,) = cluster.workers
+        started = cluster.scale(3)
+        assert len(started) == 2 and sorted(cluster.workers) == sorted([first, *started])
+        held = client.map(abs, [-1, -2, -3, -4, -5, -6])
+        assert client.gather(held, timeout=60) == [1, 2, 3, 4, 5, 6]
+        retired = cluster.scale(1)
+        assert sorted(retired) == sorted(started) and cluster.workers == [first]  # the newest go
+        assert client.gather(held, timeout=60) == [1, 2, 3, 4, 5, 6]  # their values moved first
+        assert cluster.scale(1) == []
+        with pytest.raises(ConfigError, match="whole number"):
+            cluster.scale(-1)
+        cluster.adapt(maximum=2)
+        with pytest.raises(ConfigError, match="this cluster adapts"):
+            cluster.scale(2)

@@ -102,6 +102,25 @@ def test_as_completed_with_results_and_errors(executor: concurrent.futures.Execu
     assert pair[0] is bad and isinstance(pair[1], ValueError)
 
 
+def test_as_completed_timeout_counts_from_the_call_as_in_dask(executor: concurrent.futures.Executor,
+                                                                tmp_path: Any) -> None:  # fmt: skip
+    """Before: ``timeout=`` was a TypeError (Dask's as_completed takes it)."""
+    gate = str(tmp_path / "gate")
+    slow = executor.submit(gated, 5, gate)
+    fast = executor.submit(inc, 1)
+    ac = tidepool.as_completed([slow, fast], timeout=0.5)
+    assert next(ac) is fast
+    with pytest.raises(TimeoutError, match="1 futures still not done 0.5s after"):
+        next(ac)
+    with pytest.raises(TimeoutError):
+        ac.next_batch(block=True)
+    assert ac.next_batch(block=False) == []  # not blocking: never a timeout
+    open(gate, "w").close()
+    assert slow.result(timeout=30) == 5
+    with pytest.raises(tidepool.ConfigError, match="timeout"):
+        tidepool.as_completed([], timeout=-1)
+
+
 def test_as_completed_batches_hold_everything(executor: concurrent.futures.Executor) -> None:
     futs = [executor.submit(inc, i) for i in range(20)]
     ac = tidepool.as_completed(futs)

@@ -263,6 +263,27 @@ class LocalCluster(ClosesOnExit):
             self.wait_for_workers(ids)
         return ids
 
+    def scale(self, n: int) -> list[str]:
+        """Dask's ``cluster.scale(n)``: a fixed pool of ``n`` workers.  Starts the missing ones (and
+        waits for them to register), or retires the newest beyond ``n``, whose values move to the
+        survivors first.  Returns the ids started or retired.  A cluster that adapts (after
+        :meth:`adapt`) sizes itself: set ``adapt(minimum=, maximum=)`` instead."""
+        if not _whole(n):
+            raise ConfigError(f"scale() takes a whole number of workers >= 0, got {n!r}")
+        if self.autoscaler is not None:
+            raise ConfigError("scale() sets a fixed number of workers, but this cluster adapts (adapt() was "
+                              "called): its autoscaler sizes the pool within adapt(minimum=, maximum=)")  # fmt: skip
+        state = self.scheduler.state
+        now = sorted(state.workers.values(), key=lambda w: w.seq)
+        if n > len(now):
+            return self.add_workers(n - len(now))
+        extra = [w.id for w in now[n:]]
+        if extra:
+            self.retire_workers(extra)
+            for wid in extra:
+                self.wait_for_removal(wid)
+        return extra
+
     def wait_for_workers(self, ids: int | list[str], timeout: float | None = None) -> None:
         """Block until the given worker ids (or at least ``ids`` workers) are registered."""
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -339,10 +360,11 @@ class LocalCluster(ClosesOnExit):
         not combine with ``node_types`` or ``config``; an autoscaler that could never start a worker
         (``maximum=0``, ``max_workers=0``, every node type at ``max_nodes=0``) is refused.
         """
-        if self.autoscaler is not None:
-            raise ConfigError("adapt() was already called on this cluster")
         check_keywords("adapt", controller_kwargs, LocalCluster.adapt, ScalingController.__init__)
         _check_adapt_arguments(minimum, maximum, node_types, config, interval)
+        if self.autoscaler is not None:
+            raise ConfigError("adapt() was already called on this cluster, and its autoscaler keeps the settings it "
+                              "was started with; to scale differently, start a new LocalCluster")  # fmt: skip
         from tidepool.scaling.planned import check_objective, default_policy
 
         check_objective(objective, deadline, budget)

@@ -233,6 +233,16 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             self._value = self._owner.fetch(self.key, timeout)
         return self._value  # type: ignore[no-any-return]
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The task's exception (None if it succeeded); a timeout says what the task is waiting
+        for, as :meth:`result`'s does."""
+        try:
+            return super().exception(timeout)
+        except TimeoutError:
+            if self.done():
+                raise
+            raise TimeoutError(self._owner.why_not_done([self.key], timeout)) from None
+
     def running(self) -> bool:
         """True while the task executes on a worker (it can no longer be cancelled).
 

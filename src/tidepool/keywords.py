@@ -16,6 +16,10 @@ from typing import Any
 
 from tidepool.errors import ConfigError
 
+#: Dask's names for what tidepool calls otherwise (a close spelling cannot find these)
+DASK_NAMES = {"threads_per_worker": "slots", "nthreads": "slots", "minimum_cores": "minimum",
+              "maximum_cores": "maximum"}  # fmt: skip
+
 
 def accepted_keywords(targets: Iterable[Callable[..., Any]]) -> set[str]:
     """Every name the ``targets`` take by keyword (``self`` and ``*args``/``**kwargs`` excluded)."""
@@ -38,5 +42,7 @@ def check_keywords(call: str, given: Iterable[str], *targets: Callable[..., Any]
             continue
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if DASK_NAMES.get(name) in known:
+            hint = f" (Dask's {name}= is {DASK_NAMES[name]}= in tidepool)"
         raise ConfigError(f"{call}() got an unexpected keyword argument {name!r}{hint}; it takes "
                           f"{', '.join(sorted(known))}")  # fmt: skip

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -51,13 +53,19 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
     """Iterate over futures in the order they finish; more may be :meth:`add`-ed meanwhile.
 
     ``with_results=True`` yields ``(future, result)``; a failed future then raises its exception
-    (``raise_errors=True``, the default) or yields ``(future, exception)``.
+    (``raise_errors=True``, the default) or yields ``(future, exception)``.  ``timeout`` (seconds
+    from this call, as in Dask): waiting for the next future past it raises :class:`TimeoutError`.
     """
 
     def __init__(self, futures: Iterable[concurrent.futures.Future[Any]] = (), *,
-                 with_results: bool = False, raise_errors: bool = True) -> None:  # fmt: skip
+                 with_results: bool = False, raise_errors: bool = True, timeout: float | None = None) -> None:  # fmt: skip
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or math.isnan(timeout) or timeout < 0):  # fmt: skip
+            raise ConfigError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         self.with_results = with_results
         self.raise_errors = raise_errors
+        self.timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         self._cond = threading.Condition()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._done: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
@@ -104,7 +112,7 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
             while not self._done:
                 if not self._pending:
                     raise StopIteration
-                self._cond.wait()
+                self._wait()
             f = self._done.popleft()
         return self._item(f)
 
@@ -112,9 +120,20 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
         """Everything finished so far (at least one if ``block`` and any are pending)."""
         with self._cond:
             while block and not self._done and self._pending:
-                self._cond.wait()
+                self._wait()
             batch, self._done = list(self._done), collections.deque()
         return [self._item(f) for f in batch]
+
+    def _wait(self) -> None:
+        """Wait (holding the condition) for a finish, or raise past the deadline."""
+        if self._deadline is None:
+            self._cond.wait()
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(self._pending)} futures still not done {self.timeout}s after "
+                               "as_completed() was called")  # fmt: skip
+        self._cond.wait(left)
 
     def batches(self) -> Iterator[list[Any]]:
         while not self.is_empty():
