@@ -129,6 +129,21 @@ def test_scatter_broadcast_puts_a_copy_on_every_worker(client: tidepool.Client, 
     assert all(big.key in keys for keys in has.values()) and len(has) == len(cluster.workers)
 
 
+def test_replicate_copies_to_n_workers_or_to_all_as_in_dask() -> None:
+    """Before: ``client.replicate`` did not exist (AttributeError)."""
+    with tidepool.LocalCluster(n_workers=3) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(inc, 1, workers=[cluster.workers[0]])
+        assert fut.result(timeout=30) == 2
+        client.replicate(fut, n=2)
+        wait_until(lambda: len(client.who_has(fut)[fut.key]) == 2, what="two copies")
+        client.replicate([fut])
+        wait_until(lambda: len(client.who_has(fut)[fut.key]) == 3, what="a copy on every worker")
+        with pytest.raises(ConfigError, match="workers="):
+            client.replicate(fut, workers=cluster.workers[:1])
+        with pytest.raises(ConfigError, match="n="):
+            client.replicate(fut, n=0)
+
+
 def test_fire_and_forget_runs_a_dropped_task_to_the_end(client: tidepool.Client, tmp_path: Path) -> None:
     out = tmp_path / "side-effect"
     fut = client.submit(touch, str(out))

@@ -211,6 +211,24 @@ def test_a_task_wanted_again_while_its_abandoned_run_fills_the_only_slot_runs_on
     d.state.validate()
 
 
+def test_broadcast_with_a_number_of_copies_tops_up_on_the_least_loaded_workers() -> None:
+    d = StateDriver()
+    for w in ("w1", "w2", "w3", "w4"):
+        d.add_worker(w)
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    d.finish(d.state.tasks["a"].worker or "", "a", nbytes=100)
+    d.finish(d.state.tasks["b"].worker or "", "b", nbytes=100)
+    holders = {k: set(d.state.tasks[k].who_has) for k in ("a", "b")}
+    cmds = d.send(ev.Broadcast(["a", "b", "gone"], d.clock(), copies=2))
+    asks = {c.worker: list(c.keys) for c in cmds if isinstance(c, ev.Replicate)}
+    for k in ("a", "b"):
+        targets = [w for w, keys in asks.items() if k in keys]
+        assert len(targets) == 1 and targets[0] not in holders[k]  # one more copy each: two in all
+    assert len(asks) == 2  # the two copies go to different, emptier workers (planned bytes count)
+    everywhere = d.send(ev.Broadcast(["a"], d.clock()))
+    assert {c.worker for c in everywhere if isinstance(c, ev.Replicate)} == {"w1", "w2", "w3", "w4"} - holders["a"]
+
+
 def test_missing_data_reported_by_worker_triggers_recompute() -> None:
     d = StateDriver()
     d.add_worker("w1")

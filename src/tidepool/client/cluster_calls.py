@@ -141,6 +141,24 @@ class ClusterCalls:
             self._connection.post({"op": "broadcast", "keys": [f.key for f in flat]})
         return futs
 
+    def replicate(self, futures: Any, n: int | None = None, workers: Any = None) -> None:
+        """Copy the values of ``futures`` (a future, or a list/tuple/dict of them) to every running
+        worker, or (``n``) until each is held by ``n`` workers; waits until they are computed (as
+        Dask does: no timeout), and the copies are made in the background.  Copies beyond ``n`` are not removed, and Dask's
+        ``workers=`` is not supported (a ConfigError)."""
+        if workers is not None:
+            raise ConfigError("replicate(workers=...) is not supported by tidepool: copies go to every running "
+                              "worker, or (n=) to the least loaded ones")  # fmt: skip
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"replicate(n=) takes a whole number of copies >= 1, got {n!r}")
+        flat: list[Any] = collect(futures, Future)
+        if not flat:
+            return
+        from tidepool.waiting import wait
+
+        wait(flat)
+        self._connection.post({"op": "broadcast", "keys": [f.key for f in flat], "copies": n or 0})
+
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         """Key -> addresses of the workers holding its value (every key the client holds if None)."""
         if futures is None:

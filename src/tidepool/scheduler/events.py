@@ -220,10 +220,12 @@ class FireAndForget:
 
 @dataclass(slots=True)
 class Broadcast:
-    """Copy the values of ``keys`` to every running worker."""
+    """Copy the values of ``keys`` to every running worker, or (``copies`` > 0) until each is held
+    by that many (the least loaded running workers take the copies)."""
 
     keys: list[str]
     now: float
+    copies: int = 0
 
 
 @dataclass(slots=True)

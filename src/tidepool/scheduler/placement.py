@@ -271,16 +271,25 @@ def _pack_rank(w: WorkerRecord, local: dict[str, int], needs: frozenset[str]) ->
 
 
 def copies_everywhere(keys: Iterable[str], tasks: Mapping[str, TaskRecord],
-                      workers: Mapping[str, WorkerRecord]) -> dict[str, list[str]]:  # fmt: skip
-    """``broadcast``: for each running worker, the values of ``keys`` (in memory) it lacks."""
+                      workers: Mapping[str, WorkerRecord], copies: int = 0) -> dict[str, list[str]]:  # fmt: skip
+    """``broadcast``: for each running worker, the values of ``keys`` (in memory) it lacks; with
+    ``copies`` > 0 (``replicate(n=)``) only enough of them that each value is held ``copies`` times,
+    on the running workers holding the fewest bytes (planned copies counted), join order on ties."""
     asks: dict[str, list[str]] = {}
+    running = [ws for ws in workers.values() if ws.state == "running"]
+    planned: dict[str, int] = {}  # bytes this plan adds per worker
     for key in keys:
         ts = tasks.get(key)
         if ts is None or ts.state != "memory":
             continue
-        for ws in workers.values():
-            if ws.state == "running" and ws.id not in ts.who_has:
-                asks.setdefault(ws.id, []).append(key)
+        lacking = [ws for ws in running if ws.id not in ts.who_has]
+        if copies > 0:
+            held = sum(1 for ws in running if ws.id in ts.who_has)
+            lacking.sort(key=lambda w: (w.nbytes + planned.get(w.id, 0), w.seq))
+            lacking = lacking[: max(0, copies - held)]
+        for ws in lacking:
+            asks.setdefault(ws.id, []).append(key)
+            planned[ws.id] = planned.get(ws.id, 0) + ts.nbytes
     return asks
 
 

@@ -593,7 +593,7 @@ class Scheduler:
         elif op == "fire-and-forget":
             await self.apply([ev.FireAndForget(list(msg["keys"]), now)])
         elif op == "broadcast":
-            await self.apply([ev.Broadcast(list(msg["keys"]), now)])
+            await self.apply([ev.Broadcast(list(msg["keys"]), now, int(msg.get("copies") or 0))])
         elif op == "register-setup":
             asyncio.get_running_loop().create_task(self._setup_request(cid, msg))
         else:

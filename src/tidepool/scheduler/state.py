@@ -864,7 +864,7 @@ class SchedulerState:
                 self._compute(ts, out)
 
     def _broadcast(self, e: ev.Broadcast, out: list[ev.Command]) -> None:
-        for wid, keys in pl.copies_everywhere(e.keys, self.tasks, self.workers).items():
+        for wid, keys in pl.copies_everywhere(e.keys, self.tasks, self.workers, e.copies).items():
             out.append(ev.Replicate(wid, keys))
 
     def _restart(self, e: ev.Restart, out: list[ev.Command]) -> None:
