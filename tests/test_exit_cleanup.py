@@ -81,6 +81,40 @@ def test_at_exit_everything_still_open_is_closed_newest_first_and_a_failing_clos
     assert cluster.closed and client.closed
 
 
+FORK_SCRIPT = """
+import os, sys
+from tidepool.loop import ClosesOnExit
+
+class Marked(ClosesOnExit):
+    def __init__(self):
+        self.closed = False
+        self._close_at_exit()
+    def close(self):
+        self.closed = True
+        open(f"{sys.argv[1]}/closed-by-{os.getpid()}", "w").close()
+
+owner = Marked()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child exits normally: its atexit hooks run
+os.waitpid(pid, 0)
+print(pid, os.getpid())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_leaves_its_parents_clients_to_the_parent(tmp_path: Path) -> None:
+    """Found by review: a child made by os.fork() inherited the registry and, at its exit, closed
+    the parent's client and cluster (stopping the parent's workers)."""
+    script = tmp_path / "fork.py"
+    script.write_text(textwrap.dedent(FORK_SCRIPT))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    child, parent = out.stdout.split()
+    assert not (tmp_path / f"closed-by-{child}").exists()
+    assert (tmp_path / f"closed-by-{parent}").exists()  # the parent still closes its own at exit
+
+
 class NeverExits:
     """A worker process whose exit is never heard (a forked worker whose reader thread is gone)."""
 

@@ -193,9 +193,28 @@ def test_a_run_taken_back_before_it_started_or_wanted_again_where_it_runs_holds_
     assert set(ws.abandoned) == {"r"} and ws.assigned == 1
     cmds = d.submit([("r", [])], ["r"])  # wanted again: assigned where it still runs, which keeps that run
     assert executes(cmds) == [("w1", "r")]
-    assert not ws.abandoned and ws.assigned == 1 and d.state.tasks["r"].executing
+    assert not ws.abandoned and ws.assigned == 1
+    assert not d.state.tasks["r"].executing  # until the worker says so: the run may have ended meanwhile
     d.finish("w1", "r")
     assert d.status() == {"r": "memory"} and ws.assigned == 0 and ws.occupancy == 0
+    d.state.validate()
+
+
+def test_a_rerun_queued_after_the_abandoned_run_ended_and_cancelled_again_leaves_no_slot_busy() -> None:
+    """Found by review: the re-assigned task was marked executing from the abandoned record, though
+    that run had ended (its "ended" still in flight); cancelled again before it started, it went
+    back to ``abandoned``, and the worker, dropping a queued task silently, never said "ended":
+    one slot counted busy for ever."""
+    d = StateDriver(auto_start=False)
+    d.add_worker("w1", {"cpu": 2})
+    d.submit([("r", [])], ["r"])
+    d.start("w1", "r")
+    d.release(["r"])  # the worker's run ends now; its "ended" is on the way
+    assert executes(d.submit([("r", [])], ["r"])) == [("w1", "r")]  # queued again there
+    d.send(ev.AbandonedRunsEnded("w1", ["r"], d.clock()))  # the late "ended": nothing to do
+    d.release(["r"])  # cancelled before the worker reported the new run started
+    ws = d.state.workers["w1"]
+    assert not ws.abandoned and ws.assigned == 0 and ws.occupancy == 0
     d.state.validate()
 
 

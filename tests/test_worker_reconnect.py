@@ -55,6 +55,16 @@ def test_the_rejoin_message_names_held_running_erring_and_queued_tasks() -> None
     assert msg["queued"] == ["c"]
 
 
+def test_a_cancelled_run_is_not_offered_as_running_on_a_rejoin() -> None:
+    """Found by review: a run cancelled while the worker was away was adopted as running by the
+    scheduler it rejoined; its result was then dropped and the task stayed running for ever."""
+    w = _busy_worker()
+    w.state.handle(ws.FreeKeys(("b",)))  # b was cancelled; its call still runs
+    assert w.state.cancelled == {"b"}
+    msg = reconnect.rejoin_message(cast(reconnect.Worker, w))
+    assert "b" not in msg["running"] and msg["running"] == ["e"]
+
+
 def test_the_scheduler_announces_the_window_unless_the_worker_sets_its_own() -> None:
     announced = _worker(None)
     reconnect.registered(cast(reconnect.Worker, announced), {"heartbeat_interval": 0.5, "reconnect_window": 300})

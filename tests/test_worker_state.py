@@ -255,6 +255,19 @@ def quick(*keys: str, func: str = "f") -> ws.Compute:
     return ws.Compute(tuple(ws.TaskIn(k, func=func, resources=CPU) for k in keys))
 
 
+def test_a_cancelled_run_assigned_again_is_kept_and_reported_started() -> None:
+    """The scheduler no longer assumes such a run executes (it may have ended already): the worker
+    says so, as for any task that takes a slot."""
+    sh = quick_shell()
+    sh.send(ws.Compute((ws.TaskIn("slow", func="g", resources=CPU),)))
+    assert "slow" in sh.state.running
+    sh.send(ws.FreeKeys(("slow",)))
+    assert sh.state.cancelled == {"slow"}
+    cmds = sh.send(ws.Compute((ws.TaskIn("slow", func="g", resources=CPU),)))
+    assert cmds == [ws.Report("started", "slow")] and not sh.state.cancelled
+    assert ws.Report("finished", ["slow", 8, 1.0]) in sh.send(ws.TaskDone("slow", True, 8, 1.0))
+
+
 def lanes(cmds: list[Any]) -> list[tuple[str, ...]]:
     return [c.keys for c in cmds if isinstance(c, ws.RunBatch)]
 

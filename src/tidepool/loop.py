@@ -163,6 +163,8 @@ class ClosesOnExit:
             _open.append(weakref.ref(self))
             if not _exit_hooked:
                 atexit.register(close_all_at_exit)
+                if hasattr(os, "register_at_fork"):  # a forked child owns none of its parent's clients
+                    os.register_at_fork(after_in_child=_forget_open_in_child)
                 _exit_hooked = True
 
     def __enter__(self: T) -> T:
@@ -184,6 +186,14 @@ _open: list[weakref.ref[ClosesOnExit]] = []
 _open_pruned = [0]
 _OPEN_LOCK = threading.Lock()
 _exit_hooked = False
+
+
+def _forget_open_in_child() -> None:
+    """After ``os.fork()``, in the child: the parent's clients and clusters are not this process's
+    to close at its exit (closing them would stop the parent's workers)."""
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # another thread may have held it at the fork
+    _open.clear()
 
 
 def close_all_at_exit() -> None:

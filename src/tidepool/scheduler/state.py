@@ -401,9 +401,11 @@ class SchedulerState:
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
         ts.executing = False
-        if ws.abandoned and ts.key in ws.abandoned:  # wanted again where it still runs: the worker keeps that run
+        if ws.abandoned and ts.key in ws.abandoned:
+            # wanted again where it may still run: the worker keeps that run (and says "started")
+            # or, if it ended meanwhile (its "ended" in flight, then ignored), runs it again;
+            # either way it is counted in ``processing`` from now on
             ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
-            ts.executing = True
         ts.started = self.now
         ws.processing[ts] = est
         self._load_changed(ws)

@@ -90,7 +90,9 @@ def rejoin_message(worker: Worker) -> dict[str, Any]:
     erring = [e["key"] for e in worker.outbox.batch.erred if isinstance(e, dict)]
     return {
         "held": [[k, st.nbytes(k)] for k in [*st.memory, *st.spilled]],
-        "running": [*st.running, *erring],
+        # a cancelled run is nobody's: adopted as running, its dropped result would leave the
+        # task running for ever (it only ends with an "ended" report, which adopts nothing)
+        "running": [*(k for k in st.running if k not in st.cancelled), *erring],
         "queued": [*(t.key for t in st.queue), *st.lined, *st.waiting],
     }
 

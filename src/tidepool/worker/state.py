@@ -397,7 +397,9 @@ class WorkerState:
         for ti in e.tasks:
             key = ti.key
             if key in self.running:
-                self.cancelled.discard(key)  # re-assigned while still running: keep that run
+                if key in self.cancelled:  # re-assigned while still running: keep that run, and say it
+                    self.cancelled.discard(key)  # executes (the scheduler counts on its "started")
+                    out.append(Report("started", key))
                 continue
             if key in self.waiting or key in self.queued or key in self.lined:
                 continue  # assigned again while it waits here: it runs once
