@@ -101,6 +101,32 @@ def test_a_peer_without_a_client_certificate_is_refused(certs: TLSConfig) -> Non
     asyncio.run(main())
 
 
+def test_a_wrong_token_over_tls_leaves_the_listener_serving_everyone_after(certs: TLSConfig) -> None:
+    """Found by a bug hunt: the refused TLS connection's socket was closed under its transport,
+    which still had the descriptor registered with the loop; every later connection accepted on
+    that descriptor number failed ("File descriptor N is used by transport"), for good."""
+    async def main() -> None:
+        served: list[object] = []
+
+        async def handler(conn: object) -> None:
+            served.append(conn)
+
+        token = "0" * 64
+        listener = await listen("tls://127.0.0.1:0", handler, token, tls=certs)  # type: ignore[arg-type]
+        try:
+            for _ in range(2):
+                with pytest.raises(AuthenticationError):
+                    await connect(listener.address, "1" * 64, timeout=8, tls=certs)
+            for _ in range(6):  # before the fix every other one of these failed
+                conn = await connect(listener.address, token, timeout=8, tls=certs)
+                conn.close()
+            assert len(served) == 6
+        finally:
+            await listener.close()
+
+    asyncio.run(main())
+
+
 def test_cli_scheduler_and_worker_with_tls_flags(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     r = Proc(tidepool_cmd("certs", str(out)), tmp_path / "certs.err")

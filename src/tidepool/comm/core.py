@@ -525,6 +525,10 @@ class Listener:
             self._note_rejected(source, exc)
             self._close(conn, sock)
             return
+        except Exception as exc:  # noqa: BLE001 - one bad peer must not leave its socket unanswered
+            log.warning("connection from %s failed before it was served: %r", source, exc)
+            self._close(conn, sock)
+            return
         finally:
             self._pending.remove(key)
         await self._run_handler(conn)
@@ -541,10 +545,18 @@ class Listener:
             conn.close()
             self._conns.discard(conn)
 
-    def _close(self, conn: Connection | None, sock: socket.socket) -> None:
+    def _close(self, conn: TCPConnection | None, sock: socket.socket) -> None:
+        transport = conn.transport if conn is not None else None
         if conn is not None:
             conn.close()
             self._conns.discard(conn)
+        if transport is not None:
+            # the transport owns the socket (a TLS close is a goodbye still in progress): abort it,
+            # which unregisters the descriptor from the loop before closing it.  Closing the socket
+            # under the transport left the descriptor registered, and every later socket accepted
+            # on the same number failed ("File descriptor N is used by transport")
+            transport.abort()
+            return
         with contextlib.suppress(OSError):
             sock.close()
 
