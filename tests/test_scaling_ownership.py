@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import Adopted, Named, Report, Retired, step_with_state
+from tidepool.scaling.planned import Planned
 from tidepool.scaling.policies import Adaptive
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
 from tidepool.testing import StateDriver
@@ -67,7 +69,23 @@ def test_a_policy_that_raises_is_logged_once_journaled_and_replaced_by_the_defau
     errors = [r for r in c.journal.records if r["kind"] == "policy-error"]
     assert len(errors) == 1 and "KeyError" in errors[0]["reason"] and "default policy" in errors[0]["reason"]
     assert sum("scaling policy raised" in r.getMessage() for r in caplog.records) == 1
-    assert isinstance(c._fallback, Adaptive)
+    assert isinstance(c._fallback, Planned)  # the default policy, as the journal says
+
+
+@pytest.mark.parametrize("bad", [{"launch": {"nonexistent": 3}}, {"launch": {"cpu": -5}},
+                                 {"launch": {"cpu": 1.5}}, {"retire": ["nobody"]}])  # fmt: skip
+def test_a_policy_naming_what_the_cluster_lacks_is_a_journaled_policy_error(bad: dict[str, Any]) -> None:
+    """Found by a bug hunt: an unknown node type, a negative count or an unknown worker was
+    dropped without a word (nothing launched, nothing journaled), so the tasks just waited."""
+    d = StateDriver()
+    d.submit([(f"t-{i}", []) for i in range(4)], [f"t-{i}" for i in range(4)])
+    c = ScalingController((CPU,), lambda snap: bad, forecast_interval=0.25)
+    launched = []
+    for i in range(20):
+        launched += step_with_state(c, d.state, i * 0.2).launch
+    errors = [r for r in c.journal.records if r["kind"] == "policy-error"]
+    assert errors and "ConfigError" in errors[0]["reason"]
+    assert launched  # the default policy served the waiting tasks meanwhile
 
 
 def test_a_chain_sent_as_separate_submits_launches_one_worker_like_one_graph() -> None:

@@ -73,7 +73,7 @@ from tidepool.scaling.observation import (
     WorkerFailed,
 )
 from tidepool.scaling.planned import default_policy
-from tidepool.scaling.policies import Adaptive, as_decision
+from tidepool.scaling.policies import as_decision, check_decision
 from tidepool.scaling.preemption import FallbackTracker
 from tidepool.scaling.replacement import Replacing
 from tidepool.scaling.shrink import ShrinkSignature, pool_summary, shrink_signature
@@ -299,7 +299,9 @@ class ScalingController(Replacing):
         self._foreign_noted: set[str] = set()
         self._expiry_tried: dict[str, float] = {}  # worker -> when its walltime retirement was asked
         self._expiry_seen: dict[str, float] = {}  # worker -> first listed as expiring (replace_before waits)
-        self._fallback = Adaptive()
+        #: what serves a round whose policy raised or returned nonsense: the default policy, as the
+        #: journal and the docs say (it was ``Adaptive``, the earlier default)
+        self._fallback = default_policy()
         self._policy_error_t = -1e9
         self._policy_error = ""
         #: a restarted scheduler's stored instance rows, adopted at the first listing (``adoption.py``)
@@ -643,6 +645,7 @@ class ScalingController(Replacing):
     def _decide(self, snap: ClusterSnapshot) -> ScaleDecision:
         try:
             decision = as_decision(self.policy(snap))
+            check_decision(decision, snap)
         except Exception as exc:  # noqa: BLE001 - a user policy must not stop the pool from serving
             decision = self._policy_failed(exc, snap, snap.now)
         for shape_desc in decision.infeasible:

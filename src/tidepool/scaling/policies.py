@@ -24,6 +24,7 @@ alone are applied in one place, the controller, to whatever a policy answers.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,6 +53,24 @@ def as_decision(value: Any) -> ScaleDecision:
                              tuple(value.get("infeasible", ())), tuple(value.get("reasons", ())),
                              tuple(dict(value.get("why", {})).items()))  # fmt: skip
     raise ConfigError(f"a policy must return a ScaleDecision or a dict, got {type(value).__name__}")
+
+
+def check_decision(decision: ScaleDecision, snap: ClusterSnapshot) -> None:
+    """Refuse (ConfigError) a decision naming node types the cluster does not have, launching a
+    count that is not a whole number >= 0, or retiring workers it does not have: a policy's bug,
+    journaled as ``policy-error`` (the default policy serves that round) rather than ignored."""
+    types = {nt.name for nt in snap.node_types}
+    for name, n in decision.launch.items():
+        if name not in types:
+            raise ConfigError(f"policy asked to launch unknown node type {name!r}; the node types are "
+                              f"{sorted(types)}")  # fmt: skip
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"policy asked to launch {n!r} nodes of {name!r}; a count is a whole number >= 0")
+    if decision.retire:
+        live = {w.id for w in snap.workers}
+        unknown = [w for w in decision.retire if w not in live]
+        if unknown:
+            raise ConfigError(f"policy asked to retire workers the cluster does not have: {unknown[:5]}")
 
 
 def _launch_upto(snapshot: ClusterSnapshot, budget: int) -> tuple[dict[str, int], list[str]]:
