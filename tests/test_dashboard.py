@@ -318,3 +318,14 @@ def test_tidepool_scheduler_serves_the_dashboard_by_default(tmp_path: Path) -> N
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_dashboard_port_out_of_range_is_a_config_error() -> None:
+    """Found by a bug hunt: ``tidepool scheduler --dashboard 127.0.0.1:99999`` ended in an
+    OverflowError traceback from bind()."""
+    from tidepool.dashboard.server import parse_address
+    from tidepool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="0-65535"):
+        parse_address("127.0.0.1:99999")
+    assert parse_address("127.0.0.1:8787") == ("127.0.0.1", 8787)

@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from test_sim_budget import TRACES  # noqa: E402
 from tidepool.cli import main
 from tidepool.errors import ConfigError
 from tidepool.sim import validate
 from tidepool.sim.workload import SimTask, from_dict, load_workload
 from tidepool.telemetry.report import count_retirements, format_summary, load_records, summary
+
+TRACE = TRACES / "montage-chameleon-2mass-01d-001.json" if TRACES is not None else None
+needs_trace = pytest.mark.skipif(TRACE is None, reason="no ../shared/workloads/wfinstances beside the repository")
 
 
 def simulate_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -42,10 +46,29 @@ def simulate_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     (["bag", "--tail", "-5"], "--tail must be >= 0, got -5"),
     (["bag", "--interval", "inf"], "--interval must be a finite number"),
     (["bag", "--max-tasks", "0"], "--max-tasks must be at least 1"),
+    # found by a bug hunt: 0 CPUs per node "completed" with every result failed; a trace's unknown
+    # --param was a TypeError traceback
+    (["bag", "--cluster", "local:2:0"], "NODES must be at least 1 and CPUS (per node) above 0"),
+    (["bag", "--cluster", "cloud:0:4"], "NODES must be at least 1"),
 ])  # fmt: skip
 def test_bad_parameters_and_flags_are_config_errors_naming_the_field(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     assert message in simulate_error(capsys, *argv)
+
+
+@needs_trace
+def test_a_traces_unknown_param_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a bug hunt: a TypeError traceback from the trace reader."""
+    assert "unknown --param 'width'; it takes scale, memory" in simulate_error(capsys, str(TRACE), "--param", "width=10")
+
+
+@needs_trace
+def test_a_run_whose_wanted_keys_failed_exits_non_zero_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a bug hunt: nodes too small for every task 'completed' with exit status 0."""
+    rc = main(["simulate", str(TRACE), "--cluster", "local:2:0.5", "--no-plot", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "wanted keys failed; the first:" in out and "InfeasibleTaskError" in out
 
 
 def test_the_graph_size_limit_is_documented_and_can_be_raised() -> None:

@@ -48,6 +48,15 @@ def test_make_certs_writes_a_ca_a_certificate_and_a_private_key_only_we_can_read
         TLSConfig(certs.ca, certs.cert, "/nonexistent/key.pem")
 
 
+def test_a_ca_file_that_holds_no_certificate_is_a_config_error_naming_it(certs: TLSConfig, tmp_path: Path) -> None:
+    """Found by a bug hunt: a garbage CA file raised a bare ssl.SSLError (NO_CERTIFICATE_OR_CRL_FOUND)."""
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    cfg = TLSConfig(str(garbage), certs.cert, certs.key)
+    with pytest.raises(ConfigError, match="cannot load the TLS CA file .*ca.pem"):
+        cfg.client_context()
+
+
 def test_a_whole_cluster_over_tls(certs: TLSConfig) -> None:
     with tidepool.LocalCluster(n_workers=2, tls=certs) as cluster, tidepool.Client(cluster) as client:
         assert cluster.address.startswith("tls://")

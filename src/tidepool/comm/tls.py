@@ -49,7 +49,11 @@ class TLSConfig:
 
     @functools.cache  # noqa: B019 - configs are few and immutable: one context each, reused by every connection
     def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(purpose, cafile=self.ca)
+        try:
+            ctx = ssl.create_default_context(purpose, cafile=self.ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"cannot load the TLS CA file {self.ca!r} (it must hold PEM certificates; make "
+                              f"a CA with `tidepool certs DIR`): {exc}") from exc  # fmt: skip
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.check_hostname = False  # a private CA: the chain is what is checked (module docstring)
         try:

@@ -231,6 +231,8 @@ def parse_address(address: str) -> tuple[str, int | None]:
         host, port = address, ""
     if port and not port.isdigit():
         raise ConfigError(f"dashboard address {address!r} needs host:port, e.g. 127.0.0.1:8787")
+    if port and int(port) > 65535:
+        raise ConfigError(f"dashboard port {int(port)} in {address!r} is out of range: a port is 0-65535")
     return host or "127.0.0.1", int(port) if port else None
 
 

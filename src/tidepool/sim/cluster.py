@@ -207,6 +207,9 @@ def preset_cluster(text: str) -> SimCluster:
         cpus = float(parts[2]) if len(parts) == 3 else 1.0
     except ValueError as exc:
         raise ConfigError(f"cluster {text!r}: NODES and CPUS are numbers") from exc
+    if nodes < 1 or not cpus > 0 or cpus == float("inf"):
+        raise ConfigError(f"cluster {text!r}: NODES must be at least 1 and CPUS (per node) above 0, e.g. "
+                          f"{parts[0]}:10:4")  # fmt: skip
     model = PRESETS[parts[0]]
     estimate = 0.5 if parts[0] == "local" else round(model.mean_startup, 1)
     # the simulator bills from allocation: a queue wait (Slurm's) is not billed, the boot after it is

@@ -149,4 +149,4 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([result_json(r) for r in results], f, indent=1)
-    return 0 if all(r.completed for r in results) else 1
+    return 0 if all(r.completed and not r.failed_keys for r in results) else 1

@@ -121,6 +121,7 @@ class SimResult:
     retire_refused: int = 0  # retirements asked for and refused (``retirements`` counts done ones)
     lost_seconds: float = 0.0  # task execution time thrown away: tasks running on a worker that was killed
     preempted: int = 0  # workers killed by a preemption (spot) before they left
+    failed_keys: int = 0  # wanted keys whose tasks failed (the run ended, but not with every result)
 
     @property
     def total_cost(self) -> float:
@@ -229,6 +230,7 @@ class Simulation:
         self._gathered_at: float | None = None
         self._released = False
         self._erred = 0
+        self._first_failure = ""  # why the first wanted key failed, for the note
         # accounting
         self._joined: dict[str, float] = {}
         self._spans: list[tuple[float, float]] = []
@@ -503,6 +505,14 @@ class Simulation:
                 left.discard(r.key)
                 if r.status != ReportKind.MEMORY:
                     self._erred += 1
+                    if not self._first_failure:
+                        err = r.error or {}
+                        typ, message = err.get("type", ""), err.get("message", "")
+                        ts = self.state.tasks.get(r.key)
+                        if not message and ts is not None and ts.error is not None:
+                            typ, message = ts.error.exc_type, ts.error.message
+                        why = f"{typ}: {message}".strip(": ")
+                        self._first_failure = f"{r.key} {r.status}" + (f" ({why})" if why else "")
         self._maybe_results()
 
     def _maybe_results(self) -> None:
@@ -671,7 +681,7 @@ class Simulation:
         if self._stopped and self._gathered_at is None:
             notes.append(f"stopped before the results: {self._stopped}")
         if self._erred:
-            notes.append(f"{self._erred} wanted keys failed")
+            notes.append(f"{self._erred} wanted keys failed; the first: {self._first_failure}")
         completed = self._gathered_at is not None
         return SimResult(
             policy=self.policy_name, workload=self.workload.name, seed=self.seed, completed=completed,
@@ -685,6 +695,7 @@ class Simulation:
             workers=self.state.counters["workers_joined"], peak_workers=self._peak, tasks=len(self.tasks),
             executions=self._executions, recomputed=self.state.counters["recomputed"], end=end, stats=st,
             notes=notes, journal=self.journal_path, lost_seconds=self._lost, preempted=self._preempted,
+            failed_keys=self._erred,
         )  # fmt: skip
 
 

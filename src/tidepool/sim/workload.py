@@ -387,7 +387,7 @@ def _load_workload(source: str, *, seed: int, params: Mapping[str, Any] | None, 
         from tidepool.sim.wfformat import from_wfformat, is_wfformat
 
         if is_wfformat(data):  # a WfCommons trace (WRENCH / WfInstances)
-            return from_wfformat(data, source=source, **params)
+            return from_wfformat(data, source=source, **validate.params(_trace_params, params, source))
         return from_dict(data, seed=seed, source=source, max_tasks=max_tasks)
     if source in builtin.BUILTIN:
         fn = builtin.BUILTIN[source]
@@ -403,3 +403,7 @@ def _load_workload(source: str, *, seed: int, params: Mapping[str, Any] | None, 
         return as_workload(value, seed=seed, name=source.rpartition(":")[2], durations=durations)
     raise ConfigError(f"graph {source!r}: expected a built-in workload ({', '.join(sorted(builtin.BUILTIN))}), "
                       "a .json graph, a .jsonl journal, or module:function")  # fmt: skip
+
+
+def _trace_params(scale: float = 1.0, memory: bool = True) -> None:
+    """The ``--param`` names a WfFormat trace takes (``from_wfformat``'s options), for checking."""
