@@ -64,6 +64,19 @@ def test_a_value_that_cannot_be_pickled_stays_in_memory_and_is_not_tried_again(t
     assert "lock" not in store and "lock" not in store.pinned
 
 
+def test_a_spill_limit_of_zero_means_no_spilling_and_says_so(tmp_path: Path) -> None:
+    """Found by a bug hunt: 0 meant *no cap* (83 MB spilled under "limit 0")."""
+    for zero in (0, "0", "0B"):
+        assert resolve_spill_limit(zero, "/") == -1
+    told: list[str] = []
+    store = SpillStore(tmp_path / "s", target=1.5 * MB, limit=resolve_spill_limit(0, "/"), on_disable=told.append)
+    for i in range(6):
+        store[f"x{i}"] = arr(i)
+    assert store.spilled_total == 0 and not files(tmp_path / "s")
+    assert "spilling is off" in store.disabled and told == [store.disabled]
+    assert all((store[f"x{i}"] == i).all() for i in range(6))  # nothing lost: all in memory
+
+
 def test_spill_limit_forms() -> None:
     assert resolve_spill_limit("none", "/") == 0
     assert resolve_spill_limit("10MB", "/") == 10_000_000

@@ -391,8 +391,8 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> None:
                         "starts above 80%%, the worker restarts above 95%% (docs/memory.md)")  # fmt: skip
     w.add_argument("--spill-dir", default=None, help="directory for spilled results (default: the temp dir)")
     w.add_argument("--spill-limit", default=None,
-                   help="most bytes of spilled results on disk, e.g. 20GB or 25%% (of the free space); "
-                        "default 50%% of the free space; past it (or when the disk refuses a write) the "
+                   help="most bytes of spilled results on disk, e.g. 20GB or 25%% (of the free space), "
+                        "none (no cap) or 0 (no spilling); default 50%% of the free space; past it (or when the disk refuses a write) the "
                         "worker stops spilling and keeps results in memory (docs/memory.md)")  # fmt: skip
     w.add_argument("--memory-share", type=int, default=1,
                    help="without a limit or memory resource, use the machine's memory divided by this "

@@ -69,8 +69,8 @@ class Unspillable(Exception):
 
 class Disk(MutableMapping[str, Any]):
     """Pickled values, one file each, in ``directory``; at most ``limit`` bytes in all (0: no
-    limit).  A write that fails or would pass the limit removes its partial file and raises
-    ``OSError``; a value that does not pickle raises :class:`Unspillable`."""
+    limit; negative: no spilling at all).  A write that fails or would pass the limit removes its
+    partial file and raises ``OSError``; a value that does not pickle raises :class:`Unspillable`."""
 
     def __init__(self, directory: Path, limit: int = 0) -> None:
         self.directory = directory
@@ -88,6 +88,8 @@ class Disk(MutableMapping[str, Any]):
         except Exception as exc:  # noqa: BLE001 - whatever pickling raised: the value's own problem
             raise Unspillable(key, exc) from exc
         nbytes = sum(memoryview(f).nbytes for f in frames)
+        if self.limit < 0:
+            raise OSError(errno.ENOSPC, "spilling is off (spill limit 0): values stay in memory")
         if self.limit and self.used + nbytes > self.limit:
             raise OSError(errno.ENOSPC, f"the spill limit of {self.limit:,} bytes would be passed "
                                         f"({self.used:,} used, {nbytes:,} more asked); raise --spill-limit")  # fmt: skip
@@ -332,12 +334,13 @@ DEFAULT_SPILL_FRACTION = 0.5
 
 def resolve_spill_limit(value: int | str | None, directory: str | Path) -> int:
     """Bytes a worker may spill: ``None``/``"auto"`` -> :data:`DEFAULT_SPILL_FRACTION` of the free
-    space, ``"25%"`` -> that share of it, ``"10GB"`` -> that many bytes, ``"none"`` or 0 -> no cap."""
+    space, ``"25%"`` -> that share of it, ``"10GB"`` -> that many bytes, ``"none"`` -> 0 (no cap),
+    0 (or ``"0"``, ``"0B"``) -> -1: no spilling (it was "no cap", which read as the opposite)."""
     from tidepool.errors import ConfigError
     from tidepool.resources import parse_bytes
 
     text = value.strip().lower() if isinstance(value, str) else value
-    if text in ("none", "0", 0):
+    if text == "none":
         return 0
     fraction = DEFAULT_SPILL_FRACTION
     if isinstance(text, str) and text.endswith("%"):
@@ -348,7 +351,8 @@ def resolve_spill_limit(value: int | str | None, directory: str | Path) -> int:
         if not 0 < fraction <= 1:
             raise ConfigError(f"--spill-limit {value!r}: a share of the free disk must be within (0%, 100%]")
     elif text not in (None, "auto"):
-        return parse_bytes(text)  # type: ignore[arg-type]
+        n = parse_bytes(text)  # type: ignore[arg-type]
+        return n if n > 0 else -1
     path = Path(directory)
     while not path.exists() and path != path.parent:
         path = path.parent
