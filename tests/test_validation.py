@@ -169,3 +169,18 @@ def test_scale_grows_and_shrinks_a_fixed_pool_as_in_dask_and_refuses_while_adapt
         cluster.adapt(maximum=2)
         with pytest.raises(ConfigError, match="this cluster adapts"):
             cluster.scale(2)
+
+
+@pytest.mark.parametrize("limit", ["10KB", 1000, "63MiB"])
+def test_a_memory_limit_below_what_a_worker_uses_is_refused(limit: Any) -> None:
+    """Found by a bug hunt: memory_limit="10KB" started workers that restarted themselves 49 times
+    and killed every task; now refused before anything starts."""
+    with pytest.raises(ConfigError, match="less than a worker process uses before any task"):
+        tidepool.LocalCluster(n_workers=1, memory_limit=limit)
+
+
+def test_a_worker_refuses_a_limit_it_already_passes() -> None:
+    from tidepool.worker.server import Worker
+
+    with pytest.raises(ConfigError, match="below what this worker uses before any task"):
+        Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit=1024)

@@ -107,9 +107,13 @@ class LocalCluster(ClosesOnExit):
         # memory shared by as many workers as it has cores (docs/memory.md)
         worker_args = ["--memory-share", str(os.cpu_count() or 1)]
         if memory_limit is not None:
-            from tidepool.worker.memory import resolve_limit
+            from tidepool.worker.memory import MIN_MEMORY_LIMIT, mib, resolve_limit
 
-            resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
+            limit = resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
+            if 0 < limit < MIN_MEMORY_LIMIT:
+                raise ConfigError(f"memory_limit={memory_limit!r} ({mib(limit)}) is less than a worker process uses "
+                                  f"before any task; give each worker at least {mib(MIN_MEMORY_LIMIT)} "
+                                  "(or 'none' for no limit)")  # fmt: skip
             worker_args += ["--memory-limit", str(memory_limit)]
         if spill_limit is not None:
             from tidepool.worker.spill import resolve_spill_limit

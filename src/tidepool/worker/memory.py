@@ -68,6 +68,11 @@ def memory_action(rss: int, limit: int, t: MemoryThresholds, paused: bool) -> Ac
     return Action.NOTHING
 
 
+#: the least memory limit a LocalCluster accepts: a worker process (Python, tidepool, its
+#: connections) uses tens of MiB before it runs a task, and would restart itself for ever under less
+MIN_MEMORY_LIMIT = 64 * 2**20
+
+
 def resolve_limit(memory_limit: int | str | None, resources: Mapping[str, float], share: int = 1) -> int:
     """Bytes a worker may use: explicit, else its ``memory`` resource, else the machine's / share;
     ``0`` or ``"none"`` means no limit."""

@@ -47,7 +47,7 @@ from tidepool.comm.inline import small_pickle
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
 from tidepool.comm.tls import resolve as resolve_tls
-from tidepool.errors import CommError
+from tidepool.errors import CommError, ConfigError
 from tidepool.resources import worker_resources
 from tidepool.worker import jobs, reconnect, workspace
 from tidepool.worker import state as ws
@@ -103,6 +103,13 @@ class Worker:
         self.monitor: MemoryMonitor | None = None
         self._trimmed = 0.0
         self._proc = psutil.Process()
+        baseline = self._proc.memory_info().rss
+        if self.memory_limit and baseline >= self.memory_thresholds.pause * self.memory_limit:
+            # it would pause or restart itself before its first task, for ever (a bug hunt saw 49
+            # restarts and every task killed under memory_limit="10KB")
+            raise ConfigError(f"memory limit {mib(self.memory_limit)} is below what this worker uses before any "
+                              f"task ({mib(baseline)}); give it several times that (--memory-limit, "
+                              "LocalCluster(memory_limit=...), or 'none' for no limit)")  # fmt: skip
         self.exit_reason = ""  # "memory" when the worker stopped itself over its memory limit
         #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
         self.restartable = restartable
