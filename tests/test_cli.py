@@ -177,6 +177,20 @@ def test_scheduler_workers_and_client_end_to_end(scheduler: tuple[Proc, str, Pat
     assert "Traceback" not in sched.stderr() and "Traceback" not in w1.stderr()
 
 
+def test_a_worker_whose_scheduler_dies_says_so_as_it_exits(scheduler: tuple[Proc, str, Path], tmp_path: Path) -> None:
+    """Found by a bug hunt: a worker without a reconnect window exited without a word when its
+    scheduler was killed."""
+    sched, address, token_file = scheduler
+    w = start_worker(address, token_file, tmp_path, "orphan")
+    with running(w):
+        with tidepool.Client(address, token=token_file.read_text().strip()) as client:
+            client.wait_for_workers(1, timeout=30)
+        sched.popen.kill()
+        w.popen.wait(60)
+    err = w.stderr()
+    assert "lost the scheduler at" in err and "no reconnect window" in err, err
+
+
 def test_client_with_wrong_token_is_rejected(scheduler: tuple[Proc, str, Path]) -> None:
     _, address, _ = scheduler
     # the handshake's own answer, not the connect timeout running out (that would be a TimeoutError)

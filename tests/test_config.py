@@ -68,7 +68,7 @@ NT = "[[node_types]]\nname='a'\n"
     ("text", "message"),
     [
         ("", "at least one [[node_types]]"),
-        ("[[node_types]]\nname='a'\nresources={cpu='many'}\n", "byte amount"),
+        ("[[node_types]]\nname='a'\nresources={cpu='many'}\n", "resource 'cpu' must be a number"),
         ("[[node_types]]\nname='a'\n[[node_types]]\nname='a'\n", "unique"),
         ("[[node_types]]\nname='a'\nmin_nodes=2\nmax_nodes=1\n", "min_nodes <= max_nodes"),
         ("[policy]\nkind='magic'\n" + NT, "kind must be one of"),

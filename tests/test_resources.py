@@ -47,7 +47,9 @@ def test_tasks_never_use_more_than_a_worker_advertises() -> None:
 def test_resource_amounts_are_validated_with_clear_messages() -> None:
     assert parse_bytes("1.5 GiB") == int(1.5 * 2**30) and parse_bytes(10) == 10
     assert parse_resources({"cpu": 2, "memory": "4GB"}) == {"cpu": 2.0, "memory": 4e9}
-    for bad, msg in [({"cpu": -1}, "must not be negative"), ({"cpu": "two"}, "byte amount"),
+    # {"cpu": "two"}: "must be a number" (a bug hunt found "cannot read 'two' as a byte amount")
+    for bad, msg in [({"cpu": -1}, "must not be negative"), ({"cpu": "two"}, "resource 'cpu' must be a number"),
+                     ({"memory": "lots"}, "byte amount"),
                      ({"": 1}, "non-empty"), ({"gpu": True}, "must be a finite number")]:  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             parse_resources(bad)

@@ -73,7 +73,12 @@ def parse_resources(resources: Mapping[str, Any]) -> dict[str, float]:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"resource names must be non-empty strings, got {name!r}")
         if name == "memory" or isinstance(value, str):
-            out[name] = float(parse_bytes(value))
+            try:
+                out[name] = float(parse_bytes(value))
+            except ConfigError:
+                if name == "memory":
+                    raise
+                raise ConfigError(f"resource {name!r} must be a number, got {value!r}") from None
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"resource {name!r} must be a finite number, got {value!r}")

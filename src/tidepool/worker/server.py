@@ -204,6 +204,11 @@ class Worker:
                 return await self._serve_scheduler()
             except CommError as exc:
                 if not await reconnect.rejoin(self, exc):
+                    if self.closed is not None and not self.closed.is_set():  # said, not a silent exit
+                        why = (f"its {self.reconnect_window:g}s reconnect window is over" if self.reconnect_window > 0
+                               else "it has no reconnect window; see docs/recovery.md")  # fmt: skip
+                        log.warning("worker %s lost the scheduler at %s (%s) and exits: %s", self.id,
+                                    self.scheduler_address, exc, why)  # fmt: skip
                     return await self.close(f"lost the scheduler: {exc}")
 
     async def _serve_scheduler(self) -> None:
