@@ -48,6 +48,16 @@ def test_make_certs_writes_a_ca_a_certificate_and_a_private_key_only_we_can_read
         TLSConfig(certs.ca, certs.cert, "/nonexistent/key.pem")
 
 
+def test_a_client_certificate_the_scheduler_does_not_trust_is_named_as_the_likely_cause(
+        certs: TLSConfig, other_ca: TLSConfig) -> None:  # fmt: skip
+    """Found by a bug hunt: we trust the scheduler, it does not trust our certificate (another CA);
+    the client only heard "connection ... closed" (TLS 1.3 checks it after our side's handshake)."""
+    with tidepool.LocalCluster(n_workers=0, tls=certs) as cluster:
+        ours = TLSConfig(certs.ca, other_ca.cert, other_ca.key)
+        with pytest.raises(ConnectionLostError, match="refuses a certificate it does not trust|TLS with .* failed"):
+            tidepool.Client(cluster.address, token=cluster.token, tls=ours, timeout=10)
+
+
 def test_a_ca_file_that_holds_no_certificate_is_a_config_error_naming_it(certs: TLSConfig, tmp_path: Path) -> None:
     """Found by a bug hunt: a garbage CA file raised a bare ssl.SSLError (NO_CERTIFICATE_OR_CRL_FOUND)."""
     garbage = tmp_path / "ca.pem"

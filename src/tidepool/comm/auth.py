@@ -126,9 +126,18 @@ async def server_handshake(conn: Connection, token: str) -> dict:
     return msg
 
 
-async def client_handshake(conn: Connection, token: str, hello: dict | None = None) -> None:
-    """Run the dialer side; raises :class:`AuthenticationError` on a token mismatch."""
-    msg = await _recv(conn)
+async def client_handshake(conn: Connection, token: str, hello: dict | None = None, tls: bool = False) -> None:
+    """Run the dialer side; raises :class:`AuthenticationError` on a token mismatch.  ``tls``: the
+    connection is TLS, where a server that does not trust our certificate closes it before saying
+    anything (TLS 1.3 checks the client's certificate after the client's side of the handshake)."""
+    try:
+        msg = await _recv(conn)
+    except ConnectionLostError as exc:
+        if not tls:
+            raise
+        raise ConnectionLostError(f"{exc}: the other side closed the TLS connection before saying anything, which "
+                                  "is how it refuses a certificate it does not trust; is ours signed by the CA "
+                                  "it trusts (--tls-ca-file)?") from exc  # fmt: skip
     if msg.get("op") == "refused":  # e.g. a plain-TCP dialer on a TLS port: told at once
         conn.close()
         raise ConnectionLostError(f"{conn.peer} refused the connection: {msg.get('reason')}")

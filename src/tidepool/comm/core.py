@@ -775,7 +775,7 @@ async def connect(
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
     try:
-        await client_handshake(conn, token, hello)
+        await client_handshake(conn, token, hello, tls=ctx is not None)
     except BaseException:
         conn.close()
         raise
