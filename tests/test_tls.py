@@ -146,6 +146,49 @@ def test_a_wrong_token_over_tls_leaves_the_listener_serving_everyone_after(certs
     asyncio.run(main())
 
 
+def test_a_refused_tls_peer_that_stays_silent_is_cut_off_at_once(certs: TLSConfig) -> None:
+    """Found by review: after a wrong token the server's TLS goodbye waited (up to 30 s) for the
+    peer's, outside every admission limit, so silent peers could hold sockets and TLS buffers."""
+    import socket as socketlib
+
+    import psutil
+
+    from tidepool.comm.frames import encode
+
+    async def main() -> None:
+        async def handler(conn: object) -> None:
+            raise AssertionError("no connection may get through")
+
+        listener = await listen("tls://127.0.0.1:0", handler, "0" * 64, tls=certs)  # type: ignore[arg-type]
+        port = int(listener.address.rsplit(":", 1)[1])
+        ctx = TLSConfig(certs.ca, certs.cert, certs.key).client_context()
+
+        def bad_peer() -> ssl.SSLSocket:
+            raw = socketlib.create_connection(("127.0.0.1", port), timeout=10)
+            tls = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            tls.recv(65536)  # the challenge
+            tls.sendall(b"".join(bytes(p) for p in encode({"op": "auth", "mac": b"x" * 32, "nonce": b"y" * 32},
+                                                          allow_pickles=False)))  # fmt: skip
+            return tls  # then silent: never answers the server's goodbye, never closes
+
+        def server_side() -> list[object]:
+            return [c for c in psutil.Process().net_connections("tcp")
+                    if c.laddr and c.laddr.port == port and c.raddr and c.status == psutil.CONN_ESTABLISHED]  # fmt: skip
+
+        peers = [await asyncio.to_thread(bad_peer) for _ in range(3)]
+        try:
+            deadline = asyncio.get_running_loop().time() + 10  # a bound; the goodbye waited 30 s
+            while server_side() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert not server_side(), server_side()
+        finally:
+            for p in peers:
+                p.close()
+            await listener.close()
+
+    asyncio.run(main())
+
+
 def test_cli_scheduler_and_worker_with_tls_flags(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     r = Proc(tidepool_cmd("certs", str(out)), tmp_path / "certs.err")

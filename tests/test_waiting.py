@@ -138,3 +138,15 @@ def test_as_completed_is_safe_with_concurrent_adds(executor: concurrent.futures.
     for t in adders:
         t.join()
     assert sorted(f.result() for f in ac) == list(range(1, 51))
+
+
+def test_an_infinite_or_huge_timeout_means_no_timeout() -> None:
+    """Found by review: ``timeout=float("inf")`` (or 1e12) raised OverflowError from the lock wait."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gate = threading.Event()
+        f = pool.submit(gate.wait, 30)
+        g = pool.submit(inc, 1)
+        threading.Timer(0.2, gate.set).start()
+        assert tidepool.wait([f, g], timeout=float("inf")).done == {f, g}
+        h = pool.submit(inc, 2)
+        assert [x.result() for x in tidepool.as_completed([h], timeout=1e12)] == [3]

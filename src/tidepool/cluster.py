@@ -278,15 +278,28 @@ class LocalCluster(ClosesOnExit):
             raise ConfigError("scale() sets a fixed number of workers, but this cluster adapts (adapt() was "
                               "called): its autoscaler sizes the pool within adapt(minimum=, maximum=)")  # fmt: skip
         state = self.scheduler.state
-        now = sorted(state.workers.values(), key=lambda w: w.seq)
-        if n > len(now):
-            return self.add_workers(n - len(now))
-        extra = [w.id for w in now[n:]]
-        if extra:
-            self.retire_workers(extra)
-            for wid in extra:
-                self.wait_for_removal(wid)
-        return extra
+
+        def registered() -> list[Any]:  # read on the scheduler's loop, which changes the dict
+            return self.run(lambda s: sorted((w for w in s.state.workers.values() if w.state == "running"),
+                                             key=lambda w: w.seq))  # fmt: skip
+
+        now = registered()
+        # this cluster's own workers on their way (a crash replacement, a memory restart) count too
+        coming = [wid for wid, p in list(self.provider.procs.items())
+                  if wid not in state.workers and p.proc.poll() is None]  # fmt: skip
+        if n > len(now) + len(coming):
+            return self.add_workers(n - len(now) - len(coming))
+        extra = [w.id for w in now[max(0, n - len(coming)):]]
+        if not extra:
+            return []
+        answers = self.retire_workers(extra)
+        retired = [wid for wid in extra if answers.get(wid) == "retired"]
+        for wid in retired:
+            self.wait_for_removal(wid)
+        refused = {wid: answers.get(wid) for wid in extra if wid not in retired}
+        if refused:
+            log.warning("scale(%d): not retired: %s", n, refused)
+        return retired
 
     def wait_for_workers(self, ids: int | list[str], timeout: float | None = None) -> None:
         """Block until the given worker ids (or at least ``ids`` workers) are registered."""

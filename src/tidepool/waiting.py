@@ -41,12 +41,20 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
     if return_when not in _WHEN:
         raise ConfigError(f"return_when must be one of {sorted(_WHEN)}, got {return_when!r}")
     futs = [fs] if isinstance(fs, concurrent.futures.Future) else list(fs)
-    done, not_done = concurrent.futures.wait(futs, timeout=timeout, return_when=_WHEN[return_when])
+    done, not_done = concurrent.futures.wait(futs, timeout=_bounded(timeout), return_when=_WHEN[return_when])
     if return_when == "ALL_COMPLETED" and not_done:
         raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
     if return_when != "ALL_COMPLETED" and not done and futs:
         raise TimeoutError(f"none of {len(futs)} futures done after {timeout}s")
     return DoneAndNotDone(set(done), set(not_done))
+
+
+def _bounded(timeout: float | None) -> float | None:
+    """``timeout`` as the standard library's waits take it: beyond what a lock wait can hold
+    (``inf``, 1e12) is no timeout (they raise OverflowError for it)."""
+    if timeout is not None and timeout >= threading.TIMEOUT_MAX:
+        return None
+    return timeout
 
 
 class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
@@ -65,7 +73,7 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
         self.with_results = with_results
         self.raise_errors = raise_errors
         self.timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._deadline = None if _bounded(timeout) is None else time.monotonic() + timeout  # type: ignore[operator]
         self._cond = threading.Condition()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._done: collections.deque[concurrent.futures.Future[Any]] = collections.deque()

@@ -546,19 +546,21 @@ class Listener:
             self._conns.discard(conn)
 
     def _close(self, conn: TCPConnection | None, sock: socket.socket) -> None:
+        """Drop a connection that was never served, at once.  If a transport owns the socket it is
+        aborted, which unregisters the descriptor from the loop before closing it: closing the
+        socket under the transport left the descriptor registered, and every later socket accepted
+        on the same number failed ("File descriptor N is used by transport").  Aborted first, even
+        if the handshake closed it already: a TLS close is a goodbye that waits (up to 30 s) for the
+        peer's, and a second close leaves nothing for ``abort`` to cut."""
         transport = conn.transport if conn is not None else None
+        if transport is not None:
+            transport.abort()
         if conn is not None:
             conn.close()
             self._conns.discard(conn)
-        if transport is not None:
-            # the transport owns the socket (a TLS close is a goodbye still in progress): abort it,
-            # which unregisters the descriptor from the loop before closing it.  Closing the socket
-            # under the transport left the descriptor registered, and every later socket accepted
-            # on the same number failed ("File descriptor N is used by transport")
-            transport.abort()
-            return
-        with contextlib.suppress(OSError):
-            sock.close()
+        if transport is None:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     async def _secure(self, key: int, sock: socket.socket, source: str) -> TCPConnection | None:
         """The connection's transport, by its first bytes; None when it was closed instead."""
