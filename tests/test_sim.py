@@ -218,7 +218,9 @@ def test_a_task_longer_than_any_allocation_fails_after_killing_workers() -> None
     model = StartupModel(boot=Dist("const", (10.0,)), walltime=300.0)
     cluster = SimCluster([NodeType("node", {"cpu": 1}, max_nodes=2, startup_estimate=10.0)], {"node": model})
     r = simulate(single("long", [SimTask("long-1", 400.0)]), cluster, make_policy("default"), seed=1)
-    assert r.completed and r.executions == 0 and r.notes == ["1 wanted keys failed"]
+    assert r.completed and r.executions == 0 and r.failed_keys == 1 and len(r.notes) == 1
+    assert r.notes[0].startswith("1 wanted keys failed; the first: long-1 erred (KilledWorkerError")
+    assert "walltime" in r.notes[0]
     assert r.workers == 4  # allowed_failures=3: killed on 4 workers, then it errs (KilledWorkerError)
 
 
