@@ -153,6 +153,29 @@ def test_releases_merge_and_skip_keys_wanted_again() -> None:
     assert held["b"].key == "b"
 
 
+@pytest.mark.parametrize("same_task", [True, False])
+def test_a_key_given_again_right_after_its_future_was_dropped(same_task: bool) -> None:
+    """Found by a bug hunt: ``submit(f, 1, key="k")``, drop it, ``submit(f, 2, key="k")``: the waiting
+    release of "k" was left out because a future of "k" existed again, so the scheduler still held
+    the first task and refused the second as a collision.  The same task again is still wanted
+    again (no release); a different one sends the release first."""
+    core = ClientProtocol()
+    assert not core.collision("k", ("f", 1))
+    held = table(core, ["k"])
+    del held  # the last future of "k": its release waits
+    core.release_dropped("k")
+    assert not core.collision("k", ("f", 1) if same_task else ("f", 2))
+    again = table(core, ["k"])
+    core.send({"op": "update-graph", "keys": ["k"]})
+    if same_task:
+        assert core.next_message() == {"op": "update-graph", "keys": ["k"]}
+    else:
+        assert core.next_message() == {"op": "release", "keys": ["k"]}
+        assert core.next_message() == {"op": "update-graph", "keys": ["k"]}
+    assert core.next_message() is None and not core.must_release and not core.released_idents
+    assert again["k"].key == "k"
+
+
 def test_a_loop_of_submit_and_result_sends_one_release_for_many_calls() -> None:
     """submit(...).result() in a loop drops each future right after its result: the releases wait
     for the shell's timer and go as one message, while every fresh graph update (keys made by the

@@ -466,3 +466,27 @@ def test_exception_with_a_timeout_says_what_the_task_waits_for(client: tidepool.
     assert str(info.value)
     gate.touch()
     assert blocked.exception(timeout=30) is None
+
+
+def test_a_key_can_be_given_to_another_task_right_after_its_last_future_is_dropped(client: tidepool.Client) -> None:
+    """Found by a bug hunt: the second submit failed with KeyCollisionError, though docs/errors.md
+    says to release the first future before reusing its key, which dropping it does."""
+    first = client.submit(identity, 1, key="reused-key")
+    assert first.result(timeout=30) == 1
+    del first
+    second = client.submit(identity, 2, key="reused-key")
+    assert second.result(timeout=30) == 2
+
+
+def test_an_argument_nested_deeper_than_the_walks_used_to_reach_runs(client: tidepool.Client) -> None:
+    """Found by a bug hunt: an argument nested about 500 deep (pickle takes more) failed submit
+    with a RecursionError from the walk that swaps futures for refs."""
+    inner = client.submit(identity, 41)
+    arg: Any = inner
+    depth = 600  # past the old walks' limit, within what the pickler takes from a test's stack
+    for _ in range(depth):
+        arg = (arg,)
+    out = client.submit(identity, arg).result(timeout=60)
+    for _ in range(depth):
+        (out,) = out
+    assert out == 41

@@ -187,6 +187,12 @@ class ClientProtocol:
         self.outbox: collections.deque[dict[str, Any]] = collections.deque()
         #: keys of dropped futures whose release waits (for the next queue_dropped), in order
         self.dropped: dict[str, None] = {}
+        #: explicit keys whose last future was dropped, release not sent yet: the identity of the
+        #: task they named (a new task under the key must not cancel that release)
+        self.released_idents: dict[str, tuple[Any, ...]] = {}
+        #: keys whose waiting release goes out even though a new future of the key exists: a
+        #: different task reuses the key (the scheduler must forget the old one first)
+        self.must_release: set[str] = set()
         self._ids = itertools.count(1)
         #: set once the scheduler connection is lost: every later call raises it
         self.lost: ConnectionLostError | None = None
@@ -214,7 +220,9 @@ class ClientProtocol:
         """The last future of ``key`` was dropped: its release waits in ``dropped``; True if it is
         the first to wait (the shell arms its ``queue_dropped`` timer)."""
         if self.idents and key not in self.futures:
-            self.idents.pop(key, None)
+            ident = self.idents.pop(key, None)
+            if ident is not None:
+                self.released_idents[key] = ident
         first = not self.dropped
         self.dropped[key] = None
         return first
@@ -242,7 +250,14 @@ class ClientProtocol:
             run = [item]
             while self.outbox and self.outbox[0]["op"] == "release":
                 run.append(self.outbox.popleft())
-            keys = [k for r in run for k in r["keys"] if not (r.get("auto") and k in self.futures)]
+            keys = [k for r in run for k in r["keys"]
+                    if not (r.get("auto") and k in self.futures and k not in self.must_release)]  # fmt: skip
+            if self.released_idents:
+                for r in run:
+                    if r.get("auto"):
+                        for k in r["keys"]:
+                            self.released_idents.pop(k, None)
+                            self.must_release.discard(k)
             if not keys:
                 continue
             for k in keys:
@@ -359,6 +374,9 @@ class ClientProtocol:
         """Explicit keys: True if a different live task holds ``key``; else remember this one."""
         old = self.futures.get(key)
         if old is None or old.cancelled():
+            before = self.released_idents.get(key)
+            if before is not None and before != ident:  # its release waits: send it, then this task
+                self.must_release.add(key)
             self.idents[key] = ident
             return False
         before = self.idents.get(key)

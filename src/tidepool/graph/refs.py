@@ -34,17 +34,24 @@ class Ref:
 
 def substitute(obj: Any, values: Mapping[str, Any]) -> Any:
     """Return ``obj`` with every :class:`Ref` replaced by ``values[ref.key]``."""
+    return _substitute(obj, values, 0)
+
+
+def _substitute(obj: Any, values: Mapping[str, Any], depth: int) -> Any:
     t = type(obj)
     if t is Ref:
         return values[obj.key]
+    if depth >= DEEP and t in _CONTAINERS:  # deeper: a stack of our own, not the call stack's
+        return _walk_children(obj, lambda x: values[x.key] if type(x) is Ref else RECURSE)
+    d = depth + 1
     if t is list:
-        return [substitute(x, values) for x in obj]
+        return [_substitute(x, values, d) for x in obj]
     if t is tuple:
-        return tuple(substitute(x, values) for x in obj)
+        return tuple(_substitute(x, values, d) for x in obj)
     if t is dict:
-        return {k: substitute(v, values) for k, v in obj.items()}
+        return {k: _substitute(v, values, d) for k, v in obj.items()}
     if t is set or t is frozenset:
-        return t(substitute(x, values) for x in obj)
+        return t(_substitute(x, values, d) for x in obj)
     return obj
 
 
@@ -72,17 +79,59 @@ def collect(obj: Any, cls: type[T]) -> list[T]:
 
 
 def replace(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Walk containers like :func:`substitute`; ``fn(x)`` returns a replacement, or ``RECURSE``."""
+    """Walk containers like :func:`substitute`; ``fn(x)`` returns a replacement, or ``RECURSE``.
+    ``fn`` is called once per element, at any depth."""
+    return _replace(obj, fn, 0)
+
+
+def _replace(obj: Any, fn: Callable[[Any], Any], depth: int) -> Any:
     r = fn(obj)
     if r is not RECURSE:
         return r
     t = type(obj)
+    if depth >= DEEP and t in _CONTAINERS:  # deeper: a stack of our own, not the call stack's
+        return _walk_children(obj, fn)
+    d = depth + 1
     if t is list:
-        return [replace(x, fn) for x in obj]
+        return [_replace(x, fn, d) for x in obj]
     if t is tuple:
-        return tuple(replace(x, fn) for x in obj)
+        return tuple(_replace(x, fn, d) for x in obj)
     if t is dict:
-        return {k: replace(v, fn) for k, v in obj.items()}
+        return {k: _replace(v, fn, d) for k, v in obj.items()}
     if t is set or t is frozenset:
-        return t(replace(x, fn) for x in obj)
+        return t(_replace(x, fn, d) for x in obj)
     return obj
+
+
+#: nesting depth from which the walks use a stack of their own: the recursive walk takes two call
+#: frames per level, and stopped near half the recursion limit (a 1,000-deep tuple pickles)
+DEEP = 100
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _walk_children(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` (a container ``fn`` said to look inside) rebuilt from its children as
+    :func:`replace` would, without recursion."""
+    # a frame: [container type, iterator over its children, their new values, its key in its parent]
+    stack: list[list[Any]] = [[type(obj), iter(obj.items() if type(obj) is dict else obj), [], None]]
+    while True:
+        frame = stack[-1]
+        t, it, out = frame[0], frame[1], frame[2]
+        pushed = False
+        for child in it:
+            key, x = child if t is dict else (None, child)
+            r = fn(x)
+            if r is RECURSE and type(x) in _CONTAINERS:
+                stack.append([type(x), iter(x.items() if type(x) is dict else x), [], key])
+                pushed = True
+                break
+            value = x if r is RECURSE else r
+            out.append((key, value) if t is dict else value)
+        if pushed:
+            continue
+        stack.pop()
+        built = dict(out) if t is dict else t(out)
+        if not stack:
+            return built
+        parent = stack[-1]
+        parent[2].append((frame[3], built) if parent[0] is dict else built)
