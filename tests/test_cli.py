@@ -25,7 +25,7 @@ from typing import IO, Any
 import pytest
 
 import tidepool
-from tidepool.errors import AuthenticationError
+from tidepool.errors import AuthenticationError, KilledWorkerError
 from tidepool.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -289,3 +289,27 @@ def test_worker_with_bad_arguments_fails_fast_without_a_traceback(tmp_path: Path
     with running(w):
         assert w.popen.wait(20) == 2, w.stderr()
         assert message in w.stderr() and "Traceback" not in w.stderr(), w.stderr()
+
+
+def die() -> None:
+    os._exit(3)
+
+
+def test_the_scheduler_takes_allowed_failures_and_refuses_a_negative_one(tmp_path: Path) -> None:
+    """KilledWorkerError says "raise allowed_failures"; the CLI had no way to set it (a bug hunt)."""
+    bad = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--allowed-failures", "-1"), tmp_path / "b.err")
+    with running(bad):
+        assert bad.popen.wait(20) == 2, bad.stderr()
+        assert "allowed_failures must be a whole number >= 0" in bad.stderr() and "Traceback" not in bad.stderr()
+    port = free_port()
+    token_file = tmp_path / "token.txt"
+    sched = Proc(tidepool_cmd("scheduler", "--port", str(port), "--token-file", str(token_file), "--no-dashboard",
+                              "--allowed-failures", "0"), tmp_path / "s.err")  # fmt: skip
+    with running(sched):
+        address = sched.wait_for_line(ADDRESS_LINE).group(1)
+        w = start_worker(address, token_file, tmp_path, "doomed")
+        with running(w), tidepool.Client(address, token=token_file.read_text().strip()) as client:
+            client.wait_for_workers(1, timeout=30)
+            # with the default (3) the task would wait for another worker; with 0 one death fails it
+            with pytest.raises(KilledWorkerError, match="executing on 1 worker that died"):
+                client.submit(die).result(timeout=60)

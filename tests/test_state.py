@@ -248,6 +248,26 @@ def test_broadcast_with_a_number_of_copies_tops_up_on_the_least_loaded_workers()
     assert {c.worker for c in everywhere if isinstance(c, ev.Replicate)} == {"w1", "w2", "w3", "w4"} - holders["a"]
 
 
+def test_why_a_task_waits_says_no_worker_offers_enough_when_some_offer_less() -> None:
+    """Found by a bug hunt: gpu=2 on workers with gpu=1 said "no worker offers 'gpu'"."""
+    from tidepool.scheduler.explain import explain
+
+    d = StateDriver(SchedulerState(no_worker_timeout=None))
+    d.add_worker("w1", {"cpu": 2, "gpu": 1})
+    d.submit([("two", [], {"gpu": 2}), ("tpu", [], {"tpu": 1})], ["two", "tpu"])
+    assert "no worker offers enough 'gpu'" in explain(d.state, "two")["why"]
+    assert "no worker offers 'tpu'" in explain(d.state, "tpu")["why"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_allowed_failures_must_be_a_whole_number_of_at_least_zero(bad: object) -> None:
+    """Found by a bug hunt: -1 was taken without a word (and behaved as 0)."""
+    from tidepool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="allowed_failures must be a whole number >= 0"):
+        SchedulerState(allowed_failures=bad)  # type: ignore[arg-type]
+
+
 def test_missing_data_reported_by_worker_triggers_recompute() -> None:
     d = StateDriver()
     d.add_worker("w1")

@@ -140,6 +140,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {}
         if args.no_worker_timeout is not None:  # 0 (or less): wait for a worker forever
             extra["no_worker_timeout"] = args.no_worker_timeout if args.no_worker_timeout > 0 else None
+        if args.allowed_failures is not None:
+            extra["allowed_failures"] = args.allowed_failures
         tls = _tls(args, cfg.scheduler if cfg is not None else None)
         scheme = "tls" if tls is not None else "tcp"
         if args.state_dir:
@@ -320,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
     s.add_argument("--heartbeat-timeout", type=_positive, default=None,
                    help="seconds a connected worker may stay silent before it is removed (default 300)")
+    s.add_argument("--allowed-failures", type=int, default=None,
+                   help="worker deaths a task may be blamed for (it was executing there) before it fails "
+                        "with KilledWorkerError (default 3)")
     s.add_argument("--no-worker-timeout", type=float, default=None,
                    help="without autoscaling: seconds a task may wait for a worker with its resources "
                         "before it fails (default 60; 0 waits forever)")

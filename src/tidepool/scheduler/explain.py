@@ -44,7 +44,9 @@ def explain(state: Any, key: str) -> dict[str, str]:
         if ts.restrict is not None and not ts.loose:
             why = f"it may run only on workers {sorted(ts.restrict)}, and none of them that fits {shape} is here"
         elif lacking:
-            why = (f"no worker offers {' or '.join(map(repr, lacking))} (it asks for {shape}; "
+            some = [k for k in lacking if any(w.resources.get(k, 0) > 0 for w in workers)]
+            enough = " enough" if some and len(some) == len(lacking) else ""  # some, but too little
+            why = (f"no worker offers{enough} {' or '.join(map(repr, lacking))} (it asks for {shape}; "
                    f"{len(workers)} workers offer {', '.join(offered) or 'nothing'})")  # fmt: skip
         else:
             why = (f"no single worker offers all of {shape} at once ({len(workers)} workers offer "
@@ -104,7 +106,7 @@ def late_no_worker(no_worker: Mapping[Shape, set[TaskRecord]], workers: Mapping[
 
 
 def killed_workers(ts: TaskRecord, last: str, reason: str) -> str:
-    return (f"task {ts.key!r} was executing on {ts.suspicious} workers that died (last: {last}, {reason}); "
+    return (f"task {ts.key!r} was executing on {ts.suspicious} worker{'s' if ts.suspicious != 1 else ''} that died (last: {last}, {reason}); "
             "it is not retried again. Check it for crashes or memory blow-ups, or raise allowed_failures")  # fmt: skip
 
 

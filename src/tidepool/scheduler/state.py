@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
+from tidepool.errors import ConfigError
 from tidepool.resources import fits
 from tidepool.scheduler import audit, explain, intake, rejoin, retire
 from tidepool.scheduler import events as ev
@@ -60,6 +61,9 @@ class SchedulerState:
         max_queue_per_slot: int = 200,
         estimates: DurationEstimates | None = None,
     ) -> None:
+        if isinstance(allowed_failures, bool) or not isinstance(allowed_failures, int) or allowed_failures < 0:
+            raise ConfigError(f"allowed_failures must be a whole number >= 0 (worker deaths a task may be blamed "
+                              f"for before it fails with KilledWorkerError), got {allowed_failures!r}")  # fmt: skip
         self.allowed_failures = allowed_failures
         #: seconds of silence (beyond the scheduler's own stalls) after which a worker is removed
         self.heartbeat_timeout = heartbeat_timeout
