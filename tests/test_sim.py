@@ -100,6 +100,21 @@ def test_journal_replay_has_no_dependencies_and_keeps_start_order_and_phases() -
         from_journal([{"t": 0, "kind": "launch"}])
 
 
+def test_a_journal_with_its_graph_replayed_at_time_zero_says_the_dependencies_were_left_out() -> None:
+    """Found by a bug hunt: the note said "a journal does not record them" of a journal that did."""
+    recs = [
+        {"t": 0.0, "kind": "journal-start"},
+        {"t": 2.0, "kind": "task", "key": "a", "worker": "w1", "start": 1.0, "duration": 1.0, "ok": True, "deps": []},
+        {"t": 4.0, "kind": "task", "key": "b", "worker": "w1", "start": 2.0, "duration": 2.0, "ok": True,
+         "deps": ["a"]},
+    ]  # fmt: skip
+    (note,) = from_journal(recs, arrival="zero").notes
+    assert "dependencies left out" in note and "does not record" not in note
+    old = [{k: v for k, v in r.items() if k != "deps"} for r in recs]
+    (note,) = from_journal(old, arrival="zero").notes
+    assert "this journal does not record them" in note
+
+
 def test_python_callable_graphs_and_delayed(tmp_path: Path) -> None:
     mod = tmp_path / "mygraph.py"
     mod.write_text(

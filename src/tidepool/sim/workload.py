@@ -232,11 +232,11 @@ def from_journal(records: Sequence[Mapping[str, Any]], *, arrival: str = "start"
     """
     if arrival not in ("start", "zero"):
         raise ConfigError(f"arrival must be 'start' or 'zero', got {arrival!r}")
-    if arrival == "start":
-        from tidepool.sim.replay import graph_from_journal, has_graph
+    from tidepool.sim.replay import graph_from_journal, has_graph
 
-        if has_graph(records):  # task records with their inputs: replay the graph (sim/replay.py)
-            return graph_from_journal(records, name=name)
+    recorded = has_graph(records)  # task records with their inputs
+    if arrival == "start" and recorded:  # replay the graph (sim/replay.py)
+        return graph_from_journal(records, name=name)
     tasks = [r for r in records if r.get("kind") == "task"]
     if not tasks:
         raise ConfigError("the journal has no 'task' records: record one with tidepool scheduler --journal "
@@ -272,8 +272,9 @@ def from_journal(records: Sequence[Mapping[str, Any]], *, arrival: str = "start"
     stages = [Stage(ts, [t.key for t in ts], at) for at, ts in sorted(by_time.items())]
     how = ("submitted at their recorded start times" if arrival == "start"
            else "submitted all at once, in their recorded start order")  # fmt: skip
-    note = (f"replayed from a journal: {len(tasks)} task records and no dependencies (a journal does not "
-            f"record them); tasks are independent, {how}")  # fmt: skip
+    deps = ("its dependencies left out (--arrival zero replays independent tasks; the default replays the "
+            "recorded graph)" if recorded else "no dependencies (this journal does not record them)")  # fmt: skip
+    note = f"replayed from a journal: {len(tasks)} task records, {deps}; tasks are independent, {how}"
     return Workload(name, stages, notes=[note])
 
 
