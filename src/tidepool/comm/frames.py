@@ -263,7 +263,7 @@ class FrameDecoder:
     def _part_done(self, part: bytes | bytearray) -> None:
         if self._stage == 0:
             self._header_len, self._nbuf = _PREFIX.unpack(part)
-            if bytes(part[:5]) == b"HTTP/" and not self.allow_pickles:  # before authentication
+            if not self.allow_pickles and bytes(part[:5]) == b"HTTP/":  # before authentication only
                 raise ProtocolError(
                     f"the peer answered in HTTP ({bytes(part)!r}...), not tidepool's protocol: is this a "
                     "dashboard or other web address?  Connect to the scheduler's address (cluster.address, "
