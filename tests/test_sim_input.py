@@ -63,9 +63,10 @@ def test_a_traces_unknown_param_is_a_config_error(capsys: pytest.CaptureFixture[
 
 
 @needs_trace
-def test_a_run_whose_wanted_keys_failed_exits_non_zero_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_whose_wanted_keys_failed_exits_non_zero_and_says_why(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:  # fmt: skip
     """Found by a bug hunt: nodes too small for every task 'completed' with exit status 0."""
-    rc = main(["simulate", str(TRACE), "--cluster", "local:2:0.5", "--no-plot", "--quiet"])
+    rc = main(["simulate", str(TRACE), "--cluster", "local:2:0.5", "--no-plot", "--quiet", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1
     assert "wanted keys failed; the first:" in out and "InfeasibleTaskError" in out
