@@ -176,6 +176,61 @@ def test_a_key_given_again_right_after_its_future_was_dropped(same_task: bool) -
     assert again["k"].key == "k"
 
 
+def submit_drop(core: ClientProtocol, key: str, ident: tuple[Any, ...], keep: bool = False) -> Any:
+    """As the client does: the collision check, a future, the graph sent; then (unless ``keep``)
+    the future dropped, its release waiting."""
+    assert not core.collision(key, ident)
+    held = table(core, [key])
+    core.send({"op": "update-graph", "task": ident})
+    if keep:
+        return held[key]
+    del held
+    core.release_dropped(key)
+    return None
+
+
+def drain(core: ClientProtocol) -> list[tuple[str, Any]]:
+    out = []
+    while (m := core.next_message()) is not None:
+        out.append(("release", tuple(m["keys"])) if m["op"] == "release" else ("update", m["task"]))
+    return out
+
+
+@pytest.mark.parametrize(("tasks", "expected"), [
+    # a different task after each drop: each release goes first, so no task meets another's key
+    ([("f", 1), ("f", 2), ("f", 1)],
+     [("update", ("f", 1)), ("release", ("k",)), ("update", ("f", 2)), ("release", ("k",)), ("update", ("f", 1))]),
+    # the same task again keeps its value (no release), then a different one releases it first
+    ([("f", 1), ("f", 1), ("f", 2)],
+     [("update", ("f", 1)), ("update", ("f", 1)), ("release", ("k",)), ("update", ("f", 2))]),
+])  # fmt: skip
+def test_a_key_dropped_and_given_again_several_times_before_the_outbox_drains(
+        tasks: list[tuple[Any, ...]], expected: list[tuple[str, Any]]) -> None:  # fmt: skip
+    """Found by review: with two releases of one key waiting, the first one sent cleared what
+    marked the second as needed, so a different task met the old one's key (KeyCollisionError),
+    or a dropped task stayed on the scheduler."""
+    core = ClientProtocol()
+    for ident in tasks[:-1]:
+        submit_drop(core, "k", ident)
+    last = submit_drop(core, "k", tasks[-1], keep=True)
+    assert drain(core) == expected
+    assert not core.must_release and not core.released_idents and last.key == "k"
+
+
+def test_a_different_task_under_a_dropped_key_does_not_inherit_the_old_ones_error() -> None:
+    """Found by review: the new future read the old task's error record (the release not sent yet)."""
+    core = ClientProtocol()
+    old = submit_drop(core, "k", ("fail", 1), keep=True)
+    core.errors["k"] = {"type": "ValueError", "message": "OLD task error"}  # the old task failed
+    core.holders["k"] = "tcp://w:1"
+    del old
+    core.release_dropped("k")
+    assert not core.collision("k", ("ident", 2))
+    fut, err = core.claim("k", KeyFuture)
+    assert err is None and "k" not in core.errors and "k" not in core.holders
+    assert fut.key == "k"
+
+
 def test_a_loop_of_submit_and_result_sends_one_release_for_many_calls() -> None:
     """submit(...).result() in a loop drops each future right after its result: the releases wait
     for the shell's timer and go as one message, while every fresh graph update (keys made by the

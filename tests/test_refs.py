@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidepool.errors import ConfigError
 from tidepool.graph.refs import DEEP, RECURSE, Ref, collect, replace, substitute
 
 
@@ -85,3 +86,15 @@ def test_the_stack_walk_gives_what_the_recursive_one_gives(value: Any) -> None:
     assert replace(nested(DEEP + 2, "REF"), swap) == nested(DEEP + 2, Ref("r"))
     assert substitute(deep, {"r": "REF"}) == nested(DEEP + 2, value)
     assert substitute(shallow, {"r": "REF"}) == value
+
+
+def test_an_argument_that_holds_itself_is_a_clear_error_not_an_endless_walk() -> None:
+    """Found by review: past DEEP the stack walk pushed the same list for ever (memory grew
+    ~150 MB/s); the recursive walk had run out of stack.  Shared, non-cyclic parts are fine."""
+    a: list[Any] = [1]
+    a.append(a)
+    with pytest.raises(ConfigError, match="holds itself"):
+        replace(a, lambda x: RECURSE)
+    shared = [1, 2]
+    value = nested(DEEP + 5, (shared, shared))
+    assert same(replace(value, lambda x: RECURSE), value)

@@ -188,10 +188,10 @@ class ClientProtocol:
         #: keys of dropped futures whose release waits (for the next queue_dropped), in order
         self.dropped: dict[str, None] = {}
         #: explicit keys whose last future was dropped, release not sent yet: the identity of the
-        #: task they named (a new task under the key must not cancel that release)
+        #: task they named last (a different task under the key must not cancel that release)
         self.released_idents: dict[str, tuple[Any, ...]] = {}
-        #: keys whose waiting release goes out even though a new future of the key exists: a
-        #: different task reuses the key (the scheduler must forget the old one first)
+        #: keys in ``dropped`` whose release goes out even though a new future of the key exists: a
+        #: different task reuses the key; the release message carries them as ``force``
         self.must_release: set[str] = set()
         self._ids = itertools.count(1)
         #: set once the scheduler connection is lost: every later call raises it
@@ -233,7 +233,11 @@ class ClientProtocol:
         if not self.dropped:
             return False
         keys, self.dropped = list(self.dropped), {}
-        self.outbox.append({"op": "release", "keys": keys, "auto": True})
+        msg: dict[str, Any] = {"op": "release", "keys": keys, "auto": True}
+        if self.must_release:
+            msg["force"] = set(keys) & self.must_release
+            self.must_release -= msg["force"]
+        self.outbox.append(msg)
         return len(self.outbox) == 1
 
     def next_message(self) -> dict[str, Any] | None:
@@ -250,14 +254,16 @@ class ClientProtocol:
             run = [item]
             while self.outbox and self.outbox[0]["op"] == "release":
                 run.append(self.outbox.popleft())
+            # a key released because its future was dropped is left out if a future of it exists by
+            # now (wanted again), unless the release was forced: a different task took the key
             keys = [k for r in run for k in r["keys"]
-                    if not (r.get("auto") and k in self.futures and k not in self.must_release)]  # fmt: skip
+                    if not (r.get("auto") and k in self.futures and k not in r.get("force", ()))]  # fmt: skip
             if self.released_idents:
                 for r in run:
                     if r.get("auto"):
                         for k in r["keys"]:
-                            self.released_idents.pop(k, None)
-                            self.must_release.discard(k)
+                            if not self._release_queued(k):  # the last release of ``k`` goes now
+                                self.released_idents.pop(k, None)
             if not keys:
                 continue
             for k in keys:
@@ -376,11 +382,30 @@ class ClientProtocol:
         if old is None or old.cancelled():
             before = self.released_idents.get(key)
             if before is not None and before != ident:  # its release waits: send it, then this task
-                self.must_release.add(key)
+                self._force_release(key)
             self.idents[key] = ident
             return False
         before = self.idents.get(key)
         return before is not None and before != ident
+
+    def _force_release(self, key: str) -> None:
+        """A different task takes ``key`` while the release of its dropped one waits: that release
+        goes out whatever futures of ``key`` exist then, and what this client knew of the old task
+        (its error, holder, inline value) is forgotten now, before a new future could read it."""
+        if key in self.dropped:
+            self.must_release.add(key)
+        else:
+            for msg in reversed(self.outbox):  # the last release of it still to be sent
+                if msg.get("op") == "release" and msg.get("auto") and key in msg["keys"]:
+                    msg.setdefault("force", set()).add(key)
+                    break
+        self.errors.pop(key, None)
+        self.holders.pop(key, None)
+        self._drop_inline(key)
+
+    def _release_queued(self, key: str) -> bool:
+        """A release of ``key`` still waits (in ``dropped`` or the outbox)."""
+        return key in self.dropped or any(m.get("op") == "release" and key in m["keys"] for m in self.outbox)
 
     def fetch(self, keys: list[str]) -> Fetch:
         return Fetch(self, keys)

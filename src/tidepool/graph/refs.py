@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from tidepool.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -112,8 +114,11 @@ _CONTAINERS = (list, tuple, dict, set, frozenset)
 def _walk_children(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """``obj`` (a container ``fn`` said to look inside) rebuilt from its children as
     :func:`replace` would, without recursion."""
-    # a frame: [container type, iterator over its children, their new values, its key in its parent]
-    stack: list[list[Any]] = [[type(obj), iter(obj.items() if type(obj) is dict else obj), [], None]]
+    # a frame: [container type, iterator over its children, their new values, its key in its
+    # parent, the container]; ``path``: ids of the containers on the way down (one that holds
+    # itself would be walked for ever: the recursive walk ran out of stack on it)
+    stack: list[list[Any]] = [[type(obj), iter(obj.items() if type(obj) is dict else obj), [], None, obj]]
+    path = {id(obj)}
     while True:
         frame = stack[-1]
         t, it, out = frame[0], frame[1], frame[2]
@@ -122,7 +127,11 @@ def _walk_children(obj: Any, fn: Callable[[Any], Any]) -> Any:
             key, x = child if t is dict else (None, child)
             r = fn(x)
             if r is RECURSE and type(x) in _CONTAINERS:
-                stack.append([type(x), iter(x.items() if type(x) is dict else x), [], key])
+                if id(x) in path:
+                    raise ConfigError(f"a task argument holds itself (a {type(x).__name__} inside itself); "
+                                      "pass an object that does not contain itself")  # fmt: skip
+                path.add(id(x))
+                stack.append([type(x), iter(x.items() if type(x) is dict else x), [], key, x])
                 pushed = True
                 break
             value = x if r is RECURSE else r
@@ -130,6 +139,7 @@ def _walk_children(obj: Any, fn: Callable[[Any], Any]) -> Any:
         if pushed:
             continue
         stack.pop()
+        path.discard(id(frame[4]))
         built = dict(out) if t is dict else t(out)
         if not stack:
             return built
