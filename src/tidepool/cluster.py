@@ -277,16 +277,16 @@ class LocalCluster(ClosesOnExit):
         if self.autoscaler is not None:
             raise ConfigError("scale() sets a fixed number of workers, but this cluster adapts (adapt() was "
                               "called): its autoscaler sizes the pool within adapt(minimum=, maximum=)")  # fmt: skip
-        state = self.scheduler.state
 
-        def registered() -> list[Any]:  # read on the scheduler's loop, which changes the dict
-            return self.run(lambda s: sorted((w for w in s.state.workers.values() if w.state == "running"),
-                                             key=lambda w: w.seq))  # fmt: skip
+        def pool(s: Scheduler) -> tuple[list[Any], list[str]]:  # on the scheduler's loop, which changes them
+            workers = s.state.workers
+            now = sorted((w for w in workers.values() if w.state == "running"), key=lambda w: w.seq)
+            # this cluster's own workers on their way (a crash replacement, a memory restart) count too
+            coming = [wid for wid, p in list(self.provider.procs.items())
+                      if wid not in workers and p.proc.poll() is None]  # fmt: skip
+            return now, coming
 
-        now = registered()
-        # this cluster's own workers on their way (a crash replacement, a memory restart) count too
-        coming = [wid for wid, p in list(self.provider.procs.items())
-                  if wid not in state.workers and p.proc.poll() is None]  # fmt: skip
+        now, coming = self.run(pool)
         if n > len(now) + len(coming):
             return self.add_workers(n - len(now) - len(coming))
         extra = [w.id for w in now[max(0, n - len(coming)):]]

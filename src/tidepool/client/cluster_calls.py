@@ -134,11 +134,7 @@ class ClusterCalls:
         else:
             futs = one(data)
         if broadcast:
-            flat: list[Any] = collect(futs, Future)
-            from tidepool.waiting import wait
-
-            wait(flat, timeout=self.timeout)
-            self._connection.post({"op": "broadcast", "keys": [f.key for f in flat]})
+            self._copy_when_done(collect(futs, Future), 0, self.timeout)
         return futs
 
     def replicate(self, futures: Any, n: int | None = None, workers: Any = None) -> None:
@@ -152,12 +148,16 @@ class ClusterCalls:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"replicate(n=) takes a whole number of copies >= 1, got {n!r}")
         flat: list[Any] = collect(futures, Future)
-        if not flat:
-            return
+        if flat:
+            self._copy_when_done(flat, n or 0, None)
+
+    def _copy_when_done(self, futures: list[Any], copies: int, timeout: float | None) -> None:
+        """Once ``futures`` are done (within ``timeout``), ask the scheduler to copy their values to
+        every running worker (``copies`` 0) or until each is held ``copies`` times."""
         from tidepool.waiting import wait
 
-        wait(flat)
-        self._connection.post({"op": "broadcast", "keys": [f.key for f in flat], "copies": n or 0})
+        wait(futures, timeout=timeout)
+        self._connection.post({"op": "broadcast", "keys": [f.key for f in futures], "copies": copies})
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         """Key -> addresses of the workers holding its value (every key the client holds if None)."""
