@@ -108,6 +108,7 @@ def test_as_completed_timeout_counts_from_the_call_as_in_dask(executor: concurre
     gate = str(tmp_path / "gate")
     slow = executor.submit(gated, 5, gate)
     fast = executor.submit(inc, 1)
+    assert fast.result(timeout=120) == 2  # done before the clock starts: a loaded machine cannot race it
     ac = tidepool.as_completed([slow, fast], timeout=0.5)
     assert next(ac) is fast
     with pytest.raises(TimeoutError, match="1 futures still not done 0.5s after"):
