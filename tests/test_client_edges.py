@@ -297,17 +297,44 @@ def test_a_map_error_in_a_later_chunk_sends_nothing(cluster: tidepool.LocalClust
                 import threading
 
                 args[4] = threading.Lock()
-                expected = (TypeError, "pickle")
+                expected = (tidepool.UnpicklableError, rf"arguments of task {keys[4]!r} cannot be pickled.*lock")
             with pytest.raises(expected[0], match=expected[1]) as caught:
                 client.map(inc, args, key=keys)
             assert client.submit(inc, 1).result(timeout=60) == 2  # every earlier message has arrived
             assert not set(seen) & set(keys[:4]), seen  # before the fix: the first piece was sent
             assert not set(keys[:4]) & cluster.run(lambda s: set(s.state.tasks))
             assert "nothing of this map was submitted" in str(caught.value) or fault == "unpicklable"
+            assert isinstance(caught.value, TypeError) or fault != "unpicklable"  # what Dask raises here
             futs = client.map(inc, range(6), key=[f"{fault}-ok-{i}" for i in range(6)])  # still usable
             assert client.gather(futs, timeout=60) == [1, 2, 3, 4, 5, 6]
     finally:
         cluster.run(lambda s: s.observers.remove(observe))
+
+
+def test_an_unpicklable_argument_or_function_fails_the_submit_naming_what_and_what_to_do(
+        cluster: tidepool.LocalCluster) -> None:  # fmt: skip
+    """Before: the pickler's bare ``TypeError: cannot pickle '_thread.lock' object``, naming neither
+    the task nor which part of the call, nor what to do."""
+    import threading
+
+    lock = threading.Lock()
+    with tidepool.Client(cluster) as client:
+        with pytest.raises(tidepool.UnpicklableError, match=r"arguments of task 'arg-1' cannot be pickled "
+                           r"\(TypeError: .*lock.*nothing of this call was sent.*inside the task") as arg:
+            client.submit(inc, lock, key="arg-1")
+        assert isinstance(arg.value, TypeError) and arg.value.key == "arg-1"
+        assert isinstance(arg.value.__cause__, TypeError)  # the pickler's own error stays attached
+
+        def holds_lock() -> bool:
+            return lock.locked()
+
+        with pytest.raises(tidepool.SerializationError, match=r"function 'holds_lock' of task 'fn-1' cannot"):
+            client.submit(holds_lock, key="fn-1")
+        with pytest.raises(tidepool.UnpicklableError, match="arguments"):
+            inc_later = tidepool.task(inc)
+            inc_later({"deep": [lock]}).compute()
+        assert client.submit(inc, 1).result(timeout=60) == 2  # nothing half-sent: the client is usable
+        assert not {"arg-1", "fn-1"} & cluster.run(lambda s: set(s.state.tasks))
 
 
 def test_generated_keys_are_unique_in_a_process_and_differ_in_a_forked_child() -> None:

@@ -268,6 +268,14 @@ def test_allowed_failures_must_be_a_whole_number_of_at_least_zero(bad: object) -
         SchedulerState(allowed_failures=bad)  # type: ignore[arg-type]
 
 
+def test_allowed_failures_takes_a_numpy_integer_as_local_cluster_does() -> None:
+    """``LocalCluster`` accepted ``np.int64(2)`` and passed it on; the state refused it."""
+    import numpy as np
+
+    state = SchedulerState(allowed_failures=np.int64(2))  # type: ignore[arg-type]
+    assert state.allowed_failures == 2 and type(state.allowed_failures) is int
+
+
 def test_missing_data_reported_by_worker_triggers_recompute() -> None:
     d = StateDriver()
     d.add_worker("w1")

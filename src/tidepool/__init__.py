@@ -51,7 +51,7 @@ _LAZY: dict[str, str] = {
         "KilledWorkerError", "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError",
         "RemoteTraceback", "ResultTooLargeError", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError",
         "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError", "TidepoolError",
-        "TransferError", "WorkerSetupError",
+        "TransferError", "UnpicklableError", "WorkerSetupError",
     )},
 }  # fmt: skip
 
@@ -92,6 +92,7 @@ if TYPE_CHECKING:
         TaskError,
         TidepoolError,
         TransferError,
+        UnpicklableError,
         WorkerSetupError,
     )
     from tidepool.futures import Future
@@ -133,6 +134,6 @@ __all__ = [
     "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
     "Scheduler", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError",
     "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError",
-    "TidepoolError", "TransferError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
+    "TidepoolError", "TransferError", "UnpicklableError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip

@@ -19,7 +19,8 @@ what happened *and* what to do about it.  The tree::
     │   ├── DependencyError         a task it depends on failed
     │   ├── TaskCancelledError      the result was released or cancelled before it was computed
     │   ├── SerializationError      its value cannot be pickled, unpickled or sent
-    │   │   └── ResultTooLargeError its value is over the frame size limit
+    │   │   ├── ResultTooLargeError its value is over the frame size limit
+    │   │   └── UnpicklableError    a submitted function or argument cannot be pickled (also a TypeError)
     │   ├── TransferError           an input could not be moved to the worker that needs it
     │   └── KeyCollisionError       its key is taken by a different live task
     ├── WorkerSetupError            a setup hook failed on a worker
@@ -126,6 +127,12 @@ class SerializationError(TaskError):
 class ResultTooLargeError(SerializationError):
     """A task's value is over the frame size limit; return something smaller, or write it to shared
     storage and return its path."""
+
+
+class UnpicklableError(SerializationError, TypeError):
+    """``submit``/``map``/``compute`` was given a function or an argument that cannot be pickled (a
+    lock, an open file, a connection); nothing of that call was sent.  Create such objects inside the
+    task and pass what builds them.  Also a ``TypeError``, which is what Dask raises here."""
 
 
 class TransferError(TaskError):

@@ -27,7 +27,13 @@ from tidepool.client.protocol import ClientProtocol
 from tidepool.comm import serialize
 from tidepool.comm.messages import TaskSpec
 from tidepool.comm.serialize import Serialized
-from tidepool.errors import ConfigError, CycleError, KeyCollisionError
+from tidepool.errors import (
+    ConfigError,
+    CycleError,
+    KeyCollisionError,
+    TidepoolError,
+    UnpicklableError,
+)
 from tidepool.futures import Future
 from tidepool.graph.delayed import Delayed, TaskOptions, func_name
 from tidepool.graph.refs import RECURSE, Ref, replace
@@ -93,10 +99,21 @@ class SpecBuilder:
             return RECURSE
 
         if args or kwargs:
-            payload = serialize((replace(args, swap), replace(kwargs, swap)))
+            refd = (replace(args, swap), replace(kwargs, swap))
+            try:
+                payload = serialize(refd)
+            except TidepoolError:
+                raise  # already says what to do (a Future pickled inside an object)
+            except Exception as e:
+                raise _unpicklable(key, "arguments", e) from e
         else:
             payload = None
-        fid, blob = self.function(fn)
+        try:
+            fid, blob = self.function(fn)
+        except TidepoolError:
+            raise
+        except Exception as e:
+            raise _unpicklable(key, f"function {func_name(fn)!r}", e) from e
         if blob is not None:
             functions[fid] = Serialized(blob, [])
         return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)) if deps else (), opts.resources, opts.retries,
@@ -170,6 +187,16 @@ def _same_task(a: Delayed[Any], b: Delayed[Any]) -> None:
         raise KeyCollisionError(
             f"two different tasks in this graph have the key {a.key!r}; give each call its own key "
             "(.options(key=...) or dask_key_name=)", a.key)  # fmt: skip
+
+
+def _unpicklable(key: str, what: str, e: Exception) -> UnpicklableError:
+    """The error for a task whose ``what`` (its arguments or its function) cannot be pickled: raised
+    by ``submit``/``map``/``compute`` before anything of the call is sent."""
+    return UnpicklableError(
+        f"the {what} of task {key!r} cannot be pickled ({type(e).__name__}: {e}); nothing of this call "
+        "was sent. Objects such as locks, open files, sockets and database connections cannot travel "
+        "to a worker: create them inside the task (or in a worker setup hook), and pass what is needed "
+        "to build them (a path, an address) instead", key)  # fmt: skip
 
 
 def _forget_function(cache: dict[int, Any], ident: int) -> Callable[[weakref.ref[Any]], None]:

@@ -25,6 +25,7 @@ are ``placement.py``'s (pure rules; this file makes the moves); graceful retirem
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -61,10 +62,10 @@ class SchedulerState:
         max_queue_per_slot: int = 200,
         estimates: DurationEstimates | None = None,
     ) -> None:
-        if isinstance(allowed_failures, bool) or not isinstance(allowed_failures, int) or allowed_failures < 0:
+        if isinstance(allowed_failures, bool) or _whole(allowed_failures) < 0:
             raise ConfigError(f"allowed_failures must be a whole number >= 0 (worker deaths a task may be blamed "
                               f"for before it fails with KilledWorkerError), got {allowed_failures!r}")  # fmt: skip
-        self.allowed_failures = allowed_failures
+        self.allowed_failures = _whole(allowed_failures)  # a numpy integer too, kept as a plain int
         #: seconds of silence (beyond the scheduler's own stalls) after which a worker is removed
         self.heartbeat_timeout = heartbeat_timeout
         #: without an autoscaler: seconds a task may wait for a worker with its resources, then errs
@@ -944,3 +945,11 @@ class SchedulerState:
     def validate(self) -> None:
         """Check cross-references (for tests); raises AssertionError on an inconsistency."""
         audit.validate(self)
+
+
+def _whole(value: object) -> int:
+    """``value`` as a plain int if it is an integer (numpy's too), else -1."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return -1
