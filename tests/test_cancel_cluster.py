@@ -162,3 +162,22 @@ def test_a_cancelled_running_task_is_dropped_and_no_worker_keeps_any_value(
     assert cluster.run(lambda s: s.state.counters["finished"]) == finished
     assert task_view(cluster, b.key) is None
     assert client.submit(identity, 3, resources=BETA).result(timeout=15) == 3  # beta's slot is free again
+
+
+def test_a_cancelled_running_task_whose_key_is_reused_by_another_task_never_gives_its_value(
+    cluster: tidepool.LocalCluster, client: tidepool.Client, gate: Path, tmp_path: Path
+) -> None:
+    """Found by a bug hunt: ``submit(slow, key="k")``, cancelled while it ran, then a different
+    ``submit(quick, key="k")``: the worker took the new task for the old run it still executed
+    and reported that run's value, so the new future's ``result()`` was the old task's."""
+    started = tmp_path / "old-started"
+    old = client.submit(gated, str(gate), "old value", marker=str(started), key="reused-key", resources=ALPHA)
+    wait_until(started.exists, what="the old call to start on alpha")
+    old.cancel()
+    del old
+    new = client.submit(identity, "new value", key="reused-key", resources=ALPHA)  # alpha: where the old one runs
+    # alpha has read the free and the new task (same connection, in order) before the old call ends
+    assert list(client.run(os.getpid, workers=[addresses(client)["alpha"]]).values())
+    gate.touch()
+    assert new.result(timeout=15) == "new value"
+    assert client.gather(client.submit(identity, "after", key="reused-key-2", resources=ALPHA), timeout=15) == "after"

@@ -149,7 +149,8 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
         for key in rnd.sample(KEYS, rnd.randint(1, 5)):
             deps = {d: (("peer", "tcp://peer:1"),) for d in rnd.sample(KEYS, rnd.randint(0, 2) // 2 * 2) if d != key}
             res = (("cpu", float(rnd.choice([1, 2]))),) + ((("gpu", 1.0),) if rnd.random() < 0.2 else ())
-            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300), rnd.choice(["", "f", "g"]), rnd.random() < 0.2))
+            tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300), rnd.choice(["", "f", "g"]), rnd.random() < 0.2,
+                                   rnd.choice([None, None, "other"])))  # "other": a different task, reused key
         return ws.Compute(tuple(tasks))
     if kind == "free":
         return ws.FreeKeys(tuple(rnd.sample(KEYS, rnd.randint(1, 3))))
@@ -266,6 +267,65 @@ def test_a_cancelled_run_assigned_again_is_kept_and_reported_started() -> None:
     cmds = sh.send(ws.Compute((ws.TaskIn("slow", func="g", resources=CPU),)))
     assert cmds == [ws.Report("started", "slow")] and not sh.state.cancelled
     assert ws.Report("finished", ["slow", 8, 1.0]) in sh.send(ws.TaskDone("slow", True, 8, 1.0))
+
+
+def test_a_released_run_whose_key_goes_to_another_task_is_not_reported_as_that_tasks_value() -> None:
+    """Found by a bug hunt: a task with an explicit key, cancelled while it ran, and a different task
+    submitted under the same key: the worker kept the old run as if it were the new task and
+    reported its value, so ``result()`` returned the old task's value."""
+    sh = quick_shell()
+    old = ws.TaskIn("k", func="g", resources=CPU, ident=("g", b"old args"))
+    sh.send(ws.Compute((old,)))
+    sh.send(ws.FreeKeys(("k",)))
+    assert sh.state.cancelled == {"k"}
+    new = ws.TaskIn("k", func="h", resources=CPU, ident=("h", b"new args"))
+    assert sh.send(ws.Compute((new,))) == []  # it waits: the slot is the old run's until it ends
+    assert set(sh.state.superseded) == {"k"} and sh.state.cancelled == {"k"}
+    sh.check()
+    cmds = sh.send(ws.TaskDone("k", True, 8, 1.0))  # the old run ends: its value is dropped
+    assert cmds[0] == ws.Report("ended", "k") and not [c for c in cmds if isinstance(c, ws.Store)]
+    assert ws.Report("started", "k") in cmds and ws.Run("k") in cmds and not sh.state.superseded
+    sh.check()
+    assert sh.send(ws.TaskDone("k", True, 16, 0.5)) == [ws.Store("k", 16), ws.Report("finished", ["k", 16, 0.5])]
+    sh.check()
+
+
+def test_a_waiting_task_under_a_reused_key_is_dropped_by_its_own_free() -> None:
+    sh = quick_shell()
+    sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=1),)))
+    sh.send(ws.FreeKeys(("k",)))
+    sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=2),)))
+    sh.send(ws.FreeKeys(("k",)))  # the new one is released too before the old run ended
+    assert not sh.state.superseded
+    assert sh.send(ws.TaskDone("k", True, 8, 1.0)) == [ws.Report("ended", "k")]
+    assert not sh.state.running and sh.state.free["cpu"] == 1.0
+    sh.check()
+
+
+@pytest.mark.parametrize("slot_took_it", [False, True])
+def test_a_lined_task_freed_then_its_key_reused_waits_for_the_shells_unline_answer(slot_took_it: bool) -> None:
+    """A freed lane member stays ``lined`` until the shell answers the ``Unline``; a new task under
+    its key arriving before that answer was dropped as "assigned again while it waits here" (never
+    run: its future hung), and if the slot had reached the old one, its value was the new one's."""
+    state = ws.WorkerState({"cpu": 1.0})
+    state.last_run["f"] = 0.0005  # quick: its tasks run in lanes
+    cmds = state.handle(ws.Compute(tuple(ws.TaskIn(k, func="f", resources=CPU, ident=k) for k in ("a", "k"))))
+    (lane,) = [c.lane for c in cmds if isinstance(c, ws.RunBatch)]
+    cmds = state.handle(ws.FreeKeys(("k",)))
+    assert ws.Unline(lane, ("k",), "free") in cmds  # the shell answers later
+    assert state.handle(ws.Compute((ws.TaskIn("k", func="f", resources=CPU, ident="new"),))) == []
+    if slot_took_it:  # the slot reached the old k before the Unline: it ran, and ends
+        cmds = state.handle(ws.Unlined(lane, (), ("k",), "free"))
+        assert "k" in state.cancelled and not [c for c in cmds if isinstance(c, ws.Run | ws.RunBatch)]
+        state.handle(ws.TaskDone("a", True, 8, 0.001))
+        cmds = state.handle(ws.TaskDone("k", True, 8, 0.001))
+        assert cmds[0] == ws.Report("ended", "k")
+    else:
+        state.handle(ws.TaskDone("a", True, 8, 0.001))
+        cmds = state.handle(ws.Unlined(lane, ("k",), (), "free"))
+    assert [c.keys for c in cmds if isinstance(c, ws.RunBatch)] == [("k",)]  # the new k runs now
+    assert not state.superseded and not state.unlining
+    state.validate()
 
 
 def lanes(cmds: list[Any]) -> list[tuple[str, ...]]:

@@ -223,9 +223,15 @@ class Worker:
                 if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
                     self.setup_failed = True
             elif op == "compute":
+                st = self.state
+                released_runs = bool(st.cancelled or st.unlining)  # a key among them may come back
                 compute = self._compute(msg)
-                self._apply(self.state.handle(compute))
+                self._apply(st.handle(compute))
                 self._forget(tuple(t.key for t in compute.tasks))  # held here already: not run
+                if released_runs:
+                    for t in compute.tasks:  # the same task again while its run goes on: that run stays
+                        if t.key in st.running and t.key not in st.superseded:
+                            self._specs.pop(t.key, None)
             elif op == "free":
                 self._apply(self.state.handle(ws.FreeKeys(tuple(msg["keys"]))))
                 self._forget(tuple(msg["keys"]))
@@ -252,16 +258,19 @@ class Worker:
             if fid not in self.functions:
                 self.functions[fid] = blob  # deserialised lazily, in the loop, once
         tasks = []
+        st = self.state
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
-            key = t["key"]  # one assigned again keeps that run, or its work item cut from a lane
-            if key not in self.state.running and key not in self.state.lined and key not in self._returned:
-                self._specs[key] = (t["func"], t.get("payload"), list(deps))
+            key = t["key"]  # one assigned again keeps that run, or its work item cut from a lane;
+            func, payload = t["func"], t.get("payload")  # a released one's may be another task's
+            if (key not in st.running and key not in st.lined and key not in self._returned) or (
+                    key in st.cancelled or key in st.unlining):  # fmt: skip
+                self._specs[key] = (func, payload, list(deps))
                 if t.get("inline"):
                     self._inline_wanted.add(key)
             tasks.append(ws.TaskIn(key, {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
-                                   tuple(tuple(r) for r in t.get("resources") or ()), 0, t["func"],
-                                   bool(t.get("solo"))))  # fmt: skip
+                                   tuple(tuple(r) for r in t.get("resources") or ()), 0, func,
+                                   bool(t.get("solo")), (func, payload)))  # fmt: skip
         return ws.Compute(tuple(tasks))
 
     # ---- carrying out the state's commands -------------------------------------------------------

@@ -85,6 +85,10 @@ class TaskIn:
     func: str = ""
     #: never in a batch (the scheduler says so after a worker died while it ran: blame stays exact)
     solo: bool = False
+    #: what the task is (the shell passes its function id and pickled arguments): a key released
+    #: and given to a *different* task while its old run still executes here is not that run
+    #: (None: the same task whenever the key is, as in the simulator)
+    ident: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +301,7 @@ class _Lane:
 
 
 class _Task:
-    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo", "batch", "long")
+    __slots__ = ("key", "deps", "resources", "memory", "missing", "func", "solo", "batch", "long", "ident")
 
     def __init__(self, t: TaskIn) -> None:
         self.key = t.key
@@ -309,6 +313,7 @@ class _Task:
         self.solo = t.solo
         self.batch: _Lane | None = None  # the lane it is lined in or runs in
         self.long = False  # a lane member reported running LONG (started, its lane cut)
+        self.ident = t.ident
 
 
 #: a function whose last run took less than this (seconds) is quick: its queued tasks run in batches
@@ -341,6 +346,12 @@ class WorkerState:
         self.running: dict[str, _Task] = {}
         self.seceded: set[str] = set()
         self.cancelled: set[str] = set()
+        #: a key released while its run executes (``cancelled``) or while it is lined and the
+        #: shell has not answered the ``Unline`` yet (``unlining``), then assigned again as a
+        #: different task (another function or arguments under a reused key): the new task waits
+        #: here until the old run is over, so the old run's value is never reported as the new one's
+        self.superseded: dict[str, TaskIn] = {}
+        self.unlining: set[str] = set()
         self.memory: dict[str, int] = {}  # in memory, least recently used first
         self._memory_bytes = 0  # the sum of ``memory`` (kept as it changes: read on every store)
         self.spilled: dict[str, int] = {}
@@ -397,11 +408,19 @@ class WorkerState:
         for ti in e.tasks:
             key = ti.key
             if key in self.running:
-                if key in self.cancelled:  # re-assigned while still running: keep that run, and say it
-                    self.cancelled.discard(key)  # executes (the scheduler counts on its "started")
-                    out.append(Report("started", key))
+                if key in self.cancelled:
+                    if self.running[key].ident == ti.ident:  # the same task again while still running:
+                        self.cancelled.discard(key)  # keep that run, and say it executes (the
+                        out.append(Report("started", key))  # scheduler counts on its "started")
+                    else:  # another task under the released key: after the old run
+                        self.superseded[key] = ti
                 continue
-            if key in self.waiting or key in self.queued or key in self.lined:
+            if key in self.unlining:  # freed in its lane, the shell's answer not here yet: whatever
+                self.superseded[key] = ti  # ran there is the released task's, this one runs after
+                continue
+            if key in self.lined:
+                continue
+            if key in self.waiting or key in self.queued:
                 continue  # assigned again while it waits here: it runs once
             if key in self:
                 out.append(Report("finished", [key, self.nbytes(key), 0.0]))
@@ -427,7 +446,10 @@ class WorkerState:
 
     def _free(self, e: FreeKeys, out: list[Command]) -> None:
         dropped = []
+        superseded = self.superseded
         for k in e.keys:
+            if superseded:
+                superseded.pop(k, None)
             if k in self:
                 self._memory_bytes -= self.memory.pop(k, 0)
                 self.spilled.pop(k, None)
@@ -438,7 +460,9 @@ class WorkerState:
             elif k in self.waiting:
                 del self.waiting[k]
         if self.lined:
-            self._unline([k for k in e.keys if k in self.lined], "free", out)
+            freed = [k for k in e.keys if k in self.lined]
+            self.unlining.update(freed)
+            self._unline(freed, "free", out)
         if self.queue:
             ks = set(e.keys)  # one set, not a list scan per queued task (cancelling 10,000 at once)
             if not ks.isdisjoint(self.queued):
@@ -515,9 +539,11 @@ class WorkerState:
                 if e.duration >= QUICK or big:  # not quick after all: the rest is not held behind the next one
                     self._cut(b, out)
                 self._lane_check(b)
-        if e.key in self.cancelled:
-            self.cancelled.discard(e.key)  # nobody wants the result: it is not kept
+        if e.key in self.cancelled or e.key in self.unlining:  # freed (a lined one: before the
+            self.cancelled.discard(e.key)  # shell's answer): nobody wants the result, it is not kept
             out.append(Report("ended", e.key))  # but the scheduler counts its slot busy until now
+            if self.superseded:
+                self._resume(e.key, out)
         elif e.ok:
             self.executed += 1
             self._store(e.key, e.nbytes, out)
@@ -602,7 +628,20 @@ class WorkerState:
             self.queued.update(t.key for t in back)
         if b is not None:
             self._lane_check(b)
+        if e.why == "free" and self.unlining:
+            for k in (*e.taken, *e.removed):
+                self.unlining.discard(k)
+                if self.superseded:
+                    self._resume(k, out)
         self._start_ready(out)
+
+    def _resume(self, key: str, out: list[Command]) -> None:
+        """The released run of ``key`` is over: the task that took its key meanwhile may start."""
+        if key in self.running or key in self.lined or key in self.unlining:
+            return
+        ti = self.superseded.pop(key, None)
+        if ti is not None:
+            self._compute(Compute((ti,)), out)
 
     def _fetched(self, e: FetchDone, out: list[Command]) -> None:
         waiters = self.fetching.pop(e.key, [])
@@ -793,6 +832,7 @@ class WorkerState:
             for b in places[i + 1:]:
                 assert not a & b, ("a task in two places", a & b)
         assert self.seceded <= set(self.running) and self.cancelled <= set(self.running)
+        assert set(self.superseded) <= self.cancelled | self.unlining, "a superseding task with nothing before it"
         used: dict[str, float] = {}
         lanes: dict[int, _Lane] = {}
         for k, t in self.lined.items():
