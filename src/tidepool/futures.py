@@ -50,6 +50,7 @@ import concurrent.futures
 import contextvars
 import logging
 import threading
+import types
 from collections.abc import Callable
 
 # the standard library's state names (stable since Python 3.2, in its private module)
@@ -242,6 +243,18 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             if self.done():
                 raise
             raise TimeoutError(self._owner.why_not_done([self.key], timeout)) from None
+
+    def traceback(self, timeout: float | None = None) -> types.TracebackType | None:
+        """The traceback of the task's exception, as traceback objects (None if it succeeded), as
+        in Dask: ``traceback.print_tb(future.traceback())``.  Rebuilt from the worker's formatted
+        traceback: each entry points at the remote file, line and function (no remote locals).
+        Waits as :meth:`exception` does."""
+        exc = self.exception(timeout)
+        if exc is None:
+            return None
+        from tidepool.tracebacks import of_exception
+
+        return of_exception(exc)
 
     def running(self) -> bool:
         """True while the task executes on a worker (it can no longer be cancelled).
