@@ -91,3 +91,39 @@ def test_reports_wait_in_a_holding_outbox_while_the_connection_is_closed() -> No
     held, dropped = asyncio.run(main())
     assert held.encode() == {"op": "task-batch", "finished": [["a", 40, 0.1]], "erred": [{"key": "e"}]}
     assert not dropped
+
+
+def test_a_close_that_arrived_before_the_line_went_down_stops_the_worker_quietly(
+        caplog: Any, monkeypatch: Any) -> None:  # fmt: skip
+    """Found by a bug hunt: a ``LocalCluster`` closing while its worker was sending warned "worker
+    ... lost the scheduler ... and exits" (and a worker with a reconnect window tried to rejoin),
+    though the scheduler's ``close`` had arrived: the failed send was seen before the message."""
+    import logging
+
+    from tidepool.comm.core import Connection
+    from tidepool.errors import ConnectionLostError
+    from tidepool.worker.server import Worker
+
+    conn = Connection()
+    conn._on_frame({"op": "close", "reason": "scheduler closing"})  # arrived, not read yet
+    conn._fail(ConnectionLostError("gone"))
+    assert conn.unread("close") == {"op": "close", "reason": "scheduler closing"} and conn.unread("x") is None
+    closed: list[str] = []
+    rejoined: list[Any] = []
+
+    async def serve() -> None:
+        raise ConnectionLostError("connection to the scheduler closed")
+
+    async def close(why: str) -> None:
+        closed.append(why)
+
+    async def rejoin(worker: Any, exc: Exception) -> bool:
+        rejoined.append(exc)
+        return False
+
+    fake = SimpleNamespace(conn=conn, _serve_scheduler=serve, close=close)
+    monkeypatch.setattr(reconnect, "rejoin", rejoin)
+    with caplog.at_level(logging.WARNING, logger="tidepool.worker"):
+        asyncio.run(Worker._scheduler_loop(cast(Any, fake)))
+    assert closed == ["scheduler closing"] and not rejoined
+    assert not [r for r in caplog.records if "lost the scheduler" in r.getMessage()]

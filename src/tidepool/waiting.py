@@ -40,13 +40,40 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
     """
     if return_when not in _WHEN:
         raise ConfigError(f"return_when must be one of {sorted(_WHEN)}, got {return_when!r}")
-    futs = [fs] if isinstance(fs, concurrent.futures.Future) else list(fs)
+    futs = futures_in(fs, "wait()")
     done, not_done = concurrent.futures.wait(futs, timeout=_bounded(timeout), return_when=_WHEN[return_when])
     if return_when == "ALL_COMPLETED" and not_done:
         raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
     if return_when != "ALL_COMPLETED" and not done and futs:
         raise TimeoutError(f"none of {len(futs)} futures done after {timeout}s")
     return DoneAndNotDone(set(done), set(not_done))
+
+
+def futures_in(fs: Any, call: str) -> list[concurrent.futures.Future[Any]]:
+    """The futures ``fs`` stands for: one future, an iterable of them (a dict's values), or a
+    persisted Dask collection (the futures its graph points at, as Dask's ``wait`` takes it).
+    Anything else is refused with what to pass instead, before any waiting."""
+    if isinstance(fs, concurrent.futures.Future):
+        return [fs]
+    graph = getattr(fs, "__dask_graph__", None)
+    if callable(graph):  # a Dask collection: persisted, its graph points at futures (and aliases of them)
+        values = list(dict(graph()).values())
+        futs = [v for v in values if isinstance(v, concurrent.futures.Future)]
+        if values and not futs:
+            raise ConfigError(f"{call} was given a Dask collection that is not persisted (its graph holds no "
+                              "futures): persist it first, x = client.persist(x), or wait on client.compute(x)")  # fmt: skip
+        return futs
+    if isinstance(fs, dict):
+        fs = fs.values()
+    if isinstance(fs, (str, bytes)) or not isinstance(fs, Iterable):
+        raise ConfigError(f"{call} takes a future, an iterable of futures or a persisted Dask collection, "
+                          f"got {type(fs).__name__}")  # fmt: skip
+    futs = list(fs)
+    for f in futs:
+        if not isinstance(f, concurrent.futures.Future):
+            raise ConfigError(f"{call} takes futures, got {type(f).__name__} among them ({f!r:.60}): pass the "
+                              "futures that submit/map/compute return (or a persisted Dask collection)")  # fmt: skip
+    return futs
 
 
 def _bounded(timeout: float | None) -> float | None:

@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -120,6 +121,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)
         self._setups: list[str] = []
+        if "dask" in sys.modules:  # collections built from now on shuffle by tasks, not local disk
+            from tidepool.dask.client import prefer_tasks_shuffle
+
+            prefer_tasks_shuffle()
         #: setup failures reported by workers since this client connected (dicts with traceback)
         self.setup_errors: list[dict[str, Any]] = conn.setup_errors
         if asynchronous:  # connects now, in the client's loop; ``await client`` waits for it
@@ -419,11 +424,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         call = dask_call(collection, options, "compute()")
         if call is not None:
             items, opts, repack = call
-            dfuts = compute_collections(self, items, optimize_graph, opts)
+            sent: list[str] = []
+            dfuts = compute_collections(self, items, optimize_graph, opts, sent)
             if progress:
                 from tidepool.telemetry.progress import show_progress
 
-                show_progress(self, dfuts)
+                show_progress(self, dfuts, graph_keys=sent)
             return repack(dfuts)
         roots: list[Delayed[Any]] = collect(collection, Delayed)
         if not roots:
@@ -471,7 +477,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         ``dask.config.set(scheduler=...)``; without ``with`` it stays set)."""
         from tidepool.dask.convert import require_dask
 
-        return require_dask().config.set(scheduler=self.get)
+        dask = require_dask()
+        settings: dict[str, Any] = {"scheduler": self.get}
+        if dask.config.get("dataframe.shuffle.method", None) is None:  # not "disk": see prefer_tasks_shuffle
+            settings["dataframe.shuffle.method"] = "tasks"
+        return dask.config.set(settings)
 
     # ---- executor ----------------------------------------------------------------------------------
     def get_executor(self, *, resources: dict[str, Any] | None = None, retries: int = 0) -> ClientExecutor:

@@ -132,6 +132,14 @@ class Connection:
         without yielding to the event loop)."""
         return bool(self._inbox)
 
+    def unread(self, op: str) -> dict[str, Any] | None:
+        """The first ``op`` message that has arrived and was not read yet, or None: after a failed
+        send, tells whether the peer had said goodbye (a ``close``) before the line went down."""
+        for msg in self._inbox:
+            if isinstance(msg, dict) and msg.get("op") == op:
+                return msg
+        return None
+
     def recv_buffered(self, op: str) -> Any:
         """The next message if it has already arrived and is an ``op`` message, else None (nothing
         taken): lets a reader handle a run of like messages read in one go as one batch."""

@@ -13,8 +13,10 @@ plain ``x.compute()`` / ``x.persist()`` / ``dask.compute(...)`` run on tidepool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable
+import sys
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tidepool.dask.convert import (
@@ -100,9 +102,12 @@ def is_dask_collection(x: Any) -> bool:
     return bool(dask.is_dask_collection(x))
 
 
-def submit_graph(client: Any, dsk: Any, keys: list[Hashable], options: dict[str, Any]) -> dict[Hashable, Future[Any]]:
-    """Send the part of ``dsk`` that ``keys`` need (one graph update); returns Dask key -> future."""
+def submit_graph(client: Any, dsk: Any, keys: list[Hashable], options: dict[str, Any],
+                 graph_keys: list[str] | None = None) -> dict[Hashable, Future[Any]]:  # fmt: skip
+    """Send the part of ``dsk`` that ``keys`` need (one graph update); returns Dask key -> future.
+    ``graph_keys``, if given, gets the key of every task sent (what a progress bar counts)."""
     graph, annotations = materialize(dsk)
+    check_shuffle_storage(client, graph)
     conv = convert(graph, keys, client, annotations, options)
     nodes: dict[str, Any] = dict(conv.futures)  # tidepool key -> its Delayed (or the future it names)
 
@@ -113,6 +118,8 @@ def submit_graph(client: Any, dsk: Any, keys: list[Hashable], options: dict[str,
 
     for t in conv.tasks:  # dependencies first: every input is in ``nodes`` already
         nodes[t.key] = Delayed(t.key, t.fn, replace(t.args, link), {}, t.options)
+    if graph_keys is not None:
+        graph_keys.extend(t.key for t in conv.tasks)
     wanted = list(dict.fromkeys(conv.names[k] for k in keys))
     roots = [nodes[n] for n in wanted if isinstance(nodes[n], Delayed)]
     done = dict(zip([r.key for r in roots], client.compute(roots), strict=True)) if roots else {}
@@ -130,11 +137,13 @@ def get(client: Any, dsk: Any, keys: Any, *, progress: bool = False, **options: 
     """
     opts = _check_options(options, "get()")
     flat = list(dict.fromkeys(flatten_keys(keys)))
-    futs = submit_graph(client, dsk, flat, opts)
+    sent: list[str] = []
+    futs = submit_graph(client, dsk, flat, opts, sent)
+    _secede_if_in_a_task()
     if progress:
         from tidepool.telemetry.progress import show_progress
 
-        show_progress(client, list(futs.values()))
+        show_progress(client, list(futs.values()), graph_keys=sent)
     values = dict(zip(futs, client.gather(list(futs.values())), strict=True))
     return pack(keys, values)
 
@@ -145,7 +154,8 @@ def persist_collections(client: Any, collections: list[Any], optimize_graph: boo
     require_dask()
     from dask.base import collections_to_expr
 
-    expr = collections_to_expr(collections, optimize_graph).optimize()
+    with tasks_shuffle():
+        expr = collections_to_expr(collections, optimize_graph).optimize()
     keys = expr.__dask_keys__()
     futs = submit_graph(client, expr, list(dict.fromkeys(flatten_keys(keys))), options)
     out = []
@@ -156,18 +166,85 @@ def persist_collections(client: Any, collections: list[Any], optimize_graph: boo
 
 
 def compute_collections(client: Any, collections: list[Any], optimize_graph: bool,
-                        options: dict[str, Any]) -> list[Future[Any]]:  # fmt: skip
-    """A future per collection, of its final value (what ``x.compute()`` would return)."""
+                        options: dict[str, Any], graph_keys: list[str] | None = None) -> list[Future[Any]]:  # fmt: skip
+    """A future per collection, of its final value (what ``x.compute()`` would return);
+    ``graph_keys`` as in :func:`submit_graph`."""
     require_dask()
     from dask._expr import FinalizeCompute
     from dask.base import collections_to_expr
 
     out = []
-    for c in collections:  # one finalized expression each: one key each
-        expr = FinalizeCompute(collections_to_expr([c], optimize_graph)).optimize()
-        (key,) = flatten_keys(expr.__dask_keys__())
-        out.append(submit_graph(client, expr, [key], options)[key])
+    with tasks_shuffle():
+        for c in collections:  # one finalized expression each: one key each
+            expr = FinalizeCompute(collections_to_expr([c], optimize_graph)).optimize()
+            (key,) = flatten_keys(expr.__dask_keys__())
+            out.append(submit_graph(client, expr, [key], options, graph_keys)[key])
     return out
 
 
-__all__ = ["compute_collections", "dask_call", "get", "is_dask_collection", "persist_collections", "submit_graph"]
+def _secede_if_in_a_task() -> None:
+    """Called from inside a task (``x.compute(scheduler=get_client())``): give the slot back
+    before waiting, as Dask's ``Client.get`` does; else a task waiting for tasks that need its
+    slot would wait for ever."""
+    from tidepool.worker import context
+
+    if context.current_task() is not None and context._worker is not None:
+        context.secede()
+
+
+#: shuffles that write through a worker's local disk (partd): keys of their storage tasks
+_PARTD_PREFIXES = ("zpartd-", "partd-")
+
+
+def prefer_tasks_shuffle() -> None:
+    """Make Dask's default shuffle ``"tasks"`` unless the user chose one, as a Dask distributed
+    client does while it exists (Dask otherwise picks ``"disk"``: files in each worker's own
+    temporary directory, which workers on other hosts never see).  Only if Dask is imported."""
+    dask = sys.modules.get("dask")
+    config = getattr(dask, "config", None)
+    if config is not None and config.get("dataframe.shuffle.method", None) is None:
+        config.set({"dataframe.shuffle.method": "tasks"})
+
+
+@contextlib.contextmanager
+def tasks_shuffle() -> Iterator[None]:
+    """While optimizing a collection for tidepool: the ``"tasks"`` shuffle unless the user chose one."""
+    import dask
+
+    if dask.config.get("dataframe.shuffle.method", None) is None:
+        with dask.config.set({"dataframe.shuffle.method": "tasks"}):
+            yield
+    else:
+        yield
+
+
+def check_shuffle_storage(client: Any, graph: dict[Any, Any]) -> None:
+    """Refuse a graph that shuffles through local disk (``shuffle_method="disk"``, or a bag's
+    ``groupby`` built while Dask's default was ``"disk"``) when the workers are on more than one
+    host: each would write its pieces where the others never read them, and rows would be lost
+    without an error."""
+    partd = next((k for k in graph if _name(k).startswith(_PARTD_PREFIXES)), None)
+    if partd is None:
+        return
+    hosts = {_host(w.get("address", "")) for w in client.scheduler_info().get("workers", [])}
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"this Dask graph shuffles through each worker's local disk ({_name(partd)!r}: "
+            f"shuffle_method='disk', or a bag groupby built before a tidepool client existed), and the "
+            f"workers are on {len(hosts)} hosts that do not share it: rows would be lost. Use "
+            "shuffle_method='tasks' (bags: groupby(..., shuffle='tasks')), or set "
+            "dask.config.set({'dataframe.shuffle.method': 'tasks'}) before building the collection")  # fmt: skip
+
+
+def _name(key: Any) -> str:
+    return str(key[0] if isinstance(key, tuple) and key else key)
+
+
+def _host(address: str) -> str:
+    """The host part of a worker address (``tcp://10.0.0.2:4000`` -> ``10.0.0.2``)."""
+    rest = address.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0] if ":" in rest else rest
+
+
+__all__ = ["check_shuffle_storage", "compute_collections", "dask_call", "get", "is_dask_collection",
+           "persist_collections", "prefer_tasks_shuffle", "submit_graph", "tasks_shuffle"]

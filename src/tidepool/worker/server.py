@@ -203,6 +203,9 @@ class Worker:
             try:
                 return await self._serve_scheduler()
             except CommError as exc:
+                bye = self.conn.unread("close") if self.conn is not None else None
+                if bye is not None:  # the scheduler said to stop, then the line went down before it was read
+                    return await self.close(bye.get("reason", "asked by the scheduler"))
                 if not await reconnect.rejoin(self, exc):
                     if self.closed is not None and not self.closed.is_set():  # said, not a silent exit
                         why = (f"its {self.reconnect_window:g}s reconnect window is over" if self.reconnect_window > 0
