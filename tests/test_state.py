@@ -342,6 +342,64 @@ def test_retiring_workers_spread_their_copies_over_the_survivors() -> None:
     assert targets == ["s1", "s2"], targets
 
 
+def _retiring_w1_holding_a(*survivors: str) -> StateDriver:
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9))
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a")
+    for s in survivors:
+        d.add_worker(s)
+    return d
+
+
+def test_a_copy_that_never_arrives_is_asked_again_then_the_retirement_is_given_up() -> None:
+    """Found by a bug hunt: a survivor's copy of a retiring worker's value failed once (the retiring
+    worker was frozen past the handshake timeout, or the survivor died) and was never asked for
+    again, so ``retire_workers()`` (and the autoscaler's scale-down) waited for ever."""
+    from tidepool.scheduler.retire import MAX_ASKS, REASK_AFTER
+
+    d = _retiring_w1_holding_a("w2")
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
+    d.clock.advance(REASK_AFTER / 2)
+    assert not [c for c in d.send(ev.Tick(d.clock())) if isinstance(c, ev.Replicate)]  # not yet
+    for _ in range(MAX_ASKS - 1):
+        d.clock.advance(REASK_AFTER)
+        cmds = d.send(ev.Tick(d.clock()))
+        assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
+        assert d.state.workers["w1"].state == "retiring"
+    d.clock.advance(REASK_AFTER)
+    cmds = d.send(ev.Tick(d.clock()))
+    refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert len(refused) == 1 and f"after {MAX_ASKS} asks" in refused[0].reason and "'a'" in refused[0].reason
+    assert d.state.workers["w1"].state == "running" and not d.state.retiring
+    assert "w1" in d.state.room  # back at work: it takes tasks again
+    cmds = d.send(ev.RetireWorkers(["w1"], d.clock()))  # and may retire again later, asks counted afresh
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
+    assert d.state.retiring["w1"]["a"].tries == 1
+    cmds = d.send(ev.AddReplica("w2", "a", 8, d.clock()))
+    assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+
+
+def test_a_copy_whose_survivor_left_is_asked_of_another_at_once() -> None:
+    d = _retiring_w1_holding_a("w2")
+    d.send(ev.RetireWorkers(["w1"], d.clock()))
+    d.add_worker("w3")
+    cmds = d.remove_worker("w2")  # it died before its copy arrived
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w3", ["a"])]
+    cmds = d.send(ev.AddReplica("w3", "a", 8, d.clock()))
+    assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+
+
+def test_a_retiring_worker_lost_ends_its_retirement_so_the_caller_hears() -> None:
+    d = _retiring_w1_holding_a("w2")
+    d.send(ev.RetireWorkers(["w1"], d.clock()))
+    cmds = d.remove_worker("w1")
+    refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert [c.worker for c in refused] == ["w1"] and "lost" in refused[0].reason
+    assert not d.state.retiring
+
+
 def test_retire_refused_when_no_survivor_can_take_the_data() -> None:
     d = StateDriver()
     d.add_worker("w1")

@@ -4,13 +4,18 @@ A retiring worker takes no new tasks and finishes the ones it runs.  Every value
 holds and that somebody still needs is copied (``Replicate``) to the survivor with the fewest held
 bytes that has memory room; once nothing unique is left and nothing runs, the worker is closed and
 removed gracefully (no recomputation, no failure counted).  If no survivor can take the data, the
-retirement is refused with the reason and the worker goes back to ``running``.
+retirement is refused with the reason and the worker goes back to ``running``.  A copy that has not
+arrived ``REASK_AFTER`` seconds after it was asked for (the survivor's fetch failed: the retiring
+worker was frozen, the line was down), or whose survivor left, is asked for again, of the least
+loaded survivor; after ``MAX_ASKS`` asks for one value the retirement is given up (refused, back to
+``running``), so a retirement always ends.  A retiring worker lost meanwhile ends its retirement as
+refused too (its values are recomputed as for any lost worker).
 
-Data flow: these functions read a :class:`RetireView` of the scheduler state (its workers and
-``retiring``: worker id -> keys already asked for) and return *intents*; they change nothing.  The
-state machine (``state.py``) applies the intents in order: :class:`Begin` and :class:`Finish` are
-worker-state moves, :class:`Asked` and :class:`Forget` its bookkeeping, and the commands
-(``Replicate``, ``RetireRefused``) go out as they are.  So this module imports nothing of the
+Data flow: these functions read a :class:`RetireView` of the scheduler state (its workers, ``now``
+and ``retiring``: worker id -> key -> the :class:`Ask` for its copy) and return *intents*; they
+change nothing.  The state machine (``state.py``) applies the intents in order: :class:`Begin`,
+:class:`Finish` and :class:`GiveUp` are worker-state moves, :class:`Asked` and :class:`Forget` its
+bookkeeping, and the commands (``Replicate``, ``RetireRefused``) go out as they are.  So this module imports nothing of the
 state's, and the state owns every write to its fields.
 """
 
@@ -27,6 +32,20 @@ if TYPE_CHECKING:
     from tidepool.scheduler.records import TaskRecord, WorkerRecord
 
 MEMORY_FRACTION = 0.8
+#: seconds after which a copy asked for and not arrived is asked for again (a survivor's fetch of a
+#: frozen or unreachable holder gives up within about the handshake timeout, 10 s)
+REASK_AFTER = 20.0
+#: asks for one value's copy before the retirement is given up
+MAX_ASKS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """The copy of one value asked of survivor ``target`` at ``at``; ``tries``: asks so far."""
+
+    target: str
+    at: float
+    tries: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +58,18 @@ class Begin:
 
 @dataclass(frozen=True, slots=True)
 class Asked:
-    """Copies of ``keys`` held only by retiring ``worker`` were asked for (do not ask again)."""
+    """Copies of the values held only by retiring ``worker`` were asked for: key -> :class:`Ask`."""
 
     worker: str
-    keys: tuple[str, ...]
+    asks: dict[str, Ask]
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """The retirement of ``worker`` ends unfinished: back to running, refused for ``reason``."""
+
+    worker: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +86,7 @@ class Forget:
     worker: str
 
 
-Intent = Begin | Asked | Finish | Forget | ev.Replicate | ev.RetireRefused
+Intent = Begin | Asked | Finish | Forget | GiveUp | ev.Replicate | ev.RetireRefused
 
 
 class RetireView(Protocol):
@@ -69,7 +96,10 @@ class RetireView(Protocol):
     def workers(self) -> Mapping[str, WorkerRecord]: ...
 
     @property
-    def retiring(self) -> Mapping[str, set[str]]: ...
+    def retiring(self) -> Mapping[str, Mapping[str, Ask]]: ...
+
+    @property
+    def now(self) -> float: ...
 
 
 def unique_data(ws: WorkerRecord, leaving: Iterable[str] = ()) -> list[TaskRecord]:
@@ -139,10 +169,14 @@ def progress_retirements(view: RetireView) -> list[Intent]:
     # once per pass: sorting every survivor again for each retiring worker, and scanning them all
     # for each value, made a pass over 10,000 retiring workers quadratic
     targets: list[tuple[float, int, str]] | None = None
+    now = view.now
+    workers = view.workers
     for wid in list(view.retiring):
-        ws = view.workers.get(wid)
+        ws = workers.get(wid)
         if ws is None:
             out.append(Forget(wid))
+            out.append(ev.RetireRefused(wid, "it was lost before its data was moved (its values are recomputed "
+                                             "where needed)"))  # fmt: skip
             continue
         asked = view.retiring[wid]
         unique = unique_data(ws, leaving)
@@ -150,20 +184,39 @@ def progress_retirements(view: RetireView) -> list[Intent]:
             out.append(Finish(wid))
             leaving.append(wid)
             continue
-        todo = [ts for ts in unique if ts.key not in asked]
+        todo = [ts for ts in unique if _due(asked.get(ts.key), workers, now)]
         if not todo:
             continue
+        spent = next((ts for ts in todo if asked[ts.key].tries >= MAX_ASKS), None) if asked else None
+        if spent is not None:
+            a = asked[spent.key]
+            out.append(GiveUp(wid, f"a copy of its value {spent.key!r} did not reach a survivor after {a.tries} "
+                                   f"asks over {now - a.at + REASK_AFTER * (a.tries - 1):.0f}s (the survivors "
+                                   "could not fetch it: is the worker frozen, or its data port unreachable?)"))  # fmt: skip
+            continue
         if targets is None:
-            targets = [(float(w.nbytes), w.seq, w.id) for w in view.workers.values() if w.state == "running"]
+            targets = [(float(w.nbytes), w.seq, w.id) for w in workers.values() if w.state == "running"]
             heapq.heapify(targets)
         if not targets:
             continue  # wait: data stays put until a survivor appears or the worker is lost
         plan: dict[str, list[str]] = {}
+        asks: dict[str, Ask] = {}
         for ts in sorted(todo, key=lambda t: (-t.nbytes, t.priority, str(t.key))):  # deterministic order
             load, seq, target = heapq.heappop(targets)  # the survivor holding the least
             heapq.heappush(targets, (load + ts.nbytes, seq, target))
             plan.setdefault(target, []).append(ts.key)
-        out.append(Asked(wid, tuple(ts.key for ts in todo)))
+            before = asked.get(ts.key)
+            asks[ts.key] = Ask(target, now, 1 if before is None else before.tries + 1)
+        out.append(Asked(wid, asks))
         for target_id, keys in plan.items():
             out.append(ev.Replicate(target_id, keys))
     return out
+
+
+def _due(ask: Ask | None, workers: Mapping[str, WorkerRecord], now: float) -> bool:
+    """Ask (again) for this copy: never asked, its survivor is no longer running, or it has not
+    arrived ``REASK_AFTER`` seconds after the last ask."""
+    if ask is None:
+        return True
+    target = workers.get(ask.target)
+    return target is None or target.state != "running" or now - ask.at >= REASK_AFTER

@@ -96,7 +96,7 @@ class SchedulerState:
         #: workers with tasks queued beyond their slots (steal candidates), kept by _load_changed
         self.overloaded: set[str] = set()
         self._fit_any: dict[ev.Shape, bool] = {}
-        self.retiring: dict[str, set[str]] = {}
+        self.retiring: dict[str, dict[str, retire.Ask]] = {}  # worker -> key -> the ask for its copy
         self.retire_reason: dict[str, str] = {}
         #: tasks that were on a worker that died without having been reported started there: a
         #: quick task's "started" rides with its outcome, so one of them may be what killed it.  They
@@ -814,10 +814,17 @@ class SchedulerState:
                 ws = self.workers[it.worker]
                 self._move_worker(ws, WS.RETIRING)
                 self.room.discard(ws.id)
-                self.retiring[ws.id] = set()
+                self.retiring[ws.id] = {}
                 self.retire_reason[ws.id] = it.reason  # type: ignore[union-attr]
             elif t is retire.Asked:
-                self.retiring[it.worker].update(it.keys)  # type: ignore[union-attr]
+                self.retiring[it.worker].update(it.asks)  # type: ignore[union-attr]
+            elif t is retire.GiveUp:  # copies kept failing: back to work, the caller hears why
+                self.retiring.pop(it.worker, None)
+                self.retire_reason.pop(it.worker, None)
+                ws = self.workers[it.worker]
+                self._move_worker(ws, WS.RUNNING)
+                self._room_changed(ws)
+                out.append(ev.RetireRefused(it.worker, it.reason))  # type: ignore[union-attr]
             elif t is retire.Forget:
                 self.retiring.pop(it.worker, None)
                 self.retire_reason.pop(it.worker, None)
