@@ -156,3 +156,77 @@ def test_a_plain_release_still_lets_dependents_run() -> None:
     d.run_until_idle()
     assert d.state.tasks["b"].state == "memory"
     d.state.validate()
+
+
+def test_an_outcome_of_a_released_record_is_not_taken_for_the_new_record_under_its_key() -> None:
+    """Found by a review: a task cancelled as it finished, and a different task submitted under the
+    same key and placed on the same worker: the old run's "finished" (or "erred"), in flight when
+    the worker got the free, was taken as the new task's outcome (171 of 400 tries gave the old
+    value).  Each record has a serial the worker echoes; another serial's outcome is ignored, and no
+    free is sent for it (the worker may be running the new record)."""
+    d = StateDriver(auto_start=False)  # a quick task in a lane: "started" is never sent for it
+    one_slot_worker(d)
+    d.submit([("k", [])], ["k"])
+    old = d.state.tasks["k"].run
+    cancel(d, ["k"])  # while its "finished" is on the way
+    d.submit([("k", [])], ["k"])
+    new = d.state.tasks["k"]
+    assert new.run != old and new.worker == "w1"
+    for stale in (ev.TaskFinished("w1", "k", 8, 1.0, d.clock(), old),
+                  ev.TaskErred("w1", "k", None, "", "ValueError", "old", 1.0, d.clock(), old)):  # fmt: skip
+        cmds = d.send(stale)
+        assert not [c for c in cmds if isinstance(c, ev.Free | ev.Report)], cmds
+        assert new.state == "running" and new.worker == "w1"
+    assert d.state.counters["stale_outcomes"] == 2
+    cmds = d.send(ev.TaskFinished("w1", "k", 16, 0.5, d.clock(), new.run))
+    assert reports(cmds) == {"k": "memory"} and new.nbytes == 16
+
+
+def test_a_run_abandoned_for_one_record_still_holds_its_slot_when_another_takes_the_key() -> None:
+    """Review: placing a new record under the key of a run still executing there counted that run as
+    kept, so the worker looked free (the new task waits behind the old run on the worker) and was
+    never stolen from while another worker idled."""
+    d = StateDriver(auto_start=False)
+    one_slot_worker(d)
+    for i in range(3):  # the group's tasks are quick: a worker queues them beyond its slot
+        d.submit([(f"k-{i}", [])], [f"k-{i}"])
+        d.start("w1", f"k-{i}")
+        d.finish("w1", f"k-{i}", duration=0.001)
+    d.submit([("k-x", [])], ["k-x"])
+    d.start("w1", "k-x")  # it runs long this time, and is cancelled
+    cancel(d, ["k-x"])
+    ws = d.state.workers["w1"]
+    assert "k-x" in ws.abandoned
+    d.submit([("k-x", [])], ["k-x"])  # another record: the worker parks it behind the old run
+    assert d.state.tasks["k-x"].worker == "w1"
+    assert "k-x" in ws.abandoned and ws.assigned == 2  # before: 1 (the old run taken for the new one)
+    cmds = d.add_worker("w2", {"cpu": 1})  # an idle worker: the parked task is asked back for it
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Steal)] == [("w1", ["k-x"])]
+    d.send(ev.AbandonedRunsEnded("w1", ["k-x"], d.clock()))
+    assert not ws.abandoned
+
+
+def test_a_run_that_finished_before_its_free_arrived_frees_its_slot_with_that_report() -> None:
+    """Review of the fix above: a task known to execute was cancelled just as it finished; its
+    worker had sent "finished" (not "ended", which comes only for a run still going when the free
+    arrives), so the abandoned run held the only slot for ever and the next task never started."""
+    d = StateDriver(auto_start=False)
+    one_slot_worker(d)
+    d.submit([("k", [])], ["k"])
+    d.start("w1", "k")
+    old = d.state.tasks["k"].run
+    cancel(d, ["k"])
+    ws = d.state.workers["w1"]
+    assert "k" in ws.abandoned
+    d.submit([("k", [])], ["k"])
+    assert d.state.tasks["k"].worker is None  # w1's slot is the old run's
+    cmds = d.send(ev.TaskFinished("w1", "k", 8, 1.0, d.clock(), old))  # sent before the free arrived
+    assert not ws.abandoned and d.state.tasks["k"].worker == "w1"  # its slot is free: the new one goes there
+    assert [c.key for c in cmds if isinstance(c, ev.Execute)] == ["k"] and not reports(cmds)
+    d.submit([("gone", [])], ["gone"])  # the same when the key is not reused: the record is forgotten
+    d.send(ev.TaskFinished("w1", "k", 8, 0.5, d.clock(), d.state.tasks["k"].run))
+    d.start("w1", "gone")
+    cancel(d, ["gone"])
+    assert "gone" in ws.abandoned
+    d.send(ev.TaskFinished("w1", "gone", 8, 1.0, d.clock()))
+    assert not ws.abandoned and ws.assigned == 0

@@ -313,3 +313,29 @@ def test_the_scheduler_takes_allowed_failures_and_refuses_a_negative_one(tmp_pat
             # with the default (3) the task would wait for another worker; with 0 one death fails it
             with pytest.raises(KilledWorkerError, match="executing on 1 worker that died"):
                 client.submit(die).result(timeout=60)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["worker", "tcp://127.0.0.1:1", "--memory-share", "0"], "--memory-share: must be a whole number >= 1"),
+    (["worker", "tcp://127.0.0.1:1", "--memory-share", "-2"], "--memory-share: must be a whole number >= 1"),
+    (["worker", "tcp://127.0.0.1:1", "--reconnect-window", "-5"], "--reconnect-window: must be a number of seconds >= 0"),
+    (["demo", "--tasks", "-3"], "--tasks: must be a whole number >= 0"),
+])  # fmt: skip
+def test_bad_counts_and_seconds_are_refused_not_taken_as_something_else(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Found by a bug hunt: --memory-share 0 or -2 was taken as 1, a negative reconnect window
+    accepted, and ``demo --tasks -3`` "submitted -4 tasks"."""
+    from tidepool.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_journal_that_cannot_be_written_fails_before_the_address_line(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    from tidepool.cli import main
+
+    rc = main(["scheduler", "--port", "0", "--no-dashboard", "--journal", str(tmp_path / "no" / "run.jsonl")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "does not exist" in err and "tidepool scheduler at" not in out, (out, err)

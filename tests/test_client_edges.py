@@ -337,6 +337,36 @@ def test_an_unpicklable_argument_or_function_fails_the_submit_naming_what_and_wh
         assert not {"arg-1", "fn-1"} & cluster.run(lambda s: set(s.state.tasks))
 
 
+def boom(x: int) -> int:
+    raise ValueError(x)
+
+
+@pytest.mark.parametrize("how", ["result", "gather", "gather_async"])
+def test_a_dropped_failed_future_frees_its_key_at_once_for_another_task(cluster: tidepool.LocalCluster,
+                                                                        how: str) -> None:  # fmt: skip
+    """Found by a review: raising a failed future's exception (``result()``, ``gather``) left a
+    cycle (future -> exception -> traceback -> frame -> future), so the dropped future lived until
+    the cyclic collector ran and its explicit key could not be given to another task
+    (KeyCollisionError "still alive")."""
+    with tidepool.Client(cluster) as client:
+        gc.collect()
+        gc.disable()  # what a program between two collections sees
+        try:
+            for i in range(3):
+                old = client.submit(boom, i, key=f"{how}-{i}")
+                with pytest.raises(ValueError):
+                    if how == "result":
+                        old.result(timeout=60)
+                    elif how == "gather":
+                        client.gather([old], timeout=60)
+                    else:
+                        asyncio.run(client.gather_async([old]))
+                del old
+                assert client.submit(inc, i, key=f"{how}-{i}").result(timeout=60) == i + 1
+        finally:
+            gc.enable()
+
+
 def test_generated_keys_are_unique_in_a_process_and_differ_in_a_forked_child() -> None:
     from tidepool.graph.delayed import make_key
 

@@ -192,3 +192,14 @@ startup_estimate = 0.5
         assert proc.wait(20) == 0
     kinds = [line.split('"kind": "')[1].split('"')[0] for line in journal.read_text().splitlines()]
     assert "launch" in kinds and "worker-join" in kinds
+
+
+def test_a_file_whose_node_types_can_never_launch_is_refused_for_every_command() -> None:
+    """Found by a bug hunt: ``tidepool scheduler --cluster`` and ``tidepool simulate --cluster``
+    took a file with ``max_nodes = 0`` on every node type (only ``adapt`` refused it): the scheduler
+    let every task wait for ever, the simulation ran to its stall limit."""
+    two = {"node_types": [{"name": "a", "max_nodes": 0}, {"name": "b", "max_nodes": 0}]}
+    with pytest.raises(ConfigError, match=r"max_nodes is 0 for every node type \('a', 'b'\)"):
+        parse(two, "c.toml")
+    two["node_types"][1]["max_nodes"] = 1  # one kept in reserve beside one that launches: fine
+    assert [nt.max_nodes for nt in parse(two, "c.toml").node_types] == [0, 1]

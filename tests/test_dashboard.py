@@ -71,6 +71,16 @@ def test_metrics_parse_with_the_prometheus_parser_and_match_the_scheduler() -> N
         assert initial["live"] is True
 
 
+def test_a_scheduler_with_no_worker_yet_has_every_worker_series_at_zero() -> None:
+    """Found by a bug hunt: before any worker joined, the worker series were missing instead of 0
+    (docs/dashboard.md), so an alert on ``tidepool_workers == 0`` saw nothing."""
+    with tidepool.LocalCluster(n_workers=0, dashboard=True) as cluster:
+        text = fetch(cluster.dashboard_link + "metrics").decode()
+    for line in ('tidepool_workers{node_type="default",state="idle"} 0.0', 'tidepool_pending_workers{node_type="default"} 0.0',
+                 'tidepool_worker_held_bytes{node_type="default"} 0.0'):  # fmt: skip
+        assert line in text, text
+
+
 def check_metric_names(text: str) -> None:
     """Prometheus' naming rules, by the client's own parser (and promtool when installed)."""
     import re

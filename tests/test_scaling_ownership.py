@@ -120,6 +120,22 @@ def test_walltime_retirements_go_through_step_and_are_retried_while_refused() ->
     assert step_with_state(c, d.state, 6.0, expiring=["job-1"]).retire == ["job-1"]
 
 
+def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data() -> None:
+    """Found by a bug hunt: without ``replace_before`` a worker near its walltime whose data nobody
+    could take was asked to retire again and again, never replaced; Slurm killed it, the value was
+    lost, and a chain of tasks longer than one walltime started over with every job."""
+    d = StateDriver()
+    d.add_worker("job-1", node_type="cpu")
+    c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25, manage_foreign=True)
+    assert step_with_state(c, d.state, 0.0, expiring=["job-1"]).retire == ["job-1"]
+    refused = Retired("job-1", "refused: it holds data nobody else can take", 0.5)
+    step_with_state(c, d.state, 1.0, expiring=["job-1"], reports=[refused])
+    acts = step_with_state(c, d.state, 6.0, expiring=["job-1"])
+    assert acts.retire == ["job-1"]  # refused: asked again, and this time replaced
+    assert [(t.name, n) for _, t, n in acts.launch] == [("cpu", 1)], acts.launch
+    assert any("its retirement was refused" in r.get("reason", "") for r in acts.records if r["kind"] == "launch"), acts.records
+
+
 def test_each_retirement_carries_its_own_reason_as_data() -> None:
     d = StateDriver()
     d.add_worker("a", node_type="cpu")

@@ -72,6 +72,33 @@ def test_a_run_whose_wanted_keys_failed_exits_non_zero_and_says_why(capsys: pyte
     assert "wanted keys failed; the first:" in out and "InfeasibleTaskError" in out
 
 
+def test_a_graph_with_no_tasks_ends_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a bug hunt: ``{"tasks": []}`` simulated for ever (the stall check waits for a submit
+    that never comes)."""
+    graph = tmp_path / "empty.json"
+    graph.write_text('{"tasks": []}')
+    rc = main(["simulate", str(graph), "--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+               "--no-plot", "--quiet"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    (result,) = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] and result["tasks"] == 0 and result["makespan"] < 1.0
+
+
+def test_output_files_that_cannot_be_written_are_refused_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Found by a bug hunt: ``--plot p.txt`` (and ``tidepool report -o timeline.txt``) ran the whole
+    simulation, then ended in matplotlib's traceback."""
+    assert main(["simulate", "wide", "--out", str(tmp_path), "--plot", str(tmp_path / "p.txt"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and ".png" in err and "Traceback" not in err
+    assert not (tmp_path / "default.jsonl").exists()  # refused before the run
+    err = simulate_error(capsys, "wide", "--out", str(tmp_path), "--json", str(tmp_path / "no" / "r.json"))
+    assert "does not exist" in err
+    assert main(["report", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "t.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "-o" in err and ".png" in err and "Traceback" not in err
+
+
 def test_the_graph_size_limit_is_documented_and_can_be_raised() -> None:
     with pytest.raises(ConfigError, match=r"raise it with --max-tasks 3000"):
         load_workload("bag", params={"n": 3000}, max_tasks=2500)

@@ -109,6 +109,73 @@ def test_job_script_exports_the_token_and_starts_one_worker_per_id() -> None:
     assert "export TIDEPOOL_TOKEN_FILE=/shared/tok" in with_file.job_script(nt, "r1", ["a", "b"])
 
 
+def _slow_sbatch(tmp_path: Path) -> tuple[SlurmProvider, Path, Path]:
+    """A provider whose sbatch waits for a gate file, then prints a job id; scancel logs its
+    arguments; squeue knows no job."""
+    gate, cancels = tmp_path / "gate", tmp_path / "cancels"
+    sbatch = tmp_path / "sbatch"
+    count = tmp_path / "count"
+    sbatch.write_text(f"#!/bin/sh\ncat >/dev/null\nwhile [ ! -e {gate} ]; do sleep 0.02; done\n"
+                      f"n=$(( $(cat {count} 2>/dev/null || echo 100) + 1 )); echo $n > {count}; echo $n\n")  # fmt: skip
+    scancel = tmp_path / "scancel"
+    scancel.write_text(f"#!/bin/sh\necho \"$@\" >> {cancels}\n")
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\nexit 0\n")
+    for f in (sbatch, scancel, squeue):
+        f.chmod(0o755)
+    p = SlurmProvider(submit_command=str(sbatch), cancel_command=str(scancel), squeue_command=str(squeue),
+                      scontrol_command=str(squeue), command_timeout=30)  # fmt: skip
+    p.bind("tcp://127.0.0.1:1", "t")
+    return p, gate, cancels
+
+
+def test_list_terminate_and_close_answer_at_once_while_sbatch_runs(tmp_path: Path) -> None:
+    """Found by a bug hunt: ``submit_now`` held the provider's lock across every sbatch, so
+    ``list()`` (and terminate, expiring, close: every call the autoscaler makes) waited for the
+    whole submission, and the SUBMITTING state it lists could never be seen."""
+    p, gate, cancels = _slow_sbatch(tmp_path)
+    p.launch(NodeType("cpu"), 2, "r1")
+    listed = p.list()  # sbatch is waiting for the gate: this answers now
+    assert {w["state"] for w in listed.values()} == {"SUBMITTING"} and len(listed) == 2
+    p.terminate(list(listed))  # terminated while being submitted: cancelled once recorded
+    gate.touch()
+    wait_until(lambda: cancels.exists(), 10, "the terminated launch's jobs to be cancelled")
+    assert len(cancels.read_text().split()) == 2
+    assert all(j.cancelled for j in p._jobs.values()) and len(p._jobs) == 2
+
+
+def test_a_close_during_sbatch_cancels_what_was_submitted(tmp_path: Path) -> None:
+    p, gate, cancels = _slow_sbatch(tmp_path)
+    p.launch(NodeType("cpu"), 1, "r1")
+    wait_until(lambda: p.list(), 10, "the launch to be listed")
+    p.close()  # does not wait for sbatch
+    gate.touch()
+    wait_until(lambda: cancels.exists(), 10, "the job submitted after close to be cancelled")
+    errors: list[Any] = []
+    wait_until(lambda: errors.extend(p.poll_errors()) or errors, 10, "the launch's failure")
+    assert "closed while launch r1" in errors[0].message and not p._jobs
+
+
+def test_a_never_starts_reason_counts_once_it_settles_so_the_advice_is_the_right_one() -> None:
+    """Found by a bug hunt: a walltime above the partition's limit was reported as "asks for more
+    than any node has: lower cores=/memory=": Slurm shows PartitionConfig for about a second after
+    submission, then settles on PartitionTimeLimit, and the first reason seen was taken."""
+    from tidepool.providers.slurm import NEVER_STARTS_SETTLE
+
+    p = SlurmProvider(walltime="00:10:00")
+    job = _Job("7", "r1", "cpu", ["cpu-r1-1"])
+    p._update(job, "PENDING", "PartitionConfig", "", "", "", now=100.0)
+    p._update(job, "PENDING", "PartitionTimeLimit", "", "", "", now=101.0)
+    p._update(job, "PENDING", "PartitionTimeLimit", "", "", "", now=101.0 + NEVER_STARTS_SETTLE / 2)
+    assert not job.doomed  # not settled yet
+    p._update(job, "PENDING", "PartitionTimeLimit", "", "", "", now=101.0 + NEVER_STARTS_SETTLE)
+    assert job.doomed == "PartitionTimeLimit" and "lower walltime=" in p._describe(job)
+    queued = _Job("8", "r2", "cpu", ["cpu-r2-1"])  # an ordinary wait never dooms a job
+    for t in range(0, 100, 10):
+        p._update(queued, "PENDING", "Priority" if t % 20 else "PartitionConfig", "", "", "", now=float(t))
+    assert not queued.doomed
+
+
 def test_tagged_jobs_are_parsed_from_squeue_and_other_jobs_skipped() -> None:
     tag = cluster_tag("s3cret")
     assert tag == cluster_tag("s3cret") and tag != cluster_tag("other") and "s3cret" not in tag
@@ -420,7 +487,7 @@ def test_unsatisfiable_jobs_are_refused_or_reported_and_cancelled(slurm: Slurm) 
     provider.submit_now(NodeType("huge", {"cpu": 1}), 1, "r4")
     [job] = list(provider.jobs())
     errors: list[Any] = []
-    wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 15, "the doomed job to be reported")
+    wait_until(lambda: errors.extend(provider.poll_errors()) or errors, 40, "the doomed job to be reported")
     assert errors[0].request_id == "r4" and errors[0].worker_id is None
     assert "can never start" in errors[0].message and "cores=" in errors[0].message
     wait_until(lambda: not slurm.active([job]), 10, "the doomed job to be cancelled")

@@ -209,6 +209,22 @@ def test_parse_host_forms() -> None:
         parse_host("node:xx", None, 22)
 
 
+def test_a_missing_client_key_file_is_named_not_blamed_on_sshd(tmp_path: Path) -> None:
+    """Found by a bug hunt: a client_keys path that does not exist was reported as "cannot connect
+    ... is sshd running there and is the port right?"."""
+    from tidepool.scaling.node_types import NodeType
+
+    missing = str(tmp_path / "no_such_key")
+    p = SSHProvider(["127.0.0.1:1"], client_keys=[missing], known_hosts=None)  # the key is read first
+    p.bind("tcp://127.0.0.1:1", "t" * 32)
+    try:
+        with pytest.raises(ProviderError, match=r"client key file .*no_such_key.* does not exist") as info:
+            p.launch_now(NodeType("cpu", {"cpu": 1}, max_nodes=1), 1, "r1")
+        assert "is sshd running" not in str(info.value)
+    finally:
+        p.close()
+
+
 def test_remote_script_takes_env_from_stdin_and_keeps_it_off_the_command_line(tmp_path: Path) -> None:
     code = "import os, sys; print(os.environ['TIDEPOOL_TOKEN'], os.environ['A'], os.getcwd()); sys.exit(3)"
     script = remote_script([sys.executable, "-c", code, "w-1"], "w-1", str(tmp_path))

@@ -180,7 +180,7 @@ def test_a_cancelled_run_holds_its_slot_until_the_worker_says_it_ended() -> None
     d.state.validate()
 
 
-def test_a_run_taken_back_before_it_started_or_wanted_again_where_it_runs_holds_no_extra_slot() -> None:
+def test_a_run_taken_back_before_it_started_holds_no_slot_and_a_new_record_waits_for_an_abandoned_run() -> None:
     d = StateDriver(auto_start=False)
     d.add_worker("w1", {"cpu": 2})
     d.submit([("q", [])], ["q"])
@@ -191,11 +191,13 @@ def test_a_run_taken_back_before_it_started_or_wanted_again_where_it_runs_holds_
     d.start("w1", "r")
     d.release(["r"])
     assert set(ws.abandoned) == {"r"} and ws.assigned == 1
-    cmds = d.submit([("r", [])], ["r"])  # wanted again: assigned where it still runs, which keeps that run
+    cmds = d.submit([("r", [])], ["r"])  # wanted again: a new record, which the worker runs after the old run
     assert executes(cmds) == [("w1", "r")]
+    assert set(ws.abandoned) == {"r"} and ws.assigned == 2  # the old run holds its slot until it ends
+    assert not d.state.tasks["r"].executing  # until the worker says so
+    d.send(ev.AbandonedRunsEnded("w1", ["r"], d.clock()))
     assert not ws.abandoned and ws.assigned == 1
-    assert not d.state.tasks["r"].executing  # until the worker says so: the run may have ended meanwhile
-    d.finish("w1", "r")
+    d.send(ev.TaskFinished("w1", "r", 8, 0.01, d.clock(), d.state.tasks["r"].run))
     assert d.status() == {"r": "memory"} and ws.assigned == 0 and ws.occupancy == 0
     d.state.validate()
 
@@ -378,6 +380,24 @@ def test_a_copy_that_never_arrives_is_asked_again_then_the_retirement_is_given_u
     assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
     assert d.state.retiring["w1"]["a"].tries == 1
     cmds = d.send(ev.AddReplica("w2", "a", 8, d.clock()))
+    assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+
+
+def test_a_value_made_while_retiring_is_asked_for_like_the_others() -> None:
+    """Found by a bug hunt: a retiring worker whose running task finished made a value never asked
+    for yet, and the give-up check read its ask (KeyError): the scheduler dropped the worker as
+    lost, and ``tidepool simulate`` of the docs' montage example crashed."""
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9))
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    d.finish("w1", "a")  # b runs on w1 now
+    assert d.state.tasks["b"].worker == "w1"
+    d.add_worker("w2")
+    d.send(ev.RetireWorkers(["w1"], d.clock()))
+    cmds = d.finish("w1", "b")  # finished while retiring: b is unique to w1 too
+    assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["b"])]
+    d.send(ev.AddReplica("w2", "a", 8, d.clock()))
+    cmds = d.send(ev.AddReplica("w2", "b", 8, d.clock()))
     assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
 
 

@@ -150,7 +150,7 @@ def _event(sh: Shell, kind: str, rnd: Any) -> Any | None:
             deps = {d: (("peer", "tcp://peer:1"),) for d in rnd.sample(KEYS, rnd.randint(0, 2) // 2 * 2) if d != key}
             res = (("cpu", float(rnd.choice([1, 2]))),) + ((("gpu", 1.0),) if rnd.random() < 0.2 else ())
             tasks.append(ws.TaskIn(key, deps, res, rnd.randint(0, 300), rnd.choice(["", "f", "g"]), rnd.random() < 0.2,
-                                   rnd.choice([None, None, "other"])))  # "other": a different task, reused key
+                                   rnd.choice([None, None, 2])))  # 2: another record under a reused key
         return ws.Compute(tuple(tasks))
     if kind == "free":
         return ws.FreeKeys(tuple(rnd.sample(KEYS, rnd.randint(1, 3))))
@@ -272,13 +272,15 @@ def test_a_cancelled_run_assigned_again_is_kept_and_reported_started() -> None:
 def test_a_released_run_whose_key_goes_to_another_task_is_not_reported_as_that_tasks_value() -> None:
     """Found by a bug hunt: a task with an explicit key, cancelled while it ran, and a different task
     submitted under the same key: the worker kept the old run as if it were the new task and
-    reported its value, so ``result()`` returned the old task's value."""
+    reported its value, so ``result()`` returned the old task's value.  The records differ by their
+    serial (``ident``), even when function and arguments are the same (an input under a reused key
+    may hold another value: a review found that comparing function and arguments kept the run)."""
     sh = quick_shell()
-    old = ws.TaskIn("k", func="g", resources=CPU, ident=("g", b"old args"))
+    old = ws.TaskIn("k", func="g", resources=CPU, ident=7)
     sh.send(ws.Compute((old,)))
     sh.send(ws.FreeKeys(("k",)))
     assert sh.state.cancelled == {"k"}
-    new = ws.TaskIn("k", func="h", resources=CPU, ident=("h", b"new args"))
+    new = ws.TaskIn("k", func="g", resources=CPU, ident=8)  # same function: another record
     assert sh.send(ws.Compute((new,))) == []  # it waits: the slot is the old run's until it ends
     assert set(sh.state.superseded) == {"k"} and sh.state.cancelled == {"k"}
     sh.check()
@@ -286,8 +288,37 @@ def test_a_released_run_whose_key_goes_to_another_task_is_not_reported_as_that_t
     assert cmds[0] == ws.Report("ended", "k") and not [c for c in cmds if isinstance(c, ws.Store)]
     assert ws.Report("started", "k") in cmds and ws.Run("k") in cmds and not sh.state.superseded
     sh.check()
-    assert sh.send(ws.TaskDone("k", True, 16, 0.5)) == [ws.Store("k", 16), ws.Report("finished", ["k", 16, 0.5])]
+    # the serial is echoed, so the scheduler can tell this outcome from a stale one of record 7
+    assert sh.send(ws.TaskDone("k", True, 16, 0.5)) == [ws.Store("k", 16), ws.Report("finished", ["k", 16, 0.5, None, 8])]
     sh.check()
+
+
+def test_a_task_waiting_behind_a_released_run_is_given_up_to_a_steal_and_listed_on_a_rejoin() -> None:
+    """Review of the fix above: a steal of such a task was answered "kept" (the scheduler then took
+    it for executing, and blamed it if the old run crashed the worker), and a rejoin message left
+    it out."""
+    from types import SimpleNamespace
+
+    from tidepool.worker.outbox import Outbox
+    from tidepool.worker.reconnect import rejoin_message
+
+    sh = quick_shell()
+    sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=1),)))
+    sh.send(ws.FreeKeys(("k",)))
+    sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=2),)))
+    msg = rejoin_message(SimpleNamespace(state=sh.state, outbox=Outbox()))  # type: ignore[arg-type]
+    assert "k" in msg["queued"] and "k" not in msg["running"]
+    assert sh.send(ws.StealKeys(("k",))) == [ws.Report("stolen", "k")]
+    assert not sh.state.superseded
+    assert sh.send(ws.TaskDone("k", True, 8, 1.0)) == [ws.Report("ended", "k")]  # and nothing starts
+    sh.check()
+
+
+def test_an_erred_outcome_carries_the_records_serial() -> None:
+    state = ws.WorkerState({"cpu": 1.0})
+    state.handle(ws.Compute((ws.TaskIn("k", resources=CPU, ident=5),)))
+    (report,) = state.handle(ws.TaskDone("k", False, error={"type": "ValueError", "message": "no"}))
+    assert isinstance(report, ws.Report) and report.kind == "erred" and report.item["run"] == 5
 
 
 def test_a_waiting_task_under_a_reused_key_is_dropped_by_its_own_free() -> None:
@@ -309,11 +340,11 @@ def test_a_lined_task_freed_then_its_key_reused_waits_for_the_shells_unline_answ
     run: its future hung), and if the slot had reached the old one, its value was the new one's."""
     state = ws.WorkerState({"cpu": 1.0})
     state.last_run["f"] = 0.0005  # quick: its tasks run in lanes
-    cmds = state.handle(ws.Compute(tuple(ws.TaskIn(k, func="f", resources=CPU, ident=k) for k in ("a", "k"))))
+    cmds = state.handle(ws.Compute(tuple(ws.TaskIn(k, func="f", resources=CPU, ident=i) for i, k in enumerate(("a", "k"), 1))))
     (lane,) = [c.lane for c in cmds if isinstance(c, ws.RunBatch)]
     cmds = state.handle(ws.FreeKeys(("k",)))
     assert ws.Unline(lane, ("k",), "free") in cmds  # the shell answers later
-    assert state.handle(ws.Compute((ws.TaskIn("k", func="f", resources=CPU, ident="new"),))) == []
+    assert state.handle(ws.Compute((ws.TaskIn("k", func="f", resources=CPU, ident=9),))) == []
     if slot_took_it:  # the slot reached the old k before the Unline: it ran, and ends
         cmds = state.handle(ws.Unlined(lane, (), ("k",), "free"))
         assert "k" in state.cancelled and not [c for c in cmds if isinstance(c, ws.Run | ws.RunBatch)]

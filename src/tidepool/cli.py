@@ -94,6 +94,32 @@ def _positive(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (0: none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _at_least(least: int) -> Any:
+    """A whole number >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _tls(args: argparse.Namespace, fallback: dict[str, Any] | None = None) -> Any:
     """A TLSConfig from --tls-ca-file/--tls-cert/--tls-key (else the cluster file's [scheduler]
     tls_* keys, else the TIDEPOOL_TLS_* environment), or None for plain TCP."""
@@ -133,6 +159,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         args.state_dir = args.state_dir or cfg.scheduler.get("state_dir")
         if args.reconnect_window is None:
             args.reconnect_window = cfg.scheduler.get("reconnect_window")
+    if args.journal:  # before the address line: a script reading it would think the scheduler is up
+        from tidepool.telemetry.report import check_output
+
+        check_output(args.journal, "--journal")
     # with a state directory and no token given, the store's token is used (same cluster again)
     token = token_from_env() or ("" if args.state_dir else new_token())
 
@@ -195,7 +225,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             print(f"autoscaling with node types {[nt.name for nt in cfg.node_types]} "
                   f"({cfg.provider.get('kind', 'local')} provider)", flush=True)  # fmt: skip
         try:
-            await asyncio.Event().wait()
+            if args.exit_with_parent:  # LocalCluster(state_dir=...): not left running when its program dies
+                while os.getppid() == args.exit_with_parent:
+                    await asyncio.sleep(1.0)
+                print(f"its parent process {args.exit_with_parent} exited: stopping", flush=True)
+            else:
+                await asyncio.Event().wait()
         finally:
             if scaler is not None:
                 await scaler.close()
@@ -285,9 +320,18 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from tidepool.telemetry.report import format_summary, load_records, plot_timeline, summary
+    from tidepool.telemetry.report import (
+        check_output,
+        format_summary,
+        load_records,
+        plot_timeline,
+        summary,
+    )
     from tidepool.telemetry.trace import write_chrome_trace
 
+    check_output(args.output, "-o", plot=True)
+    if args.trace:
+        check_output(args.trace, "--trace")
     records = load_records(args.journal)
     plot_timeline(records, args.output, title=args.title)
     print(f"timeline written to {args.output}")
@@ -316,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
+    s.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="stop gracefully once process PID (its parent) exits; LocalCluster(state_dir=...) "
+                        "passes its own pid, so a killed program leaves no scheduler behind")  # fmt: skip
     s.add_argument("--dashboard", nargs="?", const="127.0.0.1:", default="127.0.0.1:", metavar="HOST:PORT",
                    help="where to serve the live dashboard and /metrics (on by default: 127.0.0.1, port "
                         "8787 or the next free one; any other host needs the token in the link)")  # fmt: skip
@@ -351,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
     d.add_argument("--workers", type=int, default=4, help="most workers the autoscaler may start")
-    d.add_argument("--tasks", type=int, default=40, help="tasks per wide phase")
+    d.add_argument("--tasks", type=_at_least(0), default=40, help="tasks per wide phase")
     d.add_argument("--no-kill", action="store_true", help="do not kill a worker mid-run")
     d.add_argument("--dashboard", action="store_true", help="serve the live dashboard (the link is printed)")
     d.add_argument("--hold", type=float, default=0.0,
@@ -399,11 +446,11 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> None:
                    help="most bytes of spilled results on disk, e.g. 20GB or 25%% (of the free space), "
                         "none (no cap) or 0 (no spilling); default 50%% of the free space; past it (or when the disk refuses a write) the "
                         "worker stops spilling and keeps results in memory (docs/memory.md)")  # fmt: skip
-    w.add_argument("--memory-share", type=int, default=1,
+    w.add_argument("--memory-share", type=_at_least(1), default=1,
                    help="without a limit or memory resource, use the machine's memory divided by this "
                         "(workers sharing the machine)")  # fmt: skip
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
-    w.add_argument("--reconnect-window", type=float, default=None,
+    w.add_argument("--reconnect-window", type=_seconds, default=None,
                    help="seconds to keep retrying a lost scheduler, keeping results and running tasks "
                         "(default: what the scheduler announces: its window with --state-dir, else 0)")  # fmt: skip
     w.add_argument("--token-file", default=None, help="file with the scheduler's token")

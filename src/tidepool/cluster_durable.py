@@ -39,11 +39,26 @@ class DurableLocalCluster(ClosesOnExit):
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
                  reconnect_window: float | None = None, recovery_wait: float | None = None,
                  journal: str | None = None, fork_server: bool | None = None,
-                 durable: bool = True) -> None:  # fmt: skip
+                 durable: bool = True, memory_limit: int | str | None = None,
+                 spill_limit: int | str | None = None, allowed_failures: int | None = None,
+                 dashboard: bool | str | None = None, **unknown: Any) -> None:  # fmt: skip
         """``durable=False`` runs the same scheduler process without ``--state-dir`` (the state
         directory then only holds its log and token file): the baseline that measures what
-        ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``)."""
+        ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``).  ``memory_limit``,
+        ``spill_limit``, ``allowed_failures`` and ``dashboard`` are ``LocalCluster``'s (the
+        dashboard is served by the scheduler process; ``dashboard_link``)."""
+        if unknown:
+            _refuse(unknown)
         check_slots(slots)
+        self.worker_args = _worker_memory_args(memory_limit, spill_limit)
+        self.scheduler_args: list[str] = []
+        if allowed_failures is not None:
+            from tidepool.scheduler.state import SchedulerState
+
+            SchedulerState(allowed_failures=allowed_failures)  # a bad value fails here, with its message
+            self.scheduler_args += ["--allowed-failures", str(int(allowed_failures))]
+        self.dashboard = "127.0.0.1:0" if dashboard is True else (dashboard or None)
+        self.dashboard_link = ""
         self.durable = durable
         self.state_dir = str(state_dir)
         Path(self.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -60,7 +75,7 @@ class DurableLocalCluster(ClosesOnExit):
         self.cluster_file: str | None = None  # adapt(): the scheduler process runs the autoscaler
         self.start_scheduler(journal)
         self.provider = LocalProvider(self.address, self.token, env=self.env, heartbeat_interval=heartbeat_interval,
-                                      fork_server=fork_server)  # fmt: skip
+                                      fork_server=fork_server, extra_args=self.worker_args)  # fmt: skip
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType("default", res, max_nodes=10_000)
@@ -81,8 +96,9 @@ class DurableLocalCluster(ClosesOnExit):
         log_path = Path(self.state_dir) / "scheduler.log"
         token_file = Path(self.state_dir) / "token"
         start_at = log_path.stat().st_size if log_path.exists() else 0
-        args = ["scheduler", "--host", self.host, "--port", str(self.port), "--no-dashboard",
-                "--token-file", str(token_file)]  # fmt: skip
+        args = ["scheduler", "--host", self.host, "--port", str(self.port), "--token-file", str(token_file),
+                *(["--dashboard", self.dashboard] if self.dashboard else ["--no-dashboard"]),
+                "--exit-with-parent", str(os.getpid()), *self.scheduler_args]  # fmt: skip
         if self.durable:
             args += ["--state-dir", self.state_dir]
         if self.reconnect_window is not None:
@@ -102,10 +118,13 @@ class DurableLocalCluster(ClosesOnExit):
         deadline = time.monotonic() + self.timeout
         while True:
             text = log_path.read_bytes()[start_at:].decode(errors="replace")
-            for line in text.splitlines():
-                if line.startswith("tidepool scheduler at "):
+            lines = text.splitlines()
+            links = [ln.split(" at ", 1)[1].strip() for ln in lines if ln.startswith("tidepool dashboard at ")]
+            for line in lines:
+                if line.startswith("tidepool scheduler at ") and (links or not self.dashboard):
                     self.address = line.split(" at ", 1)[1].strip()
                     self.token = read_token_file(str(token_file))
+                    self.dashboard_link = links[0] if links else ""
                     return
             if self.scheduler_proc.poll() is not None:
                 raise ConfigError(f"the scheduler exited with code {self.scheduler_proc.returncode}:\n{text[-3000:]}")
@@ -204,3 +223,35 @@ class DurableLocalCluster(ClosesOnExit):
                 proc.wait()
         if hasattr(self, "provider"):
             self.provider.close()
+
+
+def _refuse(unknown: dict[str, Any]) -> None:
+    """Keywords ``LocalCluster(state_dir=...)`` does not take: ``LocalCluster``'s own that a
+    scheduler in a process of its own cannot honour yet say so; typos get the close name."""
+    from tidepool.cluster import LocalCluster
+    from tidepool.keywords import check_keywords
+
+    check_keywords("LocalCluster", unknown, DurableLocalCluster.__init__, LocalCluster.__init__)
+    name = next(iter(unknown))
+    raise ConfigError(f"LocalCluster(state_dir=...) does not take {name}= (its scheduler runs in a process of its "
+                      "own); leave it out, or use LocalCluster without state_dir")  # fmt: skip
+
+
+def _worker_memory_args(memory_limit: int | str | None, spill_limit: int | str | None) -> list[str]:
+    """The workers' memory options, as ``LocalCluster`` gives them (docs/memory.md): the machine's
+    memory shared by as many workers as it has cores unless ``memory_limit`` says otherwise."""
+    args = ["--memory-share", str(os.cpu_count() or 1)]
+    if memory_limit is not None:
+        from tidepool.worker.memory import MIN_MEMORY_LIMIT, mib, resolve_limit
+
+        limit = resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
+        if 0 < limit < MIN_MEMORY_LIMIT:
+            raise ConfigError(f"memory_limit={memory_limit!r} ({mib(limit)}) is less than a worker process uses "
+                              f"before any task; give each worker at least {mib(MIN_MEMORY_LIMIT)} (or 'none')")  # fmt: skip
+        args += ["--memory-limit", str(memory_limit)]
+    if spill_limit is not None:
+        from tidepool.worker.spill import resolve_spill_limit
+
+        resolve_spill_limit(spill_limit, ".")
+        args += ["--spill-limit", str(spill_limit)]
+    return args

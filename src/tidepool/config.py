@@ -364,6 +364,9 @@ def _node_types(source: str, raw: Any) -> list[NodeType]:
     names = [t.name for t in types_]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: node type names must be unique, got {names}")
+    if all(t.max_nodes == 0 for t in types_):  # as adapt() refuses it: every task would wait for ever
+        raise ConfigError(f"{source}: max_nodes is 0 for every node type ({', '.join(map(repr, names))}): the "
+                          "autoscaler could never start a worker; give at least one node type max_nodes >= 1")  # fmt: skip
     for t in types_:
         if t.fallback is not None and t.fallback not in names:
             raise ConfigError(f"{source}: [[node_types]] {t.name!r}: fallback {t.fallback!r} is not one of the node "

@@ -226,8 +226,16 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             v = super().result(timeout)
         except TimeoutError:
             if self.done():  # the task itself raised a TimeoutError
+                self = None  # type: ignore[assignment]  # see below
                 raise
             raise TimeoutError(self._owner.why_not_done([self.key], timeout)) from None
+        except BaseException:
+            # the task's exception is kept in this future and its traceback holds this frame: were
+            # the frame to hold the future, a dropped failed future would live until the cyclic
+            # collector runs, and its explicit key could not be given to another task (as the
+            # standard library's result() does)
+            self = None  # type: ignore[assignment]
+            raise
         if v is not IN_MEMORY:
             return v  # type: ignore[no-any-return]
         if self._value is _UNSET:
@@ -355,7 +363,11 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
 
         self._add_raw_callback(wake)
         await done
-        v = super().result(0)
+        try:
+            v = super().result(0)
+        except BaseException:
+            self = None  # type: ignore[assignment]  # its traceback holds this frame (see result)
+            raise
         if v is not IN_MEMORY:
             return v  # type: ignore[no-any-return]
         if self._value is _UNSET:

@@ -509,9 +509,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 if errors == "raise":
                     raise concurrent.futures.CancelledError(cancelled_message(f.key))
                 continue
-            if f.exception() is not None:
-                if errors == "raise":
-                    raise f.exception()  # type: ignore[misc]
+            exc = f.exception()
+            if exc is not None:
+                if errors == "raise":  # its traceback will hold this frame: not the futures (see Future.result)
+                    del futures, flat, f, done, not_done
+                    raise exc
                 continue
             if f._value is _UNSET:
                 need.append(f.key)
@@ -528,7 +530,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         """``await client.gather_async(futures)`` from any asyncio loop."""
         flat: list[Future[Any]] = collect(futures, Future)
         for f in flat:
-            await f
+            try:
+                await f
+            except BaseException:  # its traceback holds this frame: not the futures (see Future.result)
+                del futures, flat, f
+                raise
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     # ---- cancelling --------------------------------------------------------------------------------
@@ -603,7 +609,11 @@ def _awaitable_when_asynchronous(fn: Callable[..., Any]) -> Callable[..., Any]:
             if loop is not None and loop is not self._loop.loop:
                 # an asyncio.Future, already running in a thread: nothing is left un-awaited
                 return loop.run_in_executor(None, functools.partial(fn, self, *args, **kwargs))
-        return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException:  # its traceback holds this frame: not the caller's futures (see Future.result)
+            del args, kwargs
+            raise
 
     return call
 

@@ -148,9 +148,13 @@ class ComputeTask:
     inline: bool = False
     #: run it alone, never in a batch of quick tasks (a worker died while it ran: exact blame)
     solo: bool = False
+    #: the scheduler's serial of this task record, echoed in the worker's outcome (0: none)
+    run: int = 0
 
     def encode(self) -> dict[str, Any]:
         item: dict[str, Any] = {"key": self.key, "func": self.func_id, "payload": self.payload}
+        if self.run:
+            item["run"] = self.run
         if self.deps:
             item["deps"] = self.deps
         item["resources"] = self.resources or [["cpu", 1.0]]
@@ -163,7 +167,8 @@ class ComputeTask:
     @staticmethod
     def decode(item: dict[str, Any]) -> ComputeTask:
         return ComputeTask(item["key"], item["func"], item.get("payload"), item.get("deps") or {},
-                           item.get("resources") or [], bool(item.get("inline")), bool(item.get("solo")))  # fmt: skip
+                           item.get("resources") or [], bool(item.get("inline")), bool(item.get("solo")),
+                           int(item.get("run") or 0))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

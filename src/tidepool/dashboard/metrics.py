@@ -55,7 +55,7 @@ class ModelCollector(Collector):
         m = self.model
         sched = m.scheduler
         st = sched.state
-        types = m.node_types()
+        types = m.node_types() or ["default"]  # no worker and no node type yet: hand-started ones' type
         workers = GaugeMetricFamily("tidepool_workers", "Workers by node type and state", labels=["node_type", "state"])
         counts = {(nt, a): 0 for nt in types for a in ACTIVITIES}
         held: dict[str, float] = dict.fromkeys(types, 0.0)

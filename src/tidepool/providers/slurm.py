@@ -88,6 +88,10 @@ NEVER_STARTS = {
     "InvalidQOS": "the QOS is not valid: check job_extra=",
     "DependencyNeverSatisfied": "its dependency can never be satisfied",
 }
+#: a never-starts reason counts once a job has shown it this long (seconds): right after submission
+#: Slurm 22.05 shows ``PartitionConfig`` for about a second before the reason it settles on
+#: (``PartitionTimeLimit`` for a walltime above the partition's), whose advice differs
+NEVER_STARTS_SETTLE = 5.0
 _HINTS = {
     "CANCELLED": "it was cancelled outside tidepool (scancel, an administrator, or preemption)",
     "FAILED": "the job script failed: look at the job's output file",
@@ -212,7 +216,9 @@ class _Job:
     cancelled: bool = False  # by us
     reported: bool = False
     exit_code: str = ""
-    doomed: str = ""  # why it can never start (a NEVER_STARTS reason)
+    doomed: str = ""  # why it can never start (a NEVER_STARTS reason, shown NEVER_STARTS_SETTLE s)
+    suspect: str = ""  # a NEVER_STARTS reason seen, not yet settled
+    suspect_since: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -483,31 +489,58 @@ class SlurmProvider:
             if not self.scheduler or (not self.token and not self.token_file):
                 raise ProviderError(f"SlurmProvider cannot launch {request_id}: no scheduler address/token; "
                                     "call bind(address, token) or use cluster.adapt(provider=...)", request_id)  # fmt: skip
-            per_job = len(ids) // max(1, count)
-            submitted: builtins.list[_Job] = []
-            try:
-                for n in range(count):
-                    job_ids = ids[n * per_job:(n + 1) * per_job]
-                    job_id = self._submit(self.job_script(node_type, request_id, job_ids), request_id)
-                    submitted.append(_Job(job_id, request_id, node_type.name, job_ids))
-            except ProviderError:
-                try:
-                    self._cancel([j.job_id for j in submitted])
-                except ProviderError as exc:
-                    log.warning("could not cancel partial launch %s: %s", request_id, exc)
-                raise
-            for j in submitted:
-                self._jobs[j.job_id] = j
-                for w in j.worker_ids:
-                    self._worker_job[w] = j.job_id
-            self._requests[request_id] = list(ids)
-            log.info("launch %s: submitted Slurm jobs %s for %s", request_id, [j.job_id for j in submitted], ids)
-            return list(ids)
+        # sbatch runs without the lock (it may take up to command_timeout per job on a busy
+        # slurmctld): list() shows the request as SUBMITTING meanwhile, and terminate/close/expiring
+        # answer at once; what they did meanwhile is looked at when the jobs are recorded below
+        per_job = len(ids) // max(1, count)
+        submitted: builtins.list[_Job] = []
+        try:
+            for n in range(count):
+                with self._lock:
+                    if self._closed:
+                        raise ProviderError(f"this SlurmProvider was closed while launch {request_id} was being "
+                                            "submitted; its jobs are cancelled", request_id)  # fmt: skip
+                job_ids = ids[n * per_job:(n + 1) * per_job]
+                job_id = self._submit(self.job_script(node_type, request_id, job_ids), request_id)
+                submitted.append(_Job(job_id, request_id, node_type.name, job_ids))
+        except ProviderError:
+            self._cancel_partial(request_id, submitted)
+            raise
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                for j in submitted:
+                    self._jobs[j.job_id] = j
+                    for w in j.worker_ids:
+                        self._worker_job[w] = j.job_id
+                self._requests[request_id] = list(ids)
+                log.info("launch %s: submitted Slurm jobs %s for %s", request_id, [j.job_id for j in submitted], ids)
+                stopped = [j for j in submitted if set(j.worker_ids) <= self._stopping]  # terminated meanwhile
+        if closed:
+            self._cancel_partial(request_id, submitted)
+            raise ProviderError(f"this SlurmProvider was closed while launch {request_id} was being submitted; "
+                                "its jobs are cancelled", request_id)  # fmt: skip
+        if stopped:
+            with self._lock:
+                self._cancel([j.job_id for j in stopped])
+                for j in stopped:
+                    j.cancelled = True
+        return list(ids)
+
+    def _cancel_partial(self, request_id: str, submitted: builtins.list[_Job]) -> None:
+        try:
+            self._cancel([j.job_id for j in submitted])
+        except ProviderError as exc:
+            log.warning("could not cancel partial launch %s: %s", request_id, exc)
 
     def terminate(self, worker_ids: builtins.list[str]) -> None:
         """Mark these workers stopped; ``scancel`` each job once none of its workers is wanted."""
         with self._lock:
-            self._stopping.update(w for w in worker_ids if w in self._worker_job)
+            # ids of a launch still being submitted count too: its jobs are cancelled once recorded
+            submitting = {w for rid in self._submitting for w in self._names.get(rid, ())}
+            self._stopping.update(w for w in worker_ids if w in self._worker_job or w in submitting)
             jobs = {self._worker_job[w] for w in worker_ids if w in self._worker_job}
             todo = [j for j in sorted(jobs, key=int)
                     if not self._jobs[j].cancelled and set(self._jobs[j].worker_ids) <= self._stopping]  # fmt: skip
@@ -546,11 +579,18 @@ class SlurmProvider:
                 elif job.ended and not job.exit_code:
                     self._scontrol(job)
 
-    def _update(self, job: _Job, state: str, reason: str, nodes: str, start: str, end: str) -> None:
+    def _update(self, job: _Job, state: str, reason: str, nodes: str, start: str, end: str,
+                now: float | None = None) -> None:  # fmt: skip
         job.state = state.split()[0] if state else "UNKNOWN"
         job.reason = reason
         if job.state == "PENDING" and reason in NEVER_STARTS:
-            job.doomed = reason
+            now = time.time() if now is None else now
+            if job.suspect != reason:
+                job.suspect, job.suspect_since = reason, now
+            elif now - job.suspect_since >= NEVER_STARTS_SETTLE:
+                job.doomed = reason
+        else:
+            job.suspect = ""
         if nodes and nodes not in ("(null)", "None assigned"):
             job.nodelist = nodes
         if job.state in ("RUNNING", "COMPLETING", "SUSPENDED") or job.nodelist:

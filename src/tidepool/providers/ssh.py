@@ -523,6 +523,13 @@ class SSHProvider:
             raise ProviderError(
                 f"SSH to {host.name}: permission denied ({exc}); check the user and that the key in "
                 "client_keys is in the host's authorized_keys") from exc  # fmt: skip
+        except FileNotFoundError as exc:
+            if exc.filename not in (self.client_keys or ()):
+                raise ProviderError(f"cannot connect to {host.name}: {exc}") from exc
+            raise ProviderError(
+                f"SSH to {host.name}: the client key file {exc.filename!r} does not exist on this machine; "
+                "client_keys are paths of private keys here (e.g. '~/.ssh/id_ed25519'), or leave it out "
+                "to use ~/.ssh/id_* and the SSH agent") from exc  # fmt: skip
         except (OSError, asyncssh.Error) as exc:
             raise ProviderError(
                 f"cannot connect to {host.name}: {exc or type(exc).__name__}; is sshd running there "

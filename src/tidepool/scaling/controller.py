@@ -582,7 +582,10 @@ class ScalingController(Replacing):
     def _expiring(self, expiring: list[tuple[str, str]], by_id: Mapping[str, WorkerView], now: float,
                   actions: Actions) -> None:  # fmt: skip
         """Workers whose end is known (walltime, preemption notice): retired gracefully now (their
-        needed data moves to survivors), asked again every ``EXPIRY_RETRY`` s while refused."""
+        needed data moves to survivors), asked again every ``EXPIRY_RETRY`` s while refused.  A
+        refused one gets a replacement launched (even without ``replace_before``): with no survivor
+        to take its data, it would be lost at the end and its tasks recomputed, for ever if a chain
+        of them outlasts one walltime."""
         for wid, why in expiring:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or wid in self._abandoned:
@@ -592,10 +595,13 @@ class ScalingController(Replacing):
             nt = self.node_types.get(ws.node_type)
             if nt is not None and nt.replace_before and wid not in self._noticed and self._awaits_replacement(ws, now):
                 continue
+            refused_before = wid in self._expiry_tried  # asked already, and still running: refused
             self._expiry_tried[wid] = now
             self._begin_retire(ws, now, why, actions)
             if nt is not None and nt.replace_before:
                 self._want_replacement(ws, why)
+            elif refused_before:  # its data has nowhere to go: a new worker will take it before the end
+                self._want_replacement(ws, f"{why}; its retirement was refused (no other worker can take its data)")
 
     def _timeouts(self, now: float, actions: Actions) -> None:
         """Launches that never arrived: given up, their workers terminated, their type backs off."""

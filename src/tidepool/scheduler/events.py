@@ -114,6 +114,7 @@ class TaskFinished:
     nbytes: int
     duration: float
     now: float
+    run: int = 0  # the serial of the task record it ran for (0: not said)
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class TaskErred:
     message: str
     duration: float
     now: float
+    run: int = 0  # the serial of the task record it ran for (0: not said)
 
 
 @dataclass(slots=True)

@@ -67,7 +67,7 @@ class TaskRecord:
         "key", "func_id", "payload", "deps", "dependents", "waiters", "waiting_on", "state",
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "error", "ready_seq", "started", "recomputes", "executing", "no_worker_since",
-        "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid",
+        "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid", "run",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | bytes | None, shape: Shape,
@@ -105,6 +105,11 @@ class TaskRecord:
         self.seceded = False  # left its slot to wait for other tasks (worker_client)
         self.restrict: frozenset[str] | None = None  # worker ids/names/addresses it may run on
         self.loose = False  # the restriction is only a preference (allow_other_workers)
+        #: this record's serial (unique in the scheduler's life), sent with each compute and echoed
+        #: in the worker's outcome: an outcome of another record under the same key (released,
+        #: then the key reused) is not this one's.  0: outcomes are taken from its worker whatever
+        #: serial they carry (a task adopted from a rejoining worker, whose serial was another's)
+        self.run = 0
 
     # ---- its error, field by field ("" and None without one) ------------------------------------
     @property
@@ -228,7 +233,7 @@ class WorkerRecord:
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
         "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
-        "abandoned",
+        "abandoned", "abandoned_run",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -264,6 +269,8 @@ class WorkerRecord:
         #: counted in ``occupancy``: a thread cannot be stopped, so each holds its slot until the
         #: worker says it ended
         self.abandoned: dict[str, float] = {}
+        #: key -> the serial (``TaskRecord.run``) of the record each abandoned run was for
+        self.abandoned_run: dict[str, int] = {}
 
     @property
     def assigned(self) -> int:
@@ -276,6 +283,7 @@ class WorkerRecord:
         """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
         self.processing.clear()
         self.abandoned.clear()
+        self.abandoned_run.clear()
         self.has_what.clear()
         self.nbytes, self.occupancy, self.seceded = 0, 0.0, 0
         self.idle_since = now

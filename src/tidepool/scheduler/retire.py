@@ -187,7 +187,7 @@ def progress_retirements(view: RetireView) -> list[Intent]:
         todo = [ts for ts in unique if _due(asked.get(ts.key), workers, now)]
         if not todo:
             continue
-        spent = next((ts for ts in todo if asked[ts.key].tries >= MAX_ASKS), None) if asked else None
+        spent = next((ts for ts in todo if (a := asked.get(ts.key)) is not None and a.tries >= MAX_ASKS), None)
         if spent is not None:
             a = asked[spent.key]
             out.append(GiveUp(wid, f"a copy of its value {spent.key!r} did not reach a survivor after {a.tries} "

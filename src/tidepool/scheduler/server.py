@@ -278,7 +278,7 @@ class Scheduler:
                 shape = [list(p) for p in ts.shape] if ts.shape != (("cpu", 1.0),) else None
                 tasks_by_worker.setdefault(ws.id, []).append(
                     ComputeTask(ts.key, ts.func_id, ts.spec_payload, deps, shape, ts.key in self.inline_keys,
-                                ts.suspicious > 0 or ts.key in state.solo))  # fmt: skip
+                                ts.suspicious > 0 or ts.key in state.solo, ts.run))  # fmt: skip
             elif isinstance(c, ev.Free):
                 frees.setdefault(c.worker, []).extend(c.keys)
             elif isinstance(c, ev.Report):
@@ -486,8 +486,13 @@ class Scheduler:
                     break
                 else:
                     raise ProtocolError(f"unknown worker op {op!r}")
-        except (CommError, KeyError, TypeError, ValueError) as exc:
+        except CommError as exc:
             reason = str(exc)
+        except (KeyError, TypeError, ValueError) as exc:
+            # a malformed message closes that worker's connection only; but it may as well be a bug
+            # here, which must not pass for a worker that left: said with its traceback
+            reason = f"its message could not be handled ({type(exc).__name__}: {exc})"
+            log.error("worker %s dropped: %s", wid, reason, exc_info=True)
         finally:
             for rid in [r for r, (w, _) in self.run_waiters.items() if w == wid]:
                 _, fut = self.run_waiters.pop(rid)

@@ -109,7 +109,7 @@ class SchedulerState:
         self.counters: dict[str, int] = {
             "finished": 0, "erred": 0, "retried": 0, "recomputed": 0, "workers_lost": 0,
             "workers_joined": 0, "forgotten": 0, "rescued": 0, "refused_outcomes": 0, "refused_reports": 0,
-            "suspect_holders": 0, "trusted_again": 0,
+            "suspect_holders": 0, "trusted_again": 0, "stale_outcomes": 0,
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph, ev.ReleaseKeys: self._release_keys, ev.ClientGone: self._client_gone,
@@ -393,6 +393,7 @@ class SchedulerState:
             out.append(ev.Free(w, [ts.key]))
         if est is not None and ws is not None:
             ws.abandoned[ts.key] = est
+            ws.abandoned_run[ts.key] = ts.run
             ws.occupancy += est
             self._load_changed(ws)
             if not self._has_room(ws):
@@ -406,10 +407,12 @@ class SchedulerState:
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
         ts.executing = False
-        if ws.abandoned and ts.key in ws.abandoned:
-            # wanted again where it may still run: the worker keeps that run (and says "started")
-            # or, if it ended meanwhile (its "ended" in flight, then ignored), runs it again;
-            # either way it is counted in ``processing`` from now on
+        if ws.abandoned and ts.key in ws.abandoned and ws.abandoned_run.get(ts.key) == ts.run:
+            # the same record wanted again where it may still run: the worker keeps that run (and
+            # says "started") or, if it ended meanwhile (its "ended" in flight, then ignored), runs
+            # it again; either way it is counted in ``processing`` from now on.  (Another record
+            # under the key waits on the worker until the old run ends: that stays abandoned.)
+            ws.abandoned_run.pop(ts.key, None)
             ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
         ts.started = self.now
         ws.processing[ts] = est
@@ -453,11 +456,19 @@ class SchedulerState:
         ws = self.workers.get(e.worker)
         if ws is None:
             return  # a departed worker's word is not trusted; the value is gone with it
+        if ws.abandoned and e.key in ws.abandoned:
+            self._abandoned_outcome(ws, e.key, e.run)
         ts = self.tasks.get(e.key)
         if ts is None or ts.state in ("released", "erred"):
             if ts is not None and ts in ws.processing:
                 self._unassign(ts)
             out.append(ev.Free(e.worker, [e.key]))
+            return
+        if e.run and ts.run and e.run != ts.run:
+            # a run of another record under this key (released, then the key reused), its report in
+            # flight when the worker got the free: not this task's value.  No free is sent: the
+            # worker had one before the new task, in order, and may run this one now
+            self.counters["stale_outcomes"] += 1
             return
         if ts.worker != e.worker:
             if e.worker in ts.who_has:
@@ -533,9 +544,21 @@ class SchedulerState:
         ts.fetch_failures = 0  # a copy moved fine: earlier failures were about dead holders
         self._add_holder(ts, ws, e.nbytes)
 
+    def _abandoned_outcome(self, ws: WorkerRecord, key: str, run: int) -> None:
+        """An outcome of ``key`` from ``ws``, where a run of it was abandoned: if it is that run's
+        (it finished before the worker read the free, so no "ended" will come), its slot is free."""
+        if run and ws.abandoned_run.get(key, run) != run:
+            return  # the outcome of another record's run under that key
+        self._abandoned_runs_ended(ev.AbandonedRunsEnded(ws.id, [key], self.now), [])
+
     def _task_erred(self, e: ev.TaskErred, out: list[ev.Command]) -> None:
         ws = self.workers.get(e.worker)
+        if ws is not None and ws.abandoned and e.key in ws.abandoned:
+            self._abandoned_outcome(ws, e.key, e.run)
         ts = self.tasks.get(e.key)
+        if e.run and ts is not None and ts.run and e.run != ts.run:
+            self.counters["stale_outcomes"] += 1  # another record's run under this key: see _task_finished
+            return
         if ws is None or ts is None or ts.state != "running" or ts.worker != e.worker:
             if ts is not None and ws is not None and ts in ws.processing:
                 self._unassign(ts)
@@ -916,6 +939,7 @@ class SchedulerState:
         if ws is None or not ws.abandoned:
             return
         for key in e.keys:
+            ws.abandoned_run.pop(key, None)
             est = ws.abandoned.pop(key, None)
             if est is not None:
                 ws.occupancy = max(0.0, ws.occupancy - est) if ws.processing or ws.abandoned else 0.0

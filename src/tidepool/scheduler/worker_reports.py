@@ -18,11 +18,12 @@ def batch_events(wid: str, batch: TaskBatch, now: float) -> list[ev.Event]:
     out: list[ev.Event] = []
     if batch.started:
         out.append(ev.TasksStarted(wid, list(batch.started), now))
-    for key, nbytes, duration, *_inline in batch.finished:  # (inline pickle: comm/inline.py)
-        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now))
+    for key, nbytes, duration, *rest in batch.finished:  # [inline pickle or None, serial] (comm/inline.py)
+        out.append(ev.TaskFinished(wid, key, int(nbytes), float(duration), now, int(rest[1] or 0) if len(rest) > 1 else 0))
     for e in batch.erred:
         out.append(ev.TaskErred(wid, e["key"], e.get("exception"), e.get("traceback", ""),
-                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now))  # fmt: skip
+                                e.get("type", ""), e.get("message", ""), float(e.get("duration", 0)), now,
+                                int(e.get("run") or 0)))  # fmt: skip
     for item in batch.missing:
         key, dep, holder = item[0], item[1], item[2]
         out.append(ev.MissingData(wid, key, dep, holder, now, str(item[3]) if len(item) > 3 else "",

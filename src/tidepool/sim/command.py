@@ -87,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give either GRAPH or --journal, not both")
     validate.seconds(args.until, "--until", positive=True)
     validate.seconds(args.tail, "--tail")
+    from tidepool.telemetry.report import check_output
+
+    if args.plot and not args.no_plot:  # checked now, not after the whole run
+        check_output(args.plot, "--plot", plot=True)
+    if args.json_out:
+        check_output(args.json_out, "--json")
     if args.max_tasks is not None and args.max_tasks < 1:
         raise ConfigError(f"--max-tasks must be at least 1, got {args.max_tasks}")
     cluster = load_cluster(args.cluster)

@@ -58,6 +58,25 @@ class WorkerSpan:
     joined: bool  # False: it joined before the journal began (held from the origin)
 
 
+#: file types matplotlib writes (by suffix)
+PLOT_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
+
+
+def check_output(path: str, flag: str, plot: bool = False) -> None:
+    """Refuse, before any work, an output file that could not be written: an unknown plot type or
+    a directory that does not exist (or is a file)."""
+    import os
+
+    if plot and os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
+        raise ConfigError(f"{flag} {path!r}: a plot is written as one of {', '.join(PLOT_SUFFIXES)}; "
+                          "give the file one of those suffixes")  # fmt: skip
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path!r}: the directory {parent!r} does not exist; create it first")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a directory; give a file name")
+
+
 def origin(records: Sequence[Record]) -> float:
     """The time origin: the earliest record time or task start (0.0 for no records)."""
     times = [float(r["t"]) for r in records]

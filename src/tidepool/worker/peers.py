@@ -139,18 +139,23 @@ class Peers:
 
 
 def data_reply(keys: list[str], limit: int, store: Mapping[str, Any], nbytes: Callable[[str], int],
-               serve_failures: dict[str, int],
-               unservable: Callable[[str, str, str], None]) -> dict[str, Any]:  # fmt: skip
-    """The data server's answer to ``get-data``: serialise what fits in one frame; the rest is
-    ``deferred`` (ask again); values that can never be sent are ``failed``, and ``unservable(key,
-    error type, message)`` is called for each (the worker drops them and tells the scheduler).
-    A value whose pickling ran out of memory raises ``MemoryError`` (the connection closes, the
-    asker tries again or elsewhere) until it happened :data:`MAX_SERVE_TRIES` times."""
+               serve_failures: dict[str, int], unservable: Callable[[str, str, str], None],
+               reply_bytes: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The data server's answer to ``get-data``: serialise what fits in one frame (and in
+    ``reply_bytes``, if given: a worker with a memory limit holds a reply's values at once, read back
+    from disk if spilled, so one gather of many spilled values must not read them all at once); the
+    rest is ``deferred`` (ask again; a reply always carries at least one value).  Values that can
+    never be sent are ``failed``, and ``unservable(key, error type, message)`` is called for each
+    (the worker drops them and tells the scheduler).  A value whose pickling ran out of memory
+    raises ``MemoryError`` (the connection closes, the asker tries again or elsewhere) until it
+    happened :data:`MAX_SERVE_TRIES` times."""
     data: dict[str, Serialized] = {}
     missing: list[str] = []
     failed: dict[str, str] = {}
     deferred: list[str] = []
     budget = limit - 64 * 1024  # room for the header
+    if reply_bytes is not None:
+        budget = min(budget, reply_bytes)
     for k in keys:
         if k not in store:
             missing.append(k)

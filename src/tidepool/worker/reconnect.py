@@ -93,7 +93,7 @@ def rejoin_message(worker: Worker) -> dict[str, Any]:
         # a cancelled run is nobody's: adopted as running, its dropped result would leave the
         # task running for ever (it only ends with an "ended" report, which adopts nothing)
         "running": [*(k for k in st.running if k not in st.cancelled), *erring],
-        "queued": [*(t.key for t in st.queue), *st.lined, *st.waiting],
+        "queued": [*(t.key for t in st.queue), *st.lined, *st.waiting, *st.superseded],
     }
 
 

@@ -71,6 +71,10 @@ log = logging.getLogger("tidepool.worker")
 _NOW = frozenset({"started", "stolen", "kept", "seceded"})
 
 
+#: the least a data reply may carry under a memory limit (bytes; a single larger value goes alone)
+REPLY_FLOOR = 4 * 2**20
+
+
 class Worker:
     def __init__(self, scheduler: str, token: str, *, slots: int | None = None, resources: dict[str, Any] | None = None,
                  node_type: str = "default", name: str | None = None, host: str | None = None,
@@ -265,7 +269,7 @@ class Worker:
         for t in msg["tasks"]:
             deps = t.get("deps") or {}
             key = t["key"]  # one assigned again keeps that run, or its work item cut from a lane;
-            func, payload = t["func"], t.get("payload")  # a released one's may be another task's
+            func, payload = t["func"], t.get("payload")  # a released one's may be another record's
             if (key not in st.running and key not in st.lined and key not in self._returned) or (
                     key in st.cancelled or key in st.unlining):  # fmt: skip
                 self._specs[key] = (func, payload, list(deps))
@@ -273,7 +277,7 @@ class Worker:
                     self._inline_wanted.add(key)
             tasks.append(ws.TaskIn(key, {d: tuple(tuple(h) for h in hs) for d, hs in deps.items()},
                                    tuple(tuple(r) for r in t.get("resources") or ()), 0, func,
-                                   bool(t.get("solo")), (func, payload)))  # fmt: skip
+                                   bool(t.get("solo")), t.get("run") or None))  # fmt: skip
         return ws.Compute(tuple(tasks))
 
     # ---- carrying out the state's commands -------------------------------------------------------
@@ -365,16 +369,18 @@ class Worker:
         """A finished report of a task whose small value goes back inline, with its pickle."""
         if kind == "finished" and self._inline:
             blob = self._inline.pop(item[0], None)
-            if blob is not None:
-                return [*item, blob]
+            if blob is not None:  # [key, nbytes, duration, pickle(, serial)]
+                return [*item[:3], blob, *item[4:]]
         return item
 
     def _forget(self, keys: tuple[str, ...]) -> None:
         """Tasks that left this worker without running (freed, stolen, rescheduled): their arguments go."""
         st = self.state
         for k in keys:
-            if k not in st.running and k not in st.queued and k not in st.waiting and k not in st.lined:
-                self._specs.pop(k, None)
+            if k in st.queued or k in st.waiting or k in st.lined or k in st.superseded:
+                continue
+            if k not in st.running or k in st.cancelled:  # (a running task's own spec went when it started:
+                self._specs.pop(k, None)  # one here is of a task that took a released key, dropped too)
                 self._returned.pop(k, None)
                 self._inline_wanted.discard(k)
 
@@ -493,7 +499,10 @@ class Worker:
                 await conn.send({"op": "error", "message": f"unknown op {msg.get('op')!r}"})
 
     def _data_reply(self, keys: list[str], limit: int) -> dict[str, Any]:
-        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, self._unservable)
+        # under a memory limit a reply holds at most an eighth of it (values read back from disk
+        # included): a client gathering hundreds of spilled values made workers pass their limit
+        cap = max(REPLY_FLOOR, self.memory_limit // 8) if self.memory_limit else None
+        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, self._unservable, cap)
 
     def _unservable(self, key: str, typ: str, message: str) -> None:
         self._apply(self.state.handle(ws.Unservable(key, typ, message)))

@@ -85,10 +85,10 @@ class TaskIn:
     func: str = ""
     #: never in a batch (the scheduler says so after a worker died while it ran: blame stays exact)
     solo: bool = False
-    #: what the task is (the shell passes its function id and pickled arguments): a key released
-    #: and given to a *different* task while its old run still executes here is not that run
-    #: (None: the same task whenever the key is, as in the simulator)
-    ident: Any = None
+    #: the scheduler's serial of the task record (echoed in its outcome report): a key released and
+    #: given to another record while its old run still executes here is not that run (None: the
+    #: same task whenever the key is, as in the simulator)
+    ident: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,7 +423,7 @@ class WorkerState:
             if key in self.waiting or key in self.queued:
                 continue  # assigned again while it waits here: it runs once
             if key in self:
-                out.append(Report("finished", [key, self.nbytes(key), 0.0]))
+                out.append(Report("finished", _finished(key, self.nbytes(key), 0.0, ti.ident)))
                 continue
             t = _Task(ti)
             t.missing = {d for d in ti.deps if d not in self}
@@ -483,6 +483,8 @@ class WorkerState:
         for k in e.keys:
             if k in self.waiting:  # still fetching inputs: the fetch finishes for nobody
                 del self.waiting[k]
+                stolen.append(k)
+            elif self.superseded.pop(k, None) is not None:  # waits behind a released run: not started
                 stolen.append(k)
         lined = [k for k in e.keys if k in self.lined] if self.lined else []
         got = set(stolen).union(lined)  # lined: the shell's Unlined answer says stolen or kept
@@ -547,10 +549,13 @@ class WorkerState:
         elif e.ok:
             self.executed += 1
             self._store(e.key, e.nbytes, out)
-            out.append(Report("finished", [e.key, e.nbytes, e.duration]))
+            out.append(Report("finished", _finished(e.key, e.nbytes, e.duration, t.ident if t is not None else None)))
         elif t is not None:
             self.executed += 1
-            out.append(Report("erred", dict(e.error or {}, key=e.key)))
+            err = dict(e.error or {}, key=e.key)
+            if t.ident is not None:
+                err["run"] = t.ident
+            out.append(Report("erred", err))
         self._start_ready(out)
 
     # ---- lanes of quick tasks --------------------------------------------------------------------
@@ -861,3 +866,9 @@ class WorkerState:
 def tasks_in(items: Iterable[tuple[str, Mapping[str, Holders], Shape, int]]) -> Compute:
     """A :class:`Compute` from ``(key, deps, resources, memory)`` tuples."""
     return Compute(tuple(TaskIn(k, d, r, m) for k, d, r, m in items))
+
+
+def _finished(key: str, nbytes: int, duration: float, run: int | None) -> list[Any]:
+    """A finished report's item: [key, nbytes, duration], then [inline pickle (the shell fills it
+    in), serial of the task record] when the scheduler gave a serial."""
+    return [key, nbytes, duration] if run is None else [key, nbytes, duration, None, run]
