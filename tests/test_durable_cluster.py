@@ -78,3 +78,19 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def die() -> None:
+    os._exit(3)
+
+
+def test_a_task_that_kills_its_worker_fails_as_killed_and_the_workers_are_replaced(tmp_path: Path) -> None:
+    """Found by a bug hunt: on a durable cluster both workers died and were not replaced; the task
+    failed after 60 s with "no worker has offered that" and so did every later task."""
+    cluster = tidepool.LocalCluster(2, state_dir=str(tmp_path / "s"), allowed_failures=1)
+    with cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(tidepool.KilledWorkerError):
+            client.submit(die).result(timeout=60)
+        assert client.submit(sum, [1, 2]).result(timeout=60) == 3  # replacements took the work
+        wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60,
+                   what="both crashed workers to be replaced")  # fmt: skip

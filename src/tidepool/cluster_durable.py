@@ -13,10 +13,12 @@ workers and clients reconnect by themselves (docs/recovery.md).  ``close()`` sto
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from tidepool.providers.local import LocalProvider
 from tidepool.scaling.node_types import NodeType
 
 _LAUNCH = "import sys; from tidepool.cli import main; sys.exit(main(sys.argv[1:]))"
+log = logging.getLogger(__name__)
 
 
 class DurableLocalCluster(ClosesOnExit):
@@ -41,12 +44,15 @@ class DurableLocalCluster(ClosesOnExit):
                  journal: str | None = None, fork_server: bool | None = None,
                  durable: bool = True, memory_limit: int | str | None = None,
                  spill_limit: int | str | None = None, allowed_failures: int | None = None,
-                 dashboard: bool | str | None = None, **unknown: Any) -> None:  # fmt: skip
+                 dashboard: bool | str | None = None, restart_crashed: bool = True,
+                 **unknown: Any) -> None:  # fmt: skip
         """``durable=False`` runs the same scheduler process without ``--state-dir`` (the state
         directory then only holds its log and token file): the baseline that measures what
         ``--state-dir`` costs (``benchmarks/recovery.py --end-to-end``).  ``memory_limit``,
         ``spill_limit``, ``allowed_failures`` and ``dashboard`` are ``LocalCluster``'s (the
-        dashboard is served by the scheduler process; ``dashboard_link``)."""
+        dashboard is served by the scheduler process; ``dashboard_link``).  ``restart_crashed``: as
+        ``LocalCluster``'s, a worker process that dies (not one stopped by the cluster, retired, or
+        done with a lost scheduler) is replaced, at most ``MAX_RESTARTS`` in ``RESTART_WINDOW`` s."""
         if unknown:
             _refuse(unknown)
         check_slots(slots)
@@ -80,6 +86,11 @@ class DurableLocalCluster(ClosesOnExit):
         res.setdefault("cpu", slots)
         self.default_type = NodeType("default", res, max_nodes=10_000)
         self._req = 0
+        self._replaced: set[str] = set()
+        self._restarts: list[float] = []
+        self._stop_watch = threading.Event()
+        if restart_crashed:
+            threading.Thread(target=self._watch, name="tidepool-durable-workers", daemon=True).start()
         self._close_at_exit()
         if n_workers:
             try:
@@ -206,6 +217,37 @@ class DurableLocalCluster(ClosesOnExit):
                                        f"{timeout or self.timeout}s")  # fmt: skip
                 time.sleep(0.1)
 
+    #: most crashed workers replaced within ``RESTART_WINDOW`` seconds (as ``LocalCluster``)
+    MAX_RESTARTS = 20
+    RESTART_WINDOW = 60.0
+
+    def _watch(self) -> None:
+        """Replace worker processes that died (a crashing task, the OOM killer): without it, a task
+        that kills its worker left the cluster with none, and it failed as having no worker."""
+        while not self._stop_watch.wait(0.5):
+            try:
+                self._replace_crashed()
+            except Exception:  # noqa: BLE001 - the watcher must outlive one bad round
+                log.warning("replacing crashed workers failed", exc_info=True)
+
+    def _replace_crashed(self) -> None:
+        prov = self.provider
+        for wid, p in list(prov.procs.items()):
+            rc = p.proc.poll()
+            if rc in (None, 0) or wid in self._replaced or prov.stopped_on_purpose(wid) or self.closed:
+                continue  # running, ended cleanly (retired, lost its scheduler), or stopped on purpose
+            self._replaced.add(wid)
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < self.RESTART_WINDOW]
+            if len(self._restarts) >= self.MAX_RESTARTS:
+                log.warning("not replacing worker %s (exit code %s): %d workers already replaced in the last %gs; "
+                            "something kills every worker (see the tasks' errors)", wid, rc, len(self._restarts),
+                            self.RESTART_WINDOW)  # fmt: skip
+                continue
+            self._restarts.append(now)
+            log.info("worker %s died (exit code %s); starting a replacement", wid, rc)
+            self.add_workers(1, wait=False)
+
     def kill_worker(self, wid: str) -> None:
         self.provider.kill(wid)
 
@@ -213,6 +255,7 @@ class DurableLocalCluster(ClosesOnExit):
         if self.closed:
             return
         self.closed = True
+        self._stop_watch.set()
         proc = self.scheduler_proc
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # closes its workers, flushes its store

@@ -369,6 +369,10 @@ class LocalProvider:
             else:
                 self._remove_temp_dir(wid)
 
+    def stopped_on_purpose(self, worker_id: str) -> bool:
+        """Was ``worker_id`` terminated or killed through this provider (not a crash)?"""
+        return worker_id in self._stopped
+
     def kill(self, worker_id: str) -> None:
         """SIGKILL one worker (for failure tests)."""
         self.terminate([worker_id], signal.SIGKILL)
