@@ -59,6 +59,30 @@ def test_task_records_carry_inputs_submit_time_size_and_resources(tmp_path: Path
         ("w2", None, pytest.approx(0.3), pytest.approx(0.35))]  # fmt: skip
 
 
+def test_task_records_carry_the_clients_group_for_the_post_mortem_and_the_replay(tmp_path: Path) -> None:
+    """Found by a bug hunt: journal task records had no group, so the post-mortem dashboard read it
+    off the key: one group per ``map`` call (``slow-99bc...00000000``), one per task of a WfFormat
+    trace (``mAdd_ID0000033``) instead of the function or the program."""
+    from tidepool.dashboard.replay import ReplayModel
+
+    path = tmp_path / "run.jsonl"
+    j = Journal(str(path))
+    j.record("journal-start", 0.0)
+    keys = ["slow-99bc00000000", "slow-99bc00000001", "mAdd_ID0000033"]
+    groups = ["slow", "slow", "mAdd"]
+    j.observe([ev.UpdateGraph("c1", [ev.TaskSpec(k, "f", None, (), {}, 0, g) for k, g in zip(keys, groups, strict=True)],
+                              keys, 1.0)], [])  # fmt: skip
+    j.observe([ev.WorkerJoin("w1", "tcp://x", {"cpu": 1}, 1.0)], [])
+    j.observe([ev.TaskFinished("w1", k, 8, 0.5, 2.0 + i) for i, k in enumerate(keys)], [])
+    j.close()
+    records = load_records(str(path))
+    assert [r.get("group") for r in records if r["kind"] == "task"] == groups
+    view = ReplayModel(records).view(10.0)["view"]
+    assert set(view["groups"]) == {"slow", "mAdd"}, view["groups"]
+    replayed = load_workload(str(path))
+    assert sorted({t.group for t in replayed.tasks()}) == ["mAdd", "slow"]
+
+
 def test_a_journal_replays_as_its_graph_with_its_own_start_up(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     recorded_run(path)

@@ -136,7 +136,7 @@ class ReplayModel:
         groups: dict[str, dict[str, int]] = {}
         finished = erred = 0
         for r in done:
-            g = groups.setdefault(group_of(str(r["key"])), {"memory": 0, "erred": 0})
+            g = groups.setdefault(_group(r), {"memory": 0, "erred": 0})
             if r.get("ok", True):
                 g["memory"] += 1
                 finished += 1
@@ -146,7 +146,7 @@ class ReplayModel:
         running = self._running_at(t)
         for r in self.tasks[bisect.bisect_left(self.task_ends, t):]:
             if float(r.get("start", r["t"])) <= t:
-                g = groups.setdefault(group_of(str(r["key"])), {"memory": 0, "erred": 0})
+                g = groups.setdefault(_group(r), {"memory": 0, "erred": 0})
                 g["running"] = g.get("running", 0) + 1
         workers = []
         for wid, w in sorted(self._workers_at(t).items()):
@@ -156,7 +156,7 @@ class ReplayModel:
                             "spilled_bytes": 0, "rss": 0, "memory_limit": 0, "idle_for": None,
                             "idle_and_empty": n == 0})  # fmt: skip
         decisions = [dict(r, i=i) for i, r in enumerate(self._upto(t)) if r.get("kind") in DECISIONS][-200:]
-        stream = [{"seq": i, "key": r["key"], "group": group_of(str(r["key"])), "worker": r["worker"],
+        stream = [{"seq": i, "key": r["key"], "group": _group(r), "worker": r["worker"],
                    "start": float(r.get("start", r["t"])), "duration": float(r.get("duration", 0.0)),
                    "ok": bool(r.get("ok", True))}
                   for i, r in enumerate(done) if float(r["t"]) >= t - 60][-2000:]  # fmt: skip
@@ -217,3 +217,8 @@ async def serve_replay(path: str, address: str = "127.0.0.1:", ready: asyncio.Fu
 
 
 __all__ = ["ReplayModel", "serve_replay"]
+
+
+def _group(r: dict[str, Any]) -> str:
+    """A task record's group: as journaled (the client's name for it), else read off its key."""
+    return str(r.get("group") or group_of(str(r["key"])))

@@ -72,8 +72,8 @@ def graph_from_journal(records: Sequence[Mapping[str, Any]], *, name: str = "jou
         seen.add(key)
         at = round(max(0.0, float(r.get("submitted", t0)) - t0), 6)
         res = r.get("resources") or None
-        by_time.setdefault(at, []).append(SimTask(key, float(r.get("duration", 0.0)), deps, "", res,
-                                                   nbytes=int(r.get("nbytes", 8) or 8)))  # fmt: skip
+        by_time.setdefault(at, []).append(SimTask(key, float(r.get("duration", 0.0)), deps, str(r.get("group") or ""),
+                                                   res, nbytes=int(r.get("nbytes", 8) or 8)))  # fmt: skip
     stages = []
     for at, ts in sorted(by_time.items()):
         stages.append(Stage(ts, sinks(ts), at))

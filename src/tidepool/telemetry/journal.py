@@ -41,7 +41,7 @@ class Journal:
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
         #: key -> (submitted at, deps, resources) of tasks submitted while listening (task records)
-        self._graph: dict[str, tuple[float, tuple[str, ...], dict[str, float]]] = {}
+        self._graph: dict[str, tuple[float, tuple[str, ...], dict[str, float], str]] = {}
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
         rec = {"t": round(t, 6), "kind": kind, **fields}
@@ -67,7 +67,7 @@ class Journal:
         for e in events:
             if self.tasks and isinstance(e, ev.UpdateGraph):
                 for spec in e.tasks:
-                    self._graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources))
+                    self._graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources), spec.group)
             elif isinstance(e, ev.WorkerJoin):
                 self.record("worker-join", e.now, worker=e.worker, node_type=e.node_type,
                             resources=e.resources)  # fmt: skip
@@ -94,10 +94,12 @@ class Journal:
         known = self._graph.get(key)
         if known is None:
             return {}
-        at, deps, resources = known
+        at, deps, resources, group = known
         out: dict[str, Any] = {"submitted": round(at, 6), "deps": list(deps)}
         if resources:
             out["resources"] = resources
+        if group and group != key:  # what the client named it (its function, a trace's program)
+            out["group"] = group
         return out
 
     def flush(self) -> None:
