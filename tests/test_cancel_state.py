@@ -230,3 +230,58 @@ def test_a_run_that_finished_before_its_free_arrived_frees_its_slot_with_that_re
     assert "gone" in ws.abandoned
     d.send(ev.TaskFinished("w1", "gone", 8, 1.0, d.clock()))
     assert not ws.abandoned and ws.assigned == 0
+
+
+def _adopted(d: StateDriver) -> None:
+    """w1 rejoins (a restarted scheduler) running K, which is adopted."""
+    d.submit([("K", [], {}, 1)], ["K"])
+    now = d.clock()
+    d.send(ev.WorkerJoin("w1", "tcp://w1:1", {"cpu": 2.0}, now, ready=False), ev.WorkerRejoin("w1", [], ["K"], [], now))
+    d.send(ev.WorkerReady("w1", d.clock()))
+
+
+def test_an_adopted_run_takes_any_serial_and_its_next_assignment_gets_a_serial_of_its_own() -> None:
+    """Review: the adopted run's serial was another scheduler's (0 here: take any), but a slot it
+    left abandoned was never freed by its own finished report, and the record stayed at 0 for life:
+    a retry went out without a serial, unprotected against stale outcomes."""
+    d = StateDriver(auto_start=False)
+    _adopted(d)
+    ts = d.state.tasks["K"]
+    assert ts.run == 0 and ts.worker == "w1"
+    cmds = d.fail("w1", "K")  # its run errs: retried, now with a serial of its own
+    assert [c.key for c in cmds if isinstance(c, ev.Execute)] == ["K"] and ts.run != 0
+    d2 = StateDriver(auto_start=False)
+    _adopted(d2)
+    d2.start("w1", "K")
+    cancel(d2, ["K"])
+    ws = d2.state.workers["w1"]
+    assert ws.abandoned_run == {"K": 0}
+    d2.send(ev.TaskFinished("w1", "K", 8, 1.0, d2.clock(), 123456))  # the old scheduler's serial
+    assert not ws.abandoned and ws.assigned == 0  # its slot is free
+
+
+def test_serials_differ_between_scheduler_processes() -> None:
+    """Review: serials restarted at 1 in a restarted scheduler, so a worker's run tagged by the
+    previous process matched a new record by chance (its old value came back)."""
+    firsts = set()
+    for _ in range(3):
+        d = StateDriver()
+        one_slot_worker(d)
+        d.submit([("k", [])], ["k"])
+        firsts.add(d.state.tasks["k"].run)
+    assert len(firsts) == 3
+
+
+def test_a_stale_reports_inline_pickle_never_rides_on_the_new_records_report() -> None:
+    """Review: the state ignored the old run's outcome, but the server kept its inline pickle under
+    the key and sent it with the new record's report."""
+    from tidepool.scheduler.server import _inline_values
+
+    d = StateDriver(auto_start=False)
+    one_slot_worker(d)
+    d.submit([("k", [])], ["k"])
+    new = d.state.tasks["k"].run
+    stale, fresh = ["k", 8, 0.1, b"old pickle", new - 1], ["k", 8, 0.1, b"new pickle", new]
+    assert _inline_values([stale], d.state.tasks) == {}
+    assert _inline_values([fresh], d.state.tasks) == {"k": b"new pickle"}
+    assert _inline_values([["k", 8, 0.1, b"sim"]], d.state.tasks) == {"k": b"sim"}  # no serial: taken

@@ -339,3 +339,14 @@ def test_a_journal_that_cannot_be_written_fails_before_the_address_line(capsys: 
     rc = main(["scheduler", "--port", "0", "--no-dashboard", "--journal", str(tmp_path / "no" / "run.jsonl")])
     out, err = capsys.readouterr()
     assert rc == 2 and "does not exist" in err and "tidepool scheduler at" not in out, (out, err)
+
+
+def test_ctrl_c_in_a_command_ends_with_130_and_no_traceback(tmp_path: Path) -> None:
+    """Found by a bug hunt: Ctrl-C during ``tidepool simulate`` printed a KeyboardInterrupt traceback."""
+    cmd = tidepool_cmd("simulate", "wide", "--param", "n=200000", "--out", str(tmp_path), "--no-plot")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    assert proc.stderr is not None
+    assert proc.stderr.readline().startswith("workload")  # it runs
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err

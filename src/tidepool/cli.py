@@ -475,6 +475,9 @@ def _run_command(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     try:
         return int(args.fn(args))
+    except KeyboardInterrupt:  # Ctrl-C (simulate, demo, report): the shell's code, no traceback
+        print("tidepool: interrupted", file=sys.stderr)
+        return 130
     except TidepoolError as exc:
         print(f"tidepool: error: {exc}", file=sys.stderr)
         return 2

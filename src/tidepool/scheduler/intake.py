@@ -73,7 +73,6 @@ def records(specs: Iterable[ev.TaskSpec], known: Mapping[str, TaskRecord],
         level = -spec.priority * PRIORITY_STEP
         ts = TaskRecord(spec.key, sys.intern(spec.func_id), compact_payload(spec.payload), shape_of(spec.resources),
                         spec.retries, level + seq * LINE + seq, sys.intern(spec.group) if spec.group else spec.key)  # fmt: skip
-        ts.run = seq + 1  # unique per record (``seq`` only grows); never 0
         if spec.workers:
             ts.restrict, ts.loose = frozenset(spec.workers), spec.loose
         made[spec.key] = ts

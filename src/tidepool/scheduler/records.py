@@ -105,10 +105,12 @@ class TaskRecord:
         self.seceded = False  # left its slot to wait for other tasks (worker_client)
         self.restrict: frozenset[str] | None = None  # worker ids/names/addresses it may run on
         self.loose = False  # the restriction is only a preference (allow_other_workers)
-        #: this record's serial (unique in the scheduler's life), sent with each compute and echoed
-        #: in the worker's outcome: an outcome of another record under the same key (released,
-        #: then the key reused) is not this one's.  0: outcomes are taken from its worker whatever
-        #: serial they carry (a task adopted from a rejoining worker, whose serial was another's)
+        #: this record's serial, given at its first assignment (unique across scheduler restarts:
+        #: ``SchedulerState`` starts its count at a random base), sent with each compute and echoed
+        #: in the worker's outcome: an outcome of another record under the same key (released, then
+        #: the key reused) is not this one's.  0: not assigned yet, or a run adopted from a
+        #: rejoining worker, whose serial was another scheduler's: its outcome is taken whatever
+        #: serial it carries, and its next assignment gets a serial of its own
         self.run = 0
 
     # ---- its error, field by field ("" and None without one) ------------------------------------

@@ -77,8 +77,8 @@ def worker_rejoin(st: Host, e: ev.WorkerRejoin, out: list[ev.Command]) -> None:
         ts.waiting_on = NOSET
         if ts.state != TS.READY:  # it is running on ws whatever it waited for: ready, then placed
             st._move(ts, TS.READY)
-        ts.run = 0  # the worker's copy carries the serial of the record it was given (another scheduler's)
         st._assign(ts, ws, out)
+        ts.run = 0  # the worker's copy carries another scheduler's serial: any is taken for this run
         last = out[-1]
         if isinstance(last, ev.Execute) and last.key == key:
             out.pop()  # it is there already: sending it again would queue it twice

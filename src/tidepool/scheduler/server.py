@@ -24,7 +24,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tidepool.comm import Connection, Listener, Serialized, listen, unix
@@ -444,11 +444,11 @@ class Scheduler:
                 op = msg.get("op")
                 if op == "task-batch":
                     batch = TaskBatch.decode(msg)
-                    inline = _inline_values(batch.finished)
+                    inline = _inline_values(batch.finished, self.state.tasks)
                     events = batch_events(wid, batch, now)
                     while (more := conn.recv_buffered("task-batch")) is not None:  # read in one go: one batch
                         batch = TaskBatch.decode(more)
-                        inline.update(_inline_values(batch.finished))
+                        inline.update(_inline_values(batch.finished, self.state.tasks))
                         events += batch_events(wid, batch, now)
                     if inline:  # forwarded by the reports of this batch, then dropped
                         self.inline_values.update(inline)
@@ -741,7 +741,16 @@ def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def _inline_values(finished: list[Any]) -> dict[str, Any]:
+def _inline_values(finished: list[Any], tasks: Mapping[str, Any]) -> dict[str, Any]:
     """The small values a worker's finished items carry (``comm/inline.py``): [key, nbytes,
-    duration, pickle]."""
-    return {item[0]: item[3] for item in finished if len(item) > 3 and item[3] is not None}
+    duration, pickle, serial].  Not one of another record's run under the key (its outcome is
+    ignored by the state: its pickle must not ride on the new record's report)."""
+    out = {}
+    for item in finished:
+        if len(item) > 3 and item[3] is not None:
+            run = item[4] if len(item) > 4 else 0
+            ts = tasks.get(item[0])
+            if run and ts is not None and ts.run and ts.run != run:
+                continue
+            out[item[0]] = item[3]
+    return out

@@ -25,7 +25,9 @@ are ``placement.py``'s (pure rules; this file makes the moves); graceful retirem
 
 from __future__ import annotations
 
+import itertools
 import operator
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,6 +106,9 @@ class SchedulerState:
         self.solo: set[str] = set()
         self._priority = 0
         self._worker_seq = 0
+        # task records' serials (TaskRecord.run): from a random base, so that a worker's runs tagged
+        # by an earlier scheduler process (restarted from its state directory) never match by chance
+        self._runs = itertools.count((int.from_bytes(os.urandom(4), "big") << 32) + 1)
         self.now = 0.0
         self.last_progress = 0.0
         self.counters: dict[str, int] = {
@@ -403,6 +408,8 @@ class SchedulerState:
         return pl.transfer_outweighs(thief, ts, self.estimates.estimate(ts.group))
 
     def _assign(self, ts: TaskRecord, ws: WorkerRecord, out: list[ev.Command]) -> None:
+        if not ts.run:
+            ts.run = next(self._runs)
         self._move(ts, TS.RUNNING)
         est = self.estimates.estimate(ts.group)
         ts.worker = ws.id
@@ -547,8 +554,9 @@ class SchedulerState:
     def _abandoned_outcome(self, ws: WorkerRecord, key: str, run: int) -> None:
         """An outcome of ``key`` from ``ws``, where a run of it was abandoned: if it is that run's
         (it finished before the worker read the free, so no "ended" will come), its slot is free."""
-        if run and ws.abandoned_run.get(key, run) != run:
-            return  # the outcome of another record's run under that key
+        mine = ws.abandoned_run.get(key, 0)
+        if run and mine and mine != run:
+            return  # the outcome of another record's run under that key (0: an adopted run, any serial)
         self._abandoned_runs_ended(ev.AbandonedRunsEnded(ws.id, [key], self.now), [])
 
     def _task_erred(self, e: ev.TaskErred, out: list[ev.Command]) -> None:
