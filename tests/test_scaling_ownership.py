@@ -126,6 +126,8 @@ def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data()
     lost, and a chain of tasks longer than one walltime started over with every job."""
     d = StateDriver()
     d.add_worker("job-1", node_type="cpu")
+    d.submit([("link", [])], ["link"])
+    d.finish("job-1", "link")  # it holds a value the client wants, and no other worker can take it
     c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25, manage_foreign=True)
     assert step_with_state(c, d.state, 0.0, expiring=["job-1"]).retire == ["job-1"]
     refused = Retired("job-1", "refused: it holds data nobody else can take", 0.5)
@@ -134,6 +136,18 @@ def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data()
     assert acts.retire == ["job-1"]  # refused: asked again, and this time replaced
     assert [(t.name, n) for _, t, n in acts.launch] == [("cpu", 1)], acts.launch
     assert any("its retirement was refused" in r.get("reason", "") for r in acts.records if r["kind"] == "launch"), acts.records
+
+
+def test_a_walltime_retirement_refused_while_the_data_was_going_away_launches_nothing() -> None:
+    """A refusal that no longer holds at the retry (the client released the value meanwhile) needs
+    no replacement: the retry succeeds (a CI run launched a pod for nothing under load)."""
+    d = StateDriver()
+    d.add_worker("job-1", node_type="cpu")
+    c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25, manage_foreign=True)
+    step_with_state(c, d.state, 0.0, expiring=["job-1"])
+    step_with_state(c, d.state, 1.0, expiring=["job-1"], reports=[Retired("job-1", "refused: it holds data", 0.5)])
+    acts = step_with_state(c, d.state, 6.0, expiring=["job-1"])
+    assert acts.retire == ["job-1"] and not acts.launch
 
 
 def test_each_retirement_carries_its_own_reason_as_data() -> None:

@@ -600,7 +600,7 @@ class ScalingController(Replacing):
             self._begin_retire(ws, now, why, actions)
             if nt is not None and nt.replace_before:
                 self._want_replacement(ws, why)
-            elif refused_before:  # its data has nowhere to go: a new worker will take it before the end
+            elif refused_before and ws.unique_keys:  # its data still has nowhere to go: a new worker takes it
                 self._want_replacement(ws, f"{why}; its retirement was refused (no other worker can take its data)")
 
     def _timeouts(self, now: float, actions: Actions) -> None:
