@@ -194,7 +194,7 @@ def test_random_observation_sequences_keep_the_controller_invariants(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), limit=st.sampled_from([0.5, 1.0, 2.5, 4.0]), wpn=st.sampled_from([1, 2]),
+@given(seed=st.integers(0, 2**32 - 1), limit=st.sampled_from([1.0, 1.5, 2.5, 4.0]), wpn=st.sampled_from([1, 2]),
        steps=st.integers(5, 60))  # fmt: skip
 def test_random_policies_never_take_the_pool_above_max_cost_per_hour(seed: int, limit: float, wpn: int,
                                                                        steps: int) -> None:  # fmt: skip

@@ -70,3 +70,35 @@ def test_a_new_provider_re_finds_the_processes_an_earlier_one_started(tmp_path: 
     finally:
         new.close()
         old.close()
+
+
+def test_a_launch_still_running_when_the_provider_closes_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a bug hunt: ``cluster.close()`` while the autoscaler's launch ran in its thread: the
+    launch went on after close (a fork server replaced, workers started) and they outlived the
+    cluster, retrying the dead scheduler."""
+    import threading
+
+    import psutil
+
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)
+    started: list[Any] = []
+    gate, inside = threading.Event(), threading.Event()
+    real = subprocess.Popen
+
+    def slow_popen(cmd: Any, **kw: Any) -> Any:
+        inside.set()
+        gate.wait(10)  # close() runs meanwhile
+        proc = real(["sleep", "60"], **kw)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(local.subprocess, "Popen", slow_popen)
+    launch = threading.Thread(target=provider.launch, args=(NodeType("cpu", {"cpu": 1}), 3, "a1"))
+    launch.start()
+    assert inside.wait(10)
+    provider.close()
+    gate.set()
+    launch.join(20)
+    assert len(started) == 1  # the one being spawned: the other two never start
+    assert not provider.procs and started[0].poll() is not None  # killed at once
+    assert not [p for p in psutil.Process().children() if p.pid == started[0].pid and p.status() != "zombie"]

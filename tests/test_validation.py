@@ -92,6 +92,19 @@ def cluster() -> Iterator[tidepool.LocalCluster]:
         ({"node_types": NodeType("a")}, "must be a list of NodeType"),
         ({"interval": 0}, "adapt(interval=...) must be a positive number of seconds"),
         ({"interval": float("nan")}, "adapt(interval=...) must be a positive number of seconds"),
+        # found by a bug hunt: accepted, then every step failed, launches were all given up, or the
+        # cost limits cut every launch to 0: tasks waited for ever
+        ({"maximum": 2, "forecast_interval": "5"}, "forecast_interval must be a finite number of seconds > 0"),
+        ({"maximum": 2, "launch_timeout": -1}, "launch_timeout must be a finite number of seconds > 0"),
+        ({"maximum": 2, "backoff_base": -5}, "backoff_base must be a finite number of seconds > 0"),
+        ({"maximum": 2, "max_type_failures": 0}, "max_type_failures must be a whole number >= 1"),
+        ({"maximum": 2, "manage_foreign": "no"}, "manage_foreign must be True or False"),
+        ({"maximum": 2, "policy": "cheapest"}, "policy must be a callable"),
+        ({"maximum": 2, "journal": 3}, "adapt(journal=...) takes a file path or a Journal"),
+        ({"node_types": [NodeType("cpu", {"cpu": 1}, max_nodes=2, cost=1.0)], "max_cost_per_hour": 0.5},
+         "max_cost_per_hour 0.5 is below the cost of the cheapest node type ('cpu': 1 per node-hour)"),
+        ({"node_types": [NodeType("cpu", {"cpu": 1}, max_nodes=2, cost=1.0)], "budget": 0.001},
+         "budget 0.001 is below what one node costs at the least"),
     ],
 )  # fmt: skip
 def test_adapt_that_cannot_work_is_refused_at_once(cluster: tidepool.LocalCluster, kwargs: dict[str, Any],

@@ -417,7 +417,13 @@ class LocalCluster(ClosesOnExit):
             node_types = [dataclasses.replace(self.default_type, min_nodes=minimum, max_nodes=top,
                                               startup_estimate=0.5)]  # fmt: skip
         _check_can_launch(node_types, controller_kwargs.get("max_workers"))
-        j = journal if isinstance(journal, Journal) else Journal(journal)
+        if journal is not None and not isinstance(journal, (Journal, str, os.PathLike)):
+            raise ConfigError(f"adapt(journal=...) takes a file path or a Journal, got {journal!r}")
+        if isinstance(journal, (str, os.PathLike)):
+            from tidepool.telemetry.report import check_output
+
+            check_output(os.fspath(journal), "adapt(journal=...)")
+        j = journal if isinstance(journal, Journal) else Journal(None if journal is None else os.fspath(journal))
         for key, value in file_limits.items():  # the file's [autoscaler] keys, unless given here
             controller_kwargs.setdefault(key, value)
         if budget is not None:  # the hard limit (the default policy also plans within it)

@@ -176,6 +176,9 @@ class LocalProvider:
         #: preemption notices given (:meth:`preempt`): worker -> when it is killed (epoch seconds)
         self._notices: dict[str, float] = {}
         self._timers: list[threading.Timer] = []
+        #: set by close(): a launch still running in another thread (the autoscaler's, cancelled
+        #: there) starts nothing more, kills what it just started, and starts no fork server
+        self._closed = False
         self._registry: str | None = None  # remember_in(): one file per worker process
 
     # ---- across scheduler restarts -----------------------------------------------------------------
@@ -269,6 +272,9 @@ class LocalProvider:
                 return out
 
     def _start_fork_server(self, event: str, reason: str = "") -> None:
+        if self._closed:
+            self._fork = None
+            return
         try:
             self._fork = forkserver.ForkServer(self._base_env(), self.cwd, self._fork_preload)
         except OSError as exc:
@@ -335,6 +341,9 @@ class LocalProvider:
         # one wait for a fork server still importing per launch, not per worker: the rest spawn
         ready_by = time.monotonic() + self.FORK_SERVER_READY_WAIT
         for wid in ids:
+            if self._closed:
+                self._spawning.pop(wid, None)
+                continue
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
             env = {**self._base_env(), "TIDEPOOL_WORKER_ID": wid}
@@ -354,6 +363,8 @@ class LocalProvider:
             self.procs[wid] = LocalWorkerProcess(wid, node_type.name, request_id, proc)
             self._remember(self.procs[wid])
             self._spawning.pop(wid, None)
+            if self._closed:  # closed while it was being started: close() may have missed it
+                self._stop_late(wid)
 
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
         for wid in worker_ids:
@@ -428,7 +439,18 @@ class LocalProvider:
         errs, self._errors = self._errors, []
         return errs
 
+    def _stop_late(self, wid: str) -> None:
+        p = self.procs.pop(wid, None)
+        if p is None:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            p.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(5.0)
+        self._remove_temp_dir(wid)
+
     def close(self, timeout: float = 5.0) -> None:
+        self._closed = True
         for timer in self._timers:
             timer.cancel()
         self.terminate(list(self.procs))
@@ -446,9 +468,10 @@ class LocalProvider:
         for wid in self.procs:
             self._remove_temp_dir(wid)
         self.procs.clear()
-        if self._fork is not None:
-            self._fork.close()
-            self._fork = None
+        with self._fork_lock:  # after a fork in progress in a launch thread (it then sees _closed)
+            if self._fork is not None:
+                self._fork.close()
+                self._fork = None
 
     def _temp_roots(self) -> builtins.list[str]:
         """Where this provider's workers make temp directories: ours, or the one their env names."""

@@ -58,10 +58,17 @@ from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ConfigError
 from tidepool.scaling.adoption import adopt, instance_rows, row_changes
+from tidepool.scaling.controller_checks import check_affordable, check_settings
 from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
-from tidepool.scaling.limits import CostLimits, CostMeter, CostView, cap_launches, over_budget
+from tidepool.scaling.limits import (
+    CostLimits,
+    CostMeter,
+    CostView,
+    cap_launches,
+    over_budget,
+)
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.observation import (
     Adopted,
@@ -255,6 +262,9 @@ class ScalingController(Replacing):
             if nt.fallback is not None and nt.fallback not in names:
                 raise ConfigError(f"node type {nt.name!r}: fallback {nt.fallback!r} is not one of the node types "
                                   f"{names}; add it or fix the name")  # fmt: skip
+        check_settings(policy, launch_timeout, backoff_base, backoff_max, max_type_failures, forecast_interval,
+                        manage_foreign)  # fmt: skip
+        check_affordable(node_types, CostLimits(max_cost_per_hour, budget))
         self.node_types = {nt.name: nt for nt in node_types}
         self.policy = policy if policy is not None else default_policy()
         self.launch_timeout = launch_timeout
@@ -869,3 +879,4 @@ class ScalingController(Replacing):
         if snap is not None and self._restoring is None:  # not before the stored meter is carried on
             actions.cost = self.cost.export(snap.now)
         return actions
+
