@@ -169,3 +169,68 @@ def test_worker_cli_preload_env_and_workdir(tmp_path: Path) -> None:
                               "--preload", "tp_no_such_module"], env=env, capture_output=True, text=True,
                              timeout=30)  # fmt: skip
         assert bad.returncode == 2 and "tp_no_such_module" in bad.stderr
+
+
+def test_a_setup_function_from_the_module_it_ships_runs_after_the_module_arrived(shipped: str,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """Found by a bug hunt: ``register_setup(mylib.init, modules=["mylib"])`` failed on every worker
+    ("No module named 'mylib'") and closed them all: the function was unpickled before the modules
+    step, by reference to a module the worker did not have yet."""
+    import importlib
+
+    (tmp_path / "src" / shipped / "boot.py").write_text(
+        "import os\n\ndef init():\n    os.environ['TP_BOOTED'] = 'yes'\n")  # fmt: skip
+    boot = importlib.import_module(f"{shipped}.boot")
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        assert list(client.register_setup(boot.init, modules=[shipped]).values()) == ["ok"]
+        assert client.submit(read_env, "TP_BOOTED").result(timeout=60) == "yes"
+
+
+def test_register_setup_arguments_a_user_gets_wrong_are_taken_or_refused_clearly(tmp_path: Path) -> None:
+    """Found by a bug hunt: a plain string was read letter by letter (``requirements="numpy"`` ran
+    ``pip install n u m p y``), two files of one name overwrote each other, and a sub-package was
+    shipped without its parent's ``__init__``."""
+    from tidepool.errors import ConfigError
+    from tidepool.setup import build_spec
+
+    assert build_spec("s", requirements="numpy").requirements == ["numpy"]
+    assert build_spec("s", pip_args="--no-deps").pip_args == ["--no-deps"]
+    one = tmp_path / "one.txt"
+    one.write_text("1")
+    assert list(build_spec("s", files=str(one)).files) == ["one.txt"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "params.txt").write_text(d)
+    with pytest.raises(ConfigError, match="two files are named 'params.txt'"):
+        build_spec("s", files=[str(tmp_path / "a" / "params.txt"), str(tmp_path / "b" / "params.txt")])
+    with pytest.raises(ConfigError, match="ship the package 'email' instead of 'email.mime'"):
+        build_spec("s", modules=["email.mime"])
+
+
+def exits() -> None:
+    sys.exit("bad arguments")
+
+
+def test_a_setup_that_calls_sys_exit_is_a_setup_failure_not_a_crash_to_replace() -> None:
+    """Found by a bug hunt: ``sys.exit()`` in a setup killed the worker; the cluster replaced it 20
+    times and the client heard only "worker left"."""
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(WorkerSetupError, match="SystemExit: bad arguments"):
+            client.register_setup(exits)
+        assert len(cluster.provider.procs) <= 2  # not a chain of replacements
+
+
+def test_setups_without_a_name_never_replace_each_other_by_chance() -> None:
+    """Found by a bug hunt: two clients' env-only setups were both "setup-1", and two lambdas both
+    "<lambda>": the first was dropped for workers joining later."""
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as one, \
+            tidepool.Client(cluster) as two:  # fmt: skip
+        one.register_setup(env={"TP_FROM_ONE": "1"})
+        two.register_setup(env={"TP_FROM_TWO": "2"})
+        one.register_setup(lambda: os.environ.setdefault("TP_LAMBDA_A", "a"))
+        one.register_setup(lambda: os.environ.setdefault("TP_LAMBDA_B", "b"))
+        cluster.add_workers(1)  # joins after all four: it must get all four
+        got = [one.submit(read_env, v).result(timeout=60) for v in ("TP_FROM_ONE", "TP_FROM_TWO", "TP_LAMBDA_A",
+                                                                    "TP_LAMBDA_B")]  # fmt: skip
+        assert got == ["1", "2", "a", "b"]

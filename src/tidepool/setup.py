@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
 from tidepool.errors import ConfigError, WorkerSetupError
 
 PIP_TIMEOUT = 900.0
@@ -33,7 +35,10 @@ PIP_TIMEOUT = 900.0
 @dataclass
 class SetupSpec:
     name: str
-    fn: Callable[[], Any] | None = None
+    #: the function run last, pickled on its own (cloudpickle): unpickled on the worker only after
+    #: the modules step, so it may come from a module shipped by the same call
+    fn: bytes | Callable[[], Any] | None = None
+    fn_name: str = ""
     env: dict[str, str] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
     modules: list[str] = field(default_factory=list)
@@ -51,6 +56,8 @@ def pack_modules(names: Iterable[str]) -> bytes:
             if spec is None or spec.origin in (None, "built-in", "frozen"):
                 raise ConfigError(f"cannot ship module {name!r}: it is not importable here as a source file")
             top = name.split(".")[0]
+            if "." in name:  # a module or package inside another: its parent's __init__ would be missing
+                raise ConfigError(f"ship the package {top!r} instead of {name!r} (the workers need the whole package)")
             if spec.submodule_search_locations:  # a package: ship the whole directory
                 pkg_dir = Path(next(iter(spec.submodule_search_locations)))
                 root = pkg_dir.parents[len(name.split(".")) - 1]
@@ -61,8 +68,6 @@ def pack_modules(names: Iterable[str]) -> bytes:
                 origin = Path(spec.origin)  # type: ignore[arg-type]
                 if origin.suffix != ".py":
                     raise ConfigError(f"cannot ship module {name!r}: {origin} is not a .py file")
-                if "." in name:
-                    raise ConfigError(f"ship the package {top!r} instead of its submodule {name!r}")
                 zf.write(origin, origin.name)
     return buf.getvalue()
 
@@ -73,18 +78,32 @@ def build_spec(name: str, fn: Callable[[], Any] | None = None, *, modules: Itera
     if fn is not None and not callable(fn):
         raise ConfigError(f"register_setup: {fn!r} is not callable")
     blobs: dict[str, bytes] = {}
-    for f in files:
+    for f in _items(files, "files"):
         p = Path(f)
+        if p.name in blobs:
+            raise ConfigError(f"register_setup: two files are named {p.name!r} ({f!r} and another); workers keep "
+                              "files by name: rename one, or put them in a directory you ship as a module")  # fmt: skip
         try:
             blobs[p.name] = p.read_bytes()
         except OSError as exc:
             raise ConfigError(f"register_setup: cannot read file {f!r}: {exc}") from exc
-    mods = list(modules)
+    mods = _items(modules, "modules")
     for k, v in (env or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise ConfigError(f"register_setup: env must map str to str, got {k!r}: {v!r}")
-    return SetupSpec(name, fn, dict(env or {}), blobs, mods, pack_modules(mods) if mods else b"",
-                     [str(r) for r in requirements], list(pip_args))  # fmt: skip
+    fn_blob = cloudpickle.dumps(fn, protocol=5) if fn is not None else None
+    return SetupSpec(name, fn_blob, str(getattr(fn, "__name__", fn or "")), dict(env or {}), blobs, mods,
+                     pack_modules(mods) if mods else b"", _items(requirements, "requirements"),
+                     _items(pip_args, "pip_args"))  # fmt: skip
+
+
+def _items(value: Iterable[str] | str, what: str) -> list[str]:
+    """A list of strings; one string is one item (``requirements="numpy"``), not its letters."""
+    if isinstance(value, (str, os.PathLike)):
+        return [os.fspath(value)]
+    if isinstance(value, bytes):
+        raise ConfigError(f"register_setup: {what} takes strings, got bytes {value!r:.60}")
+    return [os.fspath(v) if isinstance(v, os.PathLike) else str(v) for v in value]
 
 
 def run_setup(spec: SetupSpec, workdir: Path) -> None:
@@ -125,9 +144,10 @@ def run_setup(spec: SetupSpec, workdir: Path) -> None:
                 raise RuntimeError(f"pip exited with {r.returncode}:\n{(r.stderr or r.stdout)[-4000:]}")
             importlib.invalidate_caches()
         if spec.fn is not None:
-            step = f"function {getattr(spec.fn, '__name__', spec.fn)!r}"
-            spec.fn()
-    except Exception as exc:
+            step = f"function {spec.fn_name or getattr(spec.fn, '__name__', spec.fn)!r}"
+            fn = cloudpickle.loads(spec.fn) if isinstance(spec.fn, bytes) else spec.fn  # after the modules
+            fn()
+    except (Exception, SystemExit) as exc:  # sys.exit() in a setup (argparse, a script's main) is its failure
         raise WorkerSetupError(f"setup {spec.name!r} failed at {step}: {type(exc).__name__}: {exc}") from exc
 
 

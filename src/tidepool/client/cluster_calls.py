@@ -66,10 +66,13 @@ class ClusterCalls:
         """
         from tidepool.setup import build_spec
 
-        nm = name or (getattr(fn, "__name__", None) if fn is not None else None) or f"setup-{len(self._setups) + 1}"
-        spec = build_spec(nm, fn, modules=modules, files=files, requirements=requirements, env=env,
+        spec = build_spec(name or "", fn, modules=modules, files=files, requirements=requirements, env=env,
                           pip_args=pip_args)  # fmt: skip
-        return self._register_spec(nm, spec)
+        if not name:  # named by what it does: two different setups never replace each other by chance
+            # (two clients' "setup-1", two lambdas, two functions called init), the same one is kept once
+            digest = hashlib.sha1(serialize(spec).data).hexdigest()[:10]  # noqa: S324 - a name, not security
+            spec.name = f"{(getattr(fn, '__name__', None) if fn is not None else None) or 'setup'}-{digest}"
+        return self._register_spec(spec.name, spec)
 
     def _register_spec(self, nm: str, spec: Any) -> dict[str, str]:
         self._connection.check_open()

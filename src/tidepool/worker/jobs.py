@@ -54,7 +54,7 @@ async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path
         try:
             spec = blob.load()
             await asyncio.to_thread(run_setup, spec, setup_dir)
-        except Exception as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             log.error("setup %s failed: %s", name, exc)
             await conn.send({"op": "setup-failed", "name": name, "error": str(exc),
