@@ -374,3 +374,34 @@ def test_released_after_await(cluster: tidepool.LocalCluster, client: tidepool.C
     key = asyncio.run(main())
     gc.collect()
     wait_until(lambda: task_state(cluster, key) is None, what="the awaited key to be released")
+
+
+def big(i: int) -> bytes:
+    return bytes(2**20) + bytes([i])  # too big to ride inline: fetched from its worker
+
+
+def test_executor_map_returns_results_already_made_after_its_deadline(client: tidepool.Client) -> None:
+    """Found by a bug hunt: a slow reader of ``map(timeout=)`` got ``TimeoutError`` ("could not be
+    fetched within 0.0s") for results that had finished in time; the standard library returns them."""
+    from tidepool.client.executor import _next_result
+
+    futs = [client.submit(big, i) for i in (2, 1, 0)]  # the map's order, reversed: the next one last
+    tidepool.wait(futs, timeout=60)
+    past = time.monotonic() - 1.0  # the reader comes back after the map's deadline
+    assert [_next_result(futs, past)[-1] for _ in range(3)] == [0, 1, 2]
+
+
+def test_future_of_a_key_without_a_client_uses_the_default_one(client: tidepool.Client) -> None:
+    """Found by a bug hunt: ``Future(key)`` (Dask's signature) made an orphan future whose
+    ``result()`` raised AttributeError and whose gather hung."""
+    fut = client.submit(inc, 41, key="default-client-key")
+    assert tidepool.Future("default-client-key").result(timeout=60) == 42
+    del fut
+
+
+def test_gather_async_honours_its_timeout(client: tidepool.Client) -> None:
+    """Found by a bug hunt: ``gather_async(timeout=0.5)`` waited for the whole task (4 s)."""
+    never = client.submit(inc, 1, resources={"nowhere": 1})  # no worker offers it: it never runs
+    with pytest.raises(TimeoutError, match="1 of 1 futures not done after 0.3s"):
+        asyncio.run(client.gather_async([never], timeout=0.3))
+    never.cancel()

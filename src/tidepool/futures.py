@@ -147,6 +147,11 @@ class FutureOwner(Protocol):
         """Run a user's done-callback off the event-loop thread."""
 
 
+#: ``tidepool.client.default_client``, set by the client package when it is imported (this module
+#: sits below the client and does not import it): what ``Future(key)`` without a client uses
+default_client_hook: Callable[[], Any] | None = None
+
+
 class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """A task's eventual value.  Also a ``concurrent.futures.Future`` and awaitable.
 
@@ -158,12 +163,22 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
     """
 
     def __new__(cls, key: Any, client: Any = None, owner: FutureOwner | None = None) -> Future[Any]:
+        if owner is None and client is None:  # Dask's Future(key): the default client's
+            from tidepool.errors import ConfigError
+
+            try:
+                if default_client_hook is None:
+                    raise ConfigError("no client module loaded")
+                client = default_client_hook()
+            except ConfigError as exc:
+                raise ConfigError(f"Future({key!r}) needs a client: pass one, Future(key, client), or create a "
+                                  "tidepool.Client first (it becomes the default)") from exc  # fmt: skip
         if owner is None and callable(getattr(client, "futures_of", None)):
             fut: Future[Any] = client.futures_of([key])[0]  # registered with its client: it completes
             return fut
         return super().__new__(cls)
 
-    def __init__(self, key: str, client: Any, owner: FutureOwner | None = None) -> None:
+    def __init__(self, key: str, client: Any = None, owner: FutureOwner | None = None) -> None:
         if owner is None and getattr(self, "_owner", None) is not None:
             return  # the client's own future of ``key``, returned by __new__: already set up
         # concurrent.futures.Future.__init__'s fields but its Condition (made on first use)

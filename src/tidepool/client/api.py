@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import math
 import sys
 import threading
 import weakref
@@ -527,14 +528,22 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
-        """``await client.gather_async(futures)`` from any asyncio loop."""
+        """``await client.gather_async(futures)`` from any asyncio loop; ``timeout`` (seconds, as
+        :meth:`gather`'s) raises :class:`TimeoutError` naming what is not done."""
         flat: list[Future[Any]] = collect(futures, Future)
-        for f in flat:
-            try:
-                await f
-            except BaseException:  # its traceback holds this frame: not the futures (see Future.result)
-                del futures, flat, f
-                raise
+        try:
+            async with asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None):
+                for f in flat:
+                    await f
+        except TimeoutError:
+            keys = [f.key for f in flat if not f.done()]
+            if not keys:
+                raise  # a task itself raised TimeoutError
+            raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; "
+                               + self._connection.why_not_done(keys, timeout, head=False)) from None  # fmt: skip
+        except BaseException:  # its traceback holds this frame: not the futures (see Future.result)
+            del futures, flat
+            raise
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     # ---- cancelling --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from tidepool import futures as _futures
 from tidepool.client.api import Client, created
 from tidepool.errors import ConfigError
 from tidepool.worker import context
@@ -53,3 +54,6 @@ def worker_client() -> Iterator[Any]:
     holding a slot (the task secedes first)."""
     context.secede()
     yield get_client()
+
+
+_futures.default_client_hook = default_client  # Future(key) without a client: this one

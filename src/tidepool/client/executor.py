@@ -92,6 +92,9 @@ def _results_in_order(owner: FutureOwner, futs: list[Future[T]], end: float | No
 
 
 def _next_result(futs: list[Future[T]], end: float | None) -> T:
-    value = futs[-1].result(None if end is None else max(0.0, end - time.monotonic()))
+    # a result that is ready is returned whatever the deadline (as the standard library's map):
+    # the deadline bounds waiting for tasks, not a slow reader fetching values already made
+    fut = futs[-1]
+    value = fut.result(None if end is None or fut.done() else max(0.0, end - time.monotonic()))
     futs.pop()  # only now: a future that raised is still in ``futs``, so it is cancelled too
     return value
