@@ -399,3 +399,21 @@ def test_a_map_key_prefix_is_checked_like_explicit_keys(cluster: tidepool.LocalC
             client.submit(inc, 50, key="prefix-job-1")
         again = client.map(inc, [1, 2], key="prefix-job")  # the same tasks: they share the keys
         assert client.gather(first, timeout=60) == client.gather(again, timeout=60) == [2, 3]
+
+
+def test_an_asynchronous_client_used_before_it_is_awaited_says_so() -> None:
+    """Found by a bug hunt: ``Client(..., asynchronous=True).submit(...)`` before ``await`` raised
+    ``AttributeError: 'ClientConnection' object has no attribute '_conn'``."""
+    import socket
+
+    silent = socket.socket()  # takes connections, never answers the handshake: the client stays connecting
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    try:
+        client = tidepool.Client(f"tcp://127.0.0.1:{silent.getsockname()[1]}", token="0" * 64, asynchronous=True,
+                                 timeout=2.0)  # fmt: skip
+        with pytest.raises(SchedulerError, match="still connecting: await it first"):
+            client.submit(inc, 1)
+        client.close()
+    finally:
+        silent.close()

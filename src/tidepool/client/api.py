@@ -534,7 +534,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         try:
             async with asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None):
                 for f in flat:
-                    await f
+                    try:
+                        await f
+                    except BaseException:
+                        del f  # (see below)
+                        raise
         except TimeoutError:
             keys = [f.key for f in flat if not f.done()]
             if not keys:

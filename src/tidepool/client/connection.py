@@ -192,6 +192,9 @@ class ClientConnection:
     def check_open(self) -> None:
         if self.core.lost is not None:
             raise self.core.lost
+        if not hasattr(self, "_conn"):  # an asynchronous client not awaited yet (still connecting)
+            raise SchedulerError("this client is still connecting: await it first (client = await "
+                                 "Client(..., asynchronous=True), or async with Client(...))")  # fmt: skip
         if self.closed:
             raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
 
