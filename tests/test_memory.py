@@ -99,28 +99,29 @@ def test_a_reply_under_a_memory_limit_carries_an_eighth_of_it_at_most_and_defers
     passed its limit and restarted (34 restarts; KilledWorkerError for tasks running then)."""
     from tidepool.worker.server import Worker
 
-    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="1GB")
+    # (a limit well above what this test process uses: the whole suite runs in it)
+    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="8GB")
     keys = [f"v{i}" for i in range(20)]
     for k in keys:  # (zeros: pages never touched, so the test itself stays small)
-        w.data[k] = np.zeros(10 * MB, dtype=np.uint8)
-        w.state.memory[k] = 10 * MB
+        w.data[k] = np.zeros(100 * MB, dtype=np.uint8)
+        w.state.memory[k] = 100 * MB
     reply = w._data_reply(keys, 2**32)
-    assert 1 <= len(reply["data"]) <= 1_000_000_000 // 8 // (10 * MB) + 1
+    assert 1 <= len(reply["data"]) <= 8_000_000_000 // 8 // (100 * MB) + 1
     assert sorted([*reply["data"], *reply["deferred"]]) == sorted(keys)  # the rest is asked for again
     unlimited = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="none")
     for k in keys:
-        unlimited.data[k] = np.zeros(10 * MB, dtype=np.uint8)
-        unlimited.state.memory[k] = 10 * MB
+        unlimited.data[k] = np.zeros(100 * MB, dtype=np.uint8)
+        unlimited.state.memory[k] = 100 * MB
     assert len(unlimited._data_reply(keys, 2**32)["data"]) == 20  # no limit: one frame's worth
-    w.data["big"] = np.zeros(200 * MB, dtype=np.uint8)
-    w.state.memory["big"] = 200 * MB
+    w.data["big"] = np.zeros(1200 * MB, dtype=np.uint8)
+    w.state.memory["big"] = 1200 * MB
     assert list(w._data_reply(["big"], 2**32)["data"]) == ["big"]  # one value always goes
 
 
 def test_out_of_memory_while_serving_keeps_the_value_and_closes_only_that_connection() -> None:
     from tidepool.worker.server import Worker
 
-    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="1GB")
+    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="8GB")
     w.data["k"] = ShortOfMemory()
     w.state.memory["k"] = 64
     with pytest.raises(MemoryError):  # the listener closes that connection: the asker fails over at once
