@@ -229,3 +229,22 @@ def test_a_forked_worker_has_dev_null_as_stdin() -> None:
     (it was closed again, and a socket later took fd 0; uvloop aborts the worker when closing it)."""
     with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
         assert client.submit(stdin_target).result(timeout=60) == os.devnull
+
+
+def read_env_var(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_what_a_preload_module_sets_in_the_environment_reaches_forked_workers(tmp_path: Path) -> None:
+    """Found by a bug hunt: the fork server imports the preload modules once, then each forked
+    worker's environment was set from scratch, dropping what the preload had set (spawned workers
+    kept it: "treated exactly like spawned ones")."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "envpreload_tp.py").write_text("import os\nos.environ['TP_SET_BY_PRELOAD'] = 'yes'\n")
+    path = os.pathsep.join([str(mods), str(Path(__file__).parent)])  # (this file too: read_env_var)
+    with tidepool.LocalCluster(n_workers=1, preload=["envpreload_tp"], fork_server=True,
+                               env={"PYTHONPATH": path}) as cluster, tidepool.Client(cluster) as client:  # fmt: skip
+        launches = [e for e in cluster.provider.drain_events() if e["kind"] == "worker-launch"]
+        assert launches and launches[0]["how"] == "fork-server"  # it was forked, not spawned
+        assert list(client.run(read_env_var, "TP_SET_BY_PRELOAD").values()) == ["yes"]

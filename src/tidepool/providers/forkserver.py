@@ -111,6 +111,7 @@ def _child(req: dict[str, Any], close_fds: list[int]) -> None:
     started_with = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(req["env"])
+    os.environ.update(_PRELOAD_ENV)  # after: a spawned worker's preload import would set them over its env
     if os.environ.get("PYTHONPATH", "") != started_with:  # set since the server started: as a spawn would
         new = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[1:1] = new
@@ -130,6 +131,10 @@ def _child(req: dict[str, Any], close_fds: list[int]) -> None:
     os._exit(rc)
 
 
+#: environment variables the preload modules set (or changed) when the server imported them
+_PRELOAD_ENV: dict[str, str] = {}
+
+
 def serve(reply_fd: int, preload: list[str]) -> int:
     """The server's loop (see the module docstring); returns its exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the provider; it closes our stdin
@@ -138,6 +143,7 @@ def serve(reply_fd: int, preload: list[str]) -> int:
     import tidepool.cli  # noqa: F401 - the worker's code, imported once here
     import tidepool.worker.server  # noqa: F401
 
+    before = dict(os.environ)
     for mod in preload:
         try:
             importlib.import_module(mod)
@@ -154,6 +160,10 @@ def serve(reply_fd: int, preload: list[str]) -> int:
     os.set_blocking(wake_r, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake select via the fd
+    global _PRELOAD_ENV
+    # what the preload modules set in the environment when imported (here, once): each worker gets
+    # it as if it had imported them itself (its own environment is set from the request)
+    _PRELOAD_ENV = {k: v for k, v in os.environ.items() if before.get(k) != v}
     _send(reply_fd, {"op": "ready", "pid": os.getpid()})
     buf = b""
     stdin = 0
