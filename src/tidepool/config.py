@@ -16,7 +16,8 @@ Example::
 
     [policy]
     kind = "adaptive"           # adaptive | completion | backlog | "module:function"
-    idle_timeout = 5.0          # optional: seconds an empty idle worker is kept
+    idle_timeout = 5.0          # optional: seconds an empty idle worker is kept while work may come
+                                # (retired at once when the forecast says none can: docs/scaling.md)
     cached_idle_timeout = 60.0  # optional: ... a worker holding needed data
     max_eta = 600               # optional: scale up only while the forecast exceeds this
 
