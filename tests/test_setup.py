@@ -234,3 +234,24 @@ def test_setups_without_a_name_never_replace_each_other_by_chance() -> None:
         got = [one.submit(read_env, v).result(timeout=60) for v in ("TP_FROM_ONE", "TP_FROM_TWO", "TP_LAMBDA_A",
                                                                     "TP_LAMBDA_B")]  # fmt: skip
         assert got == ["1", "2", "a", "b"]
+
+
+def slow_ok_setup() -> None:
+    import time
+
+    time.sleep(1.0)
+
+
+def broken_setup() -> None:
+    raise RuntimeError("version 2 is broken")
+
+
+def test_a_setup_registered_again_while_a_joining_worker_runs_the_old_one_reports_the_new_outcome() -> None:
+    """Found by a bug hunt: the old version's "done" (run as the worker joined) answered the new
+    registration: ``register_setup`` said "ok" for a worker where the new version then failed."""
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        client.register_setup(slow_ok_setup, name="init")  # no worker yet: kept for joiners
+        cluster.add_workers(1, wait=False)
+        wait_until(lambda: bool(cluster.scheduler.worker_conns), what="the worker to register (its setup runs)")
+        with pytest.raises(WorkerSetupError, match="version 2 is broken"):
+            client.register_setup(broken_setup, name="init")

@@ -333,7 +333,8 @@ class Scheduler:
     async def _setup_failed(self, wid: str, msg: dict[str, Any]) -> None:
         name, error, tb = msg.get("name", "?"), msg.get("error", ""), msg.get("traceback", "")
         log.warning("worker %s failed setup %s: %s", wid, name, error)
-        self._resolve_setup(wid, name, f"failed: {error}\n{tb}")
+        if not msg.get("initial"):  # (an earlier version's failure as it joined: its waiter hears "worker left")
+            self._resolve_setup(wid, name, f"failed: {error}\n{tb}")
         report = {"op": "setup-error", "worker": wid, "name": name, "error": error, "traceback": tb}
         for cid in list(self.client_conns):
             self.outgoing.post_client(cid, report)
@@ -466,7 +467,9 @@ class Scheduler:
                     log.warning("worker %s stopped spilling to disk: %s", wid, msg.get("reason", ""))
                     await self.apply([ev.Heartbeat(wid, now, msg.get("metrics") or {})])
                 elif op == "setup-done":
-                    for name in msg.get("names", ()):
+                    # only a reply to a register_setup answers its waiter: the setups a worker ran as
+                    # it joined may be an earlier version under the same name (registered again meanwhile)
+                    for name in msg.get("names", ()) if not msg.get("initial") else ():
                         self._resolve_setup(wid, name, "ok")
                     if msg.get("initial"):
                         await self.apply([ev.WorkerReady(wid, now)])
