@@ -350,3 +350,19 @@ def test_ctrl_c_in_a_command_ends_with_130_and_no_traceback(tmp_path: Path) -> N
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
+
+
+def test_a_busy_dashboard_port_says_how_to_change_it_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a bug hunt: the CLI's message told the user to pass dashboard='host:port' (Python)."""
+    from tidepool.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        port = busy.getsockname()[1]
+        rc = main(["scheduler", "--port", "0", "--dashboard", f"127.0.0.1:{port}"])
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert rc == 2 and "--dashboard HOST:PORT" in err and "--no-dashboard" in err, err

@@ -109,8 +109,9 @@ class Dashboard:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or i == len(ports) - 1:
                     await self._runner.cleanup()
-                    raise ConfigError(f"the dashboard cannot listen on {self.host}:{port}: {exc}; pass "
-                                      "dashboard='host:port' with a free port, or dashboard=False") from exc  # fmt: skip
+                    raise ConfigError(f"the dashboard cannot listen on {self.host}:{port}: {exc}; give it a free "
+                                      "port (dashboard='host:port' in Python, --dashboard HOST:PORT on the command "
+                                      "line) or turn it off (dashboard=False, --no-dashboard)") from exc  # fmt: skip
         sock = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
         host = self.host if self.host not in ("0.0.0.0", "") else sock[0]
         self.address = f"{'https' if self.ssl else 'http'}://{host}:{sock[1]}/"
