@@ -255,3 +255,12 @@ def test_a_setup_registered_again_while_a_joining_worker_runs_the_old_one_report
         wait_until(lambda: bool(cluster.scheduler.worker_conns), what="the worker to register (its setup runs)")
         with pytest.raises(WorkerSetupError, match="version 2 is broken"):
             client.register_setup(broken_setup, name="init")
+
+
+def test_a_preload_that_fails_is_named_when_the_cluster_cannot_start(tmp_path: Path) -> None:
+    """Found by a bug hunt: the error said only "worker ... exited with code 2"."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "tp_bad_preload.py").write_text("raise RuntimeError('DB_URL not set')\n")
+    with pytest.raises(tidepool.ConfigError, match=r"exited with code 2 .*\['tp_bad_preload'\].*output above"):
+        tidepool.LocalCluster(n_workers=1, preload=["tp_bad_preload"], env={"PYTHONPATH": str(mods)})

@@ -122,6 +122,7 @@ class LocalCluster(ClosesOnExit):
             worker_args += ["--spill-limit", str(spill_limit)]
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
+        self._preload = list(preload or [])  # named when a worker refuses to start (a preload that fails)
         self.timeout = timeout
         self._req = itertools.count(1)
         self._joined: set[str] = set()  # every worker that ever registered
@@ -316,7 +317,11 @@ class LocalCluster(ClosesOnExit):
                 left = deadline - time.monotonic()
                 errors = self.provider.poll_errors()
                 if errors:
-                    raise ConfigError("workers failed to start: " + "; ".join(e.message for e in errors))
+                    hint = ""
+                    if self._preload and any("exited with code 2" in e.message for e in errors):
+                        hint = (f" (code 2: a worker refused to start; a preload module that fails to import, "
+                                f"one of {self._preload}, does that: its error is in the worker's output above)")
+                    raise ConfigError("workers failed to start: " + "; ".join(e.message for e in errors) + hint)
                 if left <= 0:
                     raise TimeoutError(f"workers {ids} did not register within {timeout or self.timeout}s")
                 self._cond.wait(min(left, 0.5))
