@@ -94,3 +94,17 @@ def test_a_task_that_kills_its_worker_fails_as_killed_and_the_workers_are_replac
         assert client.submit(sum, [1, 2]).result(timeout=60) == 3  # replacements took the work
         wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60,
                    what="both crashed workers to be replaced")  # fmt: skip
+
+
+def test_a_crash_seen_while_adding_workers_is_replaced_not_reported_as_a_failed_start(tmp_path: Path) -> None:
+    """Review: add_workers() polled the provider's errors, which forgets exited processes: a worker
+    that crashed meanwhile was never replaced (and a crash with an error code was reported as the
+    new workers failing to start)."""
+    with tidepool.LocalCluster(1, state_dir=str(tmp_path / "s"), fork_server=False) as cluster, \
+            tidepool.Client(cluster) as client:  # fmt: skip
+        ((wid, proc),) = list(cluster.provider.procs.items())
+        os.kill(proc.proc.pid, signal.SIGKILL)
+        cluster.add_workers(1)  # waits, polling errors, while the crash is there to be seen
+        wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60,
+                   what="the crashed worker's replacement and the added one")  # fmt: skip
+        assert wid in cluster._replaced

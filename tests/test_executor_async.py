@@ -405,3 +405,18 @@ def test_gather_async_honours_its_timeout(client: tidepool.Client) -> None:
     with pytest.raises(TimeoutError, match="1 of 1 futures not done after 0.3s"):
         asyncio.run(client.gather_async([never], timeout=0.3))
     never.cancel()
+
+
+def own_timeout() -> None:
+    raise TimeoutError("the task's own timeout")
+
+
+def test_gather_async_raises_a_tasks_own_timeout_error_as_itself(client: tidepool.Client) -> None:
+    """Review: a task's own TimeoutError, raised while another future was pending, was replaced by
+    "1 of 2 futures not done after Nones"."""
+    never = client.submit(inc, 1, resources={"nowhere": 1})
+    failing = client.submit(own_timeout)
+    tidepool.wait([failing], timeout=60)
+    with pytest.raises(TimeoutError, match="the task's own timeout"):
+        asyncio.run(client.gather_async([failing, never]))
+    never.cancel()

@@ -264,3 +264,15 @@ def test_a_preload_that_fails_is_named_when_the_cluster_cannot_start(tmp_path: P
     (mods / "tp_bad_preload.py").write_text("raise RuntimeError('DB_URL not set')\n")
     with pytest.raises(tidepool.ConfigError, match=r"exited with code 2 .*\['tp_bad_preload'\].*output above"):
         tidepool.LocalCluster(n_workers=1, preload=["tp_bad_preload"], env={"PYTHONPATH": str(mods)})
+
+
+def test_two_registrations_of_one_setup_at_once_both_return() -> None:
+    """Review: the second registration's waiter replaced the first's, which then waited for ever
+    (two clients registering the same unnamed setup now share its name)."""
+    import concurrent.futures as cf
+
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as one, \
+            tidepool.Client(cluster) as two:  # fmt: skip
+        with cf.ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(c.register_setup, slow_ok_setup) for c in (one, two)]
+            assert [list(f.result(timeout=60).values()) for f in calls] == [["ok"], ["ok"]]

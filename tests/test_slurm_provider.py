@@ -145,12 +145,17 @@ def test_list_terminate_and_close_answer_at_once_while_sbatch_runs(tmp_path: Pat
 
 
 def test_a_close_during_sbatch_cancels_what_was_submitted(tmp_path: Path) -> None:
+    """Review: close() returned while sbatch ran; a program exiting right after it (a ``with``
+    block's end) killed the submitting thread, and the job ran to its walltime.  close() now waits
+    for the submission (bounded) and the job is cancelled by the time it returns."""
+    import threading
+
     p, gate, cancels = _slow_sbatch(tmp_path)
     p.launch(NodeType("cpu"), 1, "r1")
     wait_until(lambda: p.list(), 10, "the launch to be listed")
-    p.close()  # does not wait for sbatch
-    gate.touch()
-    wait_until(lambda: cancels.exists(), 10, "the job submitted after close to be cancelled")
+    threading.Timer(0.5, gate.touch).start()  # sbatch returns while close() waits for it
+    p.close()
+    assert cancels.exists() and cancels.read_text().split()  # cancelled before close() returned
     errors: list[Any] = []
     wait_until(lambda: errors.extend(p.poll_errors()) or errors, 10, "the launch's failure")
     assert "closed while launch r1" in errors[0].message and not p._jobs

@@ -13,6 +13,7 @@ workers and clients reconnect by themselves (docs/recovery.md).  ``close()`` sto
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -85,7 +86,10 @@ class DurableLocalCluster(ClosesOnExit):
         res = dict(resources or {})
         res.setdefault("cpu", slots)
         self.default_type = NodeType("default", res, max_nodes=10_000)
-        self._req = 0
+        self._req = itertools.count(1)  # next() is atomic: the crash watcher launches too
+        #: held while looking at the provider's processes: poll_errors() forgets exited ones, so a
+        #: crash is replaced before any poll_errors() of wait_for_workers() can drop it unseen
+        self._procs_lock = threading.Lock()
         self._replaced: set[str] = set()
         self._restarts: list[float] = []
         self._stop_watch = threading.Event()
@@ -185,8 +189,7 @@ class DurableLocalCluster(ClosesOnExit):
 
     # ---- workers ----------------------------------------------------------------------------------
     def add_workers(self, n: int = 1, *, wait: bool = True) -> list[str]:
-        self._req += 1
-        rid = f"d{self._starts}-{self._req}"
+        rid = f"d{self._starts}-{next(self._req)}"
         ids = self.provider.worker_ids(self.default_type, n, rid)
         self.provider.launch(self.default_type, n, rid)
         if wait:
@@ -209,7 +212,9 @@ class DurableLocalCluster(ClosesOnExit):
                 present = {w["id"] for w in c.scheduler_info()["workers"]}
                 if set(ids) <= present:
                     return
-                errors = self.provider.poll_errors()
+                with self._procs_lock:
+                    self._replace_crashed(skip=ids)  # another worker's crash is replaced, not a failed start
+                    errors = [e for e in self.provider.poll_errors() if e.worker_id in ids]
                 if errors:
                     raise ConfigError("workers failed to start: " + "; ".join(e.message for e in errors))
                 if time.monotonic() > deadline:
@@ -226,14 +231,17 @@ class DurableLocalCluster(ClosesOnExit):
         that kills its worker left the cluster with none, and it failed as having no worker."""
         while not self._stop_watch.wait(0.5):
             try:
-                self._replace_crashed()
+                with self._procs_lock:
+                    self._replace_crashed()
             except Exception:  # noqa: BLE001 - the watcher must outlive one bad round
                 log.warning("replacing crashed workers failed", exc_info=True)
 
-    def _replace_crashed(self) -> None:
+    def _replace_crashed(self, skip: list[str] | None = None) -> None:
         prov = self.provider
         for wid, p in list(prov.procs.items()):
             rc = p.proc.poll()
+            if skip and wid in skip:
+                continue  # a worker being waited for: a failed start, reported by wait_for_workers
             if rc in (None, 0) or wid in self._replaced or prov.stopped_on_purpose(wid) or self.closed:
                 continue  # running, ended cleanly (retired, lost its scheduler), or stopped on purpose
             self._replaced.add(wid)

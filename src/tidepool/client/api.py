@@ -531,8 +531,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         """``await client.gather_async(futures)`` from any asyncio loop; ``timeout`` (seconds, as
         :meth:`gather`'s) raises :class:`TimeoutError` naming what is not done."""
         flat: list[Future[Any]] = collect(futures, Future)
+        deadline = asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None)
         try:
-            async with asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None):
+            async with deadline:
                 for f in flat:
                     try:
                         await f
@@ -540,9 +541,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                         del f  # (see below)
                         raise
         except TimeoutError:
+            if not deadline.expired():
+                raise  # a task's own TimeoutError: its future's exception, as gather raises it
             keys = [f.key for f in flat if not f.done()]
-            if not keys:
-                raise  # a task itself raised TimeoutError
+            if not keys:  # all done: fetching their values took the rest of the time
+                raise TimeoutError(f"the values of {len(flat)} futures could not be fetched within {timeout}s "
+                                   "(they are done: gather them again with a longer timeout)") from None  # fmt: skip
             raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; "
                                + self._connection.why_not_done(keys, timeout, head=False)) from None  # fmt: skip
         except BaseException:  # its traceback holds this frame: not the futures (see Future.result)

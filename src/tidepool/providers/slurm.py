@@ -720,11 +720,24 @@ class SlurmProvider:
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel every job this provider submitted that has not ended (idempotent)."""
+        """Cancel every job this provider submitted that has not ended (idempotent).  Waits (at most
+        ``command_timeout`` s) for submissions still running, which cancel their jobs themselves once
+        they see the provider closed: a program exiting right after ``close()`` leaves no job."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + self.command_timeout + 1.0
+        while True:
+            with self._lock:
+                if not self._submitting:
+                    break
+            if time.monotonic() > deadline:
+                log.warning("SlurmProvider.close: sbatch still running for %s; their jobs may be left",
+                            sorted(self._submitting))  # fmt: skip
+                break
+            time.sleep(0.05)
+        with self._lock:
             todo = [j for j in self._jobs.values() if not j.cancelled and not j.ended]
             for j in todo:
                 self._stopping.update(j.worker_ids)

@@ -130,7 +130,9 @@ class Scheduler:
         self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
         self.setups: dict[str, Any] = {}  # name -> pickled SetupSpec, in registration order
-        self.setup_waiters: dict[tuple[str, str], asyncio.Future[str]] = {}
+        #: (worker, setup name) -> the register_setup calls waiting for that worker's answer (two
+        #: calls may register the same name at once: each gets the answer)
+        self.setup_waiters: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
         self.run_waiters: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         self._run_ids = 0
         self._restarting: set[str] = set()
@@ -341,9 +343,9 @@ class Scheduler:
         self.outgoing.post_worker(wid, {"op": "close", "reason": f"setup {name!r} failed"})
 
     def _resolve_setup(self, wid: str, name: str, outcome: str) -> None:
-        fut = self.setup_waiters.pop((wid, name), None)
-        if fut is not None and not fut.done():
-            fut.set_result(outcome)
+        for fut in self.setup_waiters.pop((wid, name), ()):
+            if not fut.done():
+                fut.set_result(outcome)
 
     async def register_setup(self, name: str, blob: Any) -> dict[str, str]:
         """Store a setup for future workers and run it on every current one; worker -> outcome."""
@@ -355,7 +357,7 @@ class Scheduler:
         futs: dict[str, asyncio.Future[str]] = {}
         for wid in list(self.worker_conns):
             fut = loop.create_future()
-            self.setup_waiters[(wid, name)] = fut
+            self.setup_waiters.setdefault((wid, name), []).append(fut)
             futs[wid] = fut
             self.outgoing.post_worker(wid, {"op": "setup", "setups": [[name, blob]]})
         result = {}
