@@ -366,11 +366,11 @@ def test_a_copy_that_never_arrives_is_asked_again_then_the_retirement_is_given_u
     d.clock.advance(REASK_AFTER / 2)
     assert not [c for c in d.send(ev.Tick(d.clock())) if isinstance(c, ev.Replicate)]  # not yet
     for _ in range(MAX_ASKS - 1):
-        d.clock.advance(REASK_AFTER)
+        d.clock.advance(REASK_AFTER + 1)
         cmds = d.send(ev.Tick(d.clock()))
         assert [(c.worker, c.keys) for c in cmds if isinstance(c, ev.Replicate)] == [("w2", ["a"])]
         assert d.state.workers["w1"].state == "retiring"
-    d.clock.advance(REASK_AFTER)
+    d.clock.advance(REASK_AFTER + 1)
     cmds = d.send(ev.Tick(d.clock()))
     refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
     assert len(refused) == 1 and f"after {MAX_ASKS} asks" in refused[0].reason and "'a'" in refused[0].reason
@@ -399,6 +399,23 @@ def test_a_value_made_while_retiring_is_asked_for_like_the_others() -> None:
     d.send(ev.AddReplica("w2", "a", 8, d.clock()))
     cmds = d.send(ev.AddReplica("w2", "b", 8, d.clock()))
     assert [c.worker for c in cmds if isinstance(c, ev.CloseWorker)] == ["w1"]
+
+
+def test_a_large_copy_still_going_is_not_asked_again_before_its_size_allows() -> None:
+    """Review: the re-ask interval did not depend on the value's size: a multi-GB copy still in
+    progress was asked again (a second transfer) and the retirement given up after 60 s."""
+    from tidepool.scheduler.retire import COPY_RATE, REASK_AFTER
+
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9))
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    d.finish("w1", "a", nbytes=int(10e9))  # 10 GB: 500 s at COPY_RATE
+    d.add_worker("w2")
+    d.send(ev.RetireWorkers(["w1"], d.clock()))
+    d.clock.advance(REASK_AFTER * 4)
+    assert not [c for c in d.send(ev.Tick(d.clock())) if isinstance(c, ev.Replicate | ev.RetireRefused)]
+    d.clock.advance(10e9 / COPY_RATE)
+    assert [c.keys for c in d.send(ev.Tick(d.clock())) if isinstance(c, ev.Replicate)] == [["a"]]
 
 
 def test_a_copy_whose_survivor_left_is_asked_of_another_at_once() -> None:

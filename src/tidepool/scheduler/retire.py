@@ -35,6 +35,9 @@ MEMORY_FRACTION = 0.8
 #: seconds after which a copy asked for and not arrived is asked for again (a survivor's fetch of a
 #: frozen or unreachable holder gives up within about the handshake timeout, 10 s)
 REASK_AFTER = 20.0
+#: ... plus the time a copy of the value's size takes at this rate (bytes/s): a multi-GB copy on a
+#: slow network is still going, not failed (asking again would start a second transfer)
+COPY_RATE = 20e6
 #: asks for one value's copy before the retirement is given up
 MAX_ASKS = 3
 
@@ -184,7 +187,7 @@ def progress_retirements(view: RetireView) -> list[Intent]:
             out.append(Finish(wid))
             leaving.append(wid)
             continue
-        todo = [ts for ts in unique if _due(asked.get(ts.key), workers, now)]
+        todo = [ts for ts in unique if _due(asked.get(ts.key), workers, now, ts.nbytes)]
         if not todo:
             continue
         spent = next((ts for ts in todo if (a := asked.get(ts.key)) is not None and a.tries >= MAX_ASKS), None)
@@ -213,10 +216,10 @@ def progress_retirements(view: RetireView) -> list[Intent]:
     return out
 
 
-def _due(ask: Ask | None, workers: Mapping[str, WorkerRecord], now: float) -> bool:
+def _due(ask: Ask | None, workers: Mapping[str, WorkerRecord], now: float, nbytes: int = 0) -> bool:
     """Ask (again) for this copy: never asked, its survivor is no longer running, or it has not
-    arrived ``REASK_AFTER`` seconds after the last ask."""
+    arrived ``REASK_AFTER`` seconds (plus its size at ``COPY_RATE``) after the last ask."""
     if ask is None:
         return True
     target = workers.get(ask.target)
-    return target is None or target.state != "running" or now - ask.at >= REASK_AFTER
+    return target is None or target.state != "running" or now - ask.at >= REASK_AFTER + nbytes / COPY_RATE
