@@ -366,3 +366,12 @@ def test_a_busy_dashboard_port_says_how_to_change_it_on_the_command_line(capsys:
         busy.close()
     err = capsys.readouterr().err
     assert rc == 2 and "--dashboard HOST:PORT" in err and "--no-dashboard" in err, err
+
+
+def test_exit_with_parent_refuses_a_pid_that_is_not_the_parent(capsys: pytest.CaptureFixture[str]) -> None:
+    """Review: with another pid (a shell wrapper's child) the scheduler stopped within a second,
+    saying its parent had exited."""
+    from tidepool.cli import main
+
+    assert main(["scheduler", "--port", "0", "--no-dashboard", "--exit-with-parent", str(os.getpid())]) == 2
+    assert "is not this process's parent" in capsys.readouterr().err

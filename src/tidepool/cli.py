@@ -159,6 +159,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         args.state_dir = args.state_dir or cfg.scheduler.get("state_dir")
         if args.reconnect_window is None:
             args.reconnect_window = cfg.scheduler.get("reconnect_window")
+    if args.exit_with_parent is not None and args.exit_with_parent != os.getppid():
+        raise ConfigError(f"--exit-with-parent {args.exit_with_parent}: that is not this process's parent (its "
+                          f"parent is {os.getppid()}); give the pid of the process that starts the scheduler")  # fmt: skip
     if args.journal:  # before the address line: a script reading it would think the scheduler is up
         from tidepool.telemetry.report import check_output
 
