@@ -335,6 +335,11 @@ def test_an_unpicklable_argument_or_function_fails_the_submit_naming_what_and_wh
             inc_later({"deep": [lock]}).compute()
         assert client.submit(inc, 1).result(timeout=60) == 2  # nothing half-sent: the client is usable
         assert not {"arg-1", "fn-1"} & cluster.run(lambda s: set(s.state.tasks))
+        deep: list[object] = []
+        for _ in range(5000):  # nested past the pickler's recursion limit: a different advice
+            deep = [deep]
+        with pytest.raises(tidepool.UnpicklableError, match="nested too deeply.*flatten"):
+            client.submit(len, deep)
 
 
 def boom(x: int) -> int:

@@ -123,3 +123,33 @@ def test_a_change_to_the_worker_state_changes_both_shells(recorded: list[tuple[s
     simulated = _commands(recorded)
     assert real == simulated
     assert [k for kind, k in real if kind == "report:stored"] == ["x0", "x1", "x2", "y"]
+
+
+class _Big:
+    """A task's result that can be watched with a weak reference."""
+
+
+def test_a_slot_thread_keeps_no_reference_to_the_last_result_it_made() -> None:
+    """Found by a bug hunt: the slot thread's local kept the last result alive while it waited for
+    work, so a 400 MiB result stayed in memory after it was spilled to disk, and reading it back
+    passed the worker's limit: the worker restarted for ever."""
+    import asyncio
+    import gc
+    import weakref
+
+    from tidepool.testing import wait_until
+    from tidepool.worker.executor import SlotPool, WorkItem
+
+    loop = asyncio.new_event_loop()
+    try:
+        pool = SlotPool(loop, lambda: None)
+        pool.submit(WorkItem("k", _Big, None, {}))
+        outcomes: list = []
+        wait_until(lambda: outcomes.extend(pool.drain()) or bool(outcomes), what="the task to finish")
+        ref = weakref.ref(outcomes[0].value)
+        outcomes.clear()  # the worker stored it (spilled it, say) and dropped its own reference
+        gc.collect()
+        wait_until(lambda: ref() is None, timeout=5, what="the result to be freed while the slot thread idles")
+        pool.q.put(None)  # the slot thread ends
+    finally:
+        loop.close()

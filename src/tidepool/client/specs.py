@@ -192,6 +192,10 @@ def _same_task(a: Delayed[Any], b: Delayed[Any]) -> None:
 def _unpicklable(key: str, what: str, e: Exception) -> UnpicklableError:
     """The error for a task whose ``what`` (its arguments or its function) cannot be pickled: raised
     by ``submit``/``map``/``compute`` before anything of the call is sent."""
+    if isinstance(e, RecursionError) or "recursion" in str(e):  # (cloudpickle says so in a PicklingError)
+        return UnpicklableError(f"the {what} of task {key!r} are nested too deeply to pickle ({e}); nothing of "
+                                "this call was sent: flatten the structure (a list of items rather than items "
+                                "nested in each other)", key)  # fmt: skip
     return UnpicklableError(
         f"the {what} of task {key!r} cannot be pickled ({type(e).__name__}: {e}); nothing of this call "
         "was sent. Objects such as locks, open files, sockets and database connections cannot travel "

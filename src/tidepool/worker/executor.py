@@ -141,6 +141,9 @@ class SlotPool:
                 lane.now = None
                 with self._lock:
                     self.done.append(outcome)
+                    del outcome  # this thread must not hold the value while it waits for work: once
+                    # stored (spilled to disk, even) its memory must go (a 400 MiB result stayed
+                    # here, and reading it back passed the worker's limit: restarts for ever)
                     item = self._next(lane)  # taken together with handing the outcome in
                     wake = not self._wake_pending and (item is None or time.perf_counter() - woke >= WAKE_EVERY)
                     if wake:
