@@ -3,6 +3,7 @@ spill store (values on disk come back byte for byte; spilled bytes are still hel
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,28 @@ def test_a_reply_under_a_memory_limit_carries_an_eighth_of_it_at_most_and_defers
     w.data["big"] = np.zeros(1200 * MB, dtype=np.uint8)
     w.state.memory["big"] = 1200 * MB
     assert list(w._data_reply(["big"], 2**32)["data"]) == ["big"]  # one value always goes
+
+
+def test_a_spilled_value_that_cannot_be_read_back_under_the_limit_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a bug hunt: reading back a spilled value that does not fit under the terminate level
+    restarted the worker, which lost it; its recompute was spilled and asked for again: restarts
+    for ever, ended only by the client's timeout."""
+    from tidepool.worker.server import Worker
+
+    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="8GB")
+    w.data["big"] = np.zeros(MB, dtype=np.uint8)
+    w.state.spilled["big"] = 600 * MB  # on disk, as the state knows it
+    w.data["small"] = np.zeros(MB, dtype=np.uint8)
+    w.state.memory["small"] = MB
+    monkeypatch.setattr(w, "_rss", lambda: int(0.95 * 8e9) - 100 * MB)  # 100 MiB of room left
+
+    async def serve() -> dict[str, object]:  # as the data server does, in the worker's loop
+        return w._data_reply(["big", "small"], 2**32)
+
+    reply = asyncio.run(serve())
+    assert list(reply["data"]) == ["small"]  # an in-memory value is served as ever
+    assert "cannot be read back from disk" in reply["failed"]["big"] and "more memory" in reply["failed"]["big"]
+    assert "big" not in w.state and "small" in w.state  # dropped here; the scheduler hears and errs its task
 
 
 def test_out_of_memory_while_serving_keeps_the_value_and_closes_only_that_connection() -> None:

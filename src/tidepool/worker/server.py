@@ -502,7 +502,33 @@ class Worker:
         # under a memory limit a reply holds at most an eighth of it (values read back from disk
         # included): a client gathering hundreds of spilled values made workers pass their limit
         cap = max(REPLY_FLOOR, self.memory_limit // 8) if self.memory_limit else None
-        return data_reply(keys, limit, self.data, self.state.nbytes, self._serve_failures, self._unservable, cap)
+        failed = self._unreadable(keys) if self.memory_limit and self.state.spilled else {}
+        reply = data_reply([k for k in keys if k not in failed], limit, self.data, self.state.nbytes,
+                           self._serve_failures, self._unservable, cap)  # fmt: skip
+        if failed:
+            reply["failed"] = {**(reply.get("failed") or {}), **failed}
+        return reply
+
+    def _rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+    def _unreadable(self, keys: list[str]) -> dict[str, str]:
+        """Spilled values that cannot be read back without passing the terminate level: reading one
+        would restart the worker, losing it, and its recompute would be spilled and asked for again,
+        for ever.  They fail (the scheduler errs their task) with what to do."""
+        spilled = self.state.spilled
+        room = self.memory_thresholds.terminate * self.memory_limit - self._rss()
+        out: dict[str, str] = {}
+        for k in keys:
+            size = spilled.get(k)
+            if size is not None and size > room:
+                message = (f"task {k!r} produced a value of {mib(size)} that cannot be read back from disk on worker "
+                           f"{self.name} without passing its {mib(self.memory_limit)} memory limit (it uses "
+                           f"{mib(self._rss())} already); give workers more memory (memory_limit=..., or a node type "
+                           "with more), or return something smaller")  # fmt: skip
+                self._unservable(k, "SerializationError", message)
+                out[k] = message
+        return out
 
     def _unservable(self, key: str, typ: str, message: str) -> None:
         self._apply(self.state.handle(ws.Unservable(key, typ, message)))
