@@ -103,23 +103,7 @@ class LocalCluster(ClosesOnExit):
         if not _whole(n_workers):
             raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
         check_slots(slots)
-        # each worker's memory limit: memory_limit, else its node type's memory, else this machine's
-        # memory shared by as many workers as it has cores (docs/memory.md)
-        worker_args = ["--memory-share", str(os.cpu_count() or 1)]
-        if memory_limit is not None:
-            from tidepool.worker.memory import MIN_MEMORY_LIMIT, mib, resolve_limit
-
-            limit = resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
-            if 0 < limit < MIN_MEMORY_LIMIT:
-                raise ConfigError(f"memory_limit={memory_limit!r} ({mib(limit)}) is less than a worker process uses "
-                                  f"before any task; give each worker at least {mib(MIN_MEMORY_LIMIT)} "
-                                  "(or 'none' for no limit)")  # fmt: skip
-            worker_args += ["--memory-limit", str(memory_limit)]
-        if spill_limit is not None:
-            from tidepool.worker.spill import resolve_spill_limit
-
-            resolve_spill_limit(spill_limit, ".")  # a typo fails here, not in every worker
-            worker_args += ["--spill-limit", str(spill_limit)]
+        worker_args = worker_memory_args(memory_limit, spill_limit)
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
         self._preload = list(preload or [])  # named when a worker refuses to start (a preload that fails)
@@ -493,6 +477,29 @@ class LocalCluster(ClosesOnExit):
         return describe_html("LocalCluster", self.address, self.workers_by_type(), self.dashboard_link,
                              self.closed)  # fmt: skip
 
+
+
+def worker_memory_args(memory_limit: int | str | None, spill_limit: int | str | None) -> list[str]:
+    """The local workers' memory options (checked here, so a typo fails once, not in every worker):
+    each worker's limit is ``memory_limit``, else its node type's memory, else this machine's memory
+    shared by as many workers as it has cores (docs/memory.md).  ``LocalCluster`` with or without a
+    state directory."""
+    args = ["--memory-share", str(os.cpu_count() or 1)]
+    if memory_limit is not None:
+        from tidepool.worker.memory import MIN_MEMORY_LIMIT, mib, resolve_limit
+
+        limit = resolve_limit(memory_limit, {})
+        if 0 < limit < MIN_MEMORY_LIMIT:
+            raise ConfigError(f"memory_limit={memory_limit!r} ({mib(limit)}) is less than a worker process uses "
+                              f"before any task; give each worker at least {mib(MIN_MEMORY_LIMIT)} "
+                              "(or 'none' for no limit)")  # fmt: skip
+        args += ["--memory-limit", str(memory_limit)]
+    if spill_limit is not None:
+        from tidepool.worker.spill import resolve_spill_limit
+
+        resolve_spill_limit(spill_limit, ".")
+        args += ["--spill-limit", str(spill_limit)]
+    return args
 
 def check_slots(slots: Any) -> None:
     """Refuse a number of task slots per worker that is not a whole number >= 1 (with 0, every task

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidepool.cluster import check_slots
+from tidepool.cluster import check_slots, worker_memory_args
 from tidepool.comm.auth import read_token_file
 from tidepool.errors import ConfigError
 from tidepool.loop import ClosesOnExit
@@ -57,7 +57,7 @@ class DurableLocalCluster(ClosesOnExit):
         if unknown:
             _refuse(unknown)
         check_slots(slots)
-        self.worker_args = _worker_memory_args(memory_limit, spill_limit)
+        self.worker_args = worker_memory_args(memory_limit, spill_limit)
         self.scheduler_args: list[str] = []
         if allowed_failures is not None:
             from tidepool.scheduler.state import SchedulerState
@@ -286,23 +286,3 @@ def _refuse(unknown: dict[str, Any]) -> None:
     name = next(iter(unknown))
     raise ConfigError(f"LocalCluster(state_dir=...) does not take {name}= (its scheduler runs in a process of its "
                       "own); leave it out, or use LocalCluster without state_dir")  # fmt: skip
-
-
-def _worker_memory_args(memory_limit: int | str | None, spill_limit: int | str | None) -> list[str]:
-    """The workers' memory options, as ``LocalCluster`` gives them (docs/memory.md): the machine's
-    memory shared by as many workers as it has cores unless ``memory_limit`` says otherwise."""
-    args = ["--memory-share", str(os.cpu_count() or 1)]
-    if memory_limit is not None:
-        from tidepool.worker.memory import MIN_MEMORY_LIMIT, mib, resolve_limit
-
-        limit = resolve_limit(memory_limit, {})  # a typo fails here, not in every worker
-        if 0 < limit < MIN_MEMORY_LIMIT:
-            raise ConfigError(f"memory_limit={memory_limit!r} ({mib(limit)}) is less than a worker process uses "
-                              f"before any task; give each worker at least {mib(MIN_MEMORY_LIMIT)} (or 'none')")  # fmt: skip
-        args += ["--memory-limit", str(memory_limit)]
-    if spill_limit is not None:
-        from tidepool.worker.spill import resolve_spill_limit
-
-        resolve_spill_limit(spill_limit, ".")
-        args += ["--spill-limit", str(spill_limit)]
-    return args
