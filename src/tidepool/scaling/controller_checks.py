@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidepool.errors import ConfigError
-from tidepool.scaling.limits import HOUR, MIN_HOLD, CostLimits
+from tidepool.scaling.limits import MIN_HOLD, CostLimits, least_billed_hours
 from tidepool.scaling.node_types import NodeType
 
 
@@ -47,7 +47,7 @@ def check_affordable(node_types: Sequence[NodeType], limits: CostLimits) -> None
         raise ConfigError(f"max_cost_per_hour {limits.max_cost_per_hour:g} is below the cost of the cheapest node "
                           f"type ({cheapest.name!r}: {cheapest.cost:g} per node-hour): no node could ever be "
                           "launched; raise it or lower the node types' cost")  # fmt: skip
-    least = min(nt.cost * max(MIN_HOLD, nt.startup_estimate) / HOUR for nt in node_types)
+    least = min(nt.cost * least_billed_hours(nt) for nt in node_types)
     if limits.budget is not None and limits.budget < least:
         raise ConfigError(f"budget {limits.budget:g} is below what one node costs at the least ({least:.4g}: "
                           f"a node is billed {MIN_HOLD:g}s at least): no node could ever be launched; raise it")  # fmt: skip

@@ -199,6 +199,12 @@ def on_this_clock(stored: Mapping[str, Any] | None, now: float, wall_now: float)
     return {**stored, "at": now - down}
 
 
+def least_billed_hours(nt: NodeType) -> float:
+    """The hours a node of ``nt`` is billed at the least once launched: its start-up, and never less
+    than :data:`MIN_HOLD`."""
+    return max(MIN_HOLD, nt.startup_estimate) / HOUR
+
+
 def cap_launches(planned: Mapping[str, int], node_types: Mapping[str, NodeType], limits: CostLimits, *,
                  rate: float, spent: float) -> tuple[dict[str, int], list[tuple[str, int, int, str]]]:  # fmt: skip
     """``planned`` (nodes per type) cut to the limits, in its order; and each cut as
@@ -217,7 +223,7 @@ def cap_launches(planned: Mapping[str, int], node_types: Mapping[str, NodeType],
                 n, why = k, (f"max_cost_per_hour {limits.max_cost_per_hour:g}: the pool costs {rate:g}/h now "
                              f"and a {name} node {price:g}/h")  # fmt: skip
         if price > 0 and limits.budget is not None and n > 0:
-            hold = max(MIN_HOLD, nt.startup_estimate) / HOUR
+            hold = least_billed_hours(nt)
             room = (limits.budget - spent) / hold - rate
             k = max(0, math.floor(room / price + 1e-9))
             if k < n:
