@@ -275,3 +275,21 @@ def test_idle_sockets_on_a_tls_port_cost_kilobytes_like_plain_tcp(certs: TLSConf
 
     per_conn = asyncio.run(main())
     assert per_conn < 48 * 1024, f"{per_conn / 1024:.0f} KiB per idle TLS connection"
+
+
+def test_certs_refuses_to_replace_a_ca_other_machines_may_use(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a second `tidepool certs DIR` silently made a new CA in place, and every machine
+    given the old files could no longer connect."""
+    from tidepool.cli import main
+
+    out = tmp_path / "certs"
+    assert main(["certs", str(out)]) == 0
+    ca = (out / "ca.pem").read_bytes()
+    capsys.readouterr()
+    assert main(["certs", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds ca.pem" in err and "--force" in err
+    assert (out / "ca.pem").read_bytes() == ca
+    assert main(["certs", str(out), "--force"]) == 0
+    assert (out / "ca.pem").read_bytes() != ca

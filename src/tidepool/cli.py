@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from tidepool.comm.auth import read_token_file, token_from_env, write_token_file
@@ -139,6 +140,10 @@ def _tls(args: argparse.Namespace, fallback: dict[str, Any] | None = None) -> An
 def cmd_certs(args: argparse.Namespace) -> int:
     from tidepool.comm.tls import make_certs
 
+    present = [n for n in ("ca.pem", "cert.pem", "key.pem") if (Path(args.directory) / n).exists()]
+    if present and not args.force:  # a new CA would lock out every machine given the old one's files
+        raise ConfigError(f"{args.directory} already holds {', '.join(present)}: certificates other machines may "
+                          "use; pick another directory, or pass --force to replace them with a new CA")  # fmt: skip
     cfg = make_certs(args.directory, hosts=args.host)
     print(f"CA {cfg.ca}\ncertificate {cfg.cert}\nkey {cfg.key} (mode 600)")
     print(f"use: --tls-ca-file {cfg.ca} --tls-cert {cfg.cert} --tls-key {cfg.key}")
@@ -397,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("certs", help="make a self-signed CA and a certificate for a quick TLS start")
     c.add_argument("directory", help="where to write ca.pem, cert.pem, key.pem")
     c.add_argument("--host", action="append", default=[], help="extra host name or IP for the certificate (repeatable)")
+    c.add_argument("--force", action="store_true", help="replace certificates already in the directory (a new CA)")
     c.set_defaults(fn=cmd_certs)
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
