@@ -755,3 +755,59 @@ def test_listener_object_reports_a_real_address() -> None:
             assert lst.address.startswith("memory://anon-")
 
     run(main())
+
+
+@pytest.mark.parametrize("address", ADDRESSES[:2])
+def test_a_peer_that_sends_faster_than_it_is_read_fills_its_own_socket(address: str) -> None:
+    """Found by a bug hunt: nothing ever paused reading, so an authenticated client that sent
+    requests and never read the replies grew the scheduler by 500 MiB in 6 s.  With an inbox limit
+    the socket is no longer read once that many messages wait: the sender's writes back up, and
+    nothing is lost once the handler reads again."""
+    high, n, pad = 64, 8_000, b"p" * 4096
+
+    async def main() -> None:
+        stalled, go = asyncio.Event(), asyncio.Event()
+        got: list[int] = []
+        conns: list[Connection] = []
+
+        async def handler(conn: Connection) -> None:
+            conns.append(conn)
+            conn.limit_inbox(high)
+            await conn.recv()  # the first message, then stall like a handler stuck on a slow send
+            stalled.set()
+            await go.wait()
+            while len(got) < n:
+                got.append((await conn.recv())["i"])
+
+        async with serving(address, handler) as listener:
+            await sends(listener.address, stalled, go, got, conns)
+
+    async def sends(target: str, stalled: asyncio.Event, go: asyncio.Event, got: list[int],
+                    conns: list[Connection]) -> None:
+        client = await connect(target, TOKEN)
+        loop = asyncio.get_running_loop()
+        try:
+            await client.send({"op": "first"})
+            await asyncio.wait_for(stalled.wait(), T)
+            sent, deadline = 0, loop.time() + T
+            # until the sender's own transport stops taking writes: the peer no longer reads
+            while sent < n and loop.time() < deadline and not getattr(client, "_paused", False):
+                if client.send_nowait({"op": "x", "i": sent, "pad": pad}):
+                    sent += 1
+                    if sent % 200 == 0:
+                        await asyncio.sleep(0)  # let the server side read
+                else:
+                    await asyncio.sleep(0.001)  # the transport's buffer is full: the peer stopped reading
+            assert sent < n, f"all {n} messages ({n * len(pad) >> 20} MiB) were taken in: reading never paused"
+            assert len(conns[0]._inbox) < high + 200, len(conns[0]._inbox)
+            go.set()
+            while sent < n:  # the rest goes through once the handler reads again
+                await client.send({"op": "x", "i": sent, "pad": pad})
+                sent += 1
+            while len(got) < n and loop.time() < deadline + T:
+                await asyncio.sleep(0.01)
+            assert got == list(range(n))
+        finally:
+            client.close()
+
+    run(main())

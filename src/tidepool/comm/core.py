@@ -53,6 +53,9 @@ log = logging.getLogger("tidepool.comm")
 WRITE_CHUNK = 4 * 1024 * 1024
 TLS_HANDSHAKE_TIMEOUT = 10.0
 SMALL_FRAME = 256 * 1024
+#: messages a client or peer may have waiting unread on a scheduler's or worker's connection before
+#: its socket is no longer read (:meth:`Connection.limit_inbox`): its own writes back up instead
+PEER_INBOX = 1024
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
@@ -93,11 +96,33 @@ class Connection:
         self.authenticated = False
         self.info: dict[str, Any] = {}
         self.last_received = 0.0  # loop time when bytes last arrived (TCP); 0 = never
+        self._inbox_high = 0  # read no more from the socket while this many messages wait (0: no limit)
+        self._reading_paused = False
 
     # -- receiving --------------------------------------------------------------------------------
+    def limit_inbox(self, high: int) -> None:
+        """Stop reading from the socket while ``high`` messages wait unread, and read again once a
+        quarter of that is left: a peer that sends faster than this side handles (and never reads
+        what it is sent) fills its own socket, not this process's memory."""
+        self._inbox_high = high
+
     def _on_frame(self, msg: Any) -> None:
         self._inbox.append(msg)
+        if self._inbox_high and not self._reading_paused and len(self._inbox) >= self._inbox_high:
+            self._reading_paused = self._pause_reading()
         self._wake()
+
+    def _took(self) -> None:
+        if self._reading_paused and len(self._inbox) <= self._inbox_high // 4:
+            self._reading_paused = False
+            self._resume_reading()
+
+    def _pause_reading(self) -> bool:
+        """Stop reading from the transport; whether it could (an in-memory peer cannot be paused)."""
+        return False
+
+    def _resume_reading(self) -> None:
+        pass
 
     def _wake(self) -> None:
         for w in self._waiters:
@@ -125,7 +150,10 @@ class Connection:
                 await w
             finally:
                 self._waiters.discard(w)
-        return self._inbox.popleft()
+        msg = self._inbox.popleft()
+        if self._reading_paused:
+            self._took()
+        return msg
 
     def buffered(self) -> bool:
         """Whether a message has already arrived and waits to be read (:meth:`recv` returns it
@@ -145,7 +173,10 @@ class Connection:
         taken): lets a reader handle a run of like messages read in one go as one batch."""
         inbox = self._inbox
         if inbox and isinstance(inbox[0], dict) and inbox[0].get("op") == op:
-            return inbox.popleft()
+            msg = inbox.popleft()
+            if self._reading_paused:
+                self._took()
+            return msg
         return None
 
     async def recv_unless_silent(self, idle: float) -> Any:
@@ -294,6 +325,19 @@ class TCPConnection(Connection):
 
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _pause_reading(self) -> bool:
+        if self.transport is None or self._closed:
+            return False
+        with contextlib.suppress(RuntimeError, AttributeError):  # closing, or a transport without it
+            self.transport.pause_reading()
+            return True
+        return False
+
+    def _resume_reading(self) -> None:
+        if self.transport is not None and not self._closed:
+            with contextlib.suppress(RuntimeError, AttributeError):
+                self.transport.resume_reading()
 
     def _resume_writing(self) -> None:
         self._paused = False

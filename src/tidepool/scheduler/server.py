@@ -29,6 +29,7 @@ from typing import Any
 
 from tidepool.comm import Connection, Listener, Serialized, listen, unix
 from tidepool.comm.auth import new_token
+from tidepool.comm.core import PEER_INBOX
 from tidepool.comm.inline import INLINE_WANTED
 from tidepool.comm.messages import (
     Cancel,
@@ -522,6 +523,7 @@ class Scheduler:
             self._client_ids += 1
             cid = f"client-{self._client_ids}"
         self.client_conns[cid] = conn
+        conn.limit_inbox(PEER_INBOX)  # a client that floods us and reads nothing fills its own socket
         window = self.durable.reconnect_window if self.durable is not None else 0.0
         await conn.send({"op": "welcome", "client": cid, "reconnect_window": window})
         try:

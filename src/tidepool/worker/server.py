@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen
-from tidepool.comm.core import parse_address
+from tidepool.comm.core import PEER_INBOX, parse_address
 from tidepool.comm.inline import small_pickle
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
@@ -491,6 +491,7 @@ class Worker:
 
     # ---- serving peers and clients ---------------------------------------------------------------
     async def _serve_peer(self, conn: Connection) -> None:
+        conn.limit_inbox(PEER_INBOX)  # a peer that floods us and reads nothing fills its own socket
         while True:
             msg = await conn.recv()
             if msg.get("op") == "get-data":
