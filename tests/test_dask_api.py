@@ -173,6 +173,11 @@ def test_run_calls_a_function_on_every_worker(client: tidepool.Client, cluster: 
     assert all(isinstance(e, ValueError) for e in errors.values())
     some = sorted(cluster.workers)[0]
     assert len(client.run(pid, workers=[some])) == 1
+    # found by a bug hunt: one name as a string ran on no worker (its letters were taken as names),
+    # and so did an unknown name, both without a word
+    assert len(client.run(pid, workers=some)) == 1
+    with pytest.raises(tidepool.SchedulerError, match="no worker is named 'no-such-worker'"):
+        client.run(pid, workers=["no-such-worker"])
 
 
 def test_upload_file_makes_a_module_importable_on_every_worker(client: tidepool.Client, tmp_path: Path) -> None:

@@ -811,3 +811,35 @@ def test_a_peer_that_sends_faster_than_it_is_read_fills_its_own_socket(address: 
             client.close()
 
     run(main())
+
+
+def test_a_socket_that_sent_part_of_the_preamble_is_looked_at_less_and_less(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a bug hunt: a peer that sent one byte of the preamble was polled every 10 ms until
+    the handshake deadline (250 such sockets cost half a core).  The pause between looks grows,
+    and the whole preamble is still taken when it comes."""
+    pauses: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float, *a: Any) -> Any:
+        pauses.append(delay)
+        return await real_sleep(delay, *a)
+
+    async def main() -> bytes:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        try:
+            b.send(PLAIN_PREAMBLE[:1])
+            monkeypatch.setattr(core.asyncio, "sleep", recording_sleep)
+            task = asyncio.ensure_future(core._peek_first(asyncio.get_running_loop(), a, len(PLAIN_PREAMBLE)))
+            while len(pauses) < 6:
+                await real_sleep(0.005)
+            b.send(PLAIN_PREAMBLE[1:])
+            return await asyncio.wait_for(task, T)
+        finally:
+            monkeypatch.undo()
+            a.close()
+            b.close()
+
+    assert run(main()) == PLAIN_PREAMBLE
+    assert pauses[5] >= 8 * pauses[0], pauses

@@ -184,11 +184,14 @@ class ClusterCalls:
     # ---- workers ---------------------------------------------------------------------------------
     def run(self, function: Callable[..., Any], *args: Any, workers: Iterable[str] | None = None,
             on_error: str = "raise", **kwargs: Any) -> dict[str, Any]:  # fmt: skip
-        """Call ``function(*args, **kwargs)`` on every worker (or ``workers``), now, outside the
-        task graph; returns worker address -> result.  ``on_error``: "raise" (the first error),
+        """Call ``function(*args, **kwargs)`` on every worker (or ``workers``: ids, names or addresses,
+        or one of them; an unknown one is an error), now, outside the task graph; returns worker
+        address -> result.  ``on_error``: "raise" (the first error),
         or "return" (the exception in place of the result)."""
         if on_error not in ("raise", "return"):
             raise ConfigError("on_error must be 'raise' or 'return'")
+        if isinstance(workers, str):  # one worker (a string is not a list of one-letter names)
+            workers = [workers]
         msg = {"op": "run", "function": serialize(function), "args": serialize((args, kwargs)),
                "workers": list(workers) if workers is not None else None}  # fmt: skip
         replies = self._call(msg)

@@ -46,6 +46,10 @@ class TaskSpec:
     @staticmethod
     def decode(raw: list[Any]) -> TaskSpec:
         try:
+            if type(raw[0]) is not str or type(raw[1]) is not str or type(raw[6]) is not str:
+                # the key and group name metrics, dashboards and sorting (a bug hunt's integer key
+                # broke /metrics for good)
+                raise TypeError("the key, function id and group must be strings")
             if len(raw) > 7:
                 return TaskSpec(raw[0], raw[1], raw[2], list(raw[3]), raw[4] or {}, int(raw[5]), raw[6],
                                 int(raw[7]), tuple(raw[8] or ()), bool(raw[9]))  # fmt: skip
@@ -69,8 +73,10 @@ class UpdateGraph:
 
     @staticmethod
     def decode(msg: dict[str, Any]) -> UpdateGraph:
-        return UpdateGraph([TaskSpec.decode(t) for t in msg["tasks"]], list(msg["wanted"]),
-                           msg.get("functions") or {})  # fmt: skip
+        wanted = list(msg["wanted"])
+        if not all(type(k) is str for k in wanted):
+            raise ProtocolError(f"update-graph: wanted keys must be strings, got {str(wanted)[:200]}")
+        return UpdateGraph([TaskSpec.decode(t) for t in msg["tasks"]], wanted, msg.get("functions") or {})
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from tidepool.comm import Connection, Listener, Serialized, listen, unix
@@ -425,23 +425,23 @@ class Scheduler:
         rejoin = msg.get("rejoin")  # it lost us and kept its work: it has run the setups already
         setups = [[name, blob] for name, blob in self.setups.items()] if rejoin is None else []
         window = self.durable.reconnect_window if self.durable is not None else 0.0
-        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups,
-                         "reconnect_window": window, "address": self.address})  # fmt: skip
-        self.worker_conns[wid] = conn
         now = self.clock()
         gated = self.durable is not None and not self.durable.gate_open
-        join = ev.WorkerJoin(wid, str(msg["address"]), dict(msg["resources"]), now,
-                             node_type=str(msg.get("node_type", "default")), name=str(msg.get("name", "")),
-                             memory_limit=int(msg.get("memory_limit", 0)), ready=not setups and not gated)  # fmt: skip
-        joined: list[ev.Event] = [join]
-        if rejoin is not None:
-            joined.append(rejoin_event(wid, rejoin, now))
-        await self.apply(joined)
-        if gated and self.durable is not None:  # the last worker expected back opens the gate
-            await self.apply(self.durable.worker_joined(wid, now))
+        try:  # checked before it is told it joined: a malformed registration must leave no trace
+            joined = _join_events(wid, msg, now, ready=not setups and not gated)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("refused worker %s: malformed registration (%s: %s)", wid, type(exc).__name__, exc)
+            await conn.send({"op": "refused", "reason": f"malformed registration ({type(exc).__name__}: {exc})"})
+            return
+        await conn.send({"op": "registered", "heartbeat_interval": self.heartbeat_interval, "setups": setups,
+                         "reconnect_window": window, "address": self.address})  # fmt: skip
         reason = "connection closed"
         cause = ev.RemoveCause.CLOSED
         try:
+            self.worker_conns[wid] = conn  # in here: whatever fails from now on, the finally forgets it
+            await self.apply(joined)
+            if gated and self.durable is not None:  # the last worker expected back opens the gate
+                await self.apply(self.durable.worker_joined(wid, now))
             while True:
                 msg = await conn.recv()
                 now = self.clock()
@@ -628,26 +628,38 @@ class Scheduler:
         return result
 
     async def _retire_request(self, cid: str, msg: dict[str, Any]) -> None:
-        result = await self.retire_workers(list(msg["workers"]), "requested by a client")
-        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": result})
+        await self._answer(cid, msg, lambda: self.retire_workers(list(msg["workers"]), "requested by a client"))
 
-    async def _long_request(self, cid: str, msg: dict[str, Any]) -> None:
+    async def _answer(self, cid: str, msg: dict[str, Any], work: Callable[[], Awaitable[Any]]) -> None:
+        """Reply to request ``msg`` with what ``work`` returns, or with why it failed (a malformed
+        request, too: the client would wait for ever for a reply that never comes)."""
         try:
-            if msg["op"] == "run":
-                reply: dict[str, Any] = {"result": await self.run_on_workers(
-                    msg["function"], msg.get("args"), msg.get("workers"))}  # fmt: skip
-            else:
-                reply = {"result": await self.restart(float(msg.get("timeout") or 30.0))}
+            reply: dict[str, Any] = {"result": await work()}
         except Exception as exc:  # noqa: BLE001 - the client gets the reason, the scheduler stays up
             reply = {"error": f"{type(exc).__name__}: {exc}"}
-        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], **reply})
+        await self.outgoing.send_client(cid, {"op": "reply", "id": msg.get("id"), **reply})
+
+    async def _long_request(self, cid: str, msg: dict[str, Any]) -> None:
+        if msg["op"] == "run":
+            await self._answer(cid, msg, lambda: self.run_on_workers(msg["function"], msg.get("args"),
+                                                                      msg.get("workers")))  # fmt: skip
+        else:
+            await self._answer(cid, msg, lambda: self.restart(float(msg.get("timeout") or 30.0)))
 
     async def run_on_workers(self, function: Any, args: Any, workers: list[str] | None = None) -> dict[str, Any]:
         """Call ``function(*args, **kwargs)`` on every (or the named) worker: address -> outcome."""
         loop = asyncio.get_running_loop()
         st = self.state
-        targets = [w for w in st.workers.values() if w.id in self.worker_conns
-                   and (workers is None or w.id in workers or w.name in workers or w.address in workers)]  # fmt: skip
+        live = [w for w in st.workers.values() if w.id in self.worker_conns]
+        if workers is None:
+            targets = live
+        else:
+            names = {n for w in live for n in (w.id, w.name, w.address)}
+            unknown = [n for n in workers if n not in names]
+            if unknown:  # said, not run on fewer workers than asked without a word
+                raise ValueError(f"no worker is named {', '.join(map(repr, unknown))}: give worker ids, names or "
+                                 "addresses as client.scheduler_info()['workers'] lists them")  # fmt: skip
+            targets = [w for w in live if w.id in workers or w.name in workers or w.address in workers]
         futs: dict[str, asyncio.Future[dict[str, Any]]] = {}
         for w in targets:
             self._run_ids += 1
@@ -677,8 +689,7 @@ class Scheduler:
         return {"workers": back, "expected": n}
 
     async def _setup_request(self, cid: str, msg: dict[str, Any]) -> None:
-        result = await self.register_setup(str(msg["name"]), msg["setup"])
-        await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": result})
+        await self._answer(cid, msg, lambda: self.register_setup(str(msg["name"]), msg["setup"]))
 
     def eta(self) -> dict[str, Any]:
         """Forecast remaining seconds with the workers present now (and in-flight launches)."""
@@ -760,4 +771,21 @@ def _inline_values(finished: list[Any], tasks: Mapping[str, Any]) -> dict[str, A
             if run and ts is not None and ts.run and ts.run != run:
                 continue
             out[item[0]] = item[3]
+    return out
+
+
+def _join_events(wid: str, msg: dict[str, Any], now: float, ready: bool) -> list[ev.Event]:
+    """A worker's ``register`` message as the events of its joining; raises KeyError, TypeError or
+    ValueError on a malformed one (resources must map names to numbers >= 0)."""
+    resources = dict(msg["resources"])
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, int | float) \
+                or not amount >= 0:  # fmt: skip
+            raise ValueError(f"resource {name!r}: {amount!r} is not a number >= 0")
+    join = ev.WorkerJoin(wid, str(msg["address"]), resources, now, node_type=str(msg.get("node_type", "default")),
+                         name=str(msg.get("name", "")), memory_limit=int(msg.get("memory_limit", 0)), ready=ready)  # fmt: skip
+    out: list[ev.Event] = [join]
+    rejoin = msg.get("rejoin")
+    if rejoin is not None:
+        out.append(rejoin_event(wid, rejoin, now))
     return out
