@@ -188,6 +188,53 @@ def test_submit_lambdas_and_closures(client: tidepool.Client) -> None:
     assert client.submit(lambda: sum(captured["k"])).result(timeout=10) == 6
 
 
+class _Scale:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __call__(self, x: int) -> int:
+        return self.k * x
+
+
+def test_a_callable_changed_between_submits_runs_as_it_is_now(client: tidepool.Client) -> None:
+    """Found by a bug hunt: the function's pickle was cached by id while the callable lived, so a
+    callable object whose attribute changed, or a closure whose captured list grew, ran as it was
+    at the first submit: silently wrong results (Dask pickles per call)."""
+    scale = _Scale(2)
+    first = client.submit(scale, 10).result(timeout=10)
+    scale.k = 3
+    assert (first, client.submit(scale, 10).result(timeout=10)) == (20, 30)
+    data = [1]
+
+    def total() -> int:
+        return sum(data)
+
+    before = client.submit(total).result(timeout=10)
+    data.append(100)
+    assert (before, client.submit(total).result(timeout=10)) == (1, 101)
+    assert client.gather(client.map(lambda _: sum(data), [0])) == [101]
+    # one pickle for a whole map: its tasks share the function id
+    scale.k = 4
+    assert client.gather(client.map(scale, [1, 2, 3])) == [4, 8, 12]
+    assert client.submit(scale, 1, pure=True).key != client.submit(_Scale(5), 1, pure=True).key
+
+
+def test_a_map_pickles_its_function_once(client: tidepool.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidepool.client.specs as specs
+
+    fn = _Scale(7)
+    real = specs.cloudpickle.dumps
+    calls: list[Any] = []
+
+    def counting(obj: Any, *a: Any, **kw: Any) -> bytes:
+        calls.append(obj)
+        return real(obj, *a, **kw)
+
+    monkeypatch.setattr(specs.cloudpickle, "dumps", counting)
+    assert client.gather(client.map(fn, range(300))) == [7 * i for i in range(300)]
+    assert sum(1 for c in calls if c is fn) == 1
+
+
 def test_map_over_several_iterables_with_kwargs(client: tidepool.Client) -> None:
     futs = client.map(add, range(10), range(100, 110))
     assert len({f.key for f in futs}) == 10

@@ -367,6 +367,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         # argument that does not pickle, a piece over the frame limit) leaves nothing submitted,
         # rather than a part of the map running whose futures the caller never got.
         spec_of = self._specs.spec
+        memo: dict[int, tuple[Any, str, bytes]] = {}  # the function is pickled once for the whole map
         names = iter(names)
         mine: list[TaskSpec] = []  # the map's own tasks (not the graphs of delayed arguments)
         pieces: list[tuple[list[TaskSpec], list[str], dict[str, Any]]] = []
@@ -375,7 +376,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             extra: list[Delayed[Any]] = []
             tasks = []
             for args, k in zip(argsets[start : start + MAP_CHUNK], names, strict=False):
-                spec = spec_of(k, fn, args, kwargs, opts, functions, extra)
+                spec = spec_of(k, fn, args, kwargs, opts, functions, extra, memo)
                 if pure and key is None:
                     spec.key = pure_key(spec)
                 tasks.append(spec)

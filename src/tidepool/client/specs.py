@@ -1,7 +1,8 @@
 """Task specs: a call (function, arguments, options) turned into what a graph update carries.
 
-State: the function cache (id of a submitted callable -> weak reference, content hash and pickle:
-each distinct function is pickled once while it lives, and never kept alive by the cache).  Which
+State: the function cache (id of a function pickled by reference -> weak reference, content hash
+and pickle: pickled once while it lives, and never kept alive by the cache; anything pickled by
+value is pickled again per call, since its state may change).  Which
 functions the scheduler has already (``sent_funcs``) and which explicit keys are live
 (``idents``) belong to the core (:class:`~tidepool.client.protocol.ClientProtocol`); the builder
 reads them under the shell's lock.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,37 +50,52 @@ class SpecBuilder:
         self.lock = lock
         self._cache: dict[int, tuple[weakref.ref[Any], str, bytes]] = {}
 
-    def function(self, fn: Callable[..., Any]) -> tuple[str, bytes | None]:
+    def function(self, fn: Callable[..., Any], memo: dict[int, tuple[Any, str, bytes]] | None = None
+                 ) -> tuple[str, bytes | None]:  # fmt: skip
         """``fn``'s id (content hash) and its pickle unless the scheduler has it already.
 
-        Pickled once while ``fn`` lives (a ``map`` pickles once): the cache holds ``fn`` weakly, so
-        a submitted bound method does not keep its object alive.  A callable that cannot be weakly
-        referenced (a builtin) is pickled again per call, which for those is cheap (by name).
+        A function pickled by reference (importable by its module and name) is pickled once while it
+        lives: the cache holds it weakly, so it is never kept alive.  Anything pickled by value (a
+        lambda, a function of ``__main__``, a closure, a callable object, a bound method) carries
+        its state in the pickle, and that state may change between two calls (an attribute set, a
+        global list grown): it is pickled again for every submit, as Dask does, and once per
+        ``map``/``compute`` call (``memo``: that call's pickles).  A bug hunt found ``Scale(2)``
+        set to 3 between two submits still scaling by 2.
         """
-        cache = self._cache
         ident = id(fn)
-        cached = cache.get(ident)
         sent = self.core.sent_funcs
-        if cached is None or cached[0]() is not fn:
-            blob = cloudpickle.dumps(fn, protocol=5)
-            fid = hashlib.sha1(blob).hexdigest()[:20]
-            try:
-                ref = weakref.ref(fn, _forget_function(cache, ident))
-            except TypeError:  # not weakly referenceable
-                return (fid, None) if fid in sent else (fid, blob)
-            cached = (ref, fid, blob)
-            if len(cache) > 10_000:
-                cache.clear()
-            cache[ident] = cached
-        fid = cached[1]
-        if fid in sent:
-            return fid, None
-        return fid, cached[2]
+        hit = memo.get(ident) if memo is not None else None
+        if hit is not None and hit[0] is fn:
+            fid, blob = hit[1], hit[2]
+        else:
+            cached = self._cache.get(ident)
+            if cached is not None and cached[0]() is fn:
+                fid, blob = cached[1], cached[2]
+            else:
+                blob = cloudpickle.dumps(fn, protocol=5)
+                fid = hashlib.sha1(blob).hexdigest()[:20]
+                if _by_reference(fn):
+                    self._remember(fn, ident, fid, blob)
+            if memo is not None:
+                memo[ident] = (fn, fid, blob)  # held strongly for the call: its id is not reused meanwhile
+        return (fid, None) if fid in sent else (fid, blob)
+
+    def _remember(self, fn: Callable[..., Any], ident: int, fid: str, blob: bytes) -> None:
+        cache = self._cache
+        try:
+            ref = weakref.ref(fn, _forget_function(cache, ident))
+        except TypeError:  # not weakly referenceable
+            return
+        if len(cache) > 10_000:
+            cache.clear()
+        cache[ident] = (ref, fid, blob)
 
     def spec(self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             opts: TaskOptions, functions: dict[str, Any], extra: list[Delayed[Any]] | None) -> TaskSpec:  # fmt: skip
+             opts: TaskOptions, functions: dict[str, Any], extra: list[Delayed[Any]] | None,
+             memo: dict[int, tuple[Any, str, bytes]] | None = None) -> TaskSpec:  # fmt: skip
         """One task; delayed values met among the arguments go to ``extra`` (their graphs are
-        added by the caller), functions the scheduler lacks to ``functions``."""
+        added by the caller), functions the scheduler lacks to ``functions``; ``memo``: the
+        function pickles of the call this task is part of (see :meth:`function`)."""
         deps: list[str] = []
         me = self.client
 
@@ -109,7 +126,7 @@ class SpecBuilder:
         else:
             payload = None
         try:
-            fid, blob = self.function(fn)
+            fid, blob = self.function(fn, memo)
         except TidepoolError:
             raise
         except Exception as e:
@@ -143,6 +160,7 @@ class SpecBuilder:
     def delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[TaskSpec]:
         """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""
         specs: list[TaskSpec] = []
+        memo: dict[int, tuple[Any, str, bytes]] = {}
         seen: dict[str, Delayed[Any]] = {}
         open_: dict[str, Delayed[Any]] = {}  # on the current DFS path: reaching one again is a cycle
         explicit: list[TaskSpec] = []
@@ -159,7 +177,7 @@ class SpecBuilder:
                 if expanded:
                     del open_[d.key]
                     seen[d.key] = d
-                    specs.append(self.spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None))
+                    specs.append(self.spec(d.key, d.func, d.args, d.kwargs, d.options, functions, None, memo))
                     if d.explicit:
                         explicit.append(specs[-1])
                     continue
@@ -201,6 +219,17 @@ def _unpicklable(key: str, what: str, e: Exception) -> UnpicklableError:
         "was sent. Objects such as locks, open files, sockets and database connections cannot travel "
         "to a worker: create them inside the task (or in a worker setup hook), and pass what is needed "
         "to build them (a path, an address) instead", key)  # fmt: skip
+
+
+def _by_reference(fn: Any) -> bool:
+    """Whether cloudpickle pickles ``fn`` by its module and name (so its pickle never changes)."""
+    check = getattr(cloudpickle.cloudpickle, "_should_pickle_by_reference", None)
+    if check is None or not isinstance(fn, types.FunctionType):
+        return False  # pickled again each call: always right, only slower
+    try:
+        return bool(check(fn))
+    except Exception:  # noqa: BLE001 - an odd object: take the safe side
+        return False
 
 
 def _forget_function(cache: dict[int, Any], ident: int) -> Callable[[weakref.ref[Any]], None]:
