@@ -235,6 +235,16 @@ def test_a_map_pickles_its_function_once(client: tidepool.Client, monkeypatch: p
     assert sum(1 for c in calls if c is fn) == 1
 
 
+def test_gather_of_a_generator_gives_the_values(client: tidepool.Client) -> None:
+    """Found by a bug hunt: a generator of futures came back unchanged, as pending futures."""
+    futs = client.map(inc, range(3))
+    assert list(client.gather(f for f in futs)) == [1, 2, 3]
+    assert list(client.gather(iter(futs), errors="skip")) == [1, 2, 3]
+    import asyncio
+
+    assert list(asyncio.run(client.gather_async(f for f in futs))) == [1, 2, 3]
+
+
 def test_map_over_several_iterables_with_kwargs(client: tidepool.Client) -> None:
     futs = client.map(add, range(10), range(100, 110))
     assert len({f.key for f in futs}) == 10

@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from tidepool.client.cluster_calls import ClusterCalls
@@ -492,13 +492,16 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
 
     # ---- results -----------------------------------------------------------------------------------
     def gather(self, futures: Any, errors: str = "raise", timeout: float | None = None) -> Any:
-        """Values of ``futures`` (a future, or a list/tuple/dict of them), fetched from workers.
+        """Values of ``futures`` (a future, or a list/tuple/dict of them, or an iterator of them: an
+        iterator of their values), fetched from workers.
 
         ``errors="raise"``: the first failure (or ``CancelledError`` for a cancelled future) is
         raised; ``"skip"``: failed and cancelled futures are left out.
         """
         if errors not in ("raise", "skip"):
             raise ConfigError("errors must be 'raise' or 'skip'")
+        if isinstance(futures, Iterator):  # a generator of futures: an iterator of their values, as Dask
+            return iter(self.gather(list(futures), errors=errors, timeout=timeout))
         flat: list[Future[Any]] = collect(futures, Future)
         done, not_done = concurrent.futures.wait(flat, timeout=timeout)
         if not_done:
@@ -531,6 +534,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
     async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
         """``await client.gather_async(futures)`` from any asyncio loop; ``timeout`` (seconds, as
         :meth:`gather`'s) raises :class:`TimeoutError` naming what is not done."""
+        if isinstance(futures, Iterator):  # a generator of futures: an iterator of their values
+            return iter(await self.gather_async(list(futures), timeout=timeout))
         flat: list[Future[Any]] = collect(futures, Future)
         deadline = asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None)
         try:
