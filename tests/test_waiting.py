@@ -73,6 +73,22 @@ def test_wait_first_completed(executor: concurrent.futures.Executor, tmp_path: A
         tidepool.wait([slow], return_when="SOMETIMES")
 
 
+def test_wait_first_exception_times_out_when_nothing_failed(executor: concurrent.futures.Executor,
+                                                             tmp_path: Any) -> None:  # fmt: skip
+    """Found by a bug hunt: with one future done (no error) and one not, the timeout passed
+    without an error, so a caller could not tell it from a completed wait (Dask raises)."""
+    gate = str(tmp_path / "gate")
+    slow = executor.submit(gated, 1, gate)
+    fast = executor.submit(inc, 1)
+    assert fast.result(timeout=30) == 2
+    with pytest.raises(TimeoutError, match="no future failed"):
+        tidepool.wait([slow, fast], timeout=0.2, return_when="FIRST_EXCEPTION")
+    failing = executor.submit(boom, 1)
+    done, not_done = tidepool.wait([slow, fast, failing], timeout=30, return_when="FIRST_EXCEPTION")
+    assert failing in done and slow in not_done
+    open(gate, "w").close()
+
+
 def test_as_completed_yields_in_finishing_order_and_accepts_additions(
         executor: concurrent.futures.Executor, tmp_path: Any) -> None:  # fmt: skip
     gate = str(tmp_path / "gate")

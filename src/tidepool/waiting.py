@@ -46,6 +46,11 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
         raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
     if return_when != "ALL_COMPLETED" and not done and futs:
         raise TimeoutError(f"none of {len(futs)} futures done after {timeout}s")
+    if return_when == "FIRST_EXCEPTION" and not_done and not any(
+            not f.cancelled() and f.exception() is not None for f in done):  # fmt: skip
+        # some are done, none failed, and not all: the condition did not hold (a bug hunt could not
+        # tell this timeout from a completed wait)
+        raise TimeoutError(f"no future failed and {len(not_done)} of {len(futs)} not done after {timeout}s")
     return DoneAndNotDone(set(done), set(not_done))
 
 

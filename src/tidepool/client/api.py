@@ -50,7 +50,7 @@ from tidepool.comm.frames import encode, frame_size
 from tidepool.comm.messages import TaskSpec, UpdateGraph
 from tidepool.comm.serialize import Serialized
 from tidepool.comm.tls import TLSConfig
-from tidepool.errors import ConfigError, SerializationError, TaskCancelledError
+from tidepool.errors import ConfigError, KeyCollisionError, SerializationError, TaskCancelledError
 from tidepool.futures import _UNSET, Future
 from tidepool.graph.delayed import Delayed, TaskOptions, make_key
 from tidepool.graph.keys import key_name
@@ -386,7 +386,17 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 tasks = self._specs.delayed_specs(extra, functions) + tasks
             pieces.append((tasks, keys, functions))
         if key is not None:  # explicit keys, a list or a prefix's ``<key>-<i>``: refused as submit's are
-            self._specs.check_collisions(mine, batch="this map")
+            try:
+                self._specs.check_collisions(mine, batch="this map")
+            except KeyCollisionError as exc:
+                if isinstance(key, list):
+                    raise
+                prefix = key_name(key)
+                raise KeyCollisionError(
+                    f"map(key={prefix!r}) names its tasks {prefix}-0 to {prefix}-{len(argsets) - 1}, and a "
+                    f"different task that is still alive holds {exc.key!r} (an earlier map with this prefix?): "
+                    "give this map another prefix, or release the earlier futures first; nothing of this map "
+                    "was submitted", exc.key) from None  # fmt: skip
         del mine
         # made-up keys only (none given, none by content, no delayed graphs among the arguments)
         fresh = key is None and not pure and all(len(tasks) == len(keys) for tasks, keys, _ in pieces)
@@ -561,7 +571,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     # ---- cancelling --------------------------------------------------------------------------------
-    def cancel(self, futures: Future[Any] | Iterable[Future[Any]]) -> None:
+    def cancel(self, futures: Future[Any] | Iterable[Future[Any]], force: bool = False) -> None:
         """Cancel these futures whatever their state, as Dask does.
 
         When this returns, each of them is cancelled (``result()`` raises
@@ -570,7 +580,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         nobody else needs stop: a queued one never runs, an executing one's result is dropped, and
         no worker keeps their values.  Other clients' futures are not affected.
         ``Future.cancel()`` is the gentler, standard-library form (only tasks not started yet).
+        ``force=True`` (Dask: cancel other clients' futures too) is refused: another client's
+        futures are its own.
         """
+        if force is not False:
+            raise ConfigError("cancel(force=True) is not supported: tidepool never cancels another client's futures "
+                              "(a task they need keeps running); cancel them from that client")  # fmt: skip
         futs = [futures] if isinstance(futures, Future) else list(futures)
         for f in futs:
             if not isinstance(f, Future) or f.client is not self:
