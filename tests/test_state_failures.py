@@ -303,6 +303,32 @@ def test_a_silent_holder_is_suspect_not_dead_and_trusted_again_when_it_answers()
     d.state.validate()
 
 
+def test_every_input_a_silent_holder_has_is_given_up_at_once_not_one_timeout_each() -> None:
+    """Found by a bug hunt: with three inputs on a frozen worker, the first silent report rescheduled
+    the task and the other two reports were refused (no longer that worker's task), so the fetcher
+    tried the frozen worker again for each, one fetch timeout at a time (20 inputs: not done after
+    100 s).  All of the task's inputs held there are dropped at the first report."""
+    d = StateDriver(SchedulerState())
+    d.add_worker("w1")
+    keys = [f"a-{i}" for i in range(3)]
+    d.submit([(k, []) for k in keys], keys)
+    d.run_until_idle()
+    holder, other = "w1", "w2"
+    d.add_worker(other, {"cpu": 1.0, "gpu": 1.0})
+    d.submit([("b", keys, {"gpu": 1})], ["b"])  # only w2 can run it: it must fetch all three from w1
+    ts = d.state.tasks["b"]
+    assert ts.state == "running" and ts.worker == other
+    d.running[other].remove("b")
+    cmds = d.send(ev.MissingData(other, "b", "a-0", holder, d.clock(), "sent nothing for 30s", silent=True))
+    freed = {k for c in cmds if isinstance(c, ev.Free) and c.worker == holder for k in c.keys}
+    assert freed == set(keys)
+    assert all(holder not in d.state.tasks[k].who_has for k in keys)
+    d.run_until_idle()
+    assert {k: d.status()[k] for k in ["b", *keys]} == dict.fromkeys(["b", *keys], "memory")
+    assert all(set(d.state.tasks[k].who_has) == {other} for k in keys)  # made again where it answers
+    d.state.validate()
+
+
 def test_a_copy_that_could_not_be_fetched_for_other_reasons_does_not_make_its_holder_suspect() -> None:
     d = StateDriver(SchedulerState())
     d.add_worker("w1")

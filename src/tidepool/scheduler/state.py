@@ -764,20 +764,37 @@ class SchedulerState:
             self.room.discard(holder.id)
             self.counters["suspect_holders"] += 1
         if holder is not None and e.holder in dts.who_has:
-            dts.drop_holder(e.holder)
-            holder.has_what.discard(dts)
-            holder.nbytes -= dts.nbytes
-            out.append(ev.Free(e.holder, [dts.key]))
-            if dts.state == TS.MEMORY and not dts.who_has:
-                dts.fetch_failures += 1
-                if dts.fetch_failures >= self.max_fetch_failures and ts is not None and ts.state == TS.RUNNING:
-                    self._unassign(ts)
-                    self._fail(ts, "TransferError", explain.transfer_failed(ts, dts, holder.name, e.error), out)
-                if dts.state == TS.MEMORY:  # failing the dependent may have released it already
-                    self._lose_value(dts, out)
+            self._drop_copy(ts, dts, holder, e.error, out)
+        if holder is not None and e.silent:
+            # the task's other inputs held there would each cost the fetcher another timeout, one
+            # round at a time (a bug hunt's task of 20 such inputs was not done after 100 s): their
+            # copies there are dropped now too, and made elsewhere if it held the only one
+            for other in ts.deps:
+                if ts.state != TS.RUNNING:
+                    break
+                if other is not dts and holder.id in other.who_has:
+                    other.avoid = (other.avoid or frozenset()) | {holder.id}
+                    self._drop_copy(ts, other, holder, e.error, out)
         if ts is not None and ts.state == TS.RUNNING and ts.worker == e.worker:
             self._unassign(ts)
             self._reschedule(ts, out)
+
+    def _drop_copy(self, ts: TaskRecord, dts: TaskRecord, holder: WorkerRecord, error: str,
+                   out: list[ev.Command]) -> None:  # fmt: skip
+        """``holder``'s copy of ``dts`` (an input of running ``ts``) could not be fetched: forget it
+        (recompute the value if it was the last copy; fail ``ts`` with ``TransferError`` once the
+        value was lost this way ``max_fetch_failures`` times in a row)."""
+        dts.drop_holder(holder.id)
+        holder.has_what.discard(dts)
+        holder.nbytes -= dts.nbytes
+        out.append(ev.Free(holder.id, [dts.key]))
+        if dts.state == TS.MEMORY and not dts.who_has:
+            dts.fetch_failures += 1
+            if dts.fetch_failures >= self.max_fetch_failures and ts.state == TS.RUNNING:
+                self._unassign(ts)
+                self._fail(ts, "TransferError", explain.transfer_failed(ts, dts, holder.name, error), out)
+            if dts.state == TS.MEMORY:  # failing the dependent may have released it already
+                self._lose_value(dts, out)
 
     def _heartbeat(self, e: ev.Heartbeat, out: list[ev.Command]) -> None:
         ws = self.workers.get(e.worker)
