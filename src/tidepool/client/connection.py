@@ -45,7 +45,7 @@ from tidepool.client.protocol import (
     make_exception,
 )
 from tidepool.comm import Connection, connect
-from tidepool.comm.data import load_values, request_data
+from tidepool.comm.data import fetch_timeout_from_env, load_values, request_data
 from tidepool.comm.messages import Cancel, KeyQuery, Release
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
@@ -491,11 +491,15 @@ class ClientConnection:
                 raise HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
+        # a holder that sends nothing for the fetch timeout (frozen, cut off) ends this read, as a
+        # worker's fetch does: the keys are asked for again, and after a few such reads the fetch
+        # fails with TransferError (a bug hunt's gather from a frozen worker waited for ever)
+        idle = fetch_timeout_from_env()
         if self._own_loop:
-            return await request_data(conn, lock, keys)
+            return await request_data(conn, lock, keys, idle)
         # a shared loop (its scheduler's): unpickling a large value runs for as long as it takes,
         # which would stop the scheduler meanwhile; do it in a thread (it gets the GIL in turns)
-        blobs, failed = await request_data(conn, lock, keys, load=False)
+        blobs, failed = await request_data(conn, lock, keys, idle, load=False)
         if sum(b.nbytes for b in blobs.values()) < LOAD_IN_THREAD_BYTES:  # the hop would cost more
             values, bad = load_values(blobs)
         else:

@@ -9,10 +9,32 @@ other side (``worker/peers.py``).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from tidepool.comm.core import Connection
 from tidepool.comm.messages import DataReply, GetData
+from tidepool.errors import ConfigError
+
+#: how long a holder may send nothing during a fetch (a worker's or a client's) before the read is
+#: given up and its copy is suspect (issue 29); long enough for a loaded machine, short next to the
+#: 300 s heartbeat time-to-live
+DEFAULT_FETCH_TIMEOUT = 30.0
+FETCH_TIMEOUT_ENV = "TIDEPOOL_FETCH_TIMEOUT"
+
+
+def fetch_timeout_from_env() -> float:
+    """``$TIDEPOOL_FETCH_TIMEOUT`` (seconds), else :data:`DEFAULT_FETCH_TIMEOUT`."""
+    raw = os.environ.get(FETCH_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_FETCH_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ConfigError(f"{FETCH_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
 
 
 async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],

@@ -21,16 +21,12 @@ from typing import Any
 from tidepool.comm import Connection, Serialized, connect, serialize
 from tidepool.comm.data import request_data
 from tidepool.comm.tls import TLSConfig
-from tidepool.errors import CommError, ConfigError, PeerSilentError
+from tidepool.errors import CommError, PeerSilentError
 
 log = logging.getLogger("tidepool.worker")
 
 #: times a value may fail to serialise for lack of memory before the futures wanting it fail
 MAX_SERVE_TRIES = 3
-#: how long a peer may send nothing during a fetch before its copy is suspect (issue 29); long
-#: enough for a loaded machine, short next to the 300 s heartbeat time-to-live
-DEFAULT_FETCH_TIMEOUT = 30.0
-FETCH_TIMEOUT_ENV = "TIDEPOOL_FETCH_TIMEOUT"
 
 #: what fetching a value gives: ("ok", value), or (kind, reason) with kind "missing", "silent"
 #: (the last holder tried stalled) or "broken" (it exists but cannot reach us)
@@ -47,20 +43,6 @@ def listen_host(scheduler: str) -> str:
     if scheme == "unix" or host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     return os.environ.get("TIDEPOOL_WORKER_HOST", "0.0.0.0")
-
-
-def fetch_timeout_from_env() -> float:
-    """``$TIDEPOOL_FETCH_TIMEOUT`` (seconds), else :data:`DEFAULT_FETCH_TIMEOUT`."""
-    raw = os.environ.get(FETCH_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_FETCH_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value < float("inf")):
-        raise ConfigError(f"{FETCH_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
-    return value
 
 
 class Peers:

@@ -43,6 +43,7 @@ import psutil
 
 from tidepool.comm import Connection, Serialized, connect, listen
 from tidepool.comm.core import PEER_INBOX, parse_address
+from tidepool.comm.data import fetch_timeout_from_env
 from tidepool.comm.inline import small_pickle
 from tidepool.comm.serialize import deserialize
 from tidepool.comm.tls import TLSConfig
@@ -62,7 +63,7 @@ from tidepool.worker.memory import (
     trim_memory,
 )
 from tidepool.worker.outbox import Outbox, log_send_error
-from tidepool.worker.peers import Peers, data_reply, fetch_timeout_from_env, listen_host
+from tidepool.worker.peers import Peers, data_reply, listen_host
 from tidepool.worker.sizeof import sizeof
 from tidepool.worker.spill import SpillStore, worker_store
 
