@@ -6,6 +6,7 @@ refuses one with a ConfigError that says so (and leaves the cluster as it was).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,33 @@ def test_local_cluster_slots_must_be_a_whole_number_of_at_least_one(slots: Any) 
     ended in InfeasibleTaskError a minute later (the CLI's ``--slots 0`` was refused)."""
     with pytest.raises(ConfigError, match="slots must be a whole number >= 1"):
         tidepool.LocalCluster(n_workers=1, slots=slots)
+
+
+@pytest.mark.parametrize(("slots", "resources", "match"), [
+    (3, {"cpu": 1}, "slots=3 and resources={'cpu': 1} disagree"),
+    (None, {"cpu": 0}, "a worker needs cpu >= 1"),
+    (None, {"cpu": 0.5}, "a worker needs cpu >= 1"),
+    (2, {"cpu": "2"}, "a worker needs cpu >= 1"),
+])  # fmt: skip
+def test_local_cluster_slots_and_cpu_must_agree(slots: Any, resources: dict[str, Any], match: str) -> None:
+    """Found by a bug hunt: ``slots=3, resources={"cpu": 1}`` ran one task at a time (and
+    ``slots=1, cpu=4`` four), and ``cpu=0`` started workers that could run no default task; both
+    without a word."""
+    from tidepool.cluster import local_resources
+
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        local_resources(slots, resources)
+    with pytest.raises(ConfigError, match=re.escape(match)):  # before anything starts
+        tidepool.LocalCluster(n_workers=1, slots=slots, resources=resources)
+
+
+def test_local_cluster_cpu_alone_sets_the_slots() -> None:
+    from tidepool.cluster import local_resources
+
+    assert local_resources(None, None) == {"cpu": 1}
+    assert local_resources(3, None) == {"cpu": 3}
+    assert local_resources(None, {"cpu": 4, "gpu": 1}) == {"cpu": 4, "gpu": 1}
+    assert local_resources(4, {"cpu": 4.0}) == {"cpu": 4.0}
 
 
 @pytest.mark.integration

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from tidepool.comm.tls import TLSConfig
@@ -53,7 +54,8 @@ log = logging.getLogger("tidepool.cluster")
 class LocalCluster(ClosesOnExit):
     """``LocalCluster(n_workers=2)``: real worker processes on this machine.
 
-    Each worker runs ``slots`` tasks at once and advertises ``resources`` (default ``{"cpu": slots}``).
+    Each worker runs ``slots`` tasks at once (1 by default) and advertises ``resources`` (default
+    ``{"cpu": slots}``; a ``cpu`` given there is the number of slots, and must agree with ``slots``).
     ``restart_crashed=False`` leaves dead workers dead (see the module docstring).
     The live dashboard and ``/metrics`` are served by default on this host at 8787 or the next free
     port (``cluster.dashboard_link``; token-protected off localhost; HTTPS with ``tls``);
@@ -84,7 +86,7 @@ class LocalCluster(ClosesOnExit):
     #: seconds a worker restarting over its memory limit may take to register again
     MEMORY_RESTART_GRACE = 60.0
 
-    def __init__(self, n_workers: int | None = None, *, slots: int = 1,
+    def __init__(self, n_workers: int | None = None, *, slots: int | None = None,
                  resources: dict[str, Any] | None = None, node_type: str = "default",
                  host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,
                  timeout: float = 30.0, env: dict[str, str] | None = None,
@@ -102,7 +104,7 @@ class LocalCluster(ClosesOnExit):
             n_workers = os.cpu_count() or 1
         if not _whole(n_workers):
             raise ConfigError(f"n_workers must be a whole number >= 0, got {n_workers!r}")
-        check_slots(slots)
+        default_resources = local_resources(slots, resources)
         worker_args = worker_memory_args(memory_limit, spill_limit)
         self._loop = LoopThread("tidepool-cluster")
         self._cond = threading.Condition()
@@ -158,9 +160,7 @@ class LocalCluster(ClosesOnExit):
         except BaseException:
             self._abandon_start()
             raise
-        res = dict(resources or {})
-        res.setdefault("cpu", slots)
-        self.default_type = NodeType(node_type, res, max_nodes=10_000)
+        self.default_type = NodeType(node_type, default_resources, max_nodes=10_000)
         self.closed = False
         self._extra_provider: Any = None
         self._close_at_exit()
@@ -506,6 +506,27 @@ def check_slots(slots: Any) -> None:
     would wait on workers that can run none, as ``tidepool worker --slots 0`` is refused too)."""
     if not _whole(slots) or slots < 1:
         raise ConfigError(f"slots must be a whole number >= 1 (tasks a worker runs at once), got {slots!r}")
+
+
+def local_resources(slots: int | None, resources: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A local cluster's worker resources: ``cpu`` is ``slots`` (1 if neither says), the number of
+    default tasks a worker runs at once.  Both given and different, or a ``cpu`` under 1 (its
+    workers could run no default task, each of which needs cpu=1), is refused: a bug hunt's
+    ``slots=3, resources={"cpu": 1}`` ran one task at a time without a word."""
+    if slots is not None:
+        check_slots(slots)
+    res = dict(resources or {})
+    if "cpu" not in res:
+        res["cpu"] = slots if slots is not None else 1
+        return res
+    cpu = res["cpu"]
+    if isinstance(cpu, bool) or not isinstance(cpu, numbers.Real) or not float(cpu) >= 1:
+        raise ConfigError(f"resources={{'cpu': {cpu!r}}}: a worker needs cpu >= 1 (each default task takes 1; "
+                          "with less, no task would ever run); leave cpu out and set slots=")  # fmt: skip
+    if slots is not None and cpu != slots:
+        raise ConfigError(f"slots={slots} and resources={{'cpu': {cpu!r}}} disagree: a worker runs as many "
+                          "default tasks at once as its cpu; give one of them")  # fmt: skip
+    return res
 
 
 def _whole(value: Any) -> bool:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidepool.cluster import check_slots, worker_memory_args
+from tidepool.cluster import local_resources, worker_memory_args
 from tidepool.comm.auth import read_token_file
 from tidepool.errors import ConfigError
 from tidepool.loop import ClosesOnExit
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class DurableLocalCluster(ClosesOnExit):
     """A local cluster whose scheduler survives ``kill -9`` (see the module docstring)."""
 
-    def __init__(self, n_workers: int | None = None, *, state_dir: str, slots: int = 1,
+    def __init__(self, n_workers: int | None = None, *, state_dir: str, slots: int | None = None,
                  resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
                  reconnect_window: float | None = None, recovery_wait: float | None = None,
@@ -56,7 +56,7 @@ class DurableLocalCluster(ClosesOnExit):
         done with a lost scheduler) is replaced, at most ``MAX_RESTARTS`` in ``RESTART_WINDOW`` s."""
         if unknown:
             _refuse(unknown)
-        check_slots(slots)
+        default_resources = local_resources(slots, resources)
         self.worker_args = worker_memory_args(memory_limit, spill_limit)
         self.scheduler_args: list[str] = []
         if allowed_failures is not None:
@@ -83,9 +83,7 @@ class DurableLocalCluster(ClosesOnExit):
         self.start_scheduler(journal)
         self.provider = LocalProvider(self.address, self.token, env=self.env, heartbeat_interval=heartbeat_interval,
                                       fork_server=fork_server, extra_args=self.worker_args)  # fmt: skip
-        res = dict(resources or {})
-        res.setdefault("cpu", slots)
-        self.default_type = NodeType("default", res, max_nodes=10_000)
+        self.default_type = NodeType("default", default_resources, max_nodes=10_000)
         self._req = itertools.count(1)  # next() is atomic: the crash watcher launches too
         #: held while looking at the provider's processes: poll_errors() forgets exited ones, so a
         #: crash is replaced before any poll_errors() of wait_for_workers() can drop it unseen
