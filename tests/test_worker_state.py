@@ -227,6 +227,20 @@ def test_values_past_the_target_spill_least_recently_used_first_and_pause_stops_
     sh.check()
 
 
+def test_the_target_for_values_leaves_room_for_the_process_itself() -> None:
+    """Found by a bug hunt: values were spilled only past the target by their own bytes, so a worker
+    whose interpreter and libraries took a third of the limit went past the terminate level while
+    taking a retiring worker's values (and restarted, losing them)."""
+    sh = Shell(LIMIT)  # target 500 bytes
+    assert sh.send(ws.MemorySample(300)) == []  # the process alone: 300 bytes
+    spilled = []
+    for key in ("a", "b", "c"):
+        sh.send(ws.Replicate(key, (("w1", "tcp://w1:1"),)))
+        spilled += [c for c in sh.send(ws.FetchDone(key, 100)) if isinstance(c, ws.Spill)]
+    assert spilled == [ws.Spill(("a",))] and sh.disk == {"a": 100}  # 300 + 200 in memory: the target
+    sh.check()
+
+
 def test_an_unservable_value_that_could_not_be_spilled_is_forgotten_everywhere() -> None:
     """A value that cannot be pickled stays in memory for good (pinned); when the data server then
     finds it can never send it and drops it, the state forgets it as pinned too (before, a pinned

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tidepool.comm.core import Connection
@@ -38,14 +39,18 @@ def fetch_timeout_from_env() -> float:
 
 
 async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
-                       idle_timeout: float | None = None, *,
-                       load: bool = True) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+                       idle_timeout: float | None = None, *, load: bool = True,
+                       on_reply: Callable[[dict[str, Any], dict[str, str]], None] | None = None,
+                       ) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
     """Ask a worker's data server for ``keys`` (following ``deferred`` replies); returns the values
     and, for keys that cannot be had, the reason (the holder cannot send them, or they do not
     unpickle here).  Keys the holder does not have are in neither.  With ``idle_timeout``, a holder
     that sends nothing for that long raises :class:`~tidepool.errors.PeerSilentError` (and the
     connection closes).  ``load=False``: the values are the pickles, for :func:`load_values` to
-    unpickle elsewhere (e.g. off an event loop that others share)."""
+    unpickle elsewhere (e.g. off an event loop that others share).  ``on_reply(values, failed)``:
+    each reply's part is handed over as it arrives, and not kept here (both returned dicts are then
+    empty): a worker stores (and spills) one reply before the next comes, instead of holding every
+    value of a large batch at once (a bug hunt's survivor of a retirement went past its limit)."""
     values: dict[str, Any] = {}
     failed: dict[str, str] = {}
     todo = list(keys)
@@ -54,14 +59,15 @@ async def request_data(conn: Connection, lock: asyncio.Lock, keys: list[str],
             await conn.send(GetData(todo).encode())
             raw = await (conn.recv() if idle_timeout is None else conn.recv_unless_silent(idle_timeout))
         reply = DataReply.decode(raw)
-        if load:
-            got, bad = load_values(reply.data)
+        got, bad = load_values(reply.data) if load else (reply.data, {})
+        bad.update(reply.failed)
+        todo = reply.deferred
+        if on_reply is not None:
+            on_reply(got, bad)
+            del raw, reply, got, bad  # not alive while the next reply arrives
+        else:
             values.update(got)
             failed.update(bad)
-        else:
-            values.update(reply.data)
-        failed.update(reply.failed)
-        todo = reply.deferred
     return values, failed
 
 

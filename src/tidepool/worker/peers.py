@@ -53,15 +53,17 @@ class Peers:
         self.tls = tls
         self.fetch_timeout = fetch_timeout
         self.conns: dict[str, tuple[Connection, asyncio.Lock]] = {}
-        #: keys to ask each peer for in one request, sent on the next loop turn (see _batched)
-        self._batches: dict[str, tuple[list[str], asyncio.Future[tuple[dict[str, Any], dict[str, str]]]]] = {}
+        #: keys to ask each peer for in one request, sent on the next loop turn (see _batched): key ->
+        #: what fetching it gave, ``({key: value}, {})``, ``({}, {key: why not})`` or ``({}, {})``
+        self._batches: dict[str, dict[str, asyncio.Future[tuple[dict[str, Any], dict[str, str]]]]] = {}
 
     async def fetch(self, key: str, holders: list[list[str]] | tuple[tuple[str, str], ...]) -> Fetched:
         """Copy ``key`` from the first of ``holders`` (``[worker id, address]``) that has it."""
         outcome: Fetched = ("missing", "no holder known")
         for _wid, addr in holders:
             try:
-                got, failed = await self._batched(addr, key)
+                # shielded: another task waiting for the same key, cancelled, must not cancel it here
+                got, failed = await asyncio.shield(self._batched(addr, key))
             except PeerSilentError as exc:
                 log.warning("fetching %s from %s stalled: %s", key, addr, exc)
                 outcome = ("silent", str(exc))
@@ -77,8 +79,11 @@ class Peers:
             outcome = ("missing", f"{addr} does not hold it")
         return outcome
 
-    async def get(self, address: str, keys: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-        """Values of ``keys`` held at ``address``, and why some could not be had (key -> reason)."""
+    async def get(self, address: str, keys: list[str],
+                  on_reply: Callable[[dict[str, Any], dict[str, str]], None] | None = None,
+                  ) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+        """Values of ``keys`` held at ``address``, and why some could not be had (key -> reason);
+        with ``on_reply``, handed over reply by reply instead (see ``request_data``)."""
         entry = self.conns.get(address)
         if entry is None or entry[0].closed:
             # a refused connection means the peer is gone: fail now, the scheduler reschedules
@@ -91,29 +96,50 @@ class Peers:
                 raise
             entry = self.conns[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        return await request_data(conn, lock, keys, self.fetch_timeout)
+        return await request_data(conn, lock, keys, self.fetch_timeout, on_reply=on_reply)
 
     def _batched(self, address: str, key: str) -> asyncio.Future[tuple[dict[str, Any], dict[str, str]]]:
         """``get(address, [key, ...])`` for every key asked of that peer in this loop turn: one
-        request and reply for a task's inputs instead of a round trip per key."""
+        request for a task's inputs instead of a round trip per key.  Each key's future is set as
+        the reply holding it arrives, so its value is stored (and spilled) before the rest come."""
         batch = self._batches.get(address)
         if batch is None:
             loop = asyncio.get_running_loop()
-            batch = self._batches[address] = ([], loop.create_future())
+            batch = self._batches[address] = {}
             loop.call_soon(lambda: loop.create_task(self._send_batch(address)))
-        batch[0].append(key)
-        return batch[1]
+        fut = batch.get(key)
+        if fut is None:
+            fut = batch[key] = asyncio.get_running_loop().create_future()
+        return fut
 
     async def _send_batch(self, address: str) -> None:
-        keys, fut = self._batches.pop(address)
+        futs = self._batches.pop(address)
+
+        def arrived(got: dict[str, Any], failed: dict[str, str]) -> None:
+            # each future leaves the batch as it is set: the batch must not keep its value alive
+            for k, v in got.items():
+                f = futs.pop(k, None)
+                if f is not None and not f.done():
+                    f.set_result(({k: v}, {}))
+            for k, why in failed.items():
+                f = futs.pop(k, None)
+                if f is not None and not f.done():
+                    f.set_result(({}, {k: why}))
+
         try:
-            fut.set_result(await self.get(address, keys))
-        except Exception as exc:  # noqa: BLE001 - every key of the batch sees the peer's failure
-            fut.set_exception(exc)
-            fut.exception()  # retrieved here too: a batch whose askers left logs nothing
-        finally:
-            if not fut.done():  # cancelled (the worker is closing): its askers stop too
-                fut.cancel()
+            await self.get(address, list(futs), on_reply=arrived)
+        except asyncio.CancelledError:  # the worker is closing: its askers stop too
+            for f in futs.values():
+                f.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - every key not had yet sees the peer's failure
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(exc)
+                    f.exception()  # retrieved here too: a batch whose askers left logs nothing
+        for f in futs.values():
+            if not f.done():  # the peer does not hold it
+                f.set_result(({}, {}))
 
     def close(self) -> None:
         for conn, _ in self.conns.values():

@@ -16,7 +16,9 @@ State
 - data: ``memory`` (key -> bytes, least recently used first) and ``spilled`` (key -> bytes, on
   disk); ``fetching`` (input key -> tasks waiting for it; None stands for a replica asked for);
   ``pinned`` (values that cannot be spilled) and ``spill_off`` (why spilling stopped for good);
-- memory: ``limit``, ``thresholds``, ``paused`` (above the pause level: no new task starts);
+- memory: ``limit``, ``thresholds``, ``paused`` (above the pause level: no new task starts),
+  ``unmanaged`` (what the process used beyond its values at the last sample: the interpreter,
+  libraries, buffers; the target for values is what the limit leaves after it);
   each running task's ``memory`` (what the task itself uses, when known: the simulator's traces).
 
 Data flow
@@ -359,6 +361,7 @@ class WorkerState:
         self.spill_off = "" if limit else "no memory limit"
         self.fetching: dict[str, list[str | None]] = {}
         self.paused = False
+        self.unmanaged = 0  # resident bytes beyond the values held, at the last memory sample
         self.executed = 0
         self.last_run: dict[str, float] = {}  # function id -> seconds its last successful run took
         self.lined: dict[str, _Task] = {}  # quick tasks in a lane, not known to be reached
@@ -773,7 +776,9 @@ class WorkerState:
         self.memory[key] = nbytes
         out.append(Store(key, nbytes))
         if self.limit and not self.spill_off:
-            self._spill(self.memory_bytes - self.limit * self.thresholds.target, out)
+            # the process's own memory counts: values alone up to the target left a survivor taking
+            # a retiring worker's data (a bug hunt: 150 MiB into 191) past the terminate level
+            self._spill(self.memory_bytes + self.unmanaged - self.limit * self.thresholds.target, out)
 
     def _spill(self, nbytes: float, out: list[Command]) -> None:
         """Spill least recently used values until about ``nbytes`` left memory."""
@@ -805,6 +810,7 @@ class WorkerState:
             self.spill_off = e.disabled
 
     def _memory(self, e: MemorySample, out: list[Command]) -> None:
+        self.unmanaged = max(0, e.rss - self._memory_bytes)
         action = memory_action(e.rss, self.limit, self.thresholds, self.paused)
         if action is Action.TERMINATE:
             out.append(Terminate(e.rss))
