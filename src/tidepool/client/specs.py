@@ -37,7 +37,7 @@ from tidepool.errors import (
     UnpicklableError,
 )
 from tidepool.futures import Future
-from tidepool.graph.delayed import Delayed, TaskOptions, func_name
+from tidepool.graph.delayed import Delayed, TaskOptions, call_with, func_name
 from tidepool.graph.refs import RECURSE, Ref, replace
 
 
@@ -49,6 +49,9 @@ class SpecBuilder:
         self.core = core
         self.lock = lock
         self._cache: dict[int, tuple[weakref.ref[Any], str, bytes]] = {}
+        #: callable pickled by value (its id, a bound method's object and function ids) -> the id of
+        #: its first version sent (see :meth:`_changed`)
+        self._versions: dict[Any, str] = {}
 
     def function(self, fn: Callable[..., Any], memo: dict[int, tuple[Any, str, bytes]] | None = None
                  ) -> tuple[str, bytes | None]:  # fmt: skip
@@ -79,6 +82,23 @@ class SpecBuilder:
             if memo is not None:
                 memo[ident] = (fn, fid, blob)  # held strongly for the call: its id is not reused meanwhile
         return (fid, None) if fid in sent else (fid, blob)
+
+    def _changed(self, fn: Callable[..., Any], fid: str) -> bool:
+        """Whether ``fn``, pickled by value to ``fid`` (which the scheduler does not have), is a new
+        version of a callable whose first version was sent under another id.  The first version of
+        each callable is kept by the scheduler like any function (a lambda submitted again and
+        again is sent once); later versions ride with their tasks."""
+        if _by_reference(fn):
+            return False
+        owner = getattr(fn, "__self__", None)
+        ident: Any = (id(owner), id(getattr(fn, "__func__", None))) if owner is not None else id(fn)
+        first = self._versions.get(ident)
+        if first is None:
+            if len(self._versions) > 10_000:  # ids of dead callables (a reused id only costs a ride)
+                self._versions.clear()
+            self._versions[ident] = fid
+            return False
+        return first != fid
 
     def _remember(self, fn: Callable[..., Any], ident: int, fid: str, blob: bytes) -> None:
         cache = self._cache
@@ -115,8 +135,21 @@ class SpecBuilder:
                 return x
             return RECURSE
 
-        if args or kwargs:
-            refd = (replace(args, swap), replace(kwargs, swap))
+        try:
+            fid, blob = self.function(fn, memo)
+        except TidepoolError:
+            raise
+        except Exception as e:
+            raise _unpicklable(key, f"function {func_name(fn)!r}", e) from e
+        call_args = args
+        if blob is not None and self._changed(fn, fid):
+            # a callable sent before whose state has changed since (an attribute set, a global
+            # reassigned): this version rides with its task and goes with it, instead of being
+            # kept by the scheduler and every worker for ever, one copy per version
+            call_args = (fn, *args)
+            fid, blob = self.function(call_with, memo)
+        if call_args or kwargs:
+            refd = (replace(call_args, swap), replace(kwargs, swap))
             try:
                 payload = serialize(refd)
             except TidepoolError:
@@ -125,12 +158,6 @@ class SpecBuilder:
                 raise _unpicklable(key, "arguments", e) from e
         else:
             payload = None
-        try:
-            fid, blob = self.function(fn, memo)
-        except TidepoolError:
-            raise
-        except Exception as e:
-            raise _unpicklable(key, f"function {func_name(fn)!r}", e) from e
         if blob is not None:
             functions[fid] = Serialized(blob, [])
         return TaskSpec(key, fid, payload, list(dict.fromkeys(deps)) if deps else (), opts.resources, opts.retries,

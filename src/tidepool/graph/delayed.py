@@ -21,6 +21,12 @@ from tidepool.resources import parse_resources
 T = TypeVar("T")
 
 
+def call_with(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: runs a task whose callable rides in its arguments (a changed version
+    of a callable sent before, see ``client/specs.py``); importable on every worker."""
+    return fn(*args, **kwargs)
+
+
 def func_name(fn: Callable[..., Any]) -> str:
     name = getattr(fn, "__name__", None) or type(fn).__name__
     if isinstance(fn, functools.partial):
