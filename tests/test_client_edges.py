@@ -128,7 +128,7 @@ def test_a_value_that_cannot_be_read_from_its_holder_fails_result_instead_of_ret
         holder: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """``mute``, found by a bug hunt: a gather from a frozen worker waited for ever (a client's read
     had no silence bound, unlike a worker's fetch)."""
-    monkeypatch.setenv("TIDEPOOL_FETCH_TIMEOUT", "0.5")
+    monkeypatch.setenv("TIDEPOOL_FETCH_TIMEOUT", "0.1")
     fake = FakeScheduler(holder)
     try:
         with tidepool.Client(fake.address, token=fake.token, timeout=10) as client:
@@ -433,3 +433,32 @@ def test_an_asynchronous_client_used_before_it_is_awaited_says_so() -> None:
         client.close()
     finally:
         silent.close()
+
+
+class _SlowToPickle:
+    """A value whose pickling takes ``seconds`` (a holder builds the whole reply before sending)."""
+
+    def __init__(self, seconds: float, pad: bytes = b"") -> None:
+        self.seconds = seconds
+        self.pad = pad or b"p" * 100_000  # too large to ride inline: read from the holder
+
+    def __reduce__(self) -> Any:
+        import time
+
+        time.sleep(self.seconds)
+        return (_SlowToPickle, (0.0, self.pad))
+
+
+def _make_slow(seconds: float) -> _SlowToPickle:
+    return _SlowToPickle(seconds)
+
+
+def test_a_value_slow_to_pickle_is_not_taken_for_a_silent_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: once the client's read from a holder had a silence bound equal to a
+    worker's fetch timeout, a value whose pickling took longer could never be gathered (the read
+    was given up and asked again, ten times).  The client waits four fetch timeouts."""
+    monkeypatch.setenv("TIDEPOOL_FETCH_TIMEOUT", "1")
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        fut = client.submit(_make_slow, 2.0)
+        got = fut.result(timeout=60)
+    assert isinstance(got, _SlowToPickle)

@@ -141,9 +141,10 @@ def test_local_cluster_slots_must_be_a_whole_number_of_at_least_one(slots: Any) 
 
 @pytest.mark.parametrize(("slots", "resources", "match"), [
     (3, {"cpu": 1}, "slots=3 and resources={'cpu': 1} disagree"),
-    (None, {"cpu": 0}, "a worker needs cpu >= 1"),
-    (None, {"cpu": 0.5}, "a worker needs cpu >= 1"),
-    (2, {"cpu": "2"}, "a worker needs cpu >= 1"),
+    (None, {"cpu": 0}, "a worker with less than 1 cpu and nothing else runs no default task"),
+    (None, {"cpu": 0.5}, "a worker with less than 1 cpu and nothing else runs no default task"),
+    (2, {"cpu": "2"}, "cpu must be a number >= 0"),
+    (None, {"cpu": -1, "gpu": 1}, "cpu must be a number >= 0"),
 ])  # fmt: skip
 def test_local_cluster_slots_and_cpu_must_agree(slots: Any, resources: dict[str, Any], match: str) -> None:
     """Found by a bug hunt: ``slots=3, resources={"cpu": 1}`` ran one task at a time (and
@@ -164,6 +165,8 @@ def test_local_cluster_cpu_alone_sets_the_slots() -> None:
     assert local_resources(3, None) == {"cpu": 3}
     assert local_resources(None, {"cpu": 4, "gpu": 1}) == {"cpu": 4, "gpu": 1}
     assert local_resources(4, {"cpu": 4.0}) == {"cpu": 4.0}
+    # a review: a GPU-only worker for tasks that ask for cpu 0 worked before the check, and still does
+    assert local_resources(None, {"cpu": 0, "gpu": 1}) == {"cpu": 0, "gpu": 1}
 
 
 @pytest.mark.integration
@@ -225,3 +228,11 @@ def test_a_worker_refuses_a_limit_it_already_passes() -> None:
 
     with pytest.raises(ConfigError, match="below what this worker uses before any task"):
         Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit=1024)
+
+
+@pytest.mark.parametrize("name", [5, "", b"x"])
+def test_a_task_name_must_be_a_non_empty_string(name: Any) -> None:
+    """Found by a review: ``tidepool.task(name=5)`` sent a group of 5, which the scheduler refuses at
+    the door by closing the connection: every future of the client was lost.  Refused at the call."""
+    with pytest.raises(ConfigError, match="name must be a non-empty string"):
+        tidepool.task(name=name)(len)

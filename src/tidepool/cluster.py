@@ -520,9 +520,12 @@ def local_resources(slots: int | None, resources: Mapping[str, Any] | None) -> d
         res["cpu"] = slots if slots is not None else 1
         return res
     cpu = res["cpu"]
-    if isinstance(cpu, bool) or not isinstance(cpu, numbers.Real) or not float(cpu) >= 1:
-        raise ConfigError(f"resources={{'cpu': {cpu!r}}}: a worker needs cpu >= 1 (each default task takes 1; "
-                          "with less, no task would ever run); leave cpu out and set slots=")  # fmt: skip
+    if isinstance(cpu, bool) or not isinstance(cpu, numbers.Real) or not float(cpu) >= 0:
+        raise ConfigError(f"resources={{'cpu': {cpu!r}}}: cpu must be a number >= 0 (the default tasks a "
+                          "worker runs at once); leave cpu out and set slots=")  # fmt: skip
+    if float(cpu) < 1 and len(res) == 1:  # then nothing but tasks asking for less than 1 cpu could run
+        raise ConfigError(f"resources={{'cpu': {cpu!r}}}: a worker with less than 1 cpu and nothing else runs "
+                          "no default task (each takes cpu=1); leave cpu out and set slots=")  # fmt: skip
     if slots is not None and cpu != slots:
         raise ConfigError(f"slots={slots} and resources={{'cpu': {cpu!r}}} disagree: a worker runs as many "
                           "default tasks at once as its cpu; give one of them")  # fmt: skip

@@ -53,6 +53,9 @@ from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.loop import LoopThread
 
 log = logging.getLogger("tidepool.client")
+
+#: a client gives up a read from a silent holder after this many times ``TIDEPOOL_FETCH_TIMEOUT``
+CLIENT_SILENCE_FACTOR = 4
 T = TypeVar("T")
 
 
@@ -491,10 +494,13 @@ class ClientConnection:
                 raise HolderGone(str(exc)) from exc
             entry = self._workers[address] = (conn, asyncio.Lock())
         conn, lock = entry
-        # a holder that sends nothing for the fetch timeout (frozen, cut off) ends this read, as a
-        # worker's fetch does: the keys are asked for again, and after a few such reads the fetch
-        # fails with TransferError (a bug hunt's gather from a frozen worker waited for ever)
-        idle = fetch_timeout_from_env()
+        # a holder that sends nothing for a while (frozen, cut off) ends this read: the keys are
+        # asked for again, and after a few such reads the fetch fails with TransferError (a bug
+        # hunt's gather from a frozen worker waited for ever).  Four times a worker's fetch
+        # timeout: a holder builds a reply before sending a byte of it, and a value slow to pickle
+        # or to read back from disk must not pass for a frozen holder (a review: 3 s of pickling
+        # under a 2 s timeout never came)
+        idle = CLIENT_SILENCE_FACTOR * fetch_timeout_from_env()
         if self._own_loop:
             return await request_data(conn, lock, keys, idle)
         # a shared loop (its scheduler's): unpickling a large value runs for as long as it takes,

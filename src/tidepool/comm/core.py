@@ -56,6 +56,8 @@ SMALL_FRAME = 256 * 1024
 #: messages a client or peer may have waiting unread on a scheduler's or worker's connection before
 #: its socket is no longer read (:meth:`Connection.limit_inbox`): its own writes back up instead
 PEER_INBOX = 1024
+#: ... or this many bytes of them
+PEER_INBOX_BYTES = 64 * 1024 * 1024
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
@@ -97,23 +99,37 @@ class Connection:
         self.info: dict[str, Any] = {}
         self.last_received = 0.0  # loop time when bytes last arrived (TCP); 0 = never
         self._inbox_high = 0  # read no more from the socket while this many messages wait (0: no limit)
+        self._inbox_sizes: collections.deque[int] = collections.deque()  # (with a limit) bytes of each
+        self._inbox_bytes = 0
         self._reading_paused = False
 
     # -- receiving --------------------------------------------------------------------------------
-    def limit_inbox(self, high: int) -> None:
-        """Stop reading from the socket while ``high`` messages wait unread, and read again once a
-        quarter of that is left: a peer that sends faster than this side handles (and never reads
-        what it is sent) fills its own socket, not this process's memory."""
+    def limit_inbox(self, high: int, high_bytes: int = PEER_INBOX_BYTES) -> None:
+        """Stop reading from the socket while ``high`` messages, or ``high_bytes`` of them, wait
+        unread, and read again once a quarter of each is left: a peer that sends faster than this
+        side handles (and never reads what it is sent) fills its own socket, not this process's
+        memory (a review padded its requests: 1,024 messages of 256 KiB held 256 MiB)."""
         self._inbox_high = high
+        self._inbox_high_bytes = high_bytes
+        self._inbox_sizes = collections.deque(0 for _ in self._inbox)
+        self._inbox_bytes = 0
 
     def _on_frame(self, msg: Any) -> None:
         self._inbox.append(msg)
-        if self._inbox_high and not self._reading_paused and len(self._inbox) >= self._inbox_high:
-            self._reading_paused = self._pause_reading()
+        if self._inbox_high:
+            size = self._decoder.last_size
+            self._inbox_sizes.append(size)
+            self._inbox_bytes += size
+            if not self._reading_paused and (len(self._inbox) >= self._inbox_high
+                                             or self._inbox_bytes >= self._inbox_high_bytes):  # fmt: skip
+                self._reading_paused = self._pause_reading()
         self._wake()
 
     def _took(self) -> None:
-        if self._reading_paused and len(self._inbox) <= self._inbox_high // 4:
+        """One message was taken from the inbox (with a limit set)."""
+        self._inbox_bytes -= self._inbox_sizes.popleft()
+        if self._reading_paused and len(self._inbox) <= self._inbox_high // 4 \
+                and self._inbox_bytes <= self._inbox_high_bytes // 4:  # fmt: skip
             self._reading_paused = False
             self._resume_reading()
 
@@ -151,7 +167,7 @@ class Connection:
             finally:
                 self._waiters.discard(w)
         msg = self._inbox.popleft()
-        if self._reading_paused:
+        if self._inbox_high:
             self._took()
         return msg
 
@@ -174,7 +190,7 @@ class Connection:
         inbox = self._inbox
         if inbox and isinstance(inbox[0], dict) and inbox[0].get("op") == op:
             msg = inbox.popleft()
-            if self._reading_paused:
+            if self._inbox_high:
                 self._took()
             return msg
         return None

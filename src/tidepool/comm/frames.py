@@ -130,6 +130,7 @@ class FrameDecoder:
     def __init__(self, on_frame: Callable[[Any], None], max_frame: int = PREAUTH_MAX_FRAME,
                  one_frame_before_auth: bool = False) -> None:  # fmt: skip
         self.on_frame = on_frame
+        self.last_size = 0  # bytes of the frame just decoded (header and buffers), read by on_frame
         self.max_frame = max_frame
         #: connections set this: before authentication, deliver one frame per ``resume()``
         self.one_frame_before_auth = one_frame_before_auth
@@ -296,6 +297,7 @@ class FrameDecoder:
             self._buffers.append(memoryview(part))
         if self._stage == 3 and len(self._buffers) == self._nbuf:
             msg = self._decode(self._header, self._buffers)
+            self.last_size = len(self._header) + sum(b.nbytes for b in self._buffers)
             self._reset()
             if not self.allow_pickles and self.one_frame_before_auth:
                 # Before authentication, stop after each frame: the next one may already be

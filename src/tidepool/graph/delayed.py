@@ -75,6 +75,8 @@ class TaskOptions:
             raise ConfigError(f"retries must be a non-negative integer, got {retries!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ConfigError(f"priority must be an integer (higher runs first), got {priority!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"name must be a non-empty string (the tasks' group name), got {name!r}")
         if isinstance(workers, str):
             workers = [workers]
         if workers is not None and not all(isinstance(w, str) for w in workers):
