@@ -51,7 +51,7 @@ from tidepool.comm.messages import TaskSpec, UpdateGraph
 from tidepool.comm.serialize import Serialized
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import ConfigError, KeyCollisionError, SerializationError, TaskCancelledError
-from tidepool.futures import _UNSET, Future
+from tidepool.futures import _UNSET, Future, _wake_loop
 from tidepool.graph.delayed import Delayed, TaskOptions, make_key
 from tidepool.graph.keys import key_name
 from tidepool.graph.refs import RECURSE, collect, replace
@@ -541,33 +541,65 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             return _without_errors(futures)
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
-    async def gather_async(self, futures: Any, timeout: float | None = None) -> Any:
-        """``await client.gather_async(futures)`` from any asyncio loop; ``timeout`` (seconds, as
-        :meth:`gather`'s) raises :class:`TimeoutError` naming what is not done."""
+    async def gather_async(self, futures: Any, timeout: float | None = None, errors: str = "raise") -> Any:
+        """``await client.gather_async(futures)`` from any asyncio loop: :meth:`gather` without
+        blocking a thread (``await client.gather(...)`` of an asynchronous client is this).  The
+        futures are waited for on the caller's loop, then every value still needed is read in one
+        batch; a caller that gives up (a timeout, a cancel) leaves nothing behind."""
+        if errors not in ("raise", "skip"):
+            raise ConfigError("errors must be 'raise' or 'skip'")
         if isinstance(futures, Iterator):  # a generator of futures: an iterator of their values
-            return iter(await self.gather_async(list(futures), timeout=timeout))
+            return iter(await self.gather_async(list(futures), timeout=timeout, errors=errors))
         flat: list[Future[Any]] = collect(futures, Future)
-        deadline = asyncio.timeout(timeout if timeout is not None and math.isfinite(timeout) else None)
-        try:
-            async with deadline:
-                for f in flat:
-                    try:
-                        await f
-                    except BaseException:
-                        del f  # (see below)
-                        raise
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # a task's own TimeoutError: its future's exception, as gather raises it
-            keys = [f.key for f in flat if not f.done()]
-            if not keys:  # all done: fetching their values took the rest of the time
-                raise TimeoutError(f"the values of {len(flat)} futures could not be fetched within {timeout}s "
-                                   "(they are done: gather them again with a longer timeout)") from None  # fmt: skip
-            raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; "
-                               + self._connection.why_not_done(keys, timeout, head=False)) from None  # fmt: skip
-        except BaseException:  # its traceback holds this frame: not the futures (see Future.result)
-            del futures, flat
-            raise
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pending = [f for f in flat if not f.done()]
+        if pending:
+            all_done: asyncio.Future[None] = loop.create_future()
+            count = [len(pending)]
+            count_lock = threading.Lock()
+
+            def one_done(_: Any) -> None:  # in whatever thread completed it
+                with count_lock:
+                    count[0] -= 1
+                    last = count[0] == 0
+                if last:
+                    _wake_loop(loop, all_done)
+
+            for f in pending:
+                f._add_raw_callback(one_done)
+            try:
+                await asyncio.wait_for(asyncio.shield(all_done), _finite(timeout))
+            except TimeoutError:
+                keys = [f.key for f in flat if not f.done()]
+                why = await loop.run_in_executor(
+                    None, functools.partial(self._connection.why_not_done, keys, timeout, head=False))
+                raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; {why}") from None
+            finally:
+                for f in pending:
+                    f._remove_raw_callback(one_done)
+        need = []
+        for f in flat:
+            if f.cancelled():
+                if errors == "raise":  # an Exception, never an asyncio cancellation of the caller
+                    raise concurrent.futures.CancelledError(cancelled_message(f.key))
+                continue
+            exc = f.exception()
+            if exc is not None:
+                if errors == "raise":  # its traceback will hold this frame: not the futures (see Future.result)
+                    del futures, flat, f, pending
+                    raise exc
+                continue
+            if f._value is _UNSET:
+                need.append(f.key)
+        if need:
+            left = None if timeout is None or not math.isfinite(timeout) else max(0.0, timeout - (loop.time() - start))
+            values = await self._connection.fetch_async(list(dict.fromkeys(need)), left)
+            for f in flat:
+                if f.key in values:
+                    f._value = values[f.key]
+        if errors == "skip":
+            return _without_errors(futures)
         return replace(futures, lambda x: x.result() if isinstance(x, Future) else RECURSE)
 
     # ---- cancelling --------------------------------------------------------------------------------
@@ -633,7 +665,12 @@ _Client_close = Client.close  # the blocking close, for __aexit__ and the wrappe
 _AWAITABLE_WHEN_ASYNCHRONOUS = (
     "gather", "scatter", "scheduler_info", "nthreads", "close", "shutdown", "cancel", "retire_workers",
     "register_setup", "who_has", "has_what", "run", "restart", "upload_file", "wait_for_workers", "eta",
+    "replicate",
 )  # fmt: skip
+
+
+def _finite(timeout: float | None) -> float | None:
+    return timeout if timeout is not None and math.isfinite(timeout) else None
 
 
 def _awaitable_when_asynchronous(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -645,6 +682,8 @@ def _awaitable_when_asynchronous(fn: Callable[..., Any]) -> Callable[..., Any]:
             except RuntimeError:
                 loop = None
             if loop is not None and loop is not self._loop.loop:
+                if fn.__name__ == "gather":  # on the caller's loop: no thread held while it waits
+                    return self.gather_async(*args, **kwargs)
                 # an asyncio.Future, already running in a thread: nothing is left un-awaited
                 return loop.run_in_executor(None, functools.partial(fn, self, *args, **kwargs))
         try:

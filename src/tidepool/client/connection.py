@@ -193,13 +193,13 @@ class ClientConnection:
         self._builder.shutdown(wait=False)
 
     def check_open(self) -> None:
+        if self.closed:  # closed by its user: said so, whatever the line did as it closed
+            raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
         if self.core.lost is not None:
             raise self.core.lost
         if not hasattr(self, "_conn"):  # an asynchronous client not awaited yet (still connecting)
             raise SchedulerError("this client is still connecting: await it first (client = await "
                                  "Client(..., asynchronous=True), or async with Client(...))")  # fmt: skip
-        if self.closed:
-            raise SchedulerError("this client is closed; values can no longer be fetched (open a new Client)")
 
     # ---- the ordered outbox ----------------------------------------------------------------------
     def post(self, msg: dict[str, Any], fresh: bool = False) -> None:
@@ -516,11 +516,40 @@ class ClientConnection:
     def fetch(self, key: str, timeout: float | None) -> Any:
         return self.run_fetch([key], timeout)[key]
 
-    def fetch_soon(self, key: str) -> concurrent.futures.Future[Any]:
-        async def one() -> Any:
-            return (await self.fetch_values([key], None))[key]
-
-        return self.loop.submit(one())
+    async def fetch_async(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
+        """:meth:`run_fetch` awaited from any asyncio loop (the caller's loop is not blocked; the
+        reads run on this connection's loop).  A closed client says so (it raised the loop's
+        ``RuntimeError`` or a cancellation)."""
+        self.check_open()
+        got: dict[str, Any] = {}
+        if self.core.inline:
+            with self.lock:
+                blobs = self.core.inline_blobs(keys)
+            got, bad = load_values(blobs)
+            if bad:
+                with self.lock:
+                    self.core.not_loadable(bad)
+            if len(got) == len(keys):
+                return got
+        rest = [k for k in keys if k not in got]
+        coro = self._fetch_within(rest, timeout)
+        try:
+            if asyncio.get_running_loop() is self.loop.loop:
+                more = await coro
+            else:
+                more = await asyncio.wrap_future(self.loop.submit(coro))
+        except TimeoutError:
+            raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the caller's own cancellation
+                raise
+            # this connection's loop stopped under the read (the client was closed): said so, not
+            # passed off as a cancellation of the caller
+            self.check_open()
+            raise ConnectionLostError(f"the connection to the scheduler at {self.address} stopped while "
+                                      "values were read") from None  # fmt: skip
+        return {**got, **more}
 
     def why_not_done(self, keys: list[str], timeout: float | None, *, head: bool = True) -> str:
         """The message of a ``TimeoutError``: which keys, their state and why, as the scheduler sees

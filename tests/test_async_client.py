@@ -1,0 +1,149 @@
+"""``Client(..., asynchronous=True)`` as asyncio code uses it: awaits that give up leave nothing
+behind, waiting holds no thread, and errors are exceptions, never a cancellation of the caller.
+Each test here was a bug hunt's finding."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tidepool
+from tidepool.errors import SchedulerError
+
+pytestmark = pytest.mark.integration
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def big(n: int) -> bytes:
+    return b"x" * n
+
+
+def gated(path: str) -> str:
+    while not Path(path).exists():
+        time.sleep(0.01)
+    return "opened"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tidepool.LocalCluster]:
+    with tidepool.LocalCluster(n_workers=1, slots=2) as c:
+        yield c
+
+
+def test_gathers_given_up_hold_no_thread_and_the_client_stays_usable(cluster: tidepool.LocalCluster,
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """Before: ``await client.gather`` ran the blocking gather in the loop's default executor, so a
+    gather given up by ``wait_for`` kept a thread until the task ended; six of them filled the
+    executor and ``nthreads()``, DNS lookups and the client's own close stalled."""
+    gate = tmp_path / "gate"
+
+    async def main() -> tuple[Any, int, int]:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            blocked = client.submit(gated, str(gate))
+            before = threading.active_count()
+            for _ in range(12):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(client.gather([blocked]), 0.05)
+            during = threading.active_count()
+            n = await asyncio.wait_for(client.nthreads(), 10)
+            gate.touch()
+            assert await asyncio.wait_for(client.gather([blocked]), 30) == ["opened"]
+            return n, before, during
+
+    n, before, during = asyncio.run(main())
+    assert sum(n.values()) == 2
+    assert during <= before + 1  # no thread per gather given up
+
+
+def test_gather_of_a_cancelled_future_raises_an_exception_not_a_cancellation(cluster: tidepool.LocalCluster) -> None:
+    async def main() -> str:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            f = client.submit(inc, 1)
+            await client.cancel([f])
+            try:
+                await client.gather([f])
+            except Exception as exc:  # noqa: BLE001 - what the caller's except clause sees
+                assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
+                return type(exc).__name__
+            return "no error"
+
+    assert asyncio.run(main()) == "CancelledError"
+    assert issubclass(concurrent.futures.CancelledError, Exception)
+
+
+def test_await_on_a_closed_client_says_it_is_closed(cluster: tidepool.LocalCluster) -> None:
+    """Before: ``RuntimeError: Event loop is closed`` (and a coroutine never awaited), or a
+    cancellation of the awaiting task."""
+
+    async def main() -> None:
+        client = await tidepool.Client(cluster.address, token=cluster.token, asynchronous=True)
+        f = client.submit(inc, 1)
+        await asyncio.wait_for(client.gather([f]), 30)
+        g = client.submit(big, 100_000)  # too large to ride inline: read from its holder
+        done, _ = await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, [g], 30)
+        assert g in done  # done, its value not read yet
+        await client.close()
+        with pytest.raises(SchedulerError, match="this client is closed"):
+            await g
+
+    asyncio.run(main())
+
+
+def test_replicate_is_awaitable(cluster: tidepool.LocalCluster) -> None:
+    async def main() -> Any:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            f = client.submit(inc, 1)
+            await client.gather([f])
+            out = client.replicate([f])
+            assert asyncio.isfuture(out) or asyncio.iscoroutine(out)
+            await out
+            return await client.gather([f])
+
+    assert asyncio.run(main()) == [2]
+
+
+def test_gather_async_skips_errors_and_times_out_with_the_keys(cluster: tidepool.LocalCluster, tmp_path: Path) -> None:
+    def boom() -> None:
+        raise ValueError("boom")
+
+    async def main() -> None:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            good, bad = client.submit(inc, 1), client.submit(boom)
+            assert await client.gather([good, bad], errors="skip") == [2]
+            with pytest.raises(ValueError, match="boom"):
+                await client.gather([good, bad])
+            blocked = client.submit(gated, str(tmp_path / "never"))
+            with pytest.raises(TimeoutError, match="1 of 2 futures not done"):
+                await client.gather([good, blocked], timeout=0.2)
+            await client.cancel([blocked])
+
+    asyncio.run(main())
+
+
+def test_awaits_given_up_leave_no_callback_on_the_future(cluster: tidepool.LocalCluster, tmp_path: Path) -> None:
+    """Before: each timed-out ``await future`` left its wake-up callback (holding its loop) on the
+    future until the task ended: a server polling a long task grew by one per poll."""
+    gate = tmp_path / "gate"
+
+    async def main() -> int:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            blocked = client.submit(gated, str(gate))
+            for _ in range(200):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(blocked, 0.001)
+            left = len(blocked._done_callbacks)  # type: ignore[attr-defined]
+            gate.touch()
+            assert await asyncio.wait_for(blocked, 30) == "opened"
+            return left
+
+    assert asyncio.run(main()) <= 2
