@@ -147,3 +147,17 @@ def test_awaits_given_up_leave_no_callback_on_the_future(cluster: tidepool.Local
             return left
 
     assert asyncio.run(main()) <= 2
+
+
+async def _async_double(x: int) -> int:
+    await asyncio.sleep(0.01)
+    return 2 * x
+
+
+def test_an_async_def_task_is_run_to_its_end(cluster: tidepool.LocalCluster) -> None:
+    """Found by a bug hunt: ``submit(async_fn)`` returned the coroutine, which failed to pickle
+    ("value of type coroutine cannot be pickled"); Dask runs it.  Also for ``@task``."""
+    with tidepool.Client(cluster) as client:
+        assert client.submit(_async_double, 21).result(timeout=30) == 42
+        assert client.gather(client.map(_async_double, [1, 2])) == [2, 4]
+        assert tidepool.task(_async_double)(5).compute() == 10

@@ -59,6 +59,7 @@ def test_an_integer_key_leaves_the_schedulers_groups_and_metrics_alone() -> None
     {"resources": {"cpu": 1}},  # no address
     {"address": "tcp://127.0.0.1:1", "resources": "x"},
     {"address": "tcp://127.0.0.1:1", "resources": {"cpu": "lots"}},
+    {"address": "tcp://127.0.0.1:1", "resources": {"cpu": float("inf")}},
 ])  # fmt: skip
 def test_a_malformed_registration_is_refused_and_leaves_the_worker_id_free(bad: dict[str, Any]) -> None:
     """Found by a bug hunt: a register message the scheduler could not handle was answered

@@ -615,7 +615,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         ``force=True`` (Dask: cancel other clients' futures too) is refused: another client's
         futures are its own.
         """
-        if force is not False:
+        if force:
             raise ConfigError("cancel(force=True) is not supported: tidepool never cancels another client's futures "
                               "(a task they need keeps running); cancel them from that client")  # fmt: skip
         futs = [futures] if isinstance(futures, Future) else list(futures)

@@ -780,7 +780,7 @@ def _join_events(wid: str, msg: dict[str, Any], now: float, ready: bool) -> list
     resources = dict(msg["resources"])
     for name, amount in resources.items():
         if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, int | float) \
-                or not amount >= 0:  # fmt: skip
+                or not 0 <= amount < float("inf"):  # fmt: skip
             raise ValueError(f"resource {name!r}: {amount!r} is not a number >= 0")
     join = ev.WorkerJoin(wid, str(msg["address"]), resources, now, node_type=str(msg.get("node_type", "default")),
                          name=str(msg.get("name", "")), memory_limit=int(msg.get("memory_limit", 0)), ready=ready)  # fmt: skip

@@ -3,7 +3,8 @@
 State: a queue of lanes (each a deque of work items: one task, or quick tasks that one slot runs
 one after another), the open lanes by id, and a list of finished items.  The loop puts work in
 with :meth:`SlotPool.submit` / :meth:`SlotPool.submit_lane`; a thread deserialises the arguments,
-substitutes dependency values, calls the function, times it and appends the outcome to ``done``.
+substitutes dependency values, calls the function (a coroutine function's coroutine is run to its
+end on an event loop of the slot's own), times it and appends the outcome to ``done``.
 A slot thread takes a lane's next item only when the previous one returned (under the pool's
 lock, together with handing in the outcome), so until then the loop can take it back out
 (:meth:`SlotPool.unline`: cancelled, stolen, or cut from a lane whose member runs long) and it
@@ -23,6 +24,7 @@ import queue
 import threading
 import time
 import traceback
+import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,6 +192,8 @@ def run_item(item: WorkItem) -> Outcome:
                 args = substitute(args, item.deps)
                 kwargs = substitute(kwargs, item.deps)
         value = item.func(*args, **kwargs)
+        if type(value) is types.CoroutineType:  # an ``async def`` task: run to its end here, as Dask does
+            value = asyncio.run(value)
         return Outcome(item.key, True, value, time.perf_counter() - start)
     except BaseException as exc:  # noqa: BLE001 - a task's failure, whatever it is, goes to the client
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
