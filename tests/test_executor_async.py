@@ -291,6 +291,20 @@ def test_client_is_an_executor_and_shutdown_closes_it(cluster: tidepool.LocalClu
         c.submit(inc, 1)
 
 
+def _big(n: int) -> bytes:
+    return b"v" * n
+
+
+def test_results_stay_readable_after_shutdown_as_on_an_executor(cluster: tidepool.LocalCluster) -> None:
+    """Found by a bug hunt: ``result()`` after ``shutdown(wait=True)`` raised "this client is
+    closed" for a value not read yet (a ThreadPoolExecutor's results stay readable)."""
+    c = tidepool.Client(cluster)
+    small, large = c.submit(inc, 1), c.submit(_big, 200_000)  # one inline, one read from its holder
+    c.shutdown(wait=True)
+    assert c.closed
+    assert small.result(timeout=10) == 2 and large.result(timeout=10) == b"v" * 200_000
+
+
 # ---- asyncio ------------------------------------------------------------------------------------------
 def test_await_futures_and_gather_async(client: tidepool.Client) -> None:
     async def main() -> tuple[Any, ...]:

@@ -220,7 +220,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         """``concurrent.futures.Executor.shutdown``, then :meth:`close`.
 
         ``cancel_futures``: cancel this client's futures whose tasks have not started executing;
-        ``wait``: first wait until every other future of this client is done.
+        ``wait``: first wait until every other future of this client is done, and read the values
+        of those still held, so that ``result()`` keeps working after the close as it does on a
+        ``ThreadPoolExecutor`` (a bug hunt's ``result()`` after ``shutdown()`` said the client was
+        closed).
         """
         conn = self._connection
         if not self.closed and conn.lost is None:
@@ -230,6 +233,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 conn.cancel(pending, unless_started=True)
             if wait:
                 concurrent.futures.wait(pending)
+                with conn.lock:
+                    held = [f for f in conn.core.futures.values()
+                            if f.done() and not f.cancelled() and f.exception(0) is None and f._value is _UNSET]  # fmt: skip
+                if held:
+                    with contextlib.suppress(Exception):  # what cannot be read says so at result()
+                        self.gather(held)
         self.close()
 
     def __repr__(self) -> str:
