@@ -234,8 +234,9 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             if wait:
                 concurrent.futures.wait(pending)
                 with conn.lock:
-                    held = [f for f in conn.core.futures.values()
-                            if f.done() and not f.cancelled() and f.exception(0) is None and f._value is _UNSET]  # fmt: skip
+                    live: list[Any] = list(conn.core.futures.values())
+                held = [f for f in live if f.done() and not f.cancelled() and f.exception(0) is None
+                        and f._value is _UNSET]  # fmt: skip
                 if held:
                     with contextlib.suppress(Exception):  # what cannot be read says so at result()
                         self.gather(held)
