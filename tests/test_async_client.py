@@ -161,3 +161,29 @@ def test_an_async_def_task_is_run_to_its_end(cluster: tidepool.LocalCluster) -> 
         assert client.submit(_async_double, 21).result(timeout=30) == 42
         assert client.gather(client.map(_async_double, [1, 2])) == [2, 4]
         assert tidepool.task(_async_double)(5).compute() == 10
+
+
+def test_async_for_over_as_completed_and_await_wait(cluster: tidepool.LocalCluster, tmp_path: Path) -> None:
+    """Found by a bug hunt: Dask's ``async for f in as_completed(futs)`` and ``await wait(futs)``
+    with an asynchronous client raised TypeError."""
+    gate = tmp_path / "gate"
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            futs = client.map(inc, range(3))
+            done, not_done = await tidepool.wait(futs, timeout=30)
+            assert done == set(futs) and not not_done
+            got = sorted([await f async for f in tidepool.as_completed(futs)])
+            pairs = sorted([v async for _, v in tidepool.as_completed(futs, with_results=True)])
+            blocked = client.submit(gated, str(gate))
+            with pytest.raises(TimeoutError):
+                await tidepool.wait([blocked], timeout=0.1)
+            with pytest.raises(TimeoutError):
+                async for _ in tidepool.as_completed([blocked], timeout=0.1):
+                    pass
+            gate.touch()
+            assert [f async for f in tidepool.as_completed([blocked])] == [blocked]
+            return got, pairs
+
+    got, pairs = asyncio.run(main())
+    assert got == pairs == [1, 2, 3]

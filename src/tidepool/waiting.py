@@ -9,8 +9,10 @@ for ``distributed`` keeps working unchanged; tidepool futures are watched throug
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import math
 import threading
 import time
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from tidepool.errors import ConfigError
-from tidepool.futures import add_raw_callback
+from tidepool.futures import Future, _wake_loop, add_raw_callback
 
 _WHEN = {
     "ALL_COMPLETED": concurrent.futures.ALL_COMPLETED,
@@ -41,6 +43,8 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
     if return_when not in _WHEN:
         raise ConfigError(f"return_when must be one of {sorted(_WHEN)}, got {return_when!r}")
     futs = futures_in(fs, "wait()")
+    if _asynchronous(futs):  # ``await wait(futures)``, as with an asynchronous Dask client
+        return _wait_async(futs, timeout, return_when)  # type: ignore[return-value]
     done, not_done = concurrent.futures.wait(futs, timeout=_bounded(timeout), return_when=_WHEN[return_when])
     if return_when == "ALL_COMPLETED" and not_done:
         raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
@@ -52,6 +56,64 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
         # tell this timeout from a completed wait)
         raise TimeoutError(f"no future failed and {len(not_done)} of {len(futs)} not done after {timeout}s")
     return DoneAndNotDone(set(done), set(not_done))
+
+
+def _asynchronous(futs: list[concurrent.futures.Future[Any]]) -> bool:
+    """Called from a coroutine on futures of an asynchronous client: the caller awaits."""
+    if not any(getattr(getattr(f, "client", None), "asynchronous", False) for f in futs):
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def _wait_async(futs: list[concurrent.futures.Future[Any]], timeout: float | None,
+                      return_when: str) -> DoneAndNotDone:  # fmt: skip
+    """:func:`wait` on the caller's loop, holding no thread; the same conditions and errors."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def poke(_: Any) -> None:  # in whatever thread completed a future
+        if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(changed.set)
+
+    for f in futs:
+        add_raw_callback(f, poke)
+    deadline = None if _bounded(timeout) is None else loop.time() + timeout  # type: ignore[operator]
+    try:
+        while True:
+            changed.clear()
+            done = {f for f in futs if f.done()}
+            not_done = set(futs) - done
+            if _holds(return_when, done, not_done):
+                return DoneAndNotDone(done, not_done)
+            left = None if deadline is None else deadline - loop.time()
+            try:
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                if return_when == "ALL_COMPLETED" or not done:
+                    raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s") from None
+                raise TimeoutError(f"no future failed and {len(not_done)} of {len(futs)} not done after "
+                                   f"{timeout}s") from None  # fmt: skip
+    finally:
+        for f in futs:
+            if isinstance(f, Future):
+                f._remove_raw_callback(poke)
+
+
+def _holds(return_when: str, done: set[Any], not_done: set[Any]) -> bool:
+    if not not_done:
+        return True
+    if return_when == "FIRST_COMPLETED":
+        return bool(done)
+    if return_when == "FIRST_EXCEPTION":
+        return any(not f.cancelled() and f.exception() is not None for f in done)
+    return False
 
 
 def futures_in(fs: Any, call: str) -> list[concurrent.futures.Future[Any]]:
@@ -109,6 +171,7 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
         self._cond = threading.Condition()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._done: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []  # ``async for``
         self.update(futures)
 
     def add(self, future: concurrent.futures.Future[Any]) -> None:
@@ -122,11 +185,15 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
             self.add(f)
 
     def _finished(self, future: concurrent.futures.Future[Any]) -> None:
+        wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         with self._cond:
             if future in self._pending:
                 self._pending.discard(future)
                 self._done.append(future)
                 self._cond.notify_all()
+                wakers, self._wakers = self._wakers, []
+        for loop, waiter in wakers:
+            _wake_loop(loop, waiter)
 
     def count(self) -> int:
         """Futures not yielded yet (pending or finished)."""
@@ -155,6 +222,38 @@ class as_completed:  # noqa: N801 - Dask's name, so ported code reads the same
                 self._wait()
             f = self._done.popleft()
         return self._item(f)
+
+    def __aiter__(self) -> as_completed:
+        return self
+
+    async def __anext__(self) -> Any:
+        """``async for`` (as with an asynchronous Dask client): waits on the caller's loop, holding
+        no thread; a result is awaited, not read with a blocking call."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._done:
+                    f = self._done.popleft()
+                    break
+                if not self._pending:
+                    raise StopAsyncIteration
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._wakers.append((loop, waiter))
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            try:
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                raise TimeoutError(f"{len(self._pending)} futures still not done {self.timeout}s after "
+                                   "as_completed() was called") from None  # fmt: skip
+            finally:
+                with self._cond:
+                    if (loop, waiter) in self._wakers:
+                        self._wakers.remove((loop, waiter))
+        if not self.with_results or f.cancelled() or f.exception() is not None or not isinstance(f, Future):
+            return self._item(f)
+        return f, await f
 
     def next_batch(self, block: bool = True) -> list[Any]:
         """Everything finished so far (at least one if ``block`` and any are pending)."""
