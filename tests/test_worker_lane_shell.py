@@ -325,3 +325,20 @@ def test_the_lane_clock_stops_while_only_a_member_reported_running_long_runs(wor
     finish(w, "x", 0.5)
     p.end(lane)
     assert p.solo == ["y"] and not w.loop.timers  # type: ignore[attr-defined]  # y is not quick: no lane
+
+
+# ---- closing -------------------------------------------------------------------------------------
+def test_an_outcome_arriving_while_the_worker_closes_is_dropped_not_handled(worker: Worker,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Found by a bug hunt: a memory restart closed the store while a slot's outcome was still to be
+    handled; handling it started the next queued task, which read its inputs from the emptied store
+    (a KeyError logged as 'handling the outcome ... failed', and the task reported erred)."""
+    w, p = worker, pool(worker)
+    compute(w, "a")
+    w.state.last_run["f"] = 1.0  # slow now: b runs on its own after a
+    compute(w, "b")
+    w._closing = True  # close() began: the store is being closed
+    with caplog.at_level("ERROR", logger="tidepool.worker"):
+        finish(w, "a")
+    assert not [r for r in caplog.records if "handling the outcome" in r.getMessage()]
+    assert p.solo == [] and reported(w) == ([], [])  # nothing more started, nothing reported

@@ -116,6 +116,7 @@ class Worker:
                               f"task ({mib(baseline)}); give it several times that (--memory-limit, "
                               "LocalCluster(memory_limit=...), or 'none' for no limit)")  # fmt: skip
         self.exit_reason = ""  # "memory" when the worker stopped itself over its memory limit
+        self._closing = False
         #: ``client.restart()`` re-executes this process (set for worker processes started by the CLI)
         self.restartable = restartable
         self.preload = list(preload or [])
@@ -181,8 +182,9 @@ class Worker:
         await self.closed.wait()
 
     async def close(self, reason: str = "closed") -> None:
-        if self.closed is None or self.closed.is_set():
+        if self.closed is None or self.closed.is_set() or self._closing:
             return
+        self._closing = True  # outcomes arriving from here on are dropped, not handled on a closed store
         log.info("worker %s closing: %s", self.id, reason)
         for t in self._tasks:
             if t is not asyncio.current_task():
@@ -406,6 +408,9 @@ class Worker:
         return WorkItem(key, func, payload, {d: self.data[d] for d in deps})
 
     def _on_done(self) -> None:
+        if self._closing:  # a bug hunt: the next queued task read its inputs from the emptied store
+            self.pool.drain()
+            return
         for o in self.pool.drain():
             try:
                 self._apply(self.state.handle(self._outcome(o)), soon=False)  # flushed below
