@@ -187,3 +187,16 @@ def test_async_for_over_as_completed_and_await_wait(cluster: tidepool.LocalClust
 
     got, pairs = asyncio.run(main())
     assert got == pairs == [1, 2, 3]
+
+
+def test_compute_with_a_progress_bar_on_an_asynchronous_client_is_refused(cluster: tidepool.LocalCluster) -> None:
+    """Found by a bug hunt: the bar waited for the graph on the caller's loop (frozen for the whole
+    run) and showed no workers or forecast (the client's calls there return awaitables)."""
+
+    async def main() -> None:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            with pytest.raises(tidepool.ConfigError, match="would block this event loop"):
+                client.compute(tidepool.task(inc)(1), progress=True)
+            assert await client.compute(tidepool.task(inc)(1)) == 2
+
+    asyncio.run(main())

@@ -338,6 +338,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 opts: TaskOptions | None = None, pure: bool = False) -> Future[T]:  # fmt: skip
         if not callable(fn):
             raise ConfigError(f"submit needs a callable, got {fn!r}")
+        self._connection.check_open()  # before a future exists: refused, nothing is left to release
         opts = opts or TaskOptions(resources, retries)
         explicit = key is not None
         key = key_name(key) if explicit else make_key(fn)
@@ -437,6 +438,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         ``options`` (``resources``, ``retries``, ``priority``, ``workers``, ``allow_other_workers``)
         apply to their tasks.
         """
+        if progress and self.asynchronous and _in_foreign_loop(self):
+            # the bar waits until the graph is done: it would stop the caller's event loop
+            raise ConfigError("compute(progress=True) waits for the whole graph and would block this event loop; "
+                              "with an asynchronous client await the futures (watch the dashboard for "
+                              "progress), or use a synchronous client")  # fmt: skip
         result = self._compute(collection, progress, optimize_graph, options)
         return self.gather(result) if sync else result
 
@@ -677,6 +683,15 @@ _AWAITABLE_WHEN_ASYNCHRONOUS = (
     "register_setup", "who_has", "has_what", "run", "restart", "upload_file", "wait_for_workers", "eta",
     "replicate",
 )  # fmt: skip
+
+
+def _in_foreign_loop(client: Client) -> bool:
+    """Called from a coroutine on a loop other than the client's own."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return loop is not client._loop.loop
 
 
 def _finite(timeout: float | None) -> float | None:

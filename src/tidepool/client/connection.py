@@ -218,7 +218,11 @@ class ClientConnection:
         """On the loop: send what is queued, in this loop turn, while each message is small and the
         connection takes it at once; the rest (a large graph, a busy connection) goes through the
         async drain.  Either way one drain runs at a time (``_draining``), so order is kept."""
-        conn = self._conn
+        conn = getattr(self, "_conn", None)
+        if conn is None:  # an asynchronous client never awaited (never connected): nothing to send on
+            with self.lock:
+                self._draining = False
+            return
         while True:
             with self.lock:
                 msg = self.core.next_message()
