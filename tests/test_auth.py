@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import pickle
 import struct
 from collections.abc import Awaitable
@@ -608,3 +609,27 @@ def test_tokens_from_files_with_whitespace_work(address: str, tmp_path: Path) ->
             await lst.close()
 
     run(main())
+
+
+def test_an_auth_message_whose_mac_is_not_bytes_is_named_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a bug hunt: it was logged as "expected an auth message ..., got 'auth'"."""
+
+    async def main() -> None:
+        server = EchoServer()
+        lst = await listen("memory://", server.handler, TOKEN)
+        try:
+            rogue = _memory_connect(lst.address.removeprefix("memory://"), 2**20)
+            await asyncio.wait_for(rogue.recv(), T)  # the challenge
+            with contextlib.suppress(ConnectionLostError):
+                await rogue.send({"op": "auth", "role": "client", "nonce": b"n" * 32, "mac": "not-bytes"})
+            with pytest.raises(CommError):
+                while True:
+                    await asyncio.wait_for(rogue.recv(), T)
+            assert server.served == []
+        finally:
+            await lst.close()
+
+    with caplog.at_level(logging.WARNING, logger="tidepool.comm"):
+        run(main())
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "malformed auth message" in text and "str, not bytes" in text, text

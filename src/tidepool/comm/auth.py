@@ -108,8 +108,11 @@ async def server_handshake(conn: Connection, token: str) -> dict:
     nonce = secrets.token_bytes(32)
     await conn.send({"op": "challenge", "nonce": nonce, "v": 1})
     msg = await _recv(conn)
-    if msg.get("op") != "auth" or not isinstance(msg.get("mac"), bytes):
+    if msg.get("op") != "auth":
         raise ProtocolError(f"expected an auth message from {conn.peer}, got {msg.get('op')!r}")
+    if not isinstance(msg.get("mac"), bytes):
+        raise ProtocolError(f"malformed auth message from {conn.peer}: its mac is "
+                            f"{type(msg.get('mac')).__name__}, not bytes")  # fmt: skip
     cnonce = msg.get("nonce")
     if not isinstance(cnonce, bytes) or len(cnonce) != 32:
         raise ProtocolError("malformed auth nonce")

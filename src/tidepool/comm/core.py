@@ -685,6 +685,8 @@ class Listener:
             self._reject_window, self._reject_logged, self._reject_quiet = now, 0, 0
         if self._reject_logged < REJECT_LOG_BURST:
             self._reject_logged += 1
+            if isinstance(why, BaseException) and not str(why):  # e.g. a TLS handshake the peer aborted
+                why = f"{type(why).__name__} (no message: the peer broke off, e.g. a TLS handshake with another CA)"
             log.warning("rejected connection from %s: %s", peer, why)
         else:
             self._reject_quiet += 1
