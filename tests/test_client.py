@@ -235,6 +235,12 @@ def test_changed_versions_of_a_callable_ride_with_their_tasks_not_kept_for_ever(
         results.append(client.submit(scale, 1).result(timeout=10))
     assert results == list(range(2, 12))
     assert len(functions) <= before + 1  # call_with, once
+    # a map (a review: riding with each task, the callable was pickled into every task's arguments)
+    # registers the changed version once for all its tasks
+    scale.k = 100
+    n = len(functions)
+    assert client.gather(client.map(scale, range(50))) == [100 * i for i in range(50)]
+    assert len(functions) == n + 1
     # a bound method of an object that changes: the same
     holder = _Holder(10)
     assert client.submit(holder.get).result(timeout=10) == 10

@@ -323,6 +323,8 @@ def test_every_input_a_silent_holder_has_is_given_up_at_once_not_one_timeout_eac
     freed = {k for c in cmds if isinstance(c, ev.Free) and c.worker == holder for k in c.keys}
     assert freed == set(keys)
     assert all(holder not in d.state.tasks[k].who_has for k in keys)
+    # only the input reported counts as a failed fetch (a review: the others were never asked for)
+    assert [d.state.tasks[k].fetch_failures for k in keys] == [1, 0, 0]
     d.run_until_idle()
     assert {k: d.status()[k] for k in ["b", *keys]} == dict.fromkeys(["b", *keys], "memory")
     assert all(set(d.state.tasks[k].who_has) == {other} for k in keys)  # made again where it answers

@@ -241,6 +241,20 @@ def test_the_target_for_values_leaves_room_for_the_process_itself() -> None:
     sh.check()
 
 
+def test_a_high_memory_sample_does_not_make_every_store_spill_everything() -> None:
+    """Found by a review of the fix above: a sample taken while a task's temporaries (or memory the
+    allocator kept) were counted made every later store spill all values, the new one included.
+    The process's own share counts for at most three quarters of the target."""
+    sh = Shell(LIMIT)  # target 500 bytes
+    sh.send(ws.MemorySample(550))  # more than the target, with nothing stored
+    spilled = []
+    for key in ("a", "b", "c"):
+        sh.send(ws.Replicate(key, (("w1", "tcp://w1:1"),)))
+        spilled += [c for c in sh.send(ws.FetchDone(key, 10)) if isinstance(c, ws.Spill)]
+    assert spilled == [] and not sh.disk
+    sh.check()
+
+
 def test_an_unservable_value_that_could_not_be_spilled_is_forgotten_everywhere() -> None:
     """A value that cannot be pickled stays in memory for good (pinned); when the data server then
     finds it can never send it and drops it, the state forgets it as pinned too (before, a pinned

@@ -366,12 +366,15 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         super().add_done_callback(fn)
 
     def _remove_raw_callback(self, fn: Callable[[concurrent.futures.Future[Any]], object]) -> None:
-        """Forget a callback added by :meth:`_add_raw_callback` that has not run (if it has, the
-        future is done and its callbacks are gone)."""
+        """Forget a callback added by :meth:`_add_raw_callback` while the future is not done (once
+        it is, nothing is removed: the callbacks run from the list as it was, and a callback that
+        only wakes an awaiter that gave up is harmless)."""
         with self._condition:  # the lock every change to the callbacks is made under
-            callbacks = self._done_callbacks
-            if fn in callbacks:
-                callbacks.remove(fn)
+            if self._state not in (PENDING, RUNNING):
+                return  # done: its callbacks run (or ran) from the list as it is, outside the lock
+            # a new list, never the old one changed in place: a list being walked is never touched
+            # (a review: removing in place made the thread running the callbacks skip the next one)
+            self._done_callbacks = [c for c in self._done_callbacks if c is not fn]
 
     # ---- asyncio ----------------------------------------------------------------------------------
     def __await__(self) -> Any:

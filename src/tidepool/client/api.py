@@ -220,10 +220,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         """``concurrent.futures.Executor.shutdown``, then :meth:`close`.
 
         ``cancel_futures``: cancel this client's futures whose tasks have not started executing;
-        ``wait``: first wait until every other future of this client is done, and read the values
-        of those still held, so that ``result()`` keeps working after the close as it does on a
-        ``ThreadPoolExecutor`` (a bug hunt's ``result()`` after ``shutdown()`` said the client was
-        closed).
+        ``wait``: first wait until every other future of this client is done.  Unlike a
+        ``ThreadPoolExecutor``'s, values not read before are not readable after it (they live on
+        the workers, whose connection this closes; reading every held value into the client first
+        could be gigabytes): ``gather`` what you need before.
         """
         conn = self._connection
         if not self.closed and conn.lost is None:
@@ -233,13 +233,6 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 conn.cancel(pending, unless_started=True)
             if wait:
                 concurrent.futures.wait(pending)
-                with conn.lock:
-                    live: list[Any] = list(conn.core.futures.values())
-                held = [f for f in live if f.done() and not f.cancelled() and f.exception(0) is None
-                        and f._value is _UNSET]  # fmt: skip
-                if held:
-                    with contextlib.suppress(Exception):  # what cannot be read says so at result()
-                        self.gather(held)
         self.close()
 
     def __repr__(self) -> str:
@@ -588,8 +581,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 await asyncio.wait_for(asyncio.shield(all_done), _finite(timeout))
             except TimeoutError:
                 keys = [f.key for f in flat if not f.done()]
-                why = await loop.run_in_executor(
-                    None, functools.partial(self._connection.why_not_done, keys, timeout, head=False))
+                why = await self._connection.why_not_done_async(keys, timeout)
                 raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; {why}") from None
             finally:
                 for f in pending:

@@ -565,11 +565,18 @@ class ClientConnection:
             why = self.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
             why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
-        parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
-                 for k in shown]  # fmt: skip
-        more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
-        lead = f"{keys[0]!r} not done after {timeout}s; " if head and len(keys) == 1 else ""
-        return lead + "; ".join(parts) + more
+        return _why_text(keys, why, timeout, head)
+
+    async def why_not_done_async(self, keys: list[str], timeout: float | None) -> str:
+        """:meth:`why_not_done` awaited from any asyncio loop, holding no thread."""
+        shown = keys[:3]
+        try:
+            self.check_open()
+            ask = self.loop.submit(self.request(KeyQuery("why", shown).encode()))
+            why = await asyncio.wait_for(asyncio.wrap_future(ask), min(2.0, self.timeout))
+        except (TidepoolError, TimeoutError) as exc:
+            why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
+        return _why_text(keys, why, timeout, False)
 
     def cancel(self, futures: list[Future[Any]], *, unless_started: bool) -> None:
         """One ``cancel`` request for ``futures``; blocks until the scheduler's reports are applied.
@@ -666,3 +673,12 @@ class ClientConnection:
 
 
 __all__ = ["ClientConnection", "HolderGone", "cancelled_message"]
+
+
+def _why_text(keys: list[str], why: dict[str, Any], timeout: float | None, head: bool) -> str:
+    shown = keys[:3]
+    parts = [f"{k!r} is {why.get(k, {}).get('state', 'unknown')}: {why.get(k, {}).get('why', '?')}"
+             for k in shown]  # fmt: skip
+    more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+    lead = f"{keys[0]!r} not done after {timeout}s; " if head and len(keys) == 1 else ""
+    return lead + "; ".join(parts) + more

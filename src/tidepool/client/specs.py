@@ -142,12 +142,15 @@ class SpecBuilder:
         except Exception as e:
             raise _unpicklable(key, f"function {func_name(fn)!r}", e) from e
         call_args = args
-        if blob is not None and self._changed(fn, fid):
+        if memo is None and blob is not None and self._changed(fn, fid):
             # a callable sent before whose state has changed since (an attribute set, a global
-            # reassigned): this version rides with its task and goes with it, instead of being
-            # kept by the scheduler and every worker for ever, one copy per version
+            # reassigned), in a single submit: this version rides with its task and goes with it,
+            # instead of being kept by the scheduler and every worker for ever, one copy per
+            # version.  A map or a graph registers it once for all its tasks (riding with each,
+            # it was pickled into every task's arguments: a review's 100-task map of a function
+            # reading a 1 MB global sent 100 MB)
             call_args = (fn, *args)
-            fid, blob = self.function(call_with, memo)
+            fid, blob = self.function(call_with, None)
         if call_args or kwargs:
             refd = (replace(call_args, swap), replace(kwargs, swap))
             try:

@@ -774,22 +774,24 @@ class SchedulerState:
                     break
                 if other is not dts and holder.id in other.who_has:
                     other.avoid = (other.avoid or frozenset()) | {holder.id}
-                    self._drop_copy(ts, other, holder, e.error, out)
+                    # not counted as a failed fetch: nobody tried it (a review: a slow holder
+                    # would otherwise fail the task with TransferError naming an input never asked)
+                    self._drop_copy(ts, other, holder, e.error, out, count=False)
         if ts is not None and ts.state == TS.RUNNING and ts.worker == e.worker:
             self._unassign(ts)
             self._reschedule(ts, out)
 
     def _drop_copy(self, ts: TaskRecord, dts: TaskRecord, holder: WorkerRecord, error: str,
-                   out: list[ev.Command]) -> None:  # fmt: skip
+                   out: list[ev.Command], count: bool = True) -> None:  # fmt: skip
         """``holder``'s copy of ``dts`` (an input of running ``ts``) could not be fetched: forget it
         (recompute the value if it was the last copy; fail ``ts`` with ``TransferError`` once the
-        value was lost this way ``max_fetch_failures`` times in a row)."""
+        value was lost this way ``max_fetch_failures`` times in a row, counted if ``count``)."""
         dts.drop_holder(holder.id)
         holder.has_what.discard(dts)
         holder.nbytes -= dts.nbytes
         out.append(ev.Free(holder.id, [dts.key]))
         if dts.state == TS.MEMORY and not dts.who_has:
-            dts.fetch_failures += 1
+            dts.fetch_failures += 1 if count else 0
             if dts.fetch_failures >= self.max_fetch_failures and ts.state == TS.RUNNING:
                 self._unassign(ts)
                 self._fail(ts, "TransferError", explain.transfer_failed(ts, dts, holder.name, error), out)

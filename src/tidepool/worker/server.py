@@ -182,7 +182,10 @@ class Worker:
         await self.closed.wait()
 
     async def close(self, reason: str = "closed") -> None:
-        if self.closed is None or self.closed.is_set() or self._closing:
+        if self.closed is None or self.closed.is_set():
+            return
+        if self._closing:  # another close runs: done when it is (a restart must not re-execute before)
+            await self.closed.wait()
             return
         self._closing = True  # outcomes arriving from here on are dropped, not handled on a closed store
         log.info("worker %s closing: %s", self.id, reason)

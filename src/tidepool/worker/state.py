@@ -778,7 +778,10 @@ class WorkerState:
         if self.limit and not self.spill_off:
             # the process's own memory counts: values alone up to the target left a survivor taking
             # a retiring worker's data (a bug hunt: 150 MiB into 191) past the terminate level
-            self._spill(self.memory_bytes + self.unmanaged - self.limit * self.thresholds.target, out)
+            # (at most three quarters of the target: one sample taken while a task's temporaries or
+            # memory the allocator kept were counted must not make every later store spill everything)
+            room = self.limit * self.thresholds.target
+            self._spill(self.memory_bytes + min(self.unmanaged, 0.75 * room) - room, out)
 
     def _spill(self, nbytes: float, out: list[Command]) -> None:
         """Spill least recently used values until about ``nbytes`` left memory."""
