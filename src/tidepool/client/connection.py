@@ -419,21 +419,26 @@ class ClientConnection:
         thread, perhaps a LocalCluster's scheduler's, takes it for every report): only the rest
         go through the loop."""
         self.check_open()
-        got: dict[str, Any] = {}
-        if self.core.inline:
-            with self.lock:
-                blobs = self.core.inline_blobs(keys)
-            got, bad = load_values(blobs)
-            if bad:
-                with self.lock:
-                    self.core.not_loadable(bad)
-            if len(got) == len(keys):
-                return got
+        got = self._inline_values(keys)
+        if len(got) == len(keys):
+            return got
         rest = [k for k in keys if k not in got]
         try:
             return {**got, **self.run(self._fetch_within(rest, timeout))}
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+
+    def _inline_values(self, keys: list[str]) -> dict[str, Any]:
+        """The values of ``keys`` that came inline, unpickled in the calling thread (outside ``lock``)."""
+        if not self.core.inline:
+            return {}
+        with self.lock:
+            blobs = self.core.inline_blobs(keys)
+        got, bad = load_values(blobs)
+        if bad:
+            with self.lock:
+                self.core.not_loadable(bad)
+        return got
 
     async def _fetch_within(self, keys: list[str], timeout: float | None) -> dict[str, Any]:
         async with asyncio.timeout(timeout):
@@ -525,16 +530,9 @@ class ClientConnection:
         reads run on this connection's loop).  A closed client says so (it raised the loop's
         ``RuntimeError`` or a cancellation)."""
         self.check_open()
-        got: dict[str, Any] = {}
-        if self.core.inline:
-            with self.lock:
-                blobs = self.core.inline_blobs(keys)
-            got, bad = load_values(blobs)
-            if bad:
-                with self.lock:
-                    self.core.not_loadable(bad)
-            if len(got) == len(keys):
-                return got
+        got = self._inline_values(keys)
+        if len(got) == len(keys):
+            return got
         rest = [k for k in keys if k not in got]
         coro = self._fetch_within(rest, timeout)
         try:
