@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from tidepool.comm import Connection, listen
 from tidepool.comm.messages import DataReply
 from tidepool.comm.serialize import serialize
@@ -85,3 +87,21 @@ def test_a_key_the_peer_does_not_hold_is_missing_and_a_cancelled_asker_leaves_th
     got, missing = asyncio.run(main())
     assert got == ("ok", 1)
     assert missing[0] == "missing" and "does not hold it" in missing[1]
+
+
+def test_any_error_of_a_fetch_is_an_outcome_never_a_dead_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found running the demo: connecting to a peer that had just closed raised the transport's
+    RuntimeError (not a CommError), which killed the fetch; the task needing the value waited for
+    ever and the demo never ended.  Any error is a 'missing' outcome (the scheduler reschedules)."""
+
+    async def broken(self: Peers, address: str, keys: list[str], on_reply: Any = None) -> Any:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    monkeypatch.setattr(Peers, "get", broken)
+
+    async def main() -> Any:
+        peers = Peers(TOKEN, None, fetch_timeout=10)
+        return await asyncio.wait_for(peers.fetch("a", (("w", "tcp://127.0.0.1:1"),)), 10)
+
+    kind, why = asyncio.run(main())
+    assert kind == "missing" and "RuntimeError" in why

@@ -830,6 +830,8 @@ async def connect(
                 await asyncio.wait_for(opening, max(0.1, deadline - loop.time()))
                 tcp.peer = address if scheme == "unix" else f"{scheme}://{host}:{port}"
                 if ctx is None and tcp.transport is not None:
+                    if tcp.transport.is_closing():  # the peer closed at once (a worker retiring, say)
+                        raise ConnectionLostError(f"{address} closed the connection as it opened")
                     tcp.transport.write(PLAIN_PREAMBLE)  # tells the listener this is a plain tidepool peer
                 conn = tcp
             break

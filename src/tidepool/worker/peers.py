@@ -72,6 +72,12 @@ class Peers:
                 log.info("fetching %s from %s failed: %s", key, addr, exc)
                 outcome = ("missing", str(exc))
                 continue
+            except Exception as exc:  # noqa: BLE001 - whatever broke, the task must hear an outcome
+                # (a bug here, or a transport's own error: the fetch task died with it, and the task
+                # that needed the value waited for ever; the demo hung on one)
+                log.warning("fetching %s from %s failed: %s: %s", key, addr, type(exc).__name__, exc)
+                outcome = ("missing", f"{type(exc).__name__}: {exc}")
+                continue
             if key in failed:
                 return ("broken", failed[key])
             if key in got:
