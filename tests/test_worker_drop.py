@@ -27,8 +27,9 @@ class _LoadsBadly:
 def test_dropping_a_spilled_value_does_not_read_it_back(tmp_path: Any) -> None:
     # Drop used data.pop(key, None): MutableMapping.pop reads the value first, so a spilled value
     # was loaded from disk (all of it) only to be dropped, and one that failed to load raised in
-    # the worker's loop and the key was never dropped
-    w = Worker("tcp://127.0.0.1:1", "token", slots=1, memory_limit=2**30, spill_dir=str(tmp_path))
+    # the worker's loop and the key was never dropped.  (An in-process worker: its limit must be
+    # far above the test process's own memory, which a long run grows past 800 MiB.)
+    w = Worker("tcp://127.0.0.1:1", "token", slots=1, memory_limit=8 * 2**30, spill_dir=str(tmp_path))
     try:
         store = w.data
         assert isinstance(store, SpillStore)
