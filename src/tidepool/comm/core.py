@@ -830,7 +830,9 @@ async def connect(
                 await asyncio.wait_for(opening, max(0.1, deadline - loop.time()))
                 tcp.peer = address if scheme == "unix" else f"{scheme}://{host}:{port}"
                 if ctx is None and tcp.transport is not None:
-                    if tcp.transport.is_closing():  # the peer closed at once (a worker retiring, say)
+                    if tcp.transport.is_closing():  # closed at once: what it sent said why, or the peer left
+                        if isinstance(tcp._error, ProtocolError):  # e.g. an HTTP answer: not tidepool
+                            raise tcp._error
                         raise ConnectionLostError(f"{address} closed the connection as it opened")
                     tcp.transport.write(PLAIN_PREAMBLE)  # tells the listener this is a plain tidepool peer
                 conn = tcp
@@ -838,6 +840,8 @@ async def connect(
         except ssl.SSLError as exc:  # a certificate problem does not go away by retrying
             raise ConnectionLostError(f"TLS with {address} failed: {exc}; do both sides use certificates "
                                       "from the same CA (and is the other side a tls:// address)?") from exc
+        except ProtocolError:  # it answered, but not in tidepool's protocol: retrying cannot help
+            raise
         except (TimeoutError, OSError, ConnectionLostError) as exc:
             if ctx is not None and not isinstance(exc, (ConnectionRefusedError, TimeoutError)):
                 # connected, then cut off during the TLS handshake: the other side speaks plain TCP
