@@ -237,3 +237,18 @@ def test_many_awaiters_of_a_future_completed_in_another_thread_all_wake() -> Non
         return lost
 
     assert asyncio.run(main()) == [0] * 10
+
+
+def test_dask_async_cluster_habits_work_or_say_what_to_do() -> None:
+    """Found by a bug hunt: Dask's ``async with LocalCluster(asynchronous=True)`` failed with a list of
+    keywords, and ``async with LocalCluster()`` with a TypeError."""
+    with pytest.raises(tidepool.ConfigError, match=r"Client\(cluster, asynchronous=True\)"):
+        tidepool.LocalCluster(n_workers=0, asynchronous=True)
+
+    async def main() -> tuple[int, bool]:
+        async with tidepool.LocalCluster(n_workers=1) as cluster:
+            async with tidepool.Client(cluster, asynchronous=True) as client:
+                got = await client.submit(inc, 1)
+        return got, cluster.closed
+
+    assert asyncio.run(main()) == (2, True)

@@ -86,6 +86,13 @@ class LocalCluster(ClosesOnExit):
     #: seconds a worker restarting over its memory limit may take to register again
     MEMORY_RESTART_GRACE = 60.0
 
+    async def __aenter__(self) -> LocalCluster:
+        """``async with LocalCluster() as cluster:`` (started already, as the constructor returns)."""
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
     def __init__(self, n_workers: int | None = None, *, slots: int | None = None,
                  resources: dict[str, Any] | None = None, node_type: str = "default",
                  host: str = "127.0.0.1", port: int = 0, heartbeat_interval: float = 1.0,

@@ -21,6 +21,12 @@ DASK_NAMES = {"threads_per_worker": "slots", "nthreads": "slots", "minimum_cores
               "maximum_cores": "maximum"}  # fmt: skip
 
 
+#: Dask keywords with no tidepool counterpart, and what to do instead
+DASK_ADVICE = {"asynchronous": "a LocalCluster starts at once and works from async code as it is (`async with "
+                               "LocalCluster() as cluster:`); make the client asynchronous instead: "
+                               "Client(cluster, asynchronous=True)"}  # fmt: skip
+
+
 def accepted_keywords(targets: Iterable[Callable[..., Any]]) -> set[str]:
     """Every name the ``targets`` take by keyword (``self`` and ``*args``/``**kwargs`` excluded)."""
     names: set[str] = set()
@@ -44,5 +50,7 @@ def check_keywords(call: str, given: Iterable[str], *targets: Callable[..., Any]
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         if DASK_NAMES.get(name) in known:
             hint = f" (Dask's {name}= is {DASK_NAMES[name]}= in tidepool)"
+        if name in DASK_ADVICE:
+            hint = f" ({DASK_ADVICE[name]})"
         raise ConfigError(f"{call}() got an unexpected keyword argument {name!r}{hint}; it takes "
                           f"{', '.join(sorted(known))}")  # fmt: skip
