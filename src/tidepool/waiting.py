@@ -46,15 +46,8 @@ def wait(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETE
     if _asynchronous(futs):  # ``await wait(futures)``, as with an asynchronous Dask client
         return _wait_async(futs, timeout, return_when)  # type: ignore[return-value]
     done, not_done = concurrent.futures.wait(futs, timeout=_bounded(timeout), return_when=_WHEN[return_when])
-    if return_when == "ALL_COMPLETED" and not_done:
-        raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s")
-    if return_when != "ALL_COMPLETED" and not done and futs:
-        raise TimeoutError(f"none of {len(futs)} futures done after {timeout}s")
-    if return_when == "FIRST_EXCEPTION" and not_done and not any(
-            not f.cancelled() and f.exception() is not None for f in done):  # fmt: skip
-        # some are done, none failed, and not all: the condition did not hold (a bug hunt could not
-        # tell this timeout from a completed wait)
-        raise TimeoutError(f"no future failed and {len(not_done)} of {len(futs)} not done after {timeout}s")
+    if not _holds(return_when, done, not_done):
+        raise _timed_out(return_when, done, not_done, timeout)
     return DoneAndNotDone(set(done), set(not_done))
 
 
@@ -96,10 +89,7 @@ async def _wait_async(futs: list[concurrent.futures.Future[Any]], timeout: float
                     raise TimeoutError
                 await asyncio.wait_for(changed.wait(), left)
             except TimeoutError:
-                if return_when == "ALL_COMPLETED" or not done:
-                    raise TimeoutError(f"{len(not_done)} of {len(futs)} futures not done after {timeout}s") from None
-                raise TimeoutError(f"no future failed and {len(not_done)} of {len(futs)} not done after "
-                                   f"{timeout}s") from None  # fmt: skip
+                raise _timed_out(return_when, done, not_done, timeout) from None
     finally:
         for f in futs:
             if isinstance(f, Future):
@@ -107,6 +97,7 @@ async def _wait_async(futs: list[concurrent.futures.Future[Any]], timeout: float
 
 
 def _holds(return_when: str, done: set[Any], not_done: set[Any]) -> bool:
+    """Whether ``return_when`` holds for these futures (a wait that returns without it timed out)."""
     if not not_done:
         return True
     if return_when == "FIRST_COMPLETED":
@@ -114,6 +105,18 @@ def _holds(return_when: str, done: set[Any], not_done: set[Any]) -> bool:
     if return_when == "FIRST_EXCEPTION":
         return any(not f.cancelled() and f.exception() is not None for f in done)
     return False
+
+
+def _timed_out(return_when: str, done: set[Any], not_done: set[Any], timeout: float | None) -> TimeoutError:
+    """The error of a wait whose ``timeout`` passed before ``return_when`` held, as Dask raises it."""
+    n = len(done) + len(not_done)
+    if return_when == "ALL_COMPLETED":
+        return TimeoutError(f"{len(not_done)} of {n} futures not done after {timeout}s")
+    if not done:
+        return TimeoutError(f"none of {n} futures done after {timeout}s")
+    # FIRST_EXCEPTION: some are done, none failed (a bug hunt could not tell this timeout from a
+    # completed wait)
+    return TimeoutError(f"no future failed and {len(not_done)} of {n} not done after {timeout}s")
 
 
 def futures_in(fs: Any, call: str) -> list[concurrent.futures.Future[Any]]:

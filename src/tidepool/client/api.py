@@ -601,7 +601,8 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             if f._value is _UNSET:
                 need.append(f.key)
         if need:
-            left = None if timeout is None or not math.isfinite(timeout) else max(0.0, timeout - (loop.time() - start))
+            bound = _finite(timeout)
+            left = None if bound is None else max(0.0, bound - (loop.time() - start))
             values = await self._connection.fetch_async(list(dict.fromkeys(need)), left)
             for f in flat:
                 if f.key in values:

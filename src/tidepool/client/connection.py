@@ -562,7 +562,7 @@ class ClientConnection:
             self.check_open()
             why = self.run(self.request(KeyQuery("why", shown).encode()), timeout=min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
-            why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
+            why = _not_asked(shown, exc)
         return _why_text(keys, why, timeout, head)
 
     async def why_not_done_async(self, keys: list[str], timeout: float | None) -> str:
@@ -573,7 +573,7 @@ class ClientConnection:
             ask = self.loop.submit(self.request(KeyQuery("why", shown).encode()))
             why = await asyncio.wait_for(asyncio.wrap_future(ask), min(2.0, self.timeout))
         except (TidepoolError, TimeoutError) as exc:
-            why = {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in shown}
+            why = _not_asked(shown, exc)
         return _why_text(keys, why, timeout, False)
 
     def cancel(self, futures: list[Future[Any]], *, unless_started: bool) -> None:
@@ -680,3 +680,7 @@ def _why_text(keys: list[str], why: dict[str, Any], timeout: float | None, head:
     more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
     lead = f"{keys[0]!r} not done after {timeout}s; " if head and len(keys) == 1 else ""
     return lead + "; ".join(parts) + more
+
+
+def _not_asked(keys: list[str], exc: BaseException) -> dict[str, Any]:
+    return {k: {"state": "unknown", "why": f"the scheduler could not be asked ({exc})"} for k in keys}
