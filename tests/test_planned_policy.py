@@ -545,3 +545,29 @@ def test_guess_budget_is_checked() -> None:
         with pytest.raises(ConfigError, match="guess_budget must be a number >= 0"):
             GraphPlan(guess_budget=bad)  # type: ignore[arg-type]
     assert default_policy(guess_budget=0.5).plan.guess_budget == 0.5
+
+
+def test_a_budget_buys_no_node_that_would_work_less_than_its_start_up() -> None:
+    # 10 nodes held; 30 tasks of 40 s: a node arriving after its 60 s start-up gets one 40 s task at
+    # most, so it would pay more for booting than for working.  The money is there (budget 100).
+    nt = NodeType("default", max_nodes=100, startup_estimate=60.0, cost=3.6)
+    ws = tuple(worker(f"w{i}", running=1) for i in range(10))
+    snap = snapshot(0.0, nt, ws, wide(30, 40.0), (Demand(CPU, "work", 20, 40.0),))
+    f = snap.forecasts[0]
+    assert any(0 < b < nt.startup_estimate for b in f.new_busy[1:])  # a purchase would work under S
+    d = GraphPlan(budget=100.0)(snap)
+    assert d.launch.get("default", 0) == 0
+    assert any("under their start-up of 60.0s; none bought" in r for r in d.reasons)
+    # 30 tasks of 400 s: a new node works several start-ups, and it is bought
+    snap = snapshot(0.0, nt, ws, wide(30, 400.0), (Demand(CPU, "work", 20, 400.0),))
+    d = GraphPlan(budget=100.0)(snap)
+    k = d.launch.get("default", 0)
+    assert k > 0
+    f = snap.forecasts[0]
+    assert f.new_busy[f.extra.index(k)] >= nt.startup_estimate
+
+
+def test_a_budget_with_no_node_held_buys_the_first_whatever_it_would_work() -> None:
+    nt = NodeType("default", max_nodes=100, startup_estimate=60.0, cost=3.6)
+    d = GraphPlan(budget=100.0)(snapshot(0.0, nt, (), wide(2, 5.0), (Demand(CPU, "work", 2, 5.0),)))
+    assert d.launch.get("default", 0) >= 1

@@ -26,7 +26,8 @@ TRACES = _traces_dir()
 
 
 @pytest.mark.skipif(TRACES is None, reason="no ../shared/workloads/wfinstances beside the repository")
-@pytest.mark.parametrize("name", ["montage-chameleon-2mass-01d-001.json", "1000genome-chameleon-10ch-250k-001.json"])
+@pytest.mark.parametrize("name", ["montage-chameleon-2mass-01d-001.json", "1000genome-chameleon-10ch-250k-001.json",
+                                  "1000genome-chameleon-22ch-100k-001.json"])
 def test_a_budget_is_never_exceeded_on_a_real_trace(name: str, tmp_path: Path) -> None:
     assert TRACES is not None
     cluster = preset_cluster("cloud:50:4")
