@@ -37,6 +37,12 @@ def test_node_type_preemption_and_warm_pool_fields_are_checked() -> None:
         parse({"node_types": [base]})
     cfg = parse({"node_types": [base, {"name": "od", "min_idle": 1, "replace_before": True}]})
     assert cfg.node_types[0].preemptible and cfg.node_types[1].min_idle == 1
+    # a fallback that lacks the type's special resources would bring nodes its waiting tasks cannot use
+    gspot = NodeType("gspot", {"cpu": 1, "gpu": 1}, preemptible=True, fallback="cpu")
+    with pytest.raises(ConfigError, match="fallback 'cpu' offers less gpu per worker than 'gspot'"):
+        ScalingController((gspot, NodeType("cpu", {"cpu": 8})))
+    ScalingController((gspot, NodeType("cpu", {"cpu": 2, "gpu": 1})))  # same special resources: fine
+    ScalingController((SPOT, NodeType("ondemand", {"cpu": 1, "memory": 1e9})))  # cpu/memory may differ
     with pytest.raises(ConfigError, match="unknown key 'preemptable'"):
         parse({"node_types": [{"name": "x", "preemptable": True}]})
 

@@ -352,6 +352,11 @@ def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
     c3 = ScalingController((floor,), lambda s: ScaleDecision(launch={"cpu": 10}), max_workers=1,
                            forecast_interval=0.25)  # fmt: skip
     assert [(nt.name, n) for _, nt, n in step_with_state(c3, d.state, 0.0).launch] == [("cpu", 1)]
+    # each cut is said in the launch's journal record (it was silent: "the policy asked")
+    said = [r["reason"] for r in c.journal.records if r["kind"] == "launch"]
+    assert said and "cpu: 10 node(s) asked, 3 launched: max_nodes is 3" in said[0]
+    said = [r["reason"] for r in c3.journal.records if r["kind"] == "launch"]
+    assert said and "cpu: 3 node(s) asked, 1 launched: max_workers is 1" in said[0]
 
 
 def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:

@@ -5,6 +5,8 @@ Driven with :class:`StateDriver` and a fake clock only: no processes, no sleeps.
 
 from __future__ import annotations
 
+import pytest
+
 from tidepool.comm.serialize import serialize
 from tidepool.scheduler import events as ev
 from tidepool.scheduler.server import DEFAULT_HEARTBEAT_TTL
@@ -345,3 +347,25 @@ def test_a_copy_that_could_not_be_fetched_for_other_reasons_does_not_make_its_ho
     d.running[ts.worker or ""].remove("b")
     d.send(ev.MissingData(ts.worker or "", "b", "a", holder, d.clock(), "ConnectionRefusedError"))
     assert not d.state.workers[holder].suspect and d.state.counters["suspect_holders"] == 0
+
+
+@pytest.mark.parametrize(("gpu_kw", "limits", "why"), [
+    ({"max_nodes": 0}, {}, "its max_nodes is 0"),
+    ({"cost": 4.0}, {"max_cost_per_hour": 2.0}, "its cost 4 per node-hour is over max_cost_per_hour 2"),
+    ({"cost": 100.0}, {"budget": 1.0}, "over the budget 1"),
+])  # fmt: skip
+def test_a_task_only_a_node_type_the_settings_never_launch_offers_fails_at_once(
+        gpu_kw: dict, limits: dict, why: str) -> None:  # fmt: skip
+    from tidepool.scaling.controller import ScalingController
+    from tidepool.scaling.node_types import NodeType
+
+    cpu = NodeType("cpu", {"cpu": 1}, max_nodes=2, cost=1.0)
+    gpu = NodeType("gpu", {"cpu": 1, "gpu": 1}, **{"max_nodes": 1, **gpu_kw})
+    rule = ScalingController((cpu, gpu), **limits).view.feasibility
+    assert rule((("cpu", 1.0),)) is None  # cpu work is not affected
+    d = StateDriver(SchedulerState())
+    d.send(ev.CheckFeasible(d.clock(), rule))  # the autoscaler starts
+    d.submit([("train", [], {"gpu": 1})], ["train"])  # it used to wait for a gpu node for ever
+    ts = d.state.tasks["train"]
+    assert d.status()["train"] == "erred" and ts.exc_type == "InfeasibleTaskError", ts.state
+    assert "only node types that can never be launched offer" in ts.message and why in ts.message

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidepool.errors import ConfigError
 from tidepool.scaling.adoption import adopt, instance_rows, row_changes
-from tidepool.scaling.controller_checks import check_affordable, check_settings
+from tidepool.scaling.controller_checks import check_affordable, check_settings, never_launched
 from tidepool.scaling.feasibility import Feasibility, largest_offers
 from tidepool.scaling.forecast import type_forecasts
 from tidepool.scaling.instances import FINAL, IS, InstanceTable, Request
@@ -92,6 +92,7 @@ from tidepool.scaling.snapshot import (
     WorkerView,
 )
 from tidepool.scaling.warm import Quiet, idle_by_type, warm_launches
+from tidepool.scheduler.records import ORDINARY
 from tidepool.telemetry.journal import Journal
 
 if TYPE_CHECKING:
@@ -228,9 +229,16 @@ def clamp_launches(wanted: Mapping[str, int], snap: ClusterSnapshot, node_types:
             if n > deficit:
                 reasons.append(f"{name}: not launched again until a forecast sees the last launch")
                 n = deficit
-        n = min(n, known.max_nodes - snap.nodes_of(name))
-        if max_workers is not None:
-            n = min(n, (max_workers - workers) // known.workers_per_node)
+        room = known.max_nodes - snap.nodes_of(name)
+        if n > room:
+            reasons.append(f"{name}: {n} node(s) asked, {max(0, room)} launched: max_nodes is {known.max_nodes} "
+                           f"({snap.nodes_of(name)} held or coming)")  # fmt: skip
+            n = room
+        if max_workers is not None and n > (max_workers - workers) // known.workers_per_node:
+            cut = max(0, (max_workers - workers) // known.workers_per_node)
+            reasons.append(f"{name}: {n} node(s) asked, {cut} launched: max_workers is {max_workers} "
+                           f"({workers} workers held or coming)")  # fmt: skip
+            n = cut
         if n > 0:
             planned[name] = n
             workers += n * known.workers_per_node
@@ -262,6 +270,14 @@ class ScalingController(Replacing):
             if nt.fallback is not None and nt.fallback not in names:
                 raise ConfigError(f"node type {nt.name!r}: fallback {nt.fallback!r} is not one of the node types "
                                   f"{names}; add it or fix the name")  # fmt: skip
+            if nt.fallback is not None:
+                fb = next(t for t in node_types if t.name == nt.fallback)
+                lacks = sorted(r for r, v in nt.worker_resources.items()
+                               if r not in ORDINARY and v > 0 and fb.worker_resources.get(r, 0.0) < v)  # fmt: skip
+                if lacks:  # its launches would bring nodes the tasks waiting for it cannot use
+                    raise ConfigError(f"node type {nt.name!r}: fallback {nt.fallback!r} offers less "
+                                      f"{', '.join(lacks)} per worker than {nt.name!r} does, so the tasks that need "
+                                      f"{nt.name!r} could not run on it; give a fallback with the same resources")  # fmt: skip
         check_settings(policy, launch_timeout, backoff_base, backoff_max, max_type_failures, forecast_interval,
                         manage_foreign)  # fmt: skip
         check_affordable(node_types, CostLimits(max_cost_per_hour, budget))
@@ -333,7 +349,8 @@ class ScalingController(Replacing):
         self._stale_types: set[str] = set()
         #: workers to terminate at the next step (given up before they registered)
         self._terminate: list[str] = []
-        self._feasibility = Feasibility(tuple(self.node_types.values()))
+        self._feasibility = Feasibility(tuple(self.node_types.values()),
+                                        never=never_launched(node_types, self.limits))
         #: what the shells may read, as of the last step
         self.view = ControllerView(forecast=self._fc, feasibility=self._feasibility,
                                    restoring=self._restoring is not None)  # fmt: skip
@@ -854,7 +871,7 @@ class ScalingController(Replacing):
             self._terminate.clear()
         if len(self.unusable) != len(self._feasibility.disabled):  # a node type was disabled
             disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
-            self._feasibility = Feasibility(self._feasibility.node_types, disabled)
+            self._feasibility = Feasibility(self._feasibility.node_types, disabled, self._feasibility.never)
             actions.feasibility = self._feasibility
         recs = self.journal.records[self._drained:]
         self._drained = len(self.journal.records)

@@ -51,3 +51,20 @@ def check_affordable(node_types: Sequence[NodeType], limits: CostLimits) -> None
     if limits.budget is not None and limits.budget < least:
         raise ConfigError(f"budget {limits.budget:g} is below what one node costs at the least ({least:.4g}: "
                           f"a node is billed {MIN_HOLD:g}s at least): no node could ever be launched; raise it")  # fmt: skip
+
+
+def never_launched(node_types: Sequence[NodeType], limits: CostLimits) -> tuple[tuple[str, str], ...]:
+    """(node type, why) for each node type these settings never let launch: ``max_nodes=0``, a cost
+    per node-hour over ``max_cost_per_hour``, or one node's least bill over the budget.  Tasks only
+    such types could run fail at once (``InfeasibleTaskError``) instead of waiting for ever."""
+    out = []
+    for nt in node_types:
+        if nt.max_nodes == 0:
+            out.append((nt.name, "its max_nodes is 0"))
+        elif limits.max_cost_per_hour is not None and nt.cost > limits.max_cost_per_hour:
+            out.append((nt.name, f"its cost {nt.cost:g} per node-hour is over max_cost_per_hour "
+                                 f"{limits.max_cost_per_hour:g}"))  # fmt: skip
+        elif limits.budget is not None and nt.cost * least_billed_hours(nt) > limits.budget:
+            out.append((nt.name, f"one node costs {nt.cost * least_billed_hours(nt):.4g} at the least, over the "
+                                 f"budget {limits.budget:g}"))  # fmt: skip
+    return tuple(out)

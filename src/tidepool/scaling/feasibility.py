@@ -1,7 +1,7 @@
 """Which resource shapes the autoscaler could ever run: frozen data the scheduler keeps.
 
-State: none (frozen).  A :class:`Feasibility` is what the node types offer and which of them are
-disabled (too many failed launches, or a failed setup).  The controller returns a new one in
+State: none (frozen).  A :class:`Feasibility` is what the node types offer, which of them are
+disabled (too many failed launches, or a failed setup), and which the settings never let launch.  The controller returns a new one in
 ``Actions.feasibility`` whenever a node type gets disabled; the shell hands it to the scheduler
 state machine in a ``CheckFeasible`` event, which fails the waiting tasks it rules out and keeps
 it for tasks that become ready later.  So the state machine never reads the controller.
@@ -42,6 +42,9 @@ class Feasibility:
 
     node_types: tuple[NodeType, ...]
     disabled: tuple[tuple[str, str, str], ...] = ()
+    #: (node type, why) for each node type the settings never let launch (``max_nodes=0``, a cost
+    #: over ``max_cost_per_hour``, one node's least bill over the budget): no task can wait for one
+    never: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, shape: Shape) -> str | tuple[str, str] | None:
         """Why no usable node type could ever run ``shape`` (None if one could).
@@ -54,8 +57,13 @@ class Feasibility:
         if not fitting:
             return (f"it needs {dict(shape)} and no node type offers that{largest_offers(shape, types)}; "
                     f"node types: {describe_types(types)}")  # fmt: skip
+        never = dict(self.never)
+        if all(nt.name in never for nt in fitting):
+            why = "; ".join(f"node type {nt.name!r}: {never[nt.name]}" for nt in fitting)
+            return (f"it needs {dict(shape)}, which only node types that can never be launched offer ({why}); "
+                    "change those settings, or add a worker that offers it by hand")  # fmt: skip
         off = {name: (error, why) for name, error, why in self.disabled}
-        names = [nt.name for nt in fitting]
+        names = [nt.name for nt in fitting if nt.name not in never]
         if all(n in off for n in names):
             why = "; ".join(f"node type {n!r} is disabled: {off[n][1]}" for n in names)
             return off[names[0]][0], (
