@@ -203,6 +203,26 @@ def test_who_has_and_has_what_agree(client: tidepool.Client) -> None:
         assert f.key in has[addr]
 
 
+def test_who_has_replicate_cancel_and_fire_and_forget_take_a_persisted_collection(client: tidepool.Client) -> None:
+    # found by a bug hunt: who_has(x) was {}, replicate(x) copied nothing, fire_and_forget(x) did
+    # nothing, and cancel(x) iterated the array's rows ("takes futures, got dask.array<getitem ...>")
+    da = pytest.importorskip("dask.array")
+    x = client.persist(da.arange(20, chunks=5) * 3)
+    tidepool.wait(x, timeout=30)
+    futs = [v for v in dict(x.__dask_graph__()).values() if isinstance(v, tidepool.Future)]
+    keys = {f.key for f in futs}
+    assert len(keys) == 4
+    assert set(client.who_has(x)) == keys
+    client.replicate(x)
+    wait_until(lambda: all(len(v) == 2 for v in client.who_has(x).values()), 30, "two copies of every chunk")
+    client.fire_and_forget(x)
+    tidepool.fire_and_forget(x)
+    client.cancel(x)
+    assert all(f.cancelled() for f in futs)
+    with pytest.raises(ConfigError, match="not persisted"):
+        client.who_has(da.arange(4, chunks=2))
+
+
 def test_wait_for_workers_blocks_until_they_join() -> None:
     with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
         with pytest.raises(TimeoutError):

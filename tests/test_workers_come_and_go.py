@@ -66,6 +66,10 @@ def test_retire_refused_with_reason_when_no_survivor() -> None:
         (only,) = cluster.workers
         outcome = client.retire_workers([only])[only]
         assert outcome.startswith("refused") and "no other running worker" in outcome
+        # one id as a string is that worker (it was read as one-letter ids, all "unknown worker")
+        for call in (client.retire_workers, cluster.retire_workers):
+            again = call(only)
+            assert list(again) == [only] and again[only].startswith("refused"), again
         assert cluster.workers == [only]
         assert fut.result() == 42
 

@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tidepool.comm.tls import TLSConfig
@@ -335,8 +335,12 @@ class LocalCluster(ClosesOnExit):
         """SIGTERM a worker process."""
         self.provider.terminate([wid])
 
-    def retire_workers(self, ids: list[str]) -> dict[str, str]:
-        return self._loop.run(self.scheduler.retire_workers(ids))
+    def retire_workers(self, ids: str | Iterable[str]) -> dict[str, str]:
+        """Gracefully retire workers (ids, or one id): their needed data moves to survivors first;
+        returns worker id -> ``"retired"`` or ``"refused: <reason>"``."""
+        if isinstance(ids, str):  # one worker (a string is not a list of one-letter ids)
+            ids = [ids]
+        return self._loop.run(self.scheduler.retire_workers(list(ids)))
 
     def run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(scheduler, *args)`` on the scheduler's loop thread (for introspection)."""

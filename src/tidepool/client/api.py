@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from tidepool.client.cluster_calls import ClusterCalls
+from tidepool.client.cluster_calls import ClusterCalls, futures_of
 from tidepool.client.connection import ClientConnection
 from tidepool.client.executor import ClientExecutor
 from tidepool.client.protocol import cancelled_message, make_exception
@@ -627,7 +627,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if force:
             raise ConfigError("cancel(force=True) is not supported: tidepool never cancels another client's futures "
                               "(a task they need keeps running); cancel them from that client")  # fmt: skip
-        futs = [futures] if isinstance(futures, Future) else list(futures)
+        if isinstance(futures, Future):
+            futs = [futures]
+        elif callable(getattr(futures, "__dask_graph__", None)):  # a persisted collection: its futures
+            futs = futures_of(futures, "cancel()")
+        else:
+            futs = list(futures)
         for f in futs:
             if not isinstance(f, Future) or f.client is not self:
                 raise ConfigError(f"cancel() takes futures of this client, got {f!r}")

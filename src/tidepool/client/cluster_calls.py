@@ -102,11 +102,13 @@ class ClusterCalls:
         res = self._call({"op": "eta"})
         return res["eta"]  # type: ignore[no-any-return]
 
-    def retire_workers(self, workers: list[str]) -> dict[str, str]:
-        """Gracefully retire workers: their needed data moves to survivors first.
+    def retire_workers(self, workers: str | Iterable[str]) -> dict[str, str]:
+        """Gracefully retire workers (ids, or one id): their needed data moves to survivors first.
 
         Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
         """
+        if isinstance(workers, str):  # one worker (a string is not a list of one-letter ids)
+            workers = [workers]
         return self._call({"op": "retire", "workers": list(workers)})  # type: ignore[no-any-return]
 
 
@@ -150,7 +152,7 @@ class ClusterCalls:
                               "worker, or (n=) to the least loaded ones")  # fmt: skip
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"replicate(n=) takes a whole number of copies >= 1, got {n!r}")
-        flat: list[Any] = collect(futures, Future)
+        flat = futures_of(futures, "replicate()")
         if flat:
             self._copy_when_done(flat, n or 0, None)
 
@@ -167,7 +169,7 @@ class ClusterCalls:
         if futures is None:
             keys = list(self._connection.core.futures.keys())
         else:
-            keys = [f.key for f in collect(futures, Future)]
+            keys = [f.key for f in futures_of(futures, "who_has()")]
         return {k: v or [] for k, v in self._call({"op": "who-has", "keys": keys}).items()}
 
     def has_what(self) -> dict[str, list[str]]:
@@ -176,7 +178,7 @@ class ClusterCalls:
 
     def fire_and_forget(self, futures: Any) -> None:
         """Let these tasks run to the end even if every future of them is dropped."""
-        keys = [f.key for f in collect(futures, Future)]
+        keys = [f.key for f in futures_of(futures, "fire_and_forget()")]
         if keys:
             self._connection.check_open()
             self._connection.post({"op": "fire-and-forget", "keys": keys})
@@ -266,9 +268,19 @@ def _run_error(addr: str, r: dict[str, Any]) -> BaseException:
     return SchedulerError(f"run on {addr} failed: {r.get('error', 'unknown error')}")
 
 
+def futures_of(x: Any, call: str) -> list[Any]:
+    """The futures in ``x`` (a future, or a list/tuple/dict of them), or those a persisted Dask
+    collection's graph points at (as Dask's calls take it; they found none in it before)."""
+    if callable(getattr(x, "__dask_graph__", None)):
+        from tidepool.waiting import futures_in
+
+        return futures_in(x, call)
+    return collect(x, Future)
+
+
 def fire_and_forget(futures: Any) -> None:
     """Run these tasks to the end even if their futures are dropped (Dask's ``fire_and_forget``)."""
-    flat: list[Any] = collect(futures, Future)
+    flat = futures_of(futures, "fire_and_forget()")
     by_client: dict[int, tuple[Any, list[Any]]] = {}
     for f in flat:
         by_client.setdefault(id(f.client), (f.client, []))[1].append(f)
@@ -276,4 +288,4 @@ def fire_and_forget(futures: Any) -> None:
         client.fire_and_forget(futs)
 
 
-__all__ = ["ClusterCalls", "fire_and_forget"]
+__all__ = ["ClusterCalls", "fire_and_forget", "futures_of"]
