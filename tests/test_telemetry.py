@@ -294,6 +294,20 @@ def test_cli_report_missing_journal_is_a_clean_error(tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize(("line", "said"), [
+    ('{"t": 1, "kind": "launch", "request": "a1", "node_type": "cpu", "nodes": "x"}', "'nodes' must be a finite number"),
+    ('{"t": null, "kind": "launch"}', "'t' must be a finite number, got None"),
+    ('{"t": 2, "kind": "task", "key": "k", "worker": "w", "start": "soon", "duration": 1}', "'start' must be"),
+])  # fmt: skip
+def test_cli_report_on_a_record_with_a_field_of_the_wrong_type_is_a_clean_error(tmp_path: Path, line: str,
+                                                                                said: str) -> None:  # fmt: skip
+    journal = tmp_path / "j.jsonl"
+    journal.write_text('{"t": 0, "kind": "journal-start"}\n' + line + "\n")
+    res = _cli("report", str(journal), "-o", str(tmp_path / "x.png"))
+    assert res.returncode == 2, res.stderr  # a ValueError/TypeError traceback before
+    assert said in res.stderr and "j.jsonl:2" in res.stderr and "Traceback" not in res.stderr
+
+
 # ---- the progress bar --------------------------------------------------------------------------------
 def test_progress_line() -> None:
     assert progress_line(3, 10, 1, {"gpu": 1, "cpu": 2}, 4.3) == "3/10 done | 1 failed | workers cpu:2 gpu:1 | ETA 4.3s"

@@ -53,6 +53,9 @@ def nbytes(value: Any, field: str) -> int:
 
 def seconds(value: float, flag: str, *, positive: bool = False) -> float:
     """A CLI number of seconds: finite and >= 0 (> 0 if ``positive``)."""
+    if positive and isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+        # said before the ">= 0" check: "-1: must be >= 0" would suggest that 0 is accepted
+        raise ConfigError(f"{flag} must be a positive number of seconds, got {value!r}")
     v = number(value, flag)
     if positive and v <= 0:
         raise ConfigError(f"{flag} must be a positive number of seconds, got {value!r}")

@@ -28,6 +28,7 @@ matplotlib is an optional dependency (``pip install tidepool[plot]``), imported 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -289,6 +290,10 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+#: record fields the report reads as numbers
+_NUMBERS = ("t", "start", "duration", "nodes")
+
+
 def load_records(path: str) -> list[Record]:
     """Records of a JSON-lines journal; a cut-off last line (a run killed mid-write) is skipped.
 
@@ -311,6 +316,10 @@ def load_records(path: str) -> list[Record]:
             raise ConfigError(f"{path}:{n}: not a journal record ({exc})") from exc
         if not isinstance(rec, dict) or "t" not in rec or "kind" not in rec:
             raise ConfigError(f"{path}:{n}: not a journal record (needs 't' and 'kind')")
+        for key in _NUMBERS:  # the fields the report computes with
+            v = rec.get(key, 0) if key != "t" else rec["t"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{path}:{n}: not a journal record ({key!r} must be a finite number, got {v!r})")
         out.append(rec)
     return out
 
