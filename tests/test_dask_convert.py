@@ -15,7 +15,7 @@ da = pytest.importorskip("dask.array")
 from dask._task_spec import Alias, DataNode, Task, TaskRef  # noqa: E402
 
 from tidepool.dask.convert import convert, flatten_keys, materialize, pack, require_dask  # noqa: E402
-from tidepool.errors import ConfigError  # noqa: E402
+from tidepool.errors import ConfigError, KeyCollisionError  # noqa: E402
 from tidepool.futures import Future  # noqa: E402
 from tidepool.graph.keys import key_name  # noqa: E402
 from tidepool.graph.refs import Ref, collect, substitute  # noqa: E402
@@ -108,6 +108,18 @@ def test_bad_graphs_are_refused_with_the_key_named() -> None:
         materialize(42)
 
 
+def test_two_dask_keys_with_one_scheduler_name_are_refused_not_merged() -> None:
+    # found by a bug hunt: 1 and "1" (or ("x", 0) and "('x', 0)") became one task, and client.get
+    # returned one task's value for both, or a sum of the wrong inputs
+    c = FakeClient()
+    with pytest.raises(KeyCollisionError, match="the Dask keys 1 and '1' are different tasks"):
+        convert(materialize({1: "int-key", "1": "str-key"})[0], [1, "1"], c)
+    g2 = {("x", 0): 10, "('x', 0)": 20, "total": (add, ("x", 0), "('x', 0)")}
+    with pytest.raises(KeyCollisionError, match="scheduler key \"\\('x', 0\\)\""):
+        convert(materialize(g2)[0], ["total"], c)
+    assert run_locally({("x", 0): 10, ("x", 1): 20, "total": (add, ("x", 0), ("x", 1))}, ["total"])["total"] == 30
+
+
 def test_annotations_and_defaults_become_task_options() -> None:
     graph = {"g": Task("g", inc, 1), "h": Task("h", inc, TaskRef("g"))}
     ann = {"resources": {"g": {"gpu": 1}}, "retries": {"g": 3}, "priority": {"h": 5},
@@ -132,6 +144,25 @@ def test_annotated_array_blocks_keep_their_resources_through_optimisation() -> N
     on_gpu = [t for t in conv.tasks if t.options.resources.get("gpu")]
     assert len(on_gpu) == 16  # one per block (Dask's own fusion would have dropped them all)
     assert all(not t.options.resources for t in conv.tasks if t not in on_gpu)
+
+
+@pytest.mark.parametrize("finalize", [False, True])
+def test_an_annotated_bag_keeps_its_resources_through_its_own_fusion(finalize: bool) -> None:
+    # found by a bug hunt: a bag's optimiser fuses its graph as a plain dict whatever the fuse
+    # setting; the annotations were dropped, and a "gpu" bag ran on CPU workers
+    db = pytest.importorskip("dask.bag")
+    from dask._expr import FinalizeCompute
+
+    with dask.annotate(resources={"gpu": 1}):
+        bag = db.from_sequence(range(20), npartitions=5).map(inc)
+    expr = dask.base.collections_to_expr([bag], True)
+    expr = (FinalizeCompute(expr) if finalize else expr).optimize()
+    graph, ann = materialize(expr)
+    conv = convert(graph, flatten_keys(expr.__dask_keys__()), FakeClient(), ann)
+    on_gpu = [t for t in conv.tasks if t.options.resources.get("gpu")]
+    assert len(on_gpu) == 5, [t.key for t in conv.tasks]  # one per partition, fused with from_sequence
+    first = flatten_keys(expr.__dask_keys__())[0]
+    assert run_locally(expr, [first])[first] == (list(range(1, 21)) if finalize else [1, 2, 3, 4])
 
 
 def test_results_take_the_shape_of_the_keys() -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.comm.serialize import dumps
-from tidepool.errors import ConfigError
+from tidepool.errors import ConfigError, KeyCollisionError
 from tidepool.futures import _INLINE_FUTURES, Future
 from tidepool.graph.delayed import TaskOptions
 from tidepool.graph.keys import key_name
@@ -113,13 +113,51 @@ def materialize(dsk: Any) -> tuple[dict[Hashable, Any], dict[str, dict[Hashable,
     elif isinstance(dsk, Mapping):
         graph = dsk
     elif hasattr(dsk, "__dask_graph__"):
-        keep = dask.config.set({"optimization.fuse.active": False}) if _has_layer_annotations(dsk) else None
+        keep = None
+        source = dsk  # what the annotations are read from
+        if _has_layer_annotations(dsk):
+            keep = dask.config.set({"optimization.fuse.active": False})
+            source = _without_bag_fusion(dsk)  # a bag's fused tasks keep the keys of its outputs
         with keep or contextlib.nullcontext():
             graph = dsk.__dask_graph__()
-            annotations = dict(dsk.__dask_annotations__())
+            annotations = dict(source.__dask_annotations__())
     else:
         raise ConfigError(f"get() needs a Dask graph (a dict, a HighLevelGraph or an expression), got {type(dsk).__name__}")
-    return convert_legacy_graph(graph), annotations
+    nodes = convert_legacy_graph(graph)
+    if annotations:  # a fused task is named anew, and the annotated key is an alias of it
+        from dask._task_spec import Alias
+
+        for k, node in nodes.items():
+            if isinstance(node, Alias):
+                target = next(iter(node.dependencies), None)
+                for per_key in annotations.values():
+                    if k in per_key and target is not None and target not in per_key:
+                        per_key[target] = per_key[k]
+    return nodes, annotations
+
+
+def _without_bag_fusion(expr: Any) -> Any:
+    """``expr`` with the low-level optimiser of every ``dask.bag`` in it switched off, to read the
+    annotations from: a bag's optimiser fuses its graph as a plain dict whatever the fuse setting,
+    which drops them (an annotated bag's tasks ran on any worker, a GPU one on a CPU worker).  Its
+    keys are not the ones asked for (the name of an expression is its content's token)."""
+    from dask._expr import Expr, HLGExpr
+
+    if isinstance(expr, HLGExpr):
+        inner = expr.operand("dsk")
+        if isinstance(inner, HLGExpr):
+            expr = expr.substitute_parameters({"dsk": _without_bag_fusion(inner)})
+        opt = expr.operand("low_level_optimizer")
+        if opt is not None and str(getattr(opt, "__module__", "")).startswith("dask.bag"):
+            expr = expr.substitute_parameters({"low_level_optimizer": None})
+        return expr
+    if isinstance(expr, Expr):
+        ops = [_without_bag_fusion(o) if isinstance(o, Expr)
+               else [_without_bag_fusion(x) for x in o] if isinstance(o, list) else o
+               for o in expr.operands]  # fmt: skip
+        if any(a is not b for a, b in zip(ops, expr.operands, strict=True)):
+            return type(expr)(*ops)
+    return expr
 
 
 class _Options:
@@ -168,6 +206,17 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
     options = _Options(annotations or {}, defaults or {})
     out = Converted()
     names = out.names
+    owner: dict[str, Hashable] = {}  # tidepool key -> the Dask key it names
+
+    def name_of(k: Hashable) -> str:
+        # Dask keys 1 and "1", or ("x", 0) and "('x', 0)", are two tasks; the scheduler's names of
+        # them are one (graph/keys.py): one task would silently take the other's place
+        tk = key_name(k)
+        first = owner.setdefault(tk, k)
+        if first is not k and first != k:  # equal keys are one Dask key (1 and 1.0, as a dict sees them)
+            raise KeyCollisionError(f"the Dask keys {first!r} and {k!r} are different tasks with the same "
+                                    f"scheduler key {tk!r}; rename one of them")  # fmt: skip
+        return tk
     # iterative post-order walk: dependencies first
     for root in keys:
         if root in names:
@@ -207,7 +256,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
                     names[k] = value.key
                     out.futures[value.key] = value
                     continue
-                tk = key_name(k)
+                tk = name_of(k)
                 names[k] = tk
                 out.tasks.append(DaskTask(tk, data_value, (value,), options(k, _key_split(k))))
                 continue
@@ -219,7 +268,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
                 _INLINE_FUTURES.reset(token)
             values = {d: Ref(names[d]) for d in deps}
             inline = {fk: Ref(fk) for fk in dict.fromkeys(held[1])}
-            tk = key_name(k)
+            tk = name_of(k)
             names[k] = tk
             out.tasks.append(DaskTask(tk, run_node, (blob, values, inline), options(k, _key_split(k))))
     return out
