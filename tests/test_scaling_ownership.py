@@ -43,6 +43,22 @@ def test_foreign_workers_retire_when_the_user_opts_in_or_adopts_them() -> None:
     assert step_with_state(c2, d.state, 100.0, reports=[Adopted("cluster-own", 99.0)]).retire == ["cluster-own"]
 
 
+def test_adopted_workers_beyond_max_nodes_retire_once_idle() -> None:
+    # found by a bug hunt: LocalCluster(n_workers=3) then adapt(maximum=1) kept 3 workers, silently
+    d = StateDriver()
+    for i in range(3):
+        d.add_worker(f"own-{i}", node_type="one")
+    one = NodeType("one", {"cpu": 1}, max_nodes=1, startup_estimate=0.5)
+    c = ScalingController((one,), lambda s: ScaleDecision(), forecast_interval=0.25)
+    adopted = [Adopted(f"own-{i}", 0.0) for i in range(3)]
+    acts = step_with_state(c, d.state, 1.0, reports=adopted)
+    assert len(acts.retire) == 2 and all("over its max_nodes 1" in r["reason"]
+                                         for r in c.journal.records if r["kind"] == "retire")  # fmt: skip
+    assert step_with_state(c, d.state, 2.0).retire == []  # not asked again while they retire
+    c2 = ScalingController((one,), lambda s: ScaleDecision(), forecast_interval=0.25, max_workers=None)
+    assert step_with_state(c2, d.state, 1.0).retire == []  # not adopted: not ours to retire
+
+
 def test_launch_request_ids_never_look_like_a_clusters_own() -> None:
     d = StateDriver()
     d.add_worker("default-r1-1", node_type="cpu")  # a LocalCluster's first worker: request r1

@@ -404,6 +404,7 @@ class ScalingController(Replacing):
         self._launch(planned, "; ".join(reasons), obs.now, actions)
         self._retirements(decision, snap, by_id, planned, retiring, actions, keep_idle=not zero)
         self._budget_spent(snap, by_id, planned, actions)
+        self._over_max(snap, by_id, actions)
         if zero:
             self._to_zero(snap, by_id, planned, actions)
         if not actions.launch and not actions.retire and decision.reasons:
@@ -789,6 +790,21 @@ class ScalingController(Replacing):
             if (ws.idle and ws.unique_keys == 0 and not self._is_retiring(ws.id) and self._manages(ws.id)
                     and not planned.get(ws.node_type)):  # fmt: skip
                 self._begin_retire(ws, snap.now, f"budget {self.limits.budget:g} spent: an idle worker costs", actions)
+
+    def _over_max(self, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView], actions: Actions) -> None:
+        """Nodes of a type beyond its ``max_nodes`` (workers the autoscaler adopted, such as a
+        LocalCluster's own, or a limit lowered by a new ``adapt()``): the idle ones retire, the busy
+        ones once idle (a limit is not a reason to lose running work)."""
+        retiring = self._retiring_by_type()
+        for nt in snap.node_types:
+            over = standing(snap, nt.name, retiring) - nt.max_nodes
+            if over <= 0:
+                continue
+            idle = [w for w in by_id.values() if w.node_type == nt.name and w.idle and w.state == "running"
+                    and not self._is_retiring(w.id) and self._manages(w.id) and w.id not in self.refused]  # fmt: skip
+            for ws in sorted(idle, key=lambda w: (w.unique_keys, w.id))[: over * nt.workers_per_node]:
+                self._begin_retire(ws, snap.now, f"{nt.name}: {standing(snap, nt.name, retiring)} node(s) standing, "
+                                   f"over its max_nodes {nt.max_nodes}", actions)  # fmt: skip
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
                      planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions, *,
