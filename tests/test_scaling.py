@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tidepool.errors import ConfigError
@@ -22,6 +24,7 @@ from tidepool.scaling.policies import (
     Backlog,
     CompletionTarget,
     IdleRetire,
+    MemoryPressure,
     NoProgress,
     as_decision,
 )
@@ -453,3 +456,29 @@ def test_workers_named_after_their_launch_was_given_up_are_terminated() -> None:
     acts = step_with_state(c, d.state, 6.5, reports=[Named(rid, ("late-1",), 6.2)])
     assert acts.terminate == ["late-1"]  # they would join uncounted otherwise
     assert c.instances.instances["late-1"].state == "failed"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: IdleRetire(idle_timeout=float("nan")),  # switched idle retirement off, silently
+    lambda: IdleRetire(cached_idle_timeout=-1),
+    lambda: NoProgress(-3),
+    lambda: CompletionTarget(max_eta=-1),
+    lambda: Backlog(delay=-1),
+    lambda: Backlog(interval=float("nan")),
+    lambda: MemoryPressure(fraction="0.5"),
+    lambda: Adaptive(min_lifetime=-1),
+])  # fmt: skip
+def test_built_in_policy_objects_refuse_what_a_cluster_files_policy_table_refuses(make: Any) -> None:
+    # found by a bug hunt: all of these were accepted
+    with pytest.raises(ConfigError, match="must be"):
+        make()
+    IdleRetire(idle_timeout=float("inf"), cached_idle_timeout=0)  # "never" and "at once" stay allowed
+
+
+def test_the_simulators_dask_rule_refuses_a_minimum_above_its_maximum() -> None:
+    from tidepool.sim.policies import DaskLike
+
+    with pytest.raises(ConfigError, match="minimum must be <= maximum"):
+        DaskLike(minimum=5, maximum=2)  # ran at 2 and never retired anyone
+    with pytest.raises(ConfigError, match="whole number"):
+        DaskLike(maximum=-1)

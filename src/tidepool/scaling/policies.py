@@ -24,6 +24,7 @@ alone are applied in one place, the controller, to whatever a policy answers.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,12 +86,27 @@ def _launch_upto(snapshot: ClusterSnapshot, budget: int) -> tuple[dict[str, int]
     return out, p.reasons
 
 
+def _check(owner: str, **values: Any) -> None:
+    """Policy settings: numbers >= 0 (seconds, fractions; ``inf`` is "never"), ``None`` where the
+    field allows it.  NaN, negatives and non-numbers are refused, as a cluster file's ``[policy]``
+    table refuses them (a NaN idle timeout silently switched idle retirement off)."""
+    for name, v in values.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            raise ConfigError(f"{owner}({name}=...) must be a number >= 0, got {v!r}")
+
+
+
 @dataclass
 class Backlog:
     delay: float = 0.1
     interval: float = 0.2
     _step: int = field(default=1, init=False)
     _last: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        _check("Backlog", delay=self.delay, interval=self.interval)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         if not snap.demand or snap.backlog_since is None:
@@ -113,6 +129,9 @@ class Backlog:
 @dataclass
 class NoProgress:
     seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check("NoProgress", seconds=self.seconds)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         if not snap.demand or snap.pending:
@@ -148,6 +167,9 @@ class CompletionTarget:
     max_eta: float | None = None
     deadline: float | None = None
     gain_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check("CompletionTarget", max_eta=self.max_eta, deadline=self.deadline, gain_factor=self.gain_factor)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         target = self.max_eta
@@ -205,6 +227,10 @@ class IdleRetire:
     #: retire at once when the forecast says no work can arrive before a new node could start
     lookahead: bool = True
 
+    def __post_init__(self) -> None:
+        _check("IdleRetire", idle_timeout=self.idle_timeout, cached_idle_timeout=self.cached_idle_timeout,
+               min_idle_timeout=self.min_idle_timeout, startup_fraction=self.startup_fraction)
+
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         retire: list[str] = []
         whys: list[tuple[str, str]] = []
@@ -248,6 +274,9 @@ class MemoryPressure:
     """
 
     fraction: float = 0.7
+
+    def __post_init__(self) -> None:
+        _check("MemoryPressure", fraction=self.fraction)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         live = [w for w in snap.workers if w.state == "running"]
@@ -330,6 +359,9 @@ class Adaptive:
     memory: Callable[[ClusterSnapshot], ScaleDecision] | None = field(default_factory=MemoryPressure)
     extra: list[Callable[[ClusterSnapshot], Any]] = field(default_factory=list)
     min_lifetime: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check("Adaptive", min_lifetime=self.min_lifetime)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         parts = [p for p in (self.launcher, self.backlog, self.no_progress, self.idle, self.memory, *self.extra)

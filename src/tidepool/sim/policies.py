@@ -84,6 +84,15 @@ class DaskLike:
     _last: float | None = field(default=None, init=False)
     _close_counts: dict[str, int] = field(default_factory=dict, init=False)
 
+    def __post_init__(self) -> None:
+        from tidepool.errors import ConfigError
+
+        for name, v in (("minimum", self.minimum), ("maximum", self.maximum)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"dask({name}=...) must be a whole number >= 0, got {v!r}")
+        if self.maximum is not None and self.minimum > self.maximum:
+            raise ConfigError(f"dask(minimum={self.minimum}, maximum={self.maximum}): minimum must be <= maximum")
+
     def target(self, snap: ClusterSnapshot) -> int:
         """Dask's ``adaptive_target``: workers wanted for the work queued and processing now."""
         queued = sum(d.count * (d.est_seconds if d.est_seconds > 0 else self.default_duration) for d in snap.demand)
