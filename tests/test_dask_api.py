@@ -217,7 +217,8 @@ def test_who_has_replicate_cancel_and_fire_and_forget_take_a_persisted_collectio
     wait_until(lambda: all(len(v) == 2 for v in client.who_has(x).values()), 30, "two copies of every chunk")
     client.fire_and_forget(x)
     tidepool.fire_and_forget(x)
-    client.cancel(x)
+    assert set(client.who_has([x])) == keys  # a list of collections too, as Dask's futures_of takes it
+    client.cancel([x])
     assert all(f.cancelled() for f in futs)
     with pytest.raises(ConfigError, match="not persisted"):
         client.who_has(da.arange(4, chunks=2))

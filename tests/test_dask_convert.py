@@ -160,9 +160,17 @@ def test_an_annotated_bag_keeps_its_resources_through_its_own_fusion(finalize: b
     graph, ann = materialize(expr)
     conv = convert(graph, flatten_keys(expr.__dask_keys__()), FakeClient(), ann)
     on_gpu = [t for t in conv.tasks if t.options.resources.get("gpu")]
-    assert len(on_gpu) == 5, [t.key for t in conv.tasks]  # one per partition, fused with from_sequence
+    assert len(on_gpu) == 10, [t.key for t in conv.tasks]  # from_sequence and map, per partition (not fused)
+    # an unannotated step after it is not on the gpu, and does not take the annotated ones with it
+    dbl = bag.map(inc)
+    expr = dask.base.collections_to_expr([dbl], True)
+    expr = (FinalizeCompute(expr) if finalize else expr).optimize()
+    graph, ann = materialize(expr)
+    conv = convert(graph, flatten_keys(expr.__dask_keys__()), FakeClient(), ann)
+    assert len([t for t in conv.tasks if t.options.resources.get("gpu")]) == 10
+    assert len(conv.tasks) == 15 + finalize
     first = flatten_keys(expr.__dask_keys__())[0]
-    assert run_locally(expr, [first])[first] == (list(range(1, 21)) if finalize else [1, 2, 3, 4])
+    assert run_locally(expr, [first])[first] == (list(range(2, 22)) if finalize else [2, 3, 4, 5])  # inc twice
 
 
 def test_results_take_the_shape_of_the_keys() -> None:

@@ -360,6 +360,10 @@ def test_controller_enforces_min_and_max_nodes_and_max_workers() -> None:
     assert said and "cpu: 10 node(s) asked, 3 launched: max_nodes is 3" in said[0]
     said = [r["reason"] for r in c3.journal.records if r["kind"] == "launch"]
     assert said and "cpu: 3 node(s) asked, 1 launched: max_workers is 1" in said[0]
+    # at the limit nothing is launched: the decision record says why (the review of this fix)
+    step_with_state(c, d.state, 20.0)
+    said = [r["reason"] for r in c.journal.records if r["kind"] == "decision"]
+    assert any("cpu: 10 node(s) asked, 0 launched: max_nodes is 3 (3 held or coming)" in x for x in said), said
 
 
 def test_infeasible_tasks_fail_at_once_with_a_clear_error() -> None:
@@ -480,5 +484,9 @@ def test_the_simulators_dask_rule_refuses_a_minimum_above_its_maximum() -> None:
 
     with pytest.raises(ConfigError, match="minimum must be <= maximum"):
         DaskLike(minimum=5, maximum=2)  # ran at 2 and never retired anyone
-    with pytest.raises(ConfigError, match="whole number"):
+    with pytest.raises(ConfigError, match="number of workers >= 0"):
         DaskLike(maximum=-1)
+    DaskLike(maximum=float("inf"))  # Dask's own default maximum
+    import numpy as np
+
+    IdleRetire(idle_timeout=np.int64(30))  # numpy numbers are numbers (the review of this fix)

@@ -52,9 +52,16 @@ def test_adopted_workers_beyond_max_nodes_retire_once_idle() -> None:
     c = ScalingController((one,), lambda s: ScaleDecision(), forecast_interval=0.25)
     adopted = [Adopted(f"own-{i}", 0.0) for i in range(3)]
     acts = step_with_state(c, d.state, 1.0, reports=adopted)
-    assert len(acts.retire) == 2 and all("over its max_nodes 1" in r["reason"]
+    assert len(acts.retire) == 2 and all("3 worker(s) and 0 node(s) coming, over its max_nodes 1" in r["reason"]
                                          for r in c.journal.records if r["kind"] == "retire")  # fmt: skip
     assert step_with_state(c, d.state, 2.0).retire == []  # not asked again while they retire
+    # a node of 4 workers: 5 workers are one too many, not four (the review of this fix)
+    d4 = StateDriver()
+    for i in range(5):
+        d4.add_worker(f"own-{i}", node_type="four")
+    four = NodeType("four", {"cpu": 1}, max_nodes=1, workers_per_node=4, startup_estimate=0.5)
+    c4 = ScalingController((four,), lambda s: ScaleDecision(), forecast_interval=0.25)
+    assert step_with_state(c4, d4.state, 1.0, reports=[Adopted(f"own-{i}", 0.0) for i in range(5)]).retire == ["own-0"]
     c2 = ScalingController((one,), lambda s: ScaleDecision(), forecast_interval=0.25, max_workers=None)
     assert step_with_state(c2, d.state, 1.0).retire == []  # not adopted: not ours to retire
 

@@ -354,7 +354,7 @@ def test_a_copy_that_could_not_be_fetched_for_other_reasons_does_not_make_its_ho
     ({"cost": 4.0}, {"max_cost_per_hour": 2.0}, "its cost 4 per node-hour is over max_cost_per_hour 2"),
     ({"cost": 100.0}, {"budget": 1.0}, "over the budget 1"),
 ])  # fmt: skip
-def test_a_task_only_a_node_type_the_settings_never_launch_offers_fails_at_once(
+def test_a_task_only_a_node_type_the_settings_never_launch_offers_waits_for_a_hand_started_worker_then_fails(
         gpu_kw: dict, limits: dict, why: str) -> None:  # fmt: skip
     from tidepool.scaling.controller import ScalingController
     from tidepool.scaling.node_types import NodeType
@@ -362,10 +362,17 @@ def test_a_task_only_a_node_type_the_settings_never_launch_offers_fails_at_once(
     cpu = NodeType("cpu", {"cpu": 1}, max_nodes=2, cost=1.0)
     gpu = NodeType("gpu", {"cpu": 1, "gpu": 1}, **{"max_nodes": 1, **gpu_kw})
     rule = ScalingController((cpu, gpu), **limits).view.feasibility
-    assert rule((("cpu", 1.0),)) is None  # cpu work is not affected
-    d = StateDriver(SchedulerState())
+    assert rule((("cpu", 1.0),)) is None and rule.by_hand_only((("cpu", 1.0),)) is None  # cpu work: launchable
+    d = StateDriver(SchedulerState(no_worker_timeout=60.0))
     d.send(ev.CheckFeasible(d.clock(), rule))  # the autoscaler starts
-    d.submit([("train", [], {"gpu": 1})], ["train"])  # it used to wait for a gpu node for ever
+    d.submit([("train", [], {"gpu": 1}), ("later", [], {"gpu": 1})], ["train", "later"])
+    assert d.state.tasks["train"].state == "no-worker"  # a worker started by hand may still come ("in reserve")
+    d.add_worker("by-hand", resources={"cpu": 1, "gpu": 1}, node_type="gpu")
+    assert d.state.tasks["train"].state == "running"
+    d.remove_worker("by-hand")
+    d.clock.advance(61.0)
+    d.send(ev.Tick(d.clock()))
     ts = d.state.tasks["train"]
+    # it used to wait for a gpu node for ever: no autoscaler ever launches one
     assert d.status()["train"] == "erred" and ts.exc_type == "InfeasibleTaskError", ts.state
-    assert "only node types that can never be launched offer" in ts.message and why in ts.message
+    assert "no autoscaler can launch one" in ts.message and why in ts.message

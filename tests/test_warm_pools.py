@@ -110,3 +110,15 @@ def test_min_idle_keeps_that_many_idle_workers_on_real_processes() -> None:
         client.cancel([long])
         wait_until(lambda: len(cluster.workers) == 2, 90, "back to two workers, both idle")
         assert idle() == 2
+
+
+def test_a_replacement_above_max_nodes_does_not_make_the_controller_retire_a_healthy_worker() -> None:
+    # the review of the over-max_nodes retirement: the replacement in flight counted as a node over
+    # max_nodes, and the next step retired an idle worker (the healthy one, or the one replaced)
+    d = StateDriver()
+    nt = NodeType("job", {"cpu": 1}, min_nodes=2, max_nodes=2, replace_before=True, startup_estimate=10.0)
+    c = ScalingController((nt,), hold, forecast_interval=0.25)
+    ids = join(c, d, step_with_state(c, d.state, 0.0), 10.0)
+    acts = step_with_state(c, d.state, 26.0, ends={ids[1]: 40.0})
+    assert [n for _, _, n in acts.launch] == [1]  # the replacement
+    assert step_with_state(c, d.state, 27.0, ends={ids[1]: 40.0}).retire == []

@@ -627,12 +627,11 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         if force:
             raise ConfigError("cancel(force=True) is not supported: tidepool never cancels another client's futures "
                               "(a task they need keeps running); cancel them from that client")  # fmt: skip
-        if isinstance(futures, Future):
-            futs = [futures]
-        elif callable(getattr(futures, "__dask_graph__", None)):  # a persisted collection: its futures
-            futs = futures_of(futures, "cancel()")
-        else:
-            futs = list(futures)
+        futs: list[Any] = []
+        for f in [futures] if isinstance(futures, Future) or callable(getattr(futures, "__dask_graph__", None)) \
+                else list(futures):  # fmt: skip
+            # a persisted collection (alone or in the list) stands for its futures, as in Dask
+            futs.extend(futures_of(f, "cancel()") if callable(getattr(f, "__dask_graph__", None)) else [f])
         for f in futs:
             if not isinstance(f, Future) or f.client is not self:
                 raise ConfigError(f"cancel() takes futures of this client, got {f!r}")

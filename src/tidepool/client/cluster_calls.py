@@ -275,6 +275,10 @@ def futures_of(x: Any, call: str) -> list[Any]:
         from tidepool.waiting import futures_in
 
         return futures_in(x, call)
+    if isinstance(x, (list, tuple, set, frozenset)):  # [x, y] of collections and futures, as Dask takes it
+        return [f for v in x for f in futures_of(v, call)]
+    if isinstance(x, dict):
+        return [f for v in x.values() for f in futures_of(v, call)]
     return collect(x, Future)
 
 

@@ -114,33 +114,30 @@ def materialize(dsk: Any) -> tuple[dict[Hashable, Any], dict[str, dict[Hashable,
         graph = dsk
     elif hasattr(dsk, "__dask_graph__"):
         keep = None
-        source = dsk  # what the annotations are read from
+        source = dsk
         if _has_layer_annotations(dsk):
             keep = dask.config.set({"optimization.fuse.active": False})
-            source = _without_bag_fusion(dsk)  # a bag's fused tasks keep the keys of its outputs
+            source = _without_bag_fusion(dsk)
         with keep or contextlib.nullcontext():
-            graph = dsk.__dask_graph__()
+            graph = dict(source.__dask_graph__())
             annotations = dict(source.__dask_annotations__())
+        if source is not dsk:  # its final keys are named by its content: the keys asked for point at them
+            from dask._task_spec import Alias
+
+            for asked, made in zip(flatten_keys(dsk.__dask_keys__()), flatten_keys(source.__dask_keys__()),
+                                   strict=True):  # fmt: skip
+                if asked != made and asked not in graph:
+                    graph[asked] = Alias(asked, made)  # type: ignore[arg-type]
     else:
         raise ConfigError(f"get() needs a Dask graph (a dict, a HighLevelGraph or an expression), got {type(dsk).__name__}")
-    nodes = convert_legacy_graph(graph)
-    if annotations:  # a fused task is named anew, and the annotated key is an alias of it
-        from dask._task_spec import Alias
-
-        for k, node in nodes.items():
-            if isinstance(node, Alias):
-                target = next(iter(node.dependencies), None)
-                for per_key in annotations.values():
-                    if k in per_key and target is not None and target not in per_key:
-                        per_key[target] = per_key[k]
-    return nodes, annotations
+    return convert_legacy_graph(graph), annotations
 
 
 def _without_bag_fusion(expr: Any) -> Any:
-    """``expr`` with the low-level optimiser of every ``dask.bag`` in it switched off, to read the
-    annotations from: a bag's optimiser fuses its graph as a plain dict whatever the fuse setting,
-    which drops them (an annotated bag's tasks ran on any worker, a GPU one on a CPU worker).  Its
-    keys are not the ones asked for (the name of an expression is its content's token)."""
+    """``expr`` with the low-level optimiser of every ``dask.bag`` in it switched off, run instead
+    of it: a bag's optimiser fuses its graph as a plain dict whatever the fuse setting, which drops
+    the annotations (an annotated bag's tasks ran on any worker, a GPU one on a CPU worker).  Its
+    final keys are not the ones asked for (an expression is named by its content's token)."""
     from dask._expr import Expr, HLGExpr
 
     if isinstance(expr, HLGExpr):

@@ -407,8 +407,8 @@ class ScalingController(Replacing):
         self._over_max(snap, by_id, actions)
         if zero:
             self._to_zero(snap, by_id, planned, actions)
-        if not actions.launch and not actions.retire and decision.reasons:
-            self._note_decision("; ".join(decision.reasons)[:2000], obs.now)
+        if not actions.launch and not actions.retire and reasons:  # the limits' cuts too (to 0 at max_nodes)
+            self._note_decision("; ".join(reasons)[:2000], obs.now)
         return self._finish(actions)
 
     # ---- 1. observe -------------------------------------------------------------------------------
@@ -795,16 +795,20 @@ class ScalingController(Replacing):
         """Nodes of a type beyond its ``max_nodes`` (workers the autoscaler adopted, such as a
         LocalCluster's own, or a limit lowered by a new ``adapt()``): the idle ones retire, the busy
         ones once idle (a limit is not a reason to lose running work)."""
-        retiring = self._retiring_by_type()
         for nt in snap.node_types:
-            over = standing(snap, nt.name, retiring) - nt.max_nodes
+            per = nt.workers_per_node
+            staying = [w for w in by_id.values() if w.node_type == nt.name and not self._is_retiring(w.id)]
+            if any(w.id in self._replaced for w in staying):
+                continue  # a replacement may go above max_nodes while the worker it replaces leaves
+            coming = sum(p.nodes for p in snap.pending if p.node_type == nt.name)
+            over = len(staying) + coming * per - nt.max_nodes * per  # workers beyond the limit
             if over <= 0:
                 continue
-            idle = [w for w in by_id.values() if w.node_type == nt.name and w.idle and w.state == "running"
-                    and not self._is_retiring(w.id) and self._manages(w.id) and w.id not in self.refused]  # fmt: skip
-            for ws in sorted(idle, key=lambda w: (w.unique_keys, w.id))[: over * nt.workers_per_node]:
-                self._begin_retire(ws, snap.now, f"{nt.name}: {standing(snap, nt.name, retiring)} node(s) standing, "
-                                   f"over its max_nodes {nt.max_nodes}", actions)  # fmt: skip
+            idle = [w for w in staying if w.idle and w.state == "running" and self._manages(w.id)
+                    and w.id not in self.refused]  # fmt: skip
+            for ws in sorted(idle, key=lambda w: (w.unique_keys, w.id))[:over]:
+                self._begin_retire(ws, snap.now, f"{nt.name}: {len(staying)} worker(s) and {coming} node(s) "
+                                   f"coming, over its max_nodes {nt.max_nodes}", actions)  # fmt: skip
 
     def _retirements(self, decision: ScaleDecision, snap: ClusterSnapshot, by_id: Mapping[str, WorkerView],
                      planned: Mapping[str, int], retiring: Mapping[str, int], actions: Actions, *,

@@ -59,9 +59,7 @@ class Feasibility:
                     f"node types: {describe_types(types)}")  # fmt: skip
         never = dict(self.never)
         if all(nt.name in never for nt in fitting):
-            why = "; ".join(f"node type {nt.name!r}: {never[nt.name]}" for nt in fitting)
-            return (f"it needs {dict(shape)}, which only node types that can never be launched offer ({why}); "
-                    "change those settings, or add a worker that offers it by hand")  # fmt: skip
+            return None  # a worker started by hand may serve it: it waits no_worker_timeout (by_hand_only)
         off = {name: (error, why) for name, error, why in self.disabled}
         names = [nt.name for nt in fitting if nt.name not in never]
         if all(n in off for n in names):
@@ -70,3 +68,14 @@ class Feasibility:
                 f"it needs {dict(shape)}, which only disabled node types offer ({why}). Fix the "
                 "provider or the setup, then start a new cluster (or add a worker by hand)")  # fmt: skip
         return None
+
+    def by_hand_only(self, shape: Shape) -> str | None:
+        """Why only a worker started by hand could run ``shape`` (None: a node type can be launched
+        for it, or none fits): the node types that fit it are ones the settings never launch
+        (``max_nodes=0``, a type "kept in reserve" for workers started by hand, or cost limits).
+        Its tasks wait ``no_worker_timeout`` for such a worker, then fail saying this."""
+        never = dict(self.never)
+        fitting = rank_types(shape, self.node_types)
+        if not fitting or not all(nt.name in never for nt in fitting):
+            return None
+        return "; ".join(f"node type {nt.name!r} is never launched: {never[nt.name]}" for nt in fitting)

@@ -93,7 +93,7 @@ def _check(owner: str, **values: Any) -> None:
     for name, v in values.items():
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or v < 0:
             raise ConfigError(f"{owner}({name}=...) must be a number >= 0, got {v!r}")
 
 

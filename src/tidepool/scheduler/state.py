@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tidepool.comm.serialize import Serialized
@@ -816,10 +816,20 @@ class SchedulerState:
                 reason = explain.silent(e.now - ws.last_seen, self.heartbeat_timeout)
                 out.append(ev.CloseWorker(ws.id, reason))
                 self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason, cause=ev.RemoveCause.SILENT), out)
-        if self.no_worker_timeout is not None and self.infeasible is None and self.no_worker:
-            for ts, message in explain.late_no_worker(self.no_worker, self.workers, e.now, self.no_worker_timeout):
+        if self.no_worker_timeout is not None and self.no_worker:
+            waiting: Mapping[ev.Shape, set[TaskRecord]] = self.no_worker
+            why: dict[ev.Shape, str] = {}
+            if self.infeasible is not None:  # an autoscaler: only shapes it never launches for wait
+                by_hand = getattr(self.infeasible, "by_hand_only", None)
+                for shape in self.no_worker:
+                    text = by_hand(shape) if by_hand is not None else None
+                    if text:
+                        why[shape] = text
+                waiting = {s: t for s, t in self.no_worker.items() if s in why}
+            for ts, message in explain.late_no_worker(waiting, self.workers, e.now, self.no_worker_timeout):
                 if ts.state == "no-worker":  # not failed with an earlier one meanwhile
-                    self._fail(ts, "InfeasibleTaskError", message, out)
+                    extra = why.get(ts.shape)
+                    self._fail(ts, "InfeasibleTaskError", f"{message} ({extra})" if extra else message, out)
 
     def _tasks_started(self, e: ev.TasksStarted, out: list[ev.Command]) -> None:
         tasks = self.tasks

@@ -88,8 +88,9 @@ class DaskLike:
         from tidepool.errors import ConfigError
 
         for name, v in (("minimum", self.minimum), ("maximum", self.maximum)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ConfigError(f"dask({name}=...) must be a whole number >= 0, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ConfigError(f"dask({name}=...) must be a number of workers >= 0 (maximum may be inf), "
+                                  f"got {v!r}")  # fmt: skip
         if self.maximum is not None and self.minimum > self.maximum:
             raise ConfigError(f"dask(minimum={self.minimum}, maximum={self.maximum}): minimum must be <= maximum")
 
