@@ -375,3 +375,22 @@ def test_exit_with_parent_refuses_a_pid_that_is_not_the_parent(capsys: pytest.Ca
 
     assert main(["scheduler", "--port", "0", "--no-dashboard", "--exit-with-parent", str(os.getpid())]) == 2
     assert "is not this process's parent" in capsys.readouterr().err
+
+
+def test_port_and_host_flags_win_over_the_cluster_file_and_a_given_token_is_not_printed(tmp_path: Path) -> None:
+    # found by a bug hunt: the file's port silently replaced --port (workers started against the
+    # port typed could not connect), and a token from TIDEPOOL_TOKEN_FILE was printed on stdout
+    file_port, flag_port = free_port(), free_port()
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f"[scheduler]\nport = {file_port}\n\n[[node_types]]\nname = 'cpu'\nmax_nodes = 1\n")
+    secret = tmp_path / "secret.tok"
+    secret.write_text("secret-931677453\n")
+    secret.chmod(0o600)
+    env = {**clean_env(), "TIDEPOOL_TOKEN_FILE": str(secret)}
+    p = Proc(tidepool_cmd("scheduler", "--cluster", str(cluster), "--port", str(flag_port), "--no-dashboard"),
+             tmp_path / "s.err", env=env)  # fmt: skip
+    with running(p):
+        assert p.wait_for_line(ADDRESS_LINE).group(1) == f"tcp://127.0.0.1:{flag_port}"
+        said = p.wait_for_line(re.compile(r"^token: (.*)$")).group(1)
+        assert "secret-931677453" not in said and "not shown" in said
+        assert p.stop() == 0, p.stderr()

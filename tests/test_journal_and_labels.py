@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,34 @@ def test_compute_progress_counts_every_task_of_the_graph(capsys: pytest.CaptureF
         assert fut.result() == sum(range(1, 49))
         assert "49/49 done" in capsys.readouterr().out
         wait_until(lambda: not cluster.scheduler.watches, what="the progress watch dropped")
+
+
+def test_a_journal_that_cannot_be_written_says_so_once_and_the_run_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    # found by a bug hunt: `tidepool scheduler --journal` on a full disk logged a traceback every
+    # half second, and a clean SIGTERM then exited 2 (close() raised)
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    t = [0.0]
+    j = Journal("/dev/full", clock=lambda: t[0])
+    with caplog.at_level(logging.ERROR, "tidepool.journal"):
+        for i in range(20):
+            t[0] += 2.0  # every record is due a flush
+            j.record("tick", t[0], n=i)
+        j.flush()
+        j.close()
+    said = [r for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(said) == 1 and "/dev/full" in said[0].getMessage()
+    assert len(j.records) == 20  # kept in memory
+
+
+def test_a_journal_path_used_before_keeps_the_run_before_as_dot_1(tmp_path: Path) -> None:
+    # found by a bug hunt: a scheduler restarted with the same --journal erased the crash's history
+    path = tmp_path / "run.jsonl"
+    first = Journal(str(path))
+    first.record("journal-start", 0.0, run=1)
+    first.close()
+    second = Journal(str(path))
+    second.record("journal-start", 0.0, run=2)
+    second.close()
+    assert json.loads(path.read_text())["run"] == 2
+    assert json.loads((tmp_path / "run.jsonl.1").read_text())["run"] == 1

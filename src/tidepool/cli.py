@@ -159,11 +159,15 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         from tidepool.config import load
 
         cfg = load(args.cluster)
-        args.host = cfg.scheduler.get("host", args.host)
-        args.port = cfg.scheduler.get("port", args.port)
+        # a flag given on the command line wins over the file, as for TLS and --state-dir (the
+        # file's port silently replaced --port, and workers started against it could not connect)
+        args.host = args.host if args.host is not None else cfg.scheduler.get("host")
+        args.port = args.port if args.port is not None else cfg.scheduler.get("port")
         args.state_dir = args.state_dir or cfg.scheduler.get("state_dir")
         if args.reconnect_window is None:
             args.reconnect_window = cfg.scheduler.get("reconnect_window")
+    args.host = "127.0.0.1" if args.host is None else args.host
+    args.port = 8786 if args.port is None else args.port
     if args.exit_with_parent is not None and args.exit_with_parent != os.getppid():
         raise ConfigError(f"--exit-with-parent {args.exit_with_parent}: that is not this process's parent (its "
                           f"parent is {os.getppid()}); give the pid of the process that starts the scheduler")  # fmt: skip
@@ -172,7 +176,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
         check_output(args.journal, "--journal")
     # with a state directory and no token given, the store's token is used (same cluster again)
-    token = token_from_env() or ("" if args.state_dir else new_token())
+    given = token_from_env()
+    token = given or ("" if args.state_dir else new_token())
 
     async def main() -> None:
         extra: dict[str, Any] = {}
@@ -198,6 +203,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         print(f"tidepool scheduler at {s.address}", flush=True)  # the first line (scripts read it)
         if args.token_file:
             print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
+        elif given:  # the user has it: a token is never printed where a log may keep it
+            print("token: the one given in TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE (not shown)", flush=True)
         else:
             print(f"token: {tok}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
         if dash is not None:
@@ -363,11 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("scheduler", help="run a scheduler")
-    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=8786)
+    s.add_argument("--host", default=None, help="interface to listen on (0.0.0.0 for all; default 127.0.0.1, or "
+                   "the cluster file's [scheduler] host)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8786, or the cluster file's [scheduler] port)")
     s.add_argument("--token-file", help="write the generated token here (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
-    s.add_argument("--journal", help="append the event journal (JSON lines) to this file")
+    s.add_argument("--journal", help="write the event journal (JSON lines) to this file (one kept there before is moved to FILE.1)")
     s.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="stop gracefully once process PID (its parent) exits; LocalCluster(state_dir=...) "
                         "passes its own pid, so a killed program leaves no scheduler behind")  # fmt: skip

@@ -20,11 +20,15 @@ last second.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from tidepool.scheduler import events as ev
+
+log = logging.getLogger("tidepool.journal")
 
 
 class Journal:
@@ -37,7 +41,11 @@ class Journal:
         self.tasks = tasks
         self._clock = clock
         self._flushed = clock()
-        # one run per file: reusing a path starts it afresh (worker ids and clock restart per run)
+        # one run per file: reusing a path starts it afresh (worker ids and clock restart per run),
+        # and the run before is kept as PATH.1 (a scheduler restarted after a crash with the same
+        # command erased the history of the crash)
+        if path and os.path.isfile(path) and os.path.getsize(path) > 0:
+            os.replace(path, path + ".1")
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
         #: key -> (submitted at, deps, resources) of tasks submitted while listening (task records)
@@ -47,15 +55,33 @@ class Journal:
         rec = {"t": round(t, 6), "kind": kind, **fields}
         self.records.append(rec)
         if self._file is not None:
-            self._file.write(json.dumps(rec, default=str) + "\n")
+            self._write(json.dumps(rec, default=str) + "\n")
+
+    def _write(self, line: str) -> None:
+        try:
+            assert self._file is not None
+            self._file.write(line)
             self.flush_if_due()
+        except OSError as exc:
+            self._lost(exc)
+
+    def _lost(self, exc: OSError) -> None:
+        """The file cannot be written (a full disk, a removed mount): said once, and the run goes on
+        journaling in memory only (a traceback every half second and a failed exit before)."""
+        log.error("journal %s cannot be written (%s); journaling to the file stopped, the run goes on",
+                  self.path, exc.strerror or exc)  # fmt: skip
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
 
     def add(self, rec: dict[str, Any]) -> None:
         """Append a record made elsewhere (e.g. by the scaling controller) as it is."""
         self.records.append(rec)
         if self._file is not None:
-            self._file.write(json.dumps(rec, default=str) + "\n")
-            self.flush_if_due()
+            self._write(json.dumps(rec, default=str) + "\n")
 
     def flush_if_due(self) -> None:
         """Flush the file if the last flush was more than :attr:`FLUSH_EVERY` seconds ago."""
@@ -104,12 +130,18 @@ class Journal:
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._lost(exc)
             self._flushed = self._clock()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._lost(exc)
             self._file = None
 
     def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
