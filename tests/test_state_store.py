@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -176,3 +177,15 @@ def test_an_unreadable_cost_meter_refuses_the_store(tmp_path: Path) -> None:
     s.close()
     with pytest.raises(StoreCorruptError, match="corrupt"):
         StateStore(tmp_path, TOKEN).load()
+
+
+def test_a_second_scheduler_on_the_same_state_directory_is_refused_until_the_first_closes(tmp_path: Path) -> None:
+    # found by a bug hunt: a second scheduler on a live --state-dir loaded the store and released the
+    # first one's clients as if they had not come back
+    from tidepool.errors import StoreInUseError
+
+    first = StateStore(tmp_path / "sd", "tok")
+    with pytest.raises(StoreInUseError, match=f"in use by another scheduler \\(pid {os.getpid()}\\)"):
+        StateStore(tmp_path / "sd", "tok")
+    first.close()
+    StateStore(tmp_path / "sd", "tok").close()  # free again

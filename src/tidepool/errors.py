@@ -163,6 +163,10 @@ class StateStoreError(TidepoolError):
     """A scheduler's state directory (``--state-dir``) cannot be used; nothing of it was loaded."""
 
 
+class StoreInUseError(StateStoreError):
+    """Another scheduler holds the state directory (its lock): stop it first, or use another one."""
+
+
 class StoreCorruptError(StateStoreError):
     """The state store's file is damaged (not a torn tail, which is dropped silently)."""
 

@@ -29,6 +29,7 @@ corrupt, from another layout version or from another cluster (token) raises a
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import json
 import os
@@ -38,14 +39,22 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tidepool.comm.serialize import Serialized
-from tidepool.errors import StateStoreError, StoreCorruptError, StoreTokenError, StoreVersionError
+from tidepool.errors import (
+    StateStoreError,
+    StoreCorruptError,
+    StoreInUseError,
+    StoreTokenError,
+    StoreVersionError,
+)
 
 #: the layout of the tables below; a store with another number is refused, never guessed at
 LAYOUT_VERSION = 1
 FILE_NAME = "state.sqlite3"
+#: the directory lock (one scheduler per state directory); holds the owner's pid
+LOCK_NAME = "lock"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -166,6 +175,28 @@ def _cost(text: str) -> dict[str, Any]:
 
 
 # ---- the store ------------------------------------------------------------------------------------
+def _lock_directory(directory: Path) -> IO[str]:
+    """An exclusive lock on ``directory`` for as long as the returned file is open: a second
+    scheduler on the same directory is refused (it loaded the live store and released the first
+    one's clients as if they had not come back).  The lock file holds the owner's pid."""
+    f = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the store's life
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise StoreInUseError(
+            f"the state directory {directory} is in use by another scheduler"
+            f"{f' (pid {holder})' if holder else ''}; stop that one first, or give this one its own "
+            "--state-dir") from None  # fmt: skip
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 class StateStore:
     """The state directory's database; see the module docstring.
 
@@ -180,6 +211,7 @@ class StateStore:
         except OSError as exc:
             raise StateStoreError(f"cannot create the state directory {self.directory}: {exc}; "
                                   "choose a writable directory for --state-dir") from exc  # fmt: skip
+        self._lock = _lock_directory(self.directory)
         self.path = self.directory / FILE_NAME
         fresh = not self.path.exists()
         try:
@@ -246,6 +278,7 @@ class StateStore:
             self._db.close()
         except Exception:  # noqa: BLE001 - already failing with a better error
             pass
+        self._lock.close()
 
     # ---- writing ---------------------------------------------------------------------------------
     def set_address(self, address: str) -> None:
@@ -378,3 +411,4 @@ class StateStore:
             self._writer.join(timeout=60)
             self._writer = None
         self._db.close()
+        self._lock.close()  # the directory is free for the next scheduler
