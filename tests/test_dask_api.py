@@ -209,8 +209,9 @@ def test_who_has_replicate_cancel_and_fire_and_forget_take_a_persisted_collectio
     da = pytest.importorskip("dask.array")
     x = client.persist(da.arange(20, chunks=5) * 3)
     tidepool.wait(x, timeout=30)
-    futs = [v for v in dict(x.__dask_graph__()).values() if isinstance(v, tidepool.Future)]
+    futs = tidepool.futures_of(x)  # Dask's futures_of
     keys = {f.key for f in futs}
+    assert futs and all(isinstance(f, tidepool.Future) for f in futs)
     assert len(keys) == 4
     assert set(client.who_has(x)) == keys
     client.replicate(x)

@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "ClientExecutor": "tidepool.client",
     "default_client": "tidepool.client",
     "fire_and_forget": "tidepool.client",
+    "futures_of": "tidepool.client",
     "LocalCluster": "tidepool.cluster",
     "Future": "tidepool.futures",
     "Delayed": "tidepool.graph",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         ClientExecutor,
         default_client,
         fire_and_forget,
+        futures_of,
         get_client,
         worker_client,
     )
@@ -136,5 +138,6 @@ __all__ = [
     "Scheduler", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError", "StoreInUseError",
     "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError",
     "TidepoolError", "TransferError", "UnpicklableError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
+    "futures_of",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip

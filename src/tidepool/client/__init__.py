@@ -14,10 +14,10 @@ and never import it; the Dask layer (``tidepool.dask``) sits beside it and uses 
 """
 
 from tidepool.client.api import Client
-from tidepool.client.cluster_calls import fire_and_forget
+from tidepool.client.cluster_calls import fire_and_forget, futures_of
 from tidepool.client.current import default_client, get_client, worker_client
 from tidepool.client.executor import ClientExecutor
 from tidepool.client.protocol import FETCH_ATTEMPTS
 
-__all__ = ["FETCH_ATTEMPTS", "Client", "ClientExecutor", "default_client", "fire_and_forget", "get_client",
+__all__ = ["FETCH_ATTEMPTS", "Client", "ClientExecutor", "default_client", "fire_and_forget", "futures_of", "get_client",
            "worker_client"]  # fmt: skip

@@ -268,9 +268,9 @@ def _run_error(addr: str, r: dict[str, Any]) -> BaseException:
     return SchedulerError(f"run on {addr} failed: {r.get('error', 'unknown error')}")
 
 
-def futures_of(x: Any, call: str) -> list[Any]:
+def futures_of(x: Any, call: str = "futures_of()") -> list[Any]:
     """The futures in ``x`` (a future, or a list/tuple/dict of them), or those a persisted Dask
-    collection's graph points at (as Dask's calls take it; they found none in it before)."""
+    collection's graph points at (Dask's ``futures_of``; ``tidepool.futures_of(x)``)."""
     if callable(getattr(x, "__dask_graph__", None)):
         from tidepool.waiting import futures_in
 
