@@ -169,6 +169,14 @@ def test_an_annotated_bag_keeps_its_resources_through_its_own_fusion(finalize: b
     conv = convert(graph, flatten_keys(expr.__dask_keys__()), FakeClient(), ann)
     assert len([t for t in conv.tasks if t.options.resources.get("gpu")]) == 10
     assert len(conv.tasks) == 15 + finalize
+    # an unannotated bag computed with an annotated array keeps its fusion (the second review)
+    plain = db.from_sequence(range(20), npartitions=5).map(inc).map(inc)
+    with dask.annotate(priority=5):
+        arr = da.ones(4, chunks=2) + 1
+    both = dask.base.collections_to_expr([plain, arr], True).optimize()
+    graph, ann = materialize(both)
+    fused = convert(graph, flatten_keys(both.__dask_keys__()), FakeClient(), ann)
+    assert not [t.key for t in fused.tasks if t.key.startswith("('inc-")]  # the maps fused into from_sequence
     first = flatten_keys(expr.__dask_keys__())[0]
     assert run_locally(expr, [first])[first] == (list(range(2, 22)) if finalize else [2, 3, 4, 5])  # inc twice
 

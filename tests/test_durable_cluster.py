@@ -108,3 +108,20 @@ def test_a_crash_seen_while_adding_workers_is_replaced_not_reported_as_a_failed_
         wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60,
                    what="the crashed worker's replacement and the added one")  # fmt: skip
         assert wid in cluster._replaced
+
+
+def test_a_durable_clusters_cluster_file_sets_the_schedulers_port(tmp_path: Path) -> None:
+    # the review of "flags win over the cluster file": the durable cluster always passed --host and
+    # --port, so a cluster file's [scheduler] host/port (0.0.0.0 for remote workers) was ignored
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = tidepool.LocalCluster(0, state_dir=str(tmp_path / "sd"), timeout=120)
+    try:
+        assert not cluster.address.endswith(f":{port}")
+        cluster.use_cluster_file(f"[scheduler]\nport = {port}\n\n[[node_types]]\nname = 'cpu'\nmax_nodes = 1\n")
+        assert cluster.address == f"tcp://127.0.0.1:{port}"
+    finally:
+        cluster.close()

@@ -124,3 +124,21 @@ def test_a_journal_path_used_before_keeps_the_run_before_as_dot_1(tmp_path: Path
     second.close()
     assert json.loads(path.read_text())["run"] == 2
     assert json.loads((tmp_path / "run.jsonl.1").read_text())["run"] == 1
+
+
+def test_a_journal_whose_directory_is_not_writable_is_replaced_not_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    # the second review: keeping the run before as PATH.1 needs the directory writable; a writable
+    # /var/log/tidepool.jsonl in a root-owned directory made every restart fail
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"t": 0, "kind": "journal-start"}\n')
+
+    def refuse(src: str, dst: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with caplog.at_level(logging.WARNING, "tidepool.journal"):
+        j = Journal(str(path))
+        j.record("journal-start", 0.0, run=2)
+        j.close()
+    assert json.loads(path.read_text())["run"] == 2 and "could not keep the run before" in caplog.text

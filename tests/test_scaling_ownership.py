@@ -185,3 +185,26 @@ def test_each_retirement_carries_its_own_reason_as_data() -> None:
     c = ScalingController((CPU,), policy, forecast_interval=0.25, manage_foreign=True)
     recs = [r for r in step_with_state(c, d.state, 100.0).records if r["kind"] == "retire"]
     assert {r["worker"]: r["reason"] for r in recs} == {"a": "a: idle 9s", "b": "b: cheaper elsewhere"}
+
+
+def test_over_max_nodes_counts_a_partly_joined_node_once_and_leaves_a_reserve_type_alone() -> None:
+    # the second review: 2 of a 4-worker node's workers registered were counted beside the whole
+    # node still "coming", and retired; a hand-started worker of a max_nodes=0 type ("kept in
+    # reserve") was retired with manage_foreign=True
+    from tidepool.scaling.observation import Joined
+
+    d = StateDriver()
+    four = NodeType("four", {"cpu": 1}, min_nodes=1, max_nodes=1, workers_per_node=4, startup_estimate=1.0)
+    c = ScalingController((four,), lambda s: None, forecast_interval=0.25)
+    (rid, _, _), = step_with_state(c, d.state, 0.0).launch
+    got = tuple(f"w{i}" for i in range(4))
+    for w in got[:2]:
+        d.add_worker(w, node_type="four")
+    reports = [Named(rid, got, 1.0), *(Joined(w, 1.0, ready=True) for w in got[:2])]
+    assert step_with_state(c, d.state, 1.0, reports=reports).retire == []
+    assert step_with_state(c, d.state, 1.5).retire == []
+    d2 = StateDriver()
+    d2.add_worker("by-hand", resources={"cpu": 1, "gpu": 1}, node_type="gpu")
+    gpu = NodeType("gpu", {"cpu": 1, "gpu": 1}, max_nodes=0)
+    c2 = ScalingController((CPU, gpu), lambda s: None, forecast_interval=0.25, manage_foreign=True)
+    assert step_with_state(c2, d2.state, 1.0).retire == []

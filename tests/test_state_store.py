@@ -189,3 +189,20 @@ def test_a_second_scheduler_on_the_same_state_directory_is_refused_until_the_fir
         StateStore(tmp_path / "sd", "tok")
     first.close()
     StateStore(tmp_path / "sd", "tok").close()  # free again
+
+
+def test_a_file_system_without_locks_runs_unlocked_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    # the second review: any flock error said "in use by another scheduler" (NFS without lockd,
+    # Lustre mounted noflock), and the scheduler could never start there
+    import errno
+    import fcntl
+    import logging
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, "tidepool.store"):
+        StateStore(tmp_path / "sd", "tok").close()
+    assert "one scheduler at a time is not enforced" in caplog.text

@@ -39,7 +39,7 @@ class DurableLocalCluster(ClosesOnExit):
     """A local cluster whose scheduler survives ``kill -9`` (see the module docstring)."""
 
     def __init__(self, n_workers: int | None = None, *, state_dir: str, slots: int | None = None,
-                 resources: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
+                 resources: dict[str, Any] | None = None, host: str | None = None, port: int | None = None,
                  timeout: float = 60.0, env: dict[str, str] | None = None, heartbeat_interval: float = 1.0,
                  reconnect_window: float | None = None, recovery_wait: float | None = None,
                  journal: str | None = None, fork_server: bool | None = None,
@@ -109,7 +109,16 @@ class DurableLocalCluster(ClosesOnExit):
         log_path = Path(self.state_dir) / "scheduler.log"
         token_file = Path(self.state_dir) / "token"
         start_at = log_path.stat().st_size if log_path.exists() else 0
-        args = ["scheduler", "--host", self.host, "--port", str(self.port), "--token-file", str(token_file),
+        host, port = self.host, self.port  # None: not given here, so the cluster file's, else loopback:any
+        if self.cluster_file and (host is None or port is None):
+            from tidepool.config import load
+
+            table = load(self.cluster_file).scheduler
+            host = host if host is not None else table.get("host")
+            port = port if port is not None else table.get("port")
+        host = "127.0.0.1" if host is None else host
+        port = 0 if port is None else port
+        args = ["scheduler", "--host", str(host), "--port", str(port), "--token-file", str(token_file),
                 *(["--dashboard", self.dashboard] if self.dashboard else ["--no-dashboard"]),
                 "--exit-with-parent", str(os.getpid()), *self.scheduler_args]  # fmt: skip
         if self.durable:

@@ -145,7 +145,9 @@ def _without_bag_fusion(expr: Any) -> Any:
         if isinstance(inner, HLGExpr):
             expr = expr.substitute_parameters({"dsk": _without_bag_fusion(inner)})
         opt = expr.operand("low_level_optimizer")
-        if opt is not None and str(getattr(opt, "__module__", "")).startswith("dask.bag"):
+        # only a bag whose own layers are annotated: the others keep their fusion
+        if (opt is not None and str(getattr(opt, "__module__", "")).startswith("dask.bag")
+                and _has_layer_annotations(expr.operand("dsk"))):  # fmt: skip
             expr = expr.substitute_parameters({"low_level_optimizer": None})
         return expr
     if isinstance(expr, Expr):

@@ -796,12 +796,16 @@ class ScalingController(Replacing):
         LocalCluster's own, or a limit lowered by a new ``adapt()``): the idle ones retire, the busy
         ones once idle (a limit is not a reason to lose running work)."""
         for nt in snap.node_types:
+            if nt.max_nodes == 0:
+                continue  # a type kept in reserve for workers started by hand: theirs, not ours
             per = nt.workers_per_node
             staying = [w for w in by_id.values() if w.node_type == nt.name and not self._is_retiring(w.id)]
             if any(w.id in self._replaced for w in staying):
                 continue  # a replacement may go above max_nodes while the worker it replaces leaves
-            coming = sum(p.nodes for p in snap.pending if p.node_type == nt.name)
-            over = len(staying) + coming * per - nt.max_nodes * per  # workers beyond the limit
+            pending = [p for p in snap.pending if p.node_type == nt.name]
+            coming = sum(p.nodes for p in pending)
+            # a node partly joined: only its workers still missing are to come
+            over = len(staying) + sum(len(p.worker_ids) or p.nodes * per for p in pending) - nt.max_nodes * per
             if over <= 0:
                 continue
             idle = [w for w in staying if w.idle and w.state == "running" and self._manages(w.id)

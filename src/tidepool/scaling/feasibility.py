@@ -74,6 +74,8 @@ class Feasibility:
         for it, or none fits): the node types that fit it are ones the settings never launch
         (``max_nodes=0``, a type "kept in reserve" for workers started by hand, or cost limits).
         Its tasks wait ``no_worker_timeout`` for such a worker, then fail saying this."""
+        if not self.never:  # the usual case: asked every tick for every waiting shape
+            return None
         never = dict(self.never)
         fitting = rank_types(shape, self.node_types)
         if not fitting or not all(nt.name in never for nt in fitting):

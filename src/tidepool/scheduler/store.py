@@ -29,9 +29,11 @@ corrupt, from another layout version or from another cluster (token) raises a
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hmac
 import json
+import logging
 import os
 import queue
 import sqlite3
@@ -52,6 +54,8 @@ from tidepool.errors import (
 
 #: the layout of the tables below; a store with another number is refused, never guessed at
 LAYOUT_VERSION = 1
+log = logging.getLogger("tidepool.store")
+
 FILE_NAME = "state.sqlite3"
 #: the directory lock (one scheduler per state directory); holds the owner's pid
 LOCK_NAME = "lock"
@@ -179,10 +183,19 @@ def _lock_directory(directory: Path) -> IO[str]:
     """An exclusive lock on ``directory`` for as long as the returned file is open: a second
     scheduler on the same directory is refused (it loaded the live store and released the first
     one's clients as if they had not come back).  The lock file holds the owner's pid."""
-    f = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the store's life
+    try:
+        f = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the store's life
+    except OSError as exc:
+        raise StateStoreError(f"cannot open {directory / LOCK_NAME}: {exc.strerror or exc}; the state directory "
+                              "must be writable by the scheduler") from exc  # fmt: skip
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            # a file system without locks (NFS without lockd, Lustre mounted noflock): run unlocked
+            log.warning("cannot lock the state directory %s (%s); one scheduler at a time is not enforced there",
+                        directory, exc.strerror or exc)  # fmt: skip
+            return f
         f.seek(0)
         holder = f.read().strip()
         f.close()

@@ -44,8 +44,12 @@ class Journal:
         # one run per file: reusing a path starts it afresh (worker ids and clock restart per run),
         # and the run before is kept as PATH.1 (a scheduler restarted after a crash with the same
         # command erased the history of the crash)
-        if path and os.path.isfile(path) and os.path.getsize(path) > 0:
-            os.replace(path, path + ".1")
+        if path and os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) > 0:
+            try:
+                os.replace(path, path + ".1")
+            except OSError as exc:  # a writable file in a directory we may not write: start it afresh
+                log.warning("journal %s: could not keep the run before as %s.1 (%s); it is replaced",
+                            path, path, exc.strerror or exc)  # fmt: skip
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
         self.path = path
         #: key -> (submitted at, deps, resources) of tasks submitted while listening (task records)
