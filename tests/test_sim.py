@@ -6,6 +6,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -453,3 +454,51 @@ def test_every_retired_worker_leaves_in_the_journal_and_the_pool_stays_within_ma
     left = {x["worker"] for x in recs if x["kind"] == "worker-leave"}
     assert closed and closed <= left
     assert r.peak_workers <= 300
+
+
+# ---- found by a bug hunt of the simulator (WfFormat user) --------------------------------------------
+def _wide(n: int, seconds: float, resources: dict[str, float] | None = None) -> Any:
+    return from_dict({"name": "wide", "tasks": [{"key": f"t-{i}", "duration": seconds,
+                                                   **({"resources": resources} if resources else {})}
+                                                  for i in range(n)]})  # fmt: skip
+
+
+def test_a_cluster_files_autoscaler_limits_apply_in_the_simulator() -> None:
+    # [autoscaler] max_cost_per_hour was silently ignored: 3 nodes ran at 3x the cap
+    data = {"node_types": [{"name": "cpu", "resources": {"cpu": 1}, "max_nodes": 10, "cost": 1.0,
+                            "startup_estimate": 1.0}],
+            "autoscaler": {"max_cost_per_hour": 2.0}, "simulate": {"startup": "local"}}  # fmt: skip
+    r = simulate(_wide(40, 5.0), cluster_from_dict(data, "c.toml"), make_policy("default"), seed=0)
+    assert r.completed and r.peak_workers <= 2
+
+
+def test_a_cluster_files_node_type_without_startup_estimate_expects_its_start_up_model() -> None:
+    # the NodeType default of 5 s gave up every 60-120 s cloud boot after 30 s: all launches failed
+    data = {"node_types": [{"name": "cpu", "resources": {"cpu": 4}, "max_nodes": 4}], "simulate": {"startup": "cloud"}}
+    c = cluster_from_dict(data, "c.toml")
+    assert c.node_types[0].startup_estimate == round(c.models["cpu"].mean_startup, 1) > 30
+    r = simulate(_wide(8, 30.0), c, make_policy("default"), seed=0)
+    assert r.completed and r.launch_failures == 0 and not r.failed_keys
+
+
+def test_a_run_whose_wanted_results_failed_says_so_in_its_row_and_json() -> None:
+    # "completed": true and a plain row for a run whose task could never run
+    from tidepool.sim.report import table_rows
+
+    r = simulate(_wide(2, 1.0, {"cpu": 64}), load_cluster("cloud:2:4"), make_policy("default"), seed=0)
+    assert r.failed_keys == 2 and r.row()["failed_keys"] == 2
+    assert table_rows([r])[1][0] == f"{r.policy} (2 results failed)"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DaskLike(target_duration=0),  # a ZeroDivisionError every step, replaced by the default policy
+    lambda: DaskLike(target_duration="x"),
+    lambda: DaskLike(interval=-1),
+    lambda: DaskLike(wait_count=0),
+    lambda: HyperQueueLike(backlog=0),  # launched nothing until the stall detector
+    lambda: HyperQueueLike(workers_per_alloc=0),
+    lambda: HyperQueueLike(idle_timeout=-1),
+])  # fmt: skip
+def test_the_simulators_baseline_policies_refuse_bad_options(make: Any) -> None:
+    with pytest.raises(ConfigError, match="must be"):
+        make()

@@ -112,3 +112,39 @@ def test_broken_traces_are_refused_with_what_is_wrong() -> None:
     with pytest.raises(ConfigError, match="non-empty list"):
         from_wfformat({"workflow": {"specification": {"tasks": []}}})
     assert not is_wfformat({"tasks": [], "workflow": {}})  # a tidepool graph is not a trace
+
+
+@pytest.mark.parametrize(("task", "run", "said"), [
+    ({}, {"runtimeInSeconds": "abc"}, "task 'a': runtimeInSeconds must be a finite number >= 0, got 'abc'"),
+    ({}, {"runtimeInSeconds": [1, 2]}, "runtimeInSeconds must be a finite number"),
+    ({}, {"runtimeInSeconds": True}, "runtimeInSeconds must be a finite number"),  # was taken as 1 s
+    ({"parents": 5}, {}, "parents must be a list of task ids, got 5"),
+    ({"parents": "b"}, {}, "parents must be a list of task ids"),  # was ['b'] read letter by letter
+    ({"outputFiles": 5}, {}, "outputFiles must be a list of file ids"),
+    ({}, {"coreCount": "4"}, "coreCount must be a finite number"),  # was silently ignored
+    ({}, {"memoryInBytes": -5}, "memoryInBytes must be a finite number >= 0, got -5"),
+])  # fmt: skip
+def test_a_trace_field_of_the_wrong_type_is_a_config_error_naming_task_and_field(
+        task: dict[str, object], run: dict[str, object], said: str) -> None:  # fmt: skip
+    # found by a bug hunt: ValueError/TypeError/OverflowError tracebacks, or values silently misread
+    doc = _doc([{"id": "a", "parents": [], "outputFiles": [], **task}], [{"id": "a", "runtimeInSeconds": 1, **run}])
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        from_wfformat(doc)
+
+
+def test_file_sizes_of_the_wrong_type_are_config_errors() -> None:
+    for size in ("4MB", float("inf"), -1000, [1]):
+        doc = _doc([{"id": "a", "parents": [], "outputFiles": ["o"]}], [{"id": "a", "runtimeInSeconds": 1}])
+        doc["workflow"]["specification"]["files"] = [{"id": "o", "sizeInBytes": size}]  # type: ignore[index]
+        with pytest.raises(ConfigError, match="file 'o': sizeInBytes must be a finite number >= 0"):
+            from_wfformat(doc)
+
+
+def test_a_wfformat_1_4_trace_names_parents_by_task_name() -> None:
+    # found by a bug hunt: 1.4 tasks have both a name and an id, and parents refer to names
+    doc = {"name": "t", "schemaVersion": "1.4", "workflow": {"tasks": [
+        {"name": "a_ID1", "id": "ID1", "parents": [], "runtimeInSeconds": 2.0, "files": []},
+        {"name": "b_ID2", "id": "ID2", "parents": ["a_ID1"], "runtimeInSeconds": 3.0, "files": []},
+    ]}}  # fmt: skip
+    a, b = list(from_wfformat(doc).tasks())
+    assert (a.key, b.key, b.deps) == ("ID1", "ID2", ("ID1",))

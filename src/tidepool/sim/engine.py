@@ -136,6 +136,9 @@ class SimResult:
             "launched_nodes": self.launched_nodes, "retirements": self.retirements,
             "launch_failures": self.launch_failures, "workers": self.workers, "peak_workers": self.peak_workers,
             "recomputed": self.recomputed, "completed": self.completed,
+            # wanted results whose tasks failed: the run ended, but without them (a bug hunt read
+            # "completed": true for a run whose results had failed)
+            "failed_keys": self.failed_keys,
         }  # fmt: skip
 
 
@@ -209,6 +212,8 @@ class Simulation:
             self.journal = Journal(journal, tasks=task_records)
         self.journal_path = journal if isinstance(journal, str) else None
         self.provider = SimProvider(cluster.models, seed, self._clock, up=self._provider_up, kill=self._provider_kill)
+        if controller_kwargs is None and cluster.config is not None:  # the cluster file's [autoscaler] limits
+            controller_kwargs = dict(cluster.config.autoscaler)
         self.controller = ScalingController(cluster.node_types, policy, **(controller_kwargs or {}))
         fb = forecast_budget if forecast_budget is not None else cluster.forecast_budget
         self.shell = SimAutoScaler(self.controller, self.provider, self.state, self.journal, apply=self.apply,

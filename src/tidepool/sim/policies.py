@@ -87,10 +87,18 @@ class DaskLike:
     def __post_init__(self) -> None:
         from tidepool.errors import ConfigError
 
-        for name, v in (("minimum", self.minimum), ("maximum", self.maximum)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+        for name, v, lo in (("target_duration", self.target_duration, 0.0), ("interval", self.interval, 0.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= lo:
+                raise ConfigError(f"dask({name}=...) must be a number of seconds > 0, got {v!r}")
+        if isinstance(self.default_duration, bool) or not isinstance(self.default_duration, (int, float)) \
+                or not math.isfinite(self.default_duration) or self.default_duration < 0:  # fmt: skip
+            raise ConfigError(f"dask(default_duration=...) must be a number of seconds >= 0, got {self.default_duration!r}")
+        if isinstance(self.wait_count, bool) or not isinstance(self.wait_count, int) or self.wait_count < 1:
+            raise ConfigError(f"dask(wait_count=...) must be a whole number >= 1, got {self.wait_count!r}")
+        for name, count in (("minimum", self.minimum), ("maximum", self.maximum)):
+            if count is not None and (isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0):
                 raise ConfigError(f"dask({name}=...) must be a number of workers >= 0 (maximum may be inf), "
-                                  f"got {v!r}")  # fmt: skip
+                                  f"got {count!r}")  # fmt: skip
         if self.maximum is not None and self.minimum > self.maximum:
             raise ConfigError(f"dask(minimum={self.minimum}, maximum={self.maximum}): minimum must be <= maximum")
 
@@ -150,6 +158,16 @@ class HyperQueueLike:
     backlog: int = 1
     workers_per_alloc: int = 1
     idle_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        from tidepool.errors import ConfigError
+
+        for name, v in (("backlog", self.backlog), ("workers_per_alloc", self.workers_per_alloc)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # 0 launched nothing, for ever
+                raise ConfigError(f"hyperqueue({name}=...) must be a whole number >= 1, got {v!r}")
+        idle = self.idle_timeout
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or math.isnan(idle) or idle < 0:
+            raise ConfigError(f"hyperqueue(idle_timeout=...) must be a number of seconds >= 0, got {idle!r}")
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         launch: dict[str, int] = {}

@@ -35,7 +35,8 @@ def table_rows(results: Sequence[SimResult]) -> list[list[str]]:
     rows = [head]
     for r in results:
         rows.append([
-            r.policy + ("" if r.completed else " (did not finish)"), _s(r.makespan, 2), _s(r.held_worker_seconds),
+            r.policy + ("" if r.completed else " (did not finish)")
+            + (f" ({r.failed_keys} results failed)" if r.failed_keys else ""), _s(r.makespan, 2), _s(r.held_worker_seconds),
             _s(r.held_worker_seconds_total), _s(r.busy_worker_seconds), _s(r.task_seconds), _s(r.total_cost, 2),
             *[_s(r.cost.get(t, 0.0), 2) for t in types], f"{r.launches} ({r.launched_nodes})", str(r.retirements),
             str(r.launch_failures), str(r.peak_workers),

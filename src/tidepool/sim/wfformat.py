@@ -19,6 +19,7 @@ file, :func:`fit_memory` drops memory needs that no node type of a cluster decla
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,7 +65,7 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
     sizes: dict[str, int] = {}
     for f in files:
         if isinstance(f, Mapping) and "id" in f:
-            sizes[str(f["id"])] = int(f.get("sizeInBytes", 0) or 0)
+            sizes[str(f["id"])] = _size(f.get("sizeInBytes", 0), f"{source}: file {f['id']!r}: sizeInBytes")
     measured: dict[str, Mapping[str, Any]] = {}
     for r in runs:
         if isinstance(r, Mapping) and "id" in r:
@@ -77,32 +78,50 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
         if tid in by_id:
             raise ConfigError(f"{source}: task id {tid!r} appears twice")
         by_id[tid] = t
+    # WfFormat 1.4 names parents by the tasks' names ("name ... to be used as references in
+    # child/parent tasks"), 1.5 by their ids
+    by_name: dict[str, str] = {}
+    for tid, t in by_id.items():
+        name = t.get("name")
+        if isinstance(name, str):
+            by_name[name] = tid if name not in by_name else ""  # "": two tasks share it
     missing_runtime = 0
     out: dict[str, SimTask] = {}
     for tid, t in by_id.items():
-        parents = [str(p) for p in t.get("parents", []) or []]
+        where = f"{source}: task {tid!r}"
+        raw_parents = t.get("parents", []) or []
+        if not isinstance(raw_parents, list):
+            raise ConfigError(f"{where}: parents must be a list of task ids, got {raw_parents!r:.60}")
+        parents = [p if p in by_id else by_name.get(p) or p for p in map(str, raw_parents)]
         unknown = [p for p in parents if p not in by_id]
         if unknown:
-            raise ConfigError(f"{source}: task {tid!r} names parents that are not tasks: {unknown[:3]}")
+            raise ConfigError(f"{where} names parents that are not tasks: {unknown[:3]}")
         run = measured.get(tid, t)
         runtime = run.get("runtimeInSeconds", run.get("runtime"))
         if runtime is None:
             missing_runtime += 1
             runtime = 0.0
+        runtime = _number(runtime, f"{where}: runtimeInSeconds")
         outputs = t.get("outputFiles")
         if outputs is None:  # 1.4: files inline with a link direction
-            outputs = [f.get("name") for f in t.get("files", []) or [] if f.get("link") == "output"]
-            for f in t.get("files", []) or []:
-                sizes.setdefault(str(f.get("name")), int(f.get("sizeInBytes", f.get("size", 0)) or 0))
-        nbytes = sum(sizes.get(str(f), 0) for f in outputs or [])
+            inline = t.get("files", []) or []
+            if not isinstance(inline, list) or not all(isinstance(f, Mapping) for f in inline):
+                raise ConfigError(f"{where}: files must be a list of file objects, got {inline!r:.60}")
+            outputs = [f.get("name") for f in inline if f.get("link") == "output"]
+            for f in inline:
+                sizes.setdefault(str(f.get("name")), _size(f.get("sizeInBytes", f.get("size", 0)),
+                                                           f"{where}: file {f.get('name')!r}: sizeInBytes"))  # fmt: skip
+        if not isinstance(outputs, list):
+            raise ConfigError(f"{where}: outputFiles must be a list of file ids, got {outputs!r:.60}")
+        nbytes = sum(sizes.get(str(f), 0) for f in outputs)
         res: dict[str, float] = {}
         cores = run.get("coreCount", t.get("cores"))
-        if isinstance(cores, (int, float)) and cores > 1:
+        if cores is not None and _number(cores, f"{where}: coreCount") > 1:
             res["cpu"] = float(cores)
         mem = run.get("memoryInBytes")
-        if memory and isinstance(mem, (int, float)) and mem > 0:
+        if mem is not None and _number(mem, f"{where}: memoryInBytes") > 0 and memory:
             res["memory"] = float(mem)
-        out[tid] = SimTask(tid, float(runtime) / scale, parents, _program(tid, str(t.get("name", ""))),
+        out[tid] = SimTask(tid, runtime / scale, parents, _program(tid, str(t.get("name", ""))),
                            res or None, nbytes=max(8, nbytes))  # fmt: skip
     ordered = _topological(out, source)
     name = str(data.get("name") or "wfformat")
@@ -111,6 +130,18 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
     if missing_runtime:
         notes.append(f"{missing_runtime} tasks have no runtimeInSeconds: they take 0 s")
     return Workload(name, [Stage(ordered, sinks(ordered))], notes=notes)
+
+
+def _number(value: Any, what: str) -> float:
+    """A trace's number (a runtime, a core count, a memory size): finite and >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{what} must be a finite number >= 0, got {value!r:.60}")
+    return float(value)
+
+
+def _size(value: Any, what: str) -> int:
+    """A file size in bytes (None or 0: none)."""
+    return int(_number(value or 0, what))
 
 
 def _runtime_system(data: Mapping[str, Any]) -> str:
