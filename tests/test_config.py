@@ -203,3 +203,18 @@ def test_a_file_whose_node_types_can_never_launch_is_refused_for_every_command()
         parse(two, "c.toml")
     two["node_types"][1]["max_nodes"] = 1  # one kept in reserve beside one that launches: fine
     assert [nt.max_nodes for nt in parse(two, "c.toml").node_types] == [0, 1]
+
+
+def test_a_cluster_file_can_pick_the_planned_default_policy_with_its_objective() -> None:
+    # a bug hunt found a cluster file could only run the older Adaptive, never adapt()'s default
+    from tidepool.scaling.planned import Planned
+
+    nodes = [{"name": "cpu", "max_nodes": 2}]
+    pol = parse({"policy": {"kind": "default", "objective": "cheapest", "guess_budget": 0.5}, "node_types": nodes},
+                "c.toml").make_policy()  # fmt: skip
+    assert isinstance(pol, Planned) and pol.plan.objective == "cheapest" and pol.plan.guess_budget == 0.5
+    assert parse({"policy": {"kind": "default", "budget": 3}, "node_types": nodes}, "c.toml").make_policy().plan.budget == 3
+    for bad, said in (({"objective": "cheap"}, "did you mean 'cheapest'"), ({"budget": -1}, "budget must be"),
+                      ({"idle_timeout": 5}, "unknown key 'idle_timeout'")):  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            parse({"policy": {"kind": "default", **bad}, "node_types": nodes}, "c.toml")

@@ -15,7 +15,8 @@ Example::
     # kind = "callback"; launch = "mymodule:launch"; terminate = "mymodule:terminate"
 
     [policy]
-    kind = "adaptive"           # adaptive | completion | backlog | "module:function"
+    kind = "adaptive"           # adaptive | completion | backlog | default | "module:function"
+                                # (default: adapt()'s planned policy; objective/deadline/budget keys)
     idle_timeout = 5.0          # optional: seconds an empty idle worker is kept while work may come
                                 # (retired at once when the forecast says none can: docs/scaling.md)
     cached_idle_timeout = 60.0  # optional: ... a worker holding needed data
@@ -66,13 +67,15 @@ _AUTOSCALER_KEYS = ("max_cost_per_hour", "budget", "scale_to_zero_after")
 _SCHEDULER_KEYS = ("host", "port", "tls_ca_file", "tls_cert", "tls_key", "state_dir",
                   "reconnect_window")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeType))
-_POLICY_KINDS = ("adaptive", "completion", "backlog")
+_POLICY_KINDS = ("adaptive", "completion", "backlog", "default")
 _PROVIDER_KINDS = ("local", "ssh", "slurm", "callback", "kubernetes")
 #: keys every built-in policy kind accepts besides ``kind`` (all seconds: finite numbers >= 0)
 _POLICY_KEYS: dict[str, tuple[str, ...]] = {
     "adaptive": ("idle_timeout", "cached_idle_timeout", "max_eta", "min_lifetime"),
     "completion": ("idle_timeout", "cached_idle_timeout", "max_eta", "min_lifetime"),
     "backlog": ("idle_timeout", "cached_idle_timeout", "min_lifetime", "delay", "interval"),
+    # the planned default policy (adapt()'s): ``objective`` is a name, the rest numbers
+    "default": ("objective", "deadline", "budget", "guess_budget", "min_lifetime"),
 }
 #: constructor arguments the scheduler supplies itself (``bind``), never read from the file
 _BOUND = ("scheduler", "token")
@@ -97,6 +100,13 @@ class ClusterConfig:
         if ":" in kind:
             return _custom_policy(kind, p, self.source)
         _check_keys(self.source, f"[policy] (kind = {kind!r})", p, ("kind", *_POLICY_KEYS[kind]))
+        if kind == "default":
+            from tidepool.scaling.planned import default_policy
+
+            try:
+                return default_policy(**{k: v for k, v in p.items() if k != "kind"})
+            except ConfigError as exc:
+                raise ConfigError(f"{self.source}: [policy] {exc}") from None
         for key in _POLICY_KEYS[kind]:
             if key in p:
                 _seconds(self.source, "[policy]", key, p[key])
