@@ -148,3 +148,14 @@ def test_a_wfformat_1_4_trace_names_parents_by_task_name() -> None:
     ]}}  # fmt: skip
     a, b = list(from_wfformat(doc).tasks())
     assert (a.key, b.key, b.deps) == ("ID1", "ID2", ("ID1",))
+
+
+def test_a_cycle_is_named_by_its_members_not_by_the_tasks_stuck_below_it() -> None:
+    # found by a bug hunt: a self-loop on 'a' was reported "around ['c', 'd', ...]", tasks that only wait on it
+    doc = _doc([{"id": "a", "parents": ["a"]}, {"id": "c", "parents": ["a"]}, {"id": "d", "parents": ["c"]}], [])
+    with pytest.raises(ConfigError, match=re.escape("cycle ('a' -> 'a': each needs")):
+        from_wfformat(doc)
+    doc = _doc([{"id": "x", "parents": []}, {"id": "z", "parents": ["b"]},
+                {"id": "a", "parents": ["b"]}, {"id": "b", "parents": ["a", "x"]}], [])  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape("cycle ('b' -> 'a' -> 'b'")):  # not 'z', which waits on it
+        from_wfformat(doc)

@@ -170,8 +170,21 @@ def _topological(tasks: Mapping[str, SimTask], source: str) -> list[SimTask]:
             if indeg[u] == 0:
                 heapq.heappush(ready, (position[u], u))
     if len(out) != len(tasks):
-        stuck = sorted(k for k, n in indeg.items() if n > 0)[:3]
-        raise ConfigError(f"{source}: the trace's parents form a cycle (e.g. around {stuck}); a workflow is a DAG")
+        # walk up stuck parents until one repeats: those are the cycle (the stuck tasks below it
+        # only wait on it; the message named them, alphabetically, before)
+        stuck = {k for k, n in indeg.items() if n > 0}
+        k = min(stuck, key=lambda x: position[x])
+        path: list[str] = []
+        seen: dict[str, int] = {}
+        while k not in seen:
+            seen[k] = len(path)
+            path.append(k)
+            k = next(d for d in tasks[k].deps if d in stuck)
+        cycle = path[seen[k]:]
+        shown = " -> ".join(repr(c) for c in [*cycle[:6], cycle[0]]) if len(cycle) <= 6 else \
+            " -> ".join(repr(c) for c in cycle[:6]) + " -> ..."  # fmt: skip
+        raise ConfigError(f"{source}: the trace's parents form a cycle ({shown}: each needs the next as a parent); "
+                          "a workflow is a DAG")  # fmt: skip
     return out
 
 
