@@ -159,3 +159,16 @@ def test_a_cycle_is_named_by_its_members_not_by_the_tasks_stuck_below_it() -> No
                 {"id": "a", "parents": ["b"]}, {"id": "b", "parents": ["a", "x"]}], [])  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape("cycle ('b' -> 'a' -> 'b'")):  # not 'z', which waits on it
         from_wfformat(doc)
+
+
+def test_a_task_measured_twice_or_files_given_as_an_object_are_refused() -> None:
+    # found by a bug hunt: the last of two measurements silently won (makespan 110 -> 1,064 s), and
+    # files given as an object lost every size
+    doc = _doc([{"id": "a", "parents": [], "outputFiles": ["o"]}],
+               [{"id": "a", "runtimeInSeconds": 1}, {"id": "a", "runtimeInSeconds": 999}])  # fmt: skip
+    with pytest.raises(ConfigError, match="lists task 'a' twice"):
+        from_wfformat(doc)
+    doc = _doc([{"id": "a", "parents": [], "outputFiles": ["o"]}], [{"id": "a", "runtimeInSeconds": 1}])
+    doc["workflow"]["specification"]["files"] = {"o": {"sizeInBytes": 5}}  # type: ignore[index]
+    with pytest.raises(ConfigError, match="specification.files must be a list, got dict"):
+        from_wfformat(doc)

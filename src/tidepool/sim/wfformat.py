@@ -53,6 +53,9 @@ def _spec_and_exec(data: Mapping[str, Any], source: str) -> tuple[list[Any], lis
         tasks, files, runs = wf.get("tasks"), [], wf.get("tasks")
     if not isinstance(tasks, list) or not tasks:
         raise ConfigError(f"{source}: a WfFormat trace needs workflow.specification.tasks (a non-empty list)")
+    for what, value in (("specification.files", files), ("execution.tasks", runs)):
+        if value is not None and not isinstance(value, list):  # an object's keys were read as ids: sizes lost
+            raise ConfigError(f"{source}: workflow.{what} must be a list, got {type(value).__name__}")
     return tasks, list(files or []), list(runs or [])
 
 
@@ -69,6 +72,8 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
     measured: dict[str, Mapping[str, Any]] = {}
     for r in runs:
         if isinstance(r, Mapping) and "id" in r:
+            if str(r["id"]) in measured and r is not measured[str(r["id"])]:  # the last one silently won
+                raise ConfigError(f"{source}: execution.tasks lists task {r['id']!r} twice; keep one measurement")
             measured[str(r["id"])] = r
     by_id: dict[str, Mapping[str, Any]] = {}
     for i, t in enumerate(tasks):
