@@ -215,6 +215,7 @@ def test_a_cluster_file_can_pick_the_planned_default_policy_with_its_objective()
     assert isinstance(pol, Planned) and pol.plan.objective == "cheapest" and pol.plan.guess_budget == 0.5
     assert parse({"policy": {"kind": "default", "budget": 3}, "node_types": nodes}, "c.toml").make_policy().plan.budget == 3
     for bad, said in (({"objective": "cheap"}, "did you mean 'cheapest'"), ({"budget": -1}, "budget must be"),
-                      ({"idle_timeout": 5}, "unknown key 'idle_timeout'")):  # fmt: skip
+                      ({"idle_timeout": 5}, "unknown key 'idle_timeout'"),
+                      ({"min_lifetime": "x"}, "min_lifetime must be a number of seconds")):  # fmt: skip
         with pytest.raises(ConfigError, match=said):
             parse({"policy": {"kind": "default", **bad}, "node_types": nodes}, "c.toml")

@@ -103,6 +103,9 @@ class ClusterConfig:
         if kind == "default":
             from tidepool.scaling.planned import default_policy
 
+            if "min_lifetime" in p:
+                _seconds(self.source, "[policy]", "min_lifetime", p["min_lifetime"])
+
             try:
                 return default_policy(**{k: v for k, v in p.items() if k != "kind"})
             except ConfigError as exc:

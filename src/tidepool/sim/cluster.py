@@ -137,12 +137,6 @@ def from_dict(data: Mapping[str, Any], source: str = "<cluster>") -> SimCluster:
 
         wall = parse_walltime(cfg.provider["walltime"])
         models = {k: (replace(m, walltime=float(wall)) if wall else m) for k, m in models.items()}
-    # a node type that gives no startup_estimate expects what its start-up model says, as a preset
-    # does (the NodeType default of 5 s gave up every 60-120 s cloud boot after 30 s)
-    raw_types = data.get("node_types", []) or []
-    given = {str(t.get("name")) for t in raw_types if isinstance(t, Mapping) and "startup_estimate" in t}
-    types = [nt if nt.name in given else replace(nt, startup_estimate=round(models[nt.name].mean_startup, 1))
-             for nt in cfg.node_types]  # fmt: skip
     bw = sim.get("bandwidth", 1e9)
     bandwidth = float(parse_bytes(bw)) if isinstance(bw, str) else float(bw)
     if not (math.isfinite(bandwidth) and bandwidth > 0):
@@ -151,7 +145,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<cluster>") -> SimCluster:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"{source}: [simulate] seed must be a whole number, got {seed!r}")
     return SimCluster(
-        types, models, cfg,
+        list(cfg.node_types), models, cfg,
         latency=_seconds(source, "latency", sim.get("latency", 0.001)), bandwidth=bandwidth,
         interval=_seconds(source, "interval", sim.get("interval", 0.2), positive=True),
         tick=_seconds(source, "tick", sim.get("tick", 0.5), positive=True),

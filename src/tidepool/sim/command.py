@@ -119,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
 
         workload.notes.extend(calibrate(cluster, load_records(source)))
     names = args.policy or (["cluster"] if cluster.config is not None else ["default"])
+    for nt in cluster.node_types:  # as the real scheduler would, launches give up after max(30, 5 x estimate)
+        model = cluster.models.get(nt.name)
+        if model is not None and max(30.0, 5 * nt.startup_estimate) < model.mean_startup:
+            workload.notes.append(
+                f"node type {nt.name!r}: startup_estimate {nt.startup_estimate:g}s is far below its start-up "
+                f"model's mean {model.mean_startup:.0f}s, so most launches give up after "
+                f"{max(30.0, 5 * nt.startup_estimate):.0f}s (as the real scheduler would); set startup_estimate "
+                "in the cluster file")  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)
     say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))

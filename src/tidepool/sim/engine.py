@@ -212,8 +212,13 @@ class Simulation:
             self.journal = Journal(journal, tasks=task_records)
         self.journal_path = journal if isinstance(journal, str) else None
         self.provider = SimProvider(cluster.models, seed, self._clock, up=self._provider_up, kill=self._provider_kill)
-        if controller_kwargs is None and cluster.config is not None:  # the cluster file's [autoscaler] limits
-            controller_kwargs = dict(cluster.config.autoscaler)
+        if cluster.config is not None:  # the cluster file's [autoscaler] limits, under any given here
+            controller_kwargs = dict(controller_kwargs or {})
+            for key, value in cluster.config.autoscaler.items():
+                # cost ceilings are the site's, for every policy compared; scale-to-zero is tidepool's
+                # own behaviour, not the baselines' (HyperQueue's idle timeout is its own)
+                if key != "scale_to_zero_after" or not policy_name.startswith(("dask", "hyperqueue")):
+                    controller_kwargs.setdefault(key, value)
         self.controller = ScalingController(cluster.node_types, policy, **(controller_kwargs or {}))
         fb = forecast_budget if forecast_budget is not None else cluster.forecast_budget
         self.shell = SimAutoScaler(self.controller, self.provider, self.state, self.journal, apply=self.apply,

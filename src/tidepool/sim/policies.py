@@ -87,9 +87,12 @@ class DaskLike:
     def __post_init__(self) -> None:
         from tidepool.errors import ConfigError
 
-        for name, v, lo in (("target_duration", self.target_duration, 0.0), ("interval", self.interval, 0.0)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= lo:
-                raise ConfigError(f"dask({name}=...) must be a number of seconds > 0, got {v!r}")
+        v = self.target_duration
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"dask(target_duration=...) must be a number of seconds > 0, got {v!r}")
+        v = self.interval  # 0: every round
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"dask(interval=...) must be a number of seconds >= 0, got {v!r}")
         if isinstance(self.default_duration, bool) or not isinstance(self.default_duration, (int, float)) \
                 or not math.isfinite(self.default_duration) or self.default_duration < 0:  # fmt: skip
             raise ConfigError(f"dask(default_duration=...) must be a number of seconds >= 0, got {self.default_duration!r}")
