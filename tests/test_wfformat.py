@@ -172,3 +172,10 @@ def test_a_task_measured_twice_or_files_given_as_an_object_are_refused() -> None
     doc["workflow"]["specification"]["files"] = {"o": {"sizeInBytes": 5}}  # type: ignore[index]
     with pytest.raises(ConfigError, match="specification.files must be a list, got dict"):
         from_wfformat(doc)
+
+
+def test_a_1_5_trace_does_not_resolve_a_dangling_parent_id_by_task_name() -> None:
+    # the third review: a dangling 1.5 parent id equal to another task's name was silently attached
+    doc = _doc([{"id": "ID1", "name": "a", "parents": []}, {"id": "ID2", "name": "b", "parents": ["a"]}], [])
+    with pytest.raises(ConfigError, match="parents that are not tasks"):
+        from_wfformat(doc)

@@ -86,7 +86,7 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
     # WfFormat 1.4 names parents by the tasks' names ("name ... to be used as references in
     # child/parent tasks"), 1.5 by their ids
     by_name: dict[str, str] = {}
-    for tid, t in by_id.items():
+    for tid, t in (by_id.items() if "specification" not in data["workflow"] else ()):  # 1.4 layout only
         name = t.get("name")
         if isinstance(name, str):
             by_name[name] = tid if name not in by_name else ""  # "": two tasks share it
