@@ -81,6 +81,7 @@ def test_a_restart_waits_for_its_workers_then_counts_held_values_as_finished(tmp
     dur, d2 = _restart(tmp_path, recovery_wait=30.0)
     st = d2.state
     assert not dur.gate_open
+    assert st.restored_at is not None  # known before any worker can rejoin (not at the next tick)
     assert sorted(st.clients["c"]) == [f"b-{i}" for i in range(4)]
     # w1 comes back first: it holds values and runs a task, but is given nothing new yet
     d2.send(ev.WorkerJoin("w1", "tcp://w1:1", {"cpu": 1.0}, d2.clock(), ready=False),
@@ -230,3 +231,43 @@ def test_an_observer_that_subscribes_after_a_restart_still_sees_its_recovery_rep
     finally:
         assert s.durable is not None
         s.durable.close()
+
+
+def _restored_with_a_worker_holding(keys: list[str]) -> StateDriver:
+    d = StateDriver()
+    d.send(ev.RecoveryReport("loaded", {}, d.clock()))  # a scheduler restarted from its store
+    d.add_worker("w1")
+    d.log.clear()
+    d.send(ev.WorkerRejoin("w1", [(k, 100) for k in keys], [], [], d.clock()))
+    return d
+
+
+def _executed(d: StateDriver) -> list[str]:
+    return [c.key for c in d.log if isinstance(c, ev.Execute)]
+
+
+def _freed(d: StateDriver) -> list[str]:
+    return [k for c in d.log if isinstance(c, ev.Free) for k in c.keys]
+
+
+def test_a_graph_resent_after_the_workers_rejoined_finds_their_values_and_runs_nothing_again() -> None:
+    # found by a bug hunt: a graph submitted < 0.5 s before a kill was not stored yet; the workers
+    # rejoined first, their values of its keys were freed, and the resent graph ran them again
+    d = _restored_with_a_worker_holding(["a", "c"])
+    assert _freed(d) == []  # kept for the graph that names them
+    d.submit([("a", []), ("b", ["a"])], ["b"])
+    assert d.state.tasks["a"].state == "memory" and _executed(d) == ["b"]
+    assert d.state.counters.get("recovered") == 1
+    d.clock.advance(121.0)
+    d.send(ev.Tick(d.clock()))  # "c" was never claimed: freed on its worker after UNCLAIMED_KEEP
+    assert _freed(d) == ["c"] and not d.state.unclaimed
+
+
+def test_a_kept_value_nothing_wants_is_freed_and_a_scheduler_not_restored_frees_unknown_keys_at_once() -> None:
+    d = _restored_with_a_worker_holding(["a"])
+    d.submit([("a", [])], [])  # named, but wanted by nobody
+    assert "a" in _freed(d)
+    plain = StateDriver()  # a worker reconnecting after a network blip: unknown keys were released here
+    plain.add_worker("w1")
+    plain.send(ev.WorkerRejoin("w1", [("gone", 100)], [], [], plain.clock()))
+    assert _freed(plain) == ["gone"] and not plain.state.unclaimed

@@ -55,6 +55,7 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (_T.RELEASED, _T.WAITING): "needed, and some inputs are not in memory yet",
     (_T.RELEASED, _T.READY): "needed, and every input is in memory",
     (_T.RELEASED, _T.ERRED): "needed, but an input already failed",
+    (_T.RELEASED, _T.MEMORY): "a worker that rejoined a restarted scheduler holds its value (rejoin.claim)",
     (_T.WAITING, _T.READY): "the last missing input arrived",
     (_T.WAITING, _T.ERRED): "an input failed",
     (_T.WAITING, _T.RELEASED): "nobody needs it any more (cancelled)",

@@ -25,7 +25,8 @@ Restart: :func:`restore_events` turns the stored snapshot into ordinary events (
 with every task, each client's wanted keys, the errors of tasks that had erred), applied before the
 listener opens, so nothing runs yet: there are no workers.  Workers re-register with what they hold
 and run (``WorkerRejoin``): held values count as finished again, their running and queued tasks
-stay theirs (no ``Execute`` is sent again).  Until every worker the store names is back (or
+stay theirs (no ``Execute`` is sent again); values of keys the store does not have (a graph sent
+just before the kill) are kept for a while, for the client that resends it (``rejoin.py``).  Until every worker the store names is back (or
 ``recovery_wait`` passes) joining workers stay "starting", so nothing is placed on the first one
 back while a value it would recompute sits on a worker still reconnecting.  Then they turn
 running, and whatever is still missing is computed from the persisted graph.  Restored clients
@@ -292,7 +293,9 @@ class Durability:
         snap = self.snapshot
         self.state = st
         began = time.perf_counter()
-        st.handle_many(restore_events(snap, now))
+        # the state knows at once that it was restored: workers may rejoin before the next tick
+        # delivers the "loaded" report (rejoin.py keeps their values of keys not known yet)
+        st.handle_many([*restore_events(snap, now), ev.RecoveryReport("restored", {}, now)])
         self.persister = Persister(self.store, st)
         self.persister.adopt(snap)
         self._finished_before = {t.key for t in snap.tasks if t.status == "m"}

@@ -104,6 +104,11 @@ class SchedulerState:
         #: quick task's "started" rides with its outcome, so one of them may be what killed it.  They
         #: run "solo" next time (started reported first, never batched): blame is exact then
         self.solo: set[str] = set()
+        #: key -> {worker: (nbytes, since)}: values rejoining workers hold of keys not known yet
+        #: (a graph sent just before a scheduler restart comes again with its client: rejoin.py)
+        self.unclaimed: dict[str, dict[str, tuple[int, float]]] = {}
+        #: when this state was restored from a state directory (a "loaded" RecoveryReport)
+        self.restored_at: float | None = None
         self._priority = 0
         self._worker_seq = 0
         # task records' serials (TaskRecord.run): from a random base, so that a worker's runs tagged
@@ -175,6 +180,7 @@ class SchedulerState:
         for ts in new:
             self.tasks[ts.key] = ts
             self.tally.add(ts)
+        claimed = rejoin.claim(self, new) if self.unclaimed else []
         keys = self.clients.setdefault(e.client, set())
         for k in e.wanted:
             wts = self.tasks.get(k)
@@ -193,6 +199,9 @@ class SchedulerState:
                 out.append(ev.Report(e.client, k, RK.MEMORY if wts.state == TS.MEMORY else RK.ERRED))
         for ts in new:  # tasks submitted but not needed by anything: drop
             if ts.state == "released":
+                self._check(ts, out)
+        for ts in claimed:  # a kept value nothing wants or waits for: freed as any other
+            if not ts.needed:
                 self._check(ts, out)
 
     def _release_keys(self, e: ev.ReleaseKeys, out: list[ev.Command]) -> None:
@@ -809,6 +818,8 @@ class SchedulerState:
                 self.counters["trusted_again"] += 1
 
     def _tick(self, e: ev.Tick, out: list[ev.Command]) -> None:
+        if self.unclaimed:
+            rejoin.expire_unclaimed(self, e.now, out)
         for ws in list(self.workers.values()):
             if e.stalled > 0:  # silence while we ourselves could not listen does not count
                 ws.last_seen = min(e.now, ws.last_seen + e.stalled)
