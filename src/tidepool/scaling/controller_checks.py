@@ -56,7 +56,8 @@ def check_affordable(node_types: Sequence[NodeType], limits: CostLimits) -> None
 def never_launched(node_types: Sequence[NodeType], limits: CostLimits) -> tuple[tuple[str, str], ...]:
     """(node type, why) for each node type these settings never let launch: ``max_nodes=0``, a cost
     per node-hour over ``max_cost_per_hour``, or one node's least bill over the budget.  Tasks only
-    such types could run fail at once (``InfeasibleTaskError``) instead of waiting for ever."""
+    such types could run wait ``no_worker_timeout`` for a worker started by hand, then fail
+    (``InfeasibleTaskError``) instead of waiting for ever (``Feasibility.by_hand_only``)."""
     out = []
     for nt in node_types:
         if nt.max_nodes == 0:

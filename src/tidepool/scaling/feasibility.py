@@ -43,8 +43,14 @@ class Feasibility:
     node_types: tuple[NodeType, ...]
     disabled: tuple[tuple[str, str, str], ...] = ()
     #: (node type, why) for each node type the settings never let launch (``max_nodes=0``, a cost
-    #: over ``max_cost_per_hour``, one node's least bill over the budget): no task can wait for one
+    #: over ``max_cost_per_hour``, one node's least bill over the budget): only a worker started by
+    #: hand can serve a shape only they fit (:meth:`by_hand_only`)
     never: tuple[tuple[str, str], ...] = ()
+
+    def _only_never(self, fitting: list[NodeType]) -> dict[str, str] | None:
+        """Why each of ``fitting`` is never launched, when every one of them is (else None)."""
+        never = dict(self.never)
+        return never if fitting and all(nt.name in never for nt in fitting) else None
 
     def __call__(self, shape: Shape) -> str | tuple[str, str] | None:
         """Why no usable node type could ever run ``shape`` (None if one could).
@@ -57,9 +63,9 @@ class Feasibility:
         if not fitting:
             return (f"it needs {dict(shape)} and no node type offers that{largest_offers(shape, types)}; "
                     f"node types: {describe_types(types)}")  # fmt: skip
-        never = dict(self.never)
-        if all(nt.name in never for nt in fitting):
+        if self._only_never(fitting) is not None:
             return None  # a worker started by hand may serve it: it waits no_worker_timeout (by_hand_only)
+        never = dict(self.never)
         off = {name: (error, why) for name, error, why in self.disabled}
         names = [nt.name for nt in fitting if nt.name not in never]
         if all(n in off for n in names):
@@ -76,8 +82,8 @@ class Feasibility:
         Its tasks wait ``no_worker_timeout`` for such a worker, then fail saying this."""
         if not self.never:  # the usual case: asked every tick for every waiting shape
             return None
-        never = dict(self.never)
         fitting = rank_types(shape, self.node_types)
-        if not fitting or not all(nt.name in never for nt in fitting):
+        never = self._only_never(fitting)
+        if never is None:
             return None
         return "; ".join(f"node type {nt.name!r} is never launched: {never[nt.name]}" for nt in fitting)

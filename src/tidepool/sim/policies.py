@@ -73,6 +73,18 @@ def _not_arrived(snap: ClusterSnapshot, ids: set[str]) -> dict[str, int]:
     return out
 
 
+def _number(policy: str, name: str, v: Any, what: str, *, least: float = 0.0, above: float | None = None,
+            whole: bool = False, finite: bool = True) -> None:
+    """A baseline policy's option: a number (``whole``: an int) >= ``least`` (or > ``above``),
+    finite unless not ``finite`` (NaN never); else a ConfigError saying ``what`` it must be."""
+    from tidepool.errors import ConfigError
+
+    ok = not isinstance(v, bool) and isinstance(v, int if whole else (int, float)) and not math.isnan(v) \
+        and (math.isfinite(v) or not finite) and (v > above if above is not None else v >= least)  # fmt: skip
+    if not ok:
+        raise ConfigError(f"{policy}({name}=...) must be {what}, got {v!r}")
+
+
 @dataclass
 class DaskLike:
     target_duration: float = 5.0
@@ -87,21 +99,13 @@ class DaskLike:
     def __post_init__(self) -> None:
         from tidepool.errors import ConfigError
 
-        v = self.target_duration
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"dask(target_duration=...) must be a number of seconds > 0, got {v!r}")
-        v = self.interval  # 0: every round
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"dask(interval=...) must be a number of seconds >= 0, got {v!r}")
-        if isinstance(self.default_duration, bool) or not isinstance(self.default_duration, (int, float)) \
-                or not math.isfinite(self.default_duration) or self.default_duration < 0:  # fmt: skip
-            raise ConfigError(f"dask(default_duration=...) must be a number of seconds >= 0, got {self.default_duration!r}")
-        if isinstance(self.wait_count, bool) or not isinstance(self.wait_count, int) or self.wait_count < 1:
-            raise ConfigError(f"dask(wait_count=...) must be a whole number >= 1, got {self.wait_count!r}")
+        _number("dask", "target_duration", self.target_duration, "a number of seconds > 0", above=0.0)
+        _number("dask", "interval", self.interval, "a number of seconds >= 0")  # 0: every round
+        _number("dask", "default_duration", self.default_duration, "a number of seconds >= 0")
+        _number("dask", "wait_count", self.wait_count, "a whole number >= 1", least=1, whole=True)
         for name, count in (("minimum", self.minimum), ("maximum", self.maximum)):
-            if count is not None and (isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0):
-                raise ConfigError(f"dask({name}=...) must be a number of workers >= 0 (maximum may be inf), "
-                                  f"got {count!r}")  # fmt: skip
+            if count is not None:
+                _number("dask", name, count, "a number of workers >= 0 (maximum may be inf)", finite=False)
         if self.maximum is not None and self.minimum > self.maximum:
             raise ConfigError(f"dask(minimum={self.minimum}, maximum={self.maximum}): minimum must be <= maximum")
 
@@ -163,14 +167,10 @@ class HyperQueueLike:
     idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        from tidepool.errors import ConfigError
-
         for name, v in (("backlog", self.backlog), ("workers_per_alloc", self.workers_per_alloc)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # 0 launched nothing, for ever
-                raise ConfigError(f"hyperqueue({name}=...) must be a whole number >= 1, got {v!r}")
-        idle = self.idle_timeout
-        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or math.isnan(idle) or idle < 0:
-            raise ConfigError(f"hyperqueue(idle_timeout=...) must be a number of seconds >= 0, got {idle!r}")
+            # 0 launched nothing, for ever
+            _number("hyperqueue", name, v, "a whole number >= 1", least=1, whole=True)
+        _number("hyperqueue", "idle_timeout", self.idle_timeout, "a number of seconds >= 0", finite=False)
 
     def __call__(self, snap: ClusterSnapshot) -> ScaleDecision:
         launch: dict[str, int] = {}
