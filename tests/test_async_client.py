@@ -112,6 +112,19 @@ def test_replicate_is_awaitable(cluster: tidepool.LocalCluster) -> None:
     assert asyncio.run(main()) == [2]
 
 
+def test_get_of_a_graph_is_awaitable_and_a_gather_of_a_generator_too(cluster: tidepool.LocalCluster) -> None:
+    """``await client.get(dsk, keys)`` as in Dask (it raised "'coroutine' object is not iterable"
+    and left a coroutine never awaited), and ``await client.gather(generator)``."""
+    async def main() -> Any:
+        async with tidepool.Client(cluster, asynchronous=True) as client:
+            got = await client.get({"a": (inc, 1), "b": (inc, "a")}, ["a", "b"])
+            futs = [client.submit(inc, i) for i in range(3)]
+            gen = await client.gather(f for f in futs)
+            return got, list(gen)
+
+    assert asyncio.run(main()) == ((2, 3), [1, 2, 3])
+
+
 def test_gather_async_skips_errors_and_times_out_with_the_keys(cluster: tidepool.LocalCluster, tmp_path: Path) -> None:
     def boom() -> None:
         raise ValueError("boom")

@@ -678,7 +678,7 @@ _Client_close = Client.close  # the blocking close, for __aexit__ and the wrappe
 _AWAITABLE_WHEN_ASYNCHRONOUS = (
     "gather", "scatter", "scheduler_info", "nthreads", "close", "shutdown", "cancel", "retire_workers",
     "register_setup", "who_has", "has_what", "run", "restart", "upload_file", "wait_for_workers", "eta",
-    "replicate",
+    "replicate", "get",
 )  # fmt: skip
 
 
