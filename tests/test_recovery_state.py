@@ -271,3 +271,41 @@ def test_a_kept_value_nothing_wants_is_freed_and_a_scheduler_not_restored_frees_
     plain.add_worker("w1")
     plain.send(ev.WorkerRejoin("w1", [("gone", 100)], [], [], plain.clock()))
     assert _freed(plain) == ["gone"] and not plain.state.unclaimed
+
+
+def test_a_reconnecting_clients_resync_releases_what_it_released_just_before_the_kill(tmp_path: Path) -> None:
+    # found by a bug hunt: futures released ~0.1 s before a kill came back: the store (written per
+    # tick) still had them as wanted, and the resync only ever added wants, so they were computed
+    # again and held for good
+    d, p, store = _durable_driver(tmp_path)
+    d.add_worker("w1")
+    keys = [f"a-{i}" for i in range(4)]
+    d.submit([(k, []) for k in keys], keys)
+    d.run_until_idle()
+    _tick(d)  # stored: c wants all four
+    d.release(["a-1"])  # reaches the scheduler, which dies before its next tick
+    store.close()
+    dur, d2 = _restart(tmp_path)
+    assert sorted(d2.state.clients["c"]) == keys  # the store's wants are one release behind
+    d2.send(ev.UpdateGraph("c", [], ["a-0", "a-2", "a-3"], d2.clock(), exact=True))  # the client's resync
+    assert sorted(d2.state.clients["c"]) == ["a-0", "a-2", "a-3"]
+    a1 = d2.state.tasks.get("a-1")
+    assert a1 is None or not a1.needed  # nobody wants it: not computed again, not held
+    d2.send(ev.UpdateGraph("c", [], ["a-0"], d2.clock()))  # a plain update only adds
+    assert sorted(d2.state.clients["c"]) == ["a-0", "a-2", "a-3"]
+    dur.close()
+
+
+def test_the_resync_a_reconnecting_client_sends_names_every_key_it_holds_as_exact() -> None:
+    import threading
+    from collections import deque
+    from types import SimpleNamespace
+
+    from tidepool.client.reconnect import _resync
+    from tidepool.comm.messages import UpdateGraph
+
+    conn = SimpleNamespace(recent_graphs=deque(), lock=threading.Lock(),
+                           core=SimpleNamespace(futures={"a-0": object(), "a-2": object()}))
+    msg = UpdateGraph.decode(_resync(conn))  # type: ignore[arg-type]
+    assert msg.exact and sorted(msg.wanted) == ["a-0", "a-2"]
+    assert not UpdateGraph.decode(UpdateGraph([], ["x"]).encode()).exact  # ordinary updates only add

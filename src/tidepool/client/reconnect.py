@@ -67,7 +67,9 @@ def _resync(conn: ClientConnection) -> dict[str, Any]:
             functions.update(msg["functions"])
     with conn.lock:
         wanted = list(conn.core.futures.keys())
-    return {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions}
+    # exact: the scheduler releases any other key it has as ours (a release it got just before it
+    # died may not have reached its store: the restored wants are a little stale)
+    return {"op": "update-graph", "tasks": tasks, "wanted": wanted, "functions": functions, "exact": True}
 
 
 async def resume(conn: ClientConnection, why: BaseException) -> None:

@@ -66,17 +66,23 @@ class UpdateGraph:
     tasks: list[TaskSpec]
     wanted: list[str]
     functions: dict[str, Any] = field(default_factory=dict)
+    #: ``wanted`` is all the client wants (a reconnecting client's resync): release any other key
+    exact: bool = False
 
     def encode(self) -> dict[str, Any]:
-        return {"op": "update-graph", "tasks": [t.encode() for t in self.tasks], "wanted": self.wanted,
-                "functions": self.functions}  # fmt: skip
+        msg = {"op": "update-graph", "tasks": [t.encode() for t in self.tasks], "wanted": self.wanted,
+               "functions": self.functions}  # fmt: skip
+        if self.exact:
+            msg["exact"] = True
+        return msg
 
     @staticmethod
     def decode(msg: dict[str, Any]) -> UpdateGraph:
         wanted = list(msg["wanted"])
         if not all(type(k) is str for k in wanted):
             raise ProtocolError(f"update-graph: wanted keys must be strings, got {str(wanted)[:200]}")
-        return UpdateGraph([TaskSpec.decode(t) for t in msg["tasks"]], wanted, msg.get("functions") or {})
+        return UpdateGraph([TaskSpec.decode(t) for t in msg["tasks"]], wanted, msg.get("functions") or {},
+                           msg.get("exact") is True)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,9 @@ class UpdateGraph:
     wanted: list[str]
     now: float
     functions: dict[str, Serialized] = field(default_factory=dict)
+    #: ``wanted`` is every key the client wants (a reconnecting client's resync): any other key
+    #: it wanted here is released (its release may have reached a scheduler that died before storing it)
+    exact: bool = False
 
 
 @dataclass(slots=True)

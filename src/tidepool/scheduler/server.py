@@ -552,7 +552,8 @@ class Scheduler:
                                  t.priority, t.workers, t.loose) for t in graph.tasks]  # fmt: skip
             if len(graph.wanted) <= INLINE_WANTED:
                 self.inline_keys.update(graph.wanted)
-            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions)], defer=True, more=more)
+            await self.apply([ev.UpdateGraph(cid, specs, graph.wanted, now, graph.functions, graph.exact)], defer=True,
+                             more=more)  # fmt: skip
             if len(self.inline_keys) > self._inline_prune_at:  # keys of clients gone without a release
                 self.inline_keys.intersection_update(self.state.tasks)
                 self._inline_prune_at = max(INLINE_KEYS_PRUNE, 2 * len(self.inline_keys))

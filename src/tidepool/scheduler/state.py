@@ -203,6 +203,10 @@ class SchedulerState:
         for ts in claimed:  # a kept value nothing wants or waits for: freed as any other
             if not ts.needed:
                 self._check(ts, out)
+        if e.exact:  # a resync: keys the client wanted here and holds no future of any more
+            stale = keys.difference(e.wanted)
+            if stale:
+                self._release_keys(ev.ReleaseKeys(e.client, sorted(stale), e.now), out)
 
     def _release_keys(self, e: ev.ReleaseKeys, out: list[ev.Command]) -> None:
         if e.cancel:
