@@ -70,8 +70,8 @@ class UpdateGraph:
     exact: bool = False
 
     def encode(self) -> dict[str, Any]:
-        msg = {"op": "update-graph", "tasks": [t.encode() for t in self.tasks], "wanted": self.wanted,
-               "functions": self.functions}  # fmt: skip
+        msg: dict[str, Any] = {"op": "update-graph", "tasks": [t.encode() for t in self.tasks], "wanted": self.wanted,
+                               "functions": self.functions}  # fmt: skip
         if self.exact:
             msg["exact"] = True
         return msg
