@@ -309,3 +309,33 @@ def test_the_resync_a_reconnecting_client_sends_names_every_key_it_holds_as_exac
     msg = UpdateGraph.decode(_resync(conn))  # type: ignore[arg-type]
     assert msg.exact and sorted(msg.wanted) == ["a-0", "a-2"]
     assert not UpdateGraph.decode(UpdateGraph([], ["x"]).encode()).exact  # ordinary updates only add
+
+
+def test_a_retirement_asked_again_after_a_restart_waits_for_its_worker_to_rejoin(tmp_path: Path) -> None:
+    """A client's retire_workers() cut by a kill is asked again as the client reconnects, which
+    is often before the worker rejoins: it was answered "unknown worker" and the worker stayed
+    (found by a bug hunt).  It now waits for a worker of the last run to come back."""
+    from tidepool.scheduler.server import Scheduler
+
+    s = Scheduler(state_dir=str(tmp_path / "state"))
+    assert s.durable is not None
+    s.durable.expected = {"w1"}  # as restored: w1 was registered at the last flush
+    seen: list[ev.Event] = []
+    s.subscribe(lambda events, cmds: seen.extend(events))
+
+    async def main() -> bool:
+        asked = asyncio.ensure_future(s.retire_workers(["w1", "nobody"]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        waited = not asked.done()
+        await s.apply([ev.WorkerJoin("w1", "tcp://w1:1", {"cpu": 1.0}, s.clock())])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert any(isinstance(e, ev.RetireWorkers) and e.workers == ["w1"] for e in seen)
+        asked.cancel()
+        return waited
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        s.durable.close()

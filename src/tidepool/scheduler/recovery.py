@@ -278,6 +278,8 @@ class Durability:
         self.persister: Persister | None = None
         self.state: SchedulerState | None = None
         self._began = time.monotonic()
+        #: until when requests naming a worker of the last run wait for it to rejoin (monotonic)
+        self.rejoin_deadline = self._began + recovery_wait
         self._finished_before: set[str] = set()
 
     def address(self, requested: str) -> str:

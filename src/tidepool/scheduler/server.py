@@ -615,6 +615,7 @@ class Scheduler:
     async def retire_workers(self, workers: list[str], reason: str = "requested") -> dict[str, str]:
         """Retire gracefully; returns worker id -> "retired" or "refused: <why>" / "unknown"."""
         loop = asyncio.get_running_loop()
+        await self._rejoined(workers)
         futs: dict[str, asyncio.Future[str]] = {}
         for w in workers:
             if w not in self.state.workers:
@@ -627,6 +628,29 @@ class Scheduler:
         for w, fut in futs.items():
             result[w] = await fut
         return result
+
+    async def _rejoined(self, workers: list[str]) -> None:
+        """After a restart from the state directory, wait (at most the recovery wait since the
+        start) for the workers of the last run among ``workers`` that have not rejoined yet: a
+        request the client asks again as it reconnects often arrives before they do."""
+        d = self.durable
+        if d is None:
+            return
+        missing = [w for w in workers if w in d.expected and w not in d.back and w not in self.state.workers]
+        left = d.rejoin_deadline - time.monotonic()
+        if not missing or left <= 0:
+            return
+        back: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def watch(events: list[ev.Event], cmds: list[ev.Command]) -> None:
+            if not back.done() and all(w in self.state.workers for w in missing):
+                back.set_result(None)
+
+        self.observers.append(watch)
+        try:
+            await asyncio.wait([back], timeout=left)
+        finally:
+            self.observers.remove(watch)
 
     async def _retire_request(self, cid: str, msg: dict[str, Any]) -> None:
         await self._answer(cid, msg, lambda: self.retire_workers(list(msg["workers"]), "requested by a client"))
