@@ -214,6 +214,12 @@ def test_a_cluster_file_can_pick_the_planned_default_policy_with_its_objective()
                 "c.toml").make_policy()  # fmt: skip
     assert isinstance(pol, Planned) and pol.plan.objective == "cheapest" and pol.plan.guess_budget == 0.5
     assert parse({"policy": {"kind": "default", "budget": 3}, "node_types": nodes}, "c.toml").make_policy().plan.budget == 3
+    # the budget is also the controller's hard limit, as adapt(budget=) makes it (a review found
+    # the file's planned only within it); an [autoscaler] budget given too is kept
+    assert parse({"policy": {"kind": "default", "budget": 3}, "node_types": nodes}, "c.toml").autoscaler == {"budget": 3}
+    both = {"policy": {"kind": "default", "budget": 3}, "autoscaler": {"budget": 2.5}, "node_types": nodes}
+    assert parse(both, "c.toml").autoscaler == {"budget": 2.5}
+    assert parse({"policy": {"kind": "default"}, "node_types": nodes}, "c.toml").autoscaler == {}
     for bad, said in (({"objective": "cheap"}, "did you mean 'cheapest'"), ({"budget": -1}, "budget must be"),
                       ({"idle_timeout": 5}, "unknown key 'idle_timeout'"),
                       ({"min_lifetime": "x"}, "min_lifetime must be a number of seconds")):  # fmt: skip

@@ -404,6 +404,8 @@ def parse(data: dict[str, Any], source: str = "<dict>") -> ClusterConfig:
                               "remove the key for no limit")  # fmt: skip
     cfg = ClusterConfig(types_, provider, policy, scheduler, source, autoscaler)
     cfg.make_policy()  # validate now, not at the first scaling decision
+    if policy.get("kind") == "default" and "budget" in policy:  # also the hard limit, as adapt(budget=)
+        autoscaler.setdefault("budget", policy["budget"])
     cls, kwargs = _provider_spec(provider, source)  # ... nor when the scheduler starts
     if provider.get("kind", "local") in _PROVIDER_KINDS:  # ours: constructing checks the rest, no I/O
         _construct(cls, kwargs, source, "tcp://127.0.0.1:0", "")  # never bound nor used: nothing to close
