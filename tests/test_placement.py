@@ -41,6 +41,28 @@ def test_gpu_work_that_is_ready_keeps_the_gpu_worker_for_itself() -> None:
     assert all(w == "cpu1" for k, w in where.items() if k.startswith("cpu"))
 
 
+def test_a_gpu_worker_takes_no_more_gpu_tasks_than_it_has_gpus_so_a_new_one_gets_the_rest() -> None:
+    # found by a bug hunt: a {cpu: 4, gpu: 1} worker took four gpu tasks (its cpu slots) and ran
+    # them one after the other, while a gpu worker launched for them sat idle (12 s for 6 s of work)
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    d.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
+    keys = [f"gpu-{i}" for i in range(4)]
+    d.submit([(k, [], {"gpu": 1}) for k in keys], keys)
+    assert _where(d) == {"gpu-0": "g1"}  # the other three wait in the ready line
+    d.add_worker("g2", {"cpu": 4.0, "gpu": 1.0})
+    assert _where(d) == {"gpu-0": "g1", "gpu-1": "g2"}
+    d.finish("g1", "gpu-0")
+    assert _where(d) == {"gpu-1": "g2", "gpu-2": "g1"}  # a gpu freed: the next one goes there
+    d.add_worker("g3", {"cpu": 4.0, "gpu": 2.0})
+    assert _where(d)["gpu-3"] == "g3"
+    d.run_until_idle()
+    assert d.status() == {k: "memory" for k in keys}
+    half = StateDriver(SchedulerState(queue_seconds=1000))  # half a gpu each: two at a time
+    half.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
+    half.submit([(k, [], {"gpu": 0.5}) for k in keys], keys)
+    assert sorted(_where(half)) == ["gpu-0", "gpu-1"]
+
+
 def test_ordinary_tasks_prefer_workers_without_scarce_resources() -> None:
     d = StateDriver()
     d.add_worker("gpu1", GPU)

@@ -12,7 +12,10 @@ on (its state, or its ``ready_seq``, no longer match) is dropped when met.
 
 Choosing a worker for a ready task, in order:
 1. the worker must have every resource the task asks for (``fits``), and room (a free slot, or
-   less than ``queue_seconds`` of estimated work queued per slot);
+   less than ``queue_seconds`` of estimated work queued per slot); a task asking for a scarce
+   resource (gpu, ...) also needs that much of it free, counting the tasks assigned there
+   (:func:`special_free`): such tasks never queue on a worker, they wait in the ready line for
+   the first one that frees or joins;
 2. scarce resources stay free: a worker with a resource beyond cpu/memory (a GPU) takes a task that
    does not need it only into a free slot, never into its queue, and not at all while ready tasks
    that need that resource could run on it (:func:`allowed`);
@@ -118,6 +121,32 @@ def fits_on(ws: WorkerRecord, shape: Shape) -> bool:
     return ok
 
 
+def special_free(ws: WorkerRecord, shape: Shape) -> bool:
+    """Is enough of every scarce resource ``shape`` asks for (gpu, ...) free on ``ws``, counting
+    the tasks assigned to it?  Tasks needing one are never queued behind it: a 4-cpu worker with
+    one gpu runs one gpu task at a time, so a second one waits in the ready line for whichever gpu
+    worker frees first (or joins)."""
+    if not ws.special:
+        return True
+    used = ws.special_used
+    for name, amount in shape:
+        if name in ws.special and used.get(name, 0.0) + amount > ws.resources[name] * (1 + 1e-9):
+            return False
+    return True
+
+
+def take_special(ws: WorkerRecord, shape: Shape, sign: int) -> None:
+    """Count a task of ``shape`` assigned to ``ws`` (``sign`` 1) or leaving it (-1)."""
+    used = ws.special_used
+    for name, amount in shape:
+        if name in ws.special:
+            left = used.get(name, 0.0) + sign * amount
+            if left > 1e-9:
+                used[name] = left
+            else:
+                used.pop(name, None)
+
+
 def fits_any(workers: Iterable[WorkerRecord], shape: Shape) -> bool:
     """Does any running worker have the resources for ``shape``?"""
     return any(fits(w.resources, shape) for w in workers if w.state == "running")
@@ -202,7 +231,8 @@ def next_shape(ready: ReadyHeaps, workers: Mapping[str, WorkerRecord], room: Col
             ok = fit_any[shape] = fits_any(workers.values(), shape)
         if not ok:
             return "park", shape, []
-        c = [workers[w] for w in room if fits_on(workers[w], shape) and allowed(workers[w], shape, by_shape)]
+        c = [workers[w] for w in room
+             if fits_on(workers[w], shape) and allowed(workers[w], shape, by_shape) and special_free(workers[w], shape)]
         if c:
             best, head, cands = shape, heap[0], c
     return None if best is None else ("place", best, cands)
@@ -214,7 +244,7 @@ def restricted_candidates(ts: TaskRecord, workers: Mapping[str, WorkerRecord], r
     out = []
     for wid in room:
         w = workers[wid]
-        if matches(w, ts) and fits_on(w, ts.shape) and allowed(w, ts.shape, ready):
+        if matches(w, ts) and fits_on(w, ts.shape) and allowed(w, ts.shape, ready) and special_free(w, ts.shape):
             out.append(w)
     return out
 
@@ -321,7 +351,7 @@ def plan_steals(workers: Mapping[str, WorkerRecord], overloaded: Iterable[str], 
                     continue
                 if ts.restrict is not None and not matches(thief, ts):
                     continue
-                if not allowed(thief, ts.shape, ready):
+                if not allowed(thief, ts.shape, ready) or not special_free(thief, ts.shape):
                     continue
                 if transfer_outweighs(thief, ts, estimate(ts.group)):
                     continue

@@ -235,7 +235,7 @@ class WorkerRecord:
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
         "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
-        "abandoned", "abandoned_run",
+        "abandoned", "abandoned_run", "special_used",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -263,6 +263,10 @@ class WorkerRecord:
         self.last_done = now  # when a task last left this worker (its queue head started then)
         #: scarce resources it offers (anything but cpu and memory, e.g. gpu): kept for tasks that need them
         self.special = frozenset(k for k, v in resources.items() if v > 0 and k not in ORDINARY)
+        #: how much of each scarce resource the tasks in ``processing`` ask for: a task needing one
+        #: goes only where enough of it is free (a 1-gpu worker with 4 cpus runs one gpu task at a
+        #: time, so it must not take four while another gpu worker idles)
+        self.special_used: dict[str, float] = {}
         self.seceded = 0  # tasks in ``processing`` that left their slot (they do not count as load)
         #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
         #: it gets no new work until it is heard from again; it is not declared dead for that
@@ -284,6 +288,7 @@ class WorkerRecord:
     def forget_tasks(self, now: float) -> None:
         """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
         self.processing.clear()
+        self.special_used.clear()
         self.abandoned.clear()
         self.abandoned_run.clear()
         self.has_what.clear()

@@ -436,6 +436,8 @@ class SchedulerState:
             ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
         ts.started = self.now
         ws.processing[ts] = est
+        if ws.special:
+            pl.take_special(ws, ts.shape, 1)
         self._load_changed(ws)
         ws.occupancy += est
         ws.idle_since = None
@@ -461,6 +463,8 @@ class SchedulerState:
         self._load_changed(ws)
         if est is None:
             return
+        if ws.special:
+            pl.take_special(ws, ts.shape, -1)
         if seceded:
             est = 0.0
         ws.last_done = self.now
