@@ -234,3 +234,26 @@ def test_a_failure_that_lands_during_the_listing_keeps_the_providers_reason() ->
     failed = [r for r in rnd.journal.records if r["kind"] == "launch-failed"]
     assert len(failed) == 1 and "OOMKilled" in failed[0]["reason"], failed
     assert "OOMKilled" in c.instances.instances[wid].reason
+
+
+def test_workers_named_while_the_listing_was_taken_are_not_failed_for_missing_from_it() -> None:
+    """Found by a bug hunt: the autoscaler lists the provider in a thread while an earlier round's
+    launch names its workers and submits; the listing, asked for before, cannot show them, and the
+    launch was journaled as failed ("not listed by the provider any more"), backed off and
+    launched again 10-35 ms after a healthy launch."""
+    clock = FakeClock(100.0)
+    d = StateDriver(clock=clock)
+    c = ScalingController((CPU,), want_one, launch_timeout=600.0, forecast_interval=0.25)
+    rnd = shell(c, d)
+    acts, _ = rnd.step(d.state, clock())
+    ((rid, nt, n),) = acts.launch
+    asked = clock()  # the next round asks for a listing...
+    clock.advance(0.01)
+    rnd.name(rid, [f"{nt.name}-{rid}-0"], clock())  # ... while the launch names its worker
+    clock.advance(0.01)
+    rnd.step(d.state, clock(), listing={}, listed_at=asked)
+    assert not [r for r in rnd.journal.records if r["kind"] in ("reconcile", "launch-failed")]
+    clock.advance(1.0)
+    rnd.step(d.state, clock(), listing={}, listed_at=clock())  # a later listing still without it
+    assert [r["reason"] for r in rnd.journal.records if r["kind"] == "reconcile"] == \
+        [f"worker cpu-{rid}-0 is not listed by the provider any more"]

@@ -201,8 +201,12 @@ class AutoScaler:
             ends = on_clock(await in_daemon_thread(self._ends_source.ends, time.time(), timeout=PROVIDER_CALL_TIMEOUT),
                             self.scheduler.clock())  # fmt: skip
         listing = None
+        listed_at = None
         if rnd.listing_due(now):  # reconcile launches
             try:
+                # a launch of an earlier round may name its workers while this listing runs: the
+                # listing cannot show them, so they are not failed for missing from it
+                listed_at = self.scheduler.clock()
                 listing = await self._call("list")
             except Exception as exc:  # noqa: BLE001 - a listing that fails is just not used this round
                 log.info("provider.list failed: %s", exc)
@@ -212,7 +216,7 @@ class AutoScaler:
         rnd.provider_failures(await self._call("poll_errors"), now)
         now = self.scheduler.clock()
         actions, _ = rnd.step(self.scheduler.state, now, expiring=expiring, listing=listing, notices=notices,
-                              ends=ends)  # fmt: skip
+                              ends=ends, listed_at=listed_at)  # fmt: skip
         self.steps += 1
         durable = getattr(self.scheduler, "durable", None)
         if actions.instances and durable is not None:  # the instance table, stored once a tick

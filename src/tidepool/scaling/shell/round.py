@@ -100,15 +100,17 @@ class Round:
 
     def step(self, state: SchedulerState, now: float, *, expiring: Sequence[str] = (),
              listing: Mapping[str, Mapping[str, Any]] | None = None, graph_allowed: bool = True,
-             notices: Mapping[str, float] | None = None,
-             ends: Mapping[str, float] | None = None) -> tuple[Actions, bool]:  # fmt: skip
+             notices: Mapping[str, float] | None = None, ends: Mapping[str, float] | None = None,
+             listed_at: float | None = None) -> tuple[Actions, bool]:  # fmt: skip
         """Observe ``state`` at ``now`` with the inbox, step the controller, journal its records.
-        Returns the actions and whether the unfinished graph went into the observation."""
+        ``listed_at``: when ``listing`` was asked for (default ``now``; a shell that lists while
+        launches are being submitted passes the time it asked).  Returns the actions and whether the unfinished graph went into the observation."""
         want = graph_allowed and self.view.forecast.due(len(state.workers), len(state.tasks),
                                                         state.counters["finished"], now)  # fmt: skip
         reports, self.inbox = self.inbox, []
         actions = self.controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing,
-                                               reports=reports, notices=notices, ends=ends))  # fmt: skip
+                                               reports=reports, notices=notices, ends=ends,
+                                               listed_at=now if listed_at is None else listed_at))  # fmt: skip
         self.view = actions.view
         for wid, row in actions.instances.items():  # adopted after a restart: terminated at close too
             if row is not None and row.get("request") is not None and wid not in self._named_set:
