@@ -241,14 +241,25 @@ def slow(x: int) -> int:
     return x
 
 
+def big(n: int) -> bytes:
+    return b"x" * n
+
+
 def test_restart_cancels_futures_and_brings_fresh_worker_processes_back() -> None:
     with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
         before = set(client.run(pid).values())
         pending = client.submit(slow, 1)
         wait_until(lambda: client.scheduler_info()["tasks"].get("running", 0) == 1, what="slow task running")
+        done = client.submit(big, 10_000)  # finished, its value on a worker only (not inline, not fetched)
+        tidepool.wait([done], timeout=30)
         assert client.restart(timeout=60) == 2
         with pytest.raises(TaskCancelledError, match="restarted"):
             pending.result(timeout=30)
+        # found by a bug hunt: a finished future said "finished" (exception() None) while result()
+        # raised; its value is gone, so it is an error now, and every accessor agrees
+        assert done.status == "error" and isinstance(done.exception(), TaskCancelledError)
+        with pytest.raises(TaskCancelledError, match="restarted"):
+            done.result(timeout=30)
         assert client.submit(inc, 2).result(timeout=30) == 3
         assert len(client.scheduler_info()["workers"]) == 2
         assert set(client.run(pid).values()) == before  # the same processes, re-executed fresh

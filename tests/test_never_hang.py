@@ -142,6 +142,9 @@ def test_an_unpicklable_result_errs_once_naming_the_task_and_is_not_recomputed()
             pass
         with pytest.raises(SerializationError):
             lock.result(timeout=30)  # asked again: the same error, not a retry loop
+        # found by a bug hunt: the future still said "finished", exception() None
+        wait_until(lambda: lock.status == "error", timeout=30, what="the future turning to 'error'")
+        assert isinstance(lock.exception(), SerializationError)
         assert client.scheduler_info()["counters"]["recomputed"] == 0
 
 

@@ -339,6 +339,20 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
             self._invoke_callbacks()  # type: ignore[attr-defined]
         return True
 
+    def _mark_failed(self, exc: BaseException) -> bool:
+        """The value of this finished future, held only by workers, is gone for good (a
+        ``client.restart()``, a value that cannot be sent): it fails with ``exc`` from now on, so
+        ``status``, ``exception()`` and ``result()`` agree.  A value already here (fetched, or
+        inline) stays.  Its waiters and callbacks counted it as done already.  Returns whether it
+        changed."""
+        with self._condition:
+            if self._state != FINISHED or self._result is not IN_MEMORY or self._value is not _UNSET:
+                return False
+            self._result = None
+            self._exception = exc
+            self._condition.notify_all()
+        return True
+
     # ---- callbacks --------------------------------------------------------------------------------
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:  # type: ignore[override]
         """Call ``fn(future)`` once it is done; at once, in this thread, if it is done already.

@@ -362,6 +362,8 @@ class ClientConnection:
                     else:
                         with contextlib.suppress(concurrent.futures.InvalidStateError):
                             f.set_exception(e.error())
+                elif not e.pickled:  # finished, and its value is lost for good (restart, unsendable)
+                    f._mark_failed(e.error())
             elif isinstance(e, Cancelled):  # this future, or one downstream of it
                 f._mark_cancelled()
             elif isinstance(e, Running):
