@@ -63,6 +63,11 @@ def test_a_task_needing_more_memory_than_any_node_type_fails_at_once_naming_the_
         " (the most memory any node type offers is 29.8GiB per worker, on 'big')")
     assert largest_offers((("tpu", 1.0),), [SMALL]) == " (no node type has tpu)"
     assert largest_offers((("memory", 1.0 * GB),), [SMALL]) == ""
+    # every amount is offered by some type, never all at once (a bug hunt got no explanation)
+    gpu = NodeType("gpu", {"cpu": 2, "gpu": 1, "memory": 0.5 * GB})
+    assert largest_offers((("gpu", 0.5), ("memory", 1.0 * GB)), [SMALL, gpu]) == (
+        " (each amount is offered by some node type, but none offers all of them at once: 'small' has "
+        "only gpu 0; 'gpu' has only memory 0.5GiB)")
     c = ScalingController((SMALL, BIG), Adaptive(), forecast_interval=0.25)
     state = SchedulerState()
     d = StateDriver(state)

@@ -33,6 +33,18 @@ def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
             else:
                 parts.append(f"the most {name} any node type offers is "
                              f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
+    short = []
+    for nt in types if not parts else ():  # each amount is offered somewhere: all at once nowhere?
+        res = nt.worker_resources
+        lacks = [f"{name} {format_resources({name: res.get(name, 0.0)}).split('=', 1)[1]}"
+                 for name, amount in shape if res.get(name, 0.0) < amount]  # fmt: skip
+        if not lacks:
+            short = []
+            break  # this one fits
+        short.append(f"{nt.name!r} has only {', '.join(lacks)}")
+    if short:
+        parts.append("each amount is offered by some node type, but none offers all of them at once: "
+                     + "; ".join(short))  # fmt: skip
     return f" ({'; '.join(parts)})" if parts else ""
 
 
