@@ -33,7 +33,7 @@ def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
             else:
                 parts.append(f"the most {name} any node type offers is "
                              f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
-    short = []
+    short: list[str] = []
     for nt in types if not parts else ():  # each amount is offered somewhere: all at once nowhere?
         res = nt.worker_resources
         lacks = [f"{name} {format_resources({name: res.get(name, 0.0)}).split('=', 1)[1]}"
