@@ -150,3 +150,38 @@ def test_out_of_memory_while_serving_keeps_the_value_and_closes_only_that_connec
     with pytest.raises(MemoryError):  # the listener closes that connection: the asker fails over at once
         w._data_reply(["k"], 2**30)
     assert "k" in w.data and "k" in w.state and not w.outbox.batch.unservable  # not reported, not dropped
+
+
+def test_a_terminate_sample_is_measured_again_on_the_loop_and_the_monitor_keeps_watching() -> None:
+    """Found by a bug hunt: the monitor's thread measured the process while the loop was spilling
+    a value just made (freed only when the spill returned); the stale reading restarted a worker
+    that held nothing in memory any more, losing every value, in about half the runs of 200 MiB
+    values under a 400 MB limit.  The loop measures again before it acts on a terminate; and the
+    thread no longer stops after posting one."""
+    from tidepool.worker.memory import MemoryMonitor
+
+    acted: list[tuple[Action, int]] = []
+    readings = iter([960, 100])
+    loop = asyncio.new_event_loop()
+    try:
+        mon = MemoryMonitor(1000, MemoryThresholds(), loop, lambda a, r: acted.append((a, r)), interval=0.001)
+        mon.sample = lambda: next(readings)  # type: ignore[method-assign]
+        mon._handle(Action.TERMINATE, 970)  # measured again on the loop: 960, still over 95%
+        assert acted == [(Action.TERMINATE, 960)]
+        mon._handle(Action.TERMINATE, 990)  # measured again: 100, the spill freed it
+        assert acted == [(Action.TERMINATE, 960)]
+        samples = iter([990] + [100] * 100_000)  # the thread: a terminate posted, then it goes on
+        seen: list[int] = []
+
+        def sample() -> int:
+            rss = next(samples)
+            seen.append(rss)
+            return rss
+
+        mon.sample = sample  # type: ignore[method-assign]
+        mon.start()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        mon.stop()
+        assert len(seen) > 2, "the thread stopped watching after one terminate"
+    finally:
+        loop.close()

@@ -227,6 +227,30 @@ def test_values_past_the_target_spill_least_recently_used_first_and_pause_stops_
     sh.check()
 
 
+def test_a_jump_past_the_terminate_level_that_spilling_undoes_spills_instead_of_restarting() -> None:
+    """Found by a bug hunt: values of half the limit (one stored in memory, one read back from disk
+    by a task) took the process past the terminate level faster than a sample could spill, and the
+    worker restarted, losing every value, in about half the runs.  If spilling what is stored brings
+    the process back under the level, it spills (and pauses) first; the next sample decides."""
+    sh = Shell(LIMIT)  # target 500 bytes, terminate above 950
+    sh.send(ws.Compute((ws.TaskIn("a"),)))
+    sh.send(ws.TaskDone("a", True, 400))
+    assert sh.send(ws.MemorySample(960)) == [ws.Spill(("a",)), ws.SendMetrics(True)]
+    assert sh.disk == {"a": 400}
+    assert sh.send(ws.MemorySample(960)) == [ws.Terminate(960)]  # spilling did not help: nothing left
+    pinned = Shell(LIMIT)  # a value that cannot be spilled does not count
+    pinned.send(ws.Compute((ws.TaskIn("p"),)))
+    pinned.send(ws.TaskDone("p", True, 400))
+    assert pinned.send(ws.MemorySample(960))[0] == ws.Spill(("p",))
+    pinned.send(ws.SpillFailed(("p",), ""))  # it does not pickle: pinned in memory
+    assert pinned.send(ws.MemorySample(960)) == [ws.Terminate(960)]
+    small = Shell(LIMIT)  # too little stored to make a difference: restart at once
+    small.send(ws.Compute((ws.TaskIn("s"),)))
+    small.send(ws.TaskDone("s", True, 5))
+    assert small.send(ws.MemorySample(990)) == [ws.Terminate(990)]
+    sh.check()
+
+
 def test_the_target_for_values_leaves_room_for_the_process_itself() -> None:
     """Found by a bug hunt: values were spilled only past the target by their own bytes, so a worker
     whose interpreter and libraries took a third of the limit went past the terminate level while

@@ -169,11 +169,20 @@ class MemoryMonitor:
                 self.loop.call_soon_threadsafe(self._handle, action, rss)
             except RuntimeError:  # the loop is closed: the worker is gone
                 return
-            if action is Action.TERMINATE:
-                return
 
     def _handle(self, action: Action, rss: int) -> None:
         self._pending = False
+        if action is Action.TERMINATE:
+            # measured in this thread while the loop may have been spilling (a value just written
+            # to disk is freed only when the spill returns): measure again before a restart
+            rss = self.sample()
+            action = memory_action(rss, self.limit, self.thresholds, self.paused)
+            if action is Action.PAUSE:
+                self.paused = True
+            elif action is Action.RESUME:
+                self.paused = False
+            if action is Action.NOTHING:
+                return
         self.act(action, rss)
 
 

@@ -565,6 +565,8 @@ class Worker:
             self.loop.create_task(self.conn.send(msg)).add_done_callback(log_send_error)
 
     async def _memory_terminate(self, rss: int) -> None:
+        if self.exit_reason == "memory":  # restarting already (the monitor keeps sampling meanwhile)
+            return
         limit, pct = self.memory_limit, round(self.memory_thresholds.terminate * 100)
         why = f"worker {self.name} used {mib(rss)} of memory, over {pct}% of its {mib(limit)} limit; it restarts"
         log.error("%s (running: %s)", why, ", ".join(self.state.running) or "nothing")

@@ -812,12 +812,25 @@ class WorkerState:
         if e.disabled:
             self.spill_off = e.disabled
 
+    def _spilling_saves(self, rss: int) -> bool:
+        """Would spilling every value held in memory (but the pinned) bring ``rss`` under the
+        terminate level?  (Nothing left to spill, or spilling off: no.)"""
+        if self.spill_off:
+            return False
+        spillable = sum(nb for k, nb in self.memory.items() if k not in self.pinned)
+        return spillable > 0 and rss - spillable < self.thresholds.terminate * self.limit
+
     def _memory(self, e: MemorySample, out: list[Command]) -> None:
         self.unmanaged = max(0, e.rss - self._memory_bytes)
         action = memory_action(e.rss, self.limit, self.thresholds, self.paused)
         if action is Action.TERMINATE:
-            out.append(Terminate(e.rss))
-            return
+            if not self._spilling_saves(e.rss):
+                out.append(Terminate(e.rss))
+                return
+            # a jump past the terminate level (a value of half the limit read back from disk while
+            # another sits in memory) that spilling what is stored brings back under it: spill and
+            # pause; the next sample, after the spill, terminates if that was not enough
+            action = Action.SPILL if self.paused else Action.PAUSE
         if action in (Action.SPILL, Action.PAUSE):
             self._spill(e.rss - self.thresholds.target * self.limit, out)
         if action is Action.PAUSE and not self.paused:
