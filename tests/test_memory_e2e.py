@@ -69,13 +69,18 @@ def test_a_task_past_the_terminate_level_restarts_its_worker_and_fails_clearly()
     with tidepool.LocalCluster(n_workers=1, memory_limit="500MB", allowed_failures=1) as cluster, \
             tidepool.Client(cluster) as client:  # fmt: skip
         (wid,) = cluster.workers
+        (address,) = [w["address"] for w in client.scheduler_info()["workers"]]
         fut = client.submit(hog)
         with pytest.raises(KilledWorkerError, match="memory") as info:
             fut.result(timeout=60)
         assert "limit" in str(info.value) and "hog" in str(info.value)
-        # the worker came back as a fresh process under the same id, and works
+        # the worker came back as a fresh process under the same id and address, and works: a
+        # task pinned to that address finds it (a bug hunt: it came back on another port, and
+        # pinned work failed after no_worker_timeout saying the worker was not connected)
         wait_until(lambda: cluster.workers == [wid], 30)
         assert client.submit(abs, -4).result(timeout=30) == 4
+        assert [w["address"] for w in client.scheduler_info()["workers"]] == [address]
+        assert client.submit(abs, -5, workers=[address]).result(timeout=30) == 5
         assert len(cluster.provider.procs) == 1  # restarted itself; the cluster did not add one
 
 

@@ -301,6 +301,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if w.exit_reason == "memory":  # over its memory limit: come back as a fresh process
             # the new process can tell it is a restart (and how many came before it)
             os.environ[RESTARTS_ENV] = str(int(os.environ.get(RESTARTS_ENV) or 0) + 1)
+            from tidepool.worker.server import PORT_ENV
+
+            os.environ[PORT_ENV] = w.address.rsplit(":", 1)[-1]  # the same address again (workers=[...] pins)
             sys.stdout.flush()
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

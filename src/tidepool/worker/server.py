@@ -68,6 +68,8 @@ from tidepool.worker.sizeof import sizeof
 from tidepool.worker.spill import SpillStore, worker_store
 
 log = logging.getLogger("tidepool.worker")
+#: set by a worker restarting itself over its memory limit for the new process: the port to take again
+PORT_ENV = "TIDEPOOL_WORKER_PORT"
 #: report kinds sent at once rather than with the next batch
 _NOW = frozenset({"started", "stolen", "kept", "seceded"})
 
@@ -141,6 +143,19 @@ class Worker:
         self.setup_failed = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    async def _listen(self, scheme: str) -> Any:
+        """The data port: the one this worker had before it restarted itself over its memory limit
+        (:data:`PORT_ENV`, set for the new process), so work pinned to its address still finds it;
+        any free port if that one is taken."""
+        port = os.environ.pop(PORT_ENV, "")
+        if port.isdigit():
+            try:
+                return await listen(f"{scheme}://{self.host}:{port}", self._serve_peer, self.token, tls=self.tls)
+            except OSError as exc:
+                log.warning("worker %s: its old port %s is taken (%s); it listens on another, and tasks pinned "
+                            "to its old address (workers=[...]) will not find it", self.id, port, exc)  # fmt: skip
+        return await listen(f"{scheme}://{self.host}:0", self._serve_peer, self.token, tls=self.tls)
+
     async def start(self) -> Worker:
         jobs.preload(self.preload)
         loop = self.loop = asyncio.get_running_loop()
@@ -148,7 +163,7 @@ class Worker:
         self.pool = SlotPool(loop, self._on_done)
         self.peers = Peers(self.token, self.tls, self.fetch_timeout)
         scheme = "tls" if self.scheme == "tls" else "tcp"
-        self.listener = await listen(f"{scheme}://{self.host}:0", self._serve_peer, self.token, tls=self.tls)
+        self.listener = await self._listen(scheme)
         self.address = self.listener.address
         await self._connect(scheme)
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
