@@ -70,6 +70,10 @@ def test_retire_refused_with_reason_when_no_survivor() -> None:
         for call in (client.retire_workers, cluster.retire_workers):
             again = call(only)
             assert list(again) == [only] and again[only].startswith("refused"), again
+        # by address, as Dask users pass what who_has shows (a bug hunt: "unknown worker")
+        (address,) = [w["address"] for w in client.scheduler_info()["workers"]]
+        by_address = client.retire_workers([address, "tcp://nobody:1"])
+        assert by_address[address].startswith("refused") and by_address["tcp://nobody:1"] == "unknown worker"
         assert cluster.workers == [only]
         assert fut.result() == 42
 

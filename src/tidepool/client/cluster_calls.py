@@ -103,9 +103,10 @@ class ClusterCalls:
         return res["eta"]  # type: ignore[no-any-return]
 
     def retire_workers(self, workers: str | Iterable[str]) -> dict[str, str]:
-        """Gracefully retire workers (ids, or one id): their needed data moves to survivors first.
+        """Gracefully retire workers (ids, names or addresses; or one of them): their needed data
+        moves to survivors first.
 
-        Returns worker id -> ``"retired"`` or ``"refused: <reason>"``.
+        Returns each worker as given -> ``"retired"``, ``"refused: <reason>"`` or ``"unknown worker"``.
         """
         if isinstance(workers, str):  # one worker (a string is not a list of one-letter ids)
             workers = [workers]

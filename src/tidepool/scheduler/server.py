@@ -613,21 +613,21 @@ class Scheduler:
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
 
     async def retire_workers(self, workers: list[str], reason: str = "requested") -> dict[str, str]:
-        """Retire gracefully; returns worker id -> "retired" or "refused: <why>" / "unknown"."""
+        """Retire gracefully; ``workers`` are ids, names or addresses (as Dask users pass
+        ``who_has``'s); returns each as given -> "retired" or "refused: <why>" / "unknown worker"."""
         loop = asyncio.get_running_loop()
         await self._rejoined(workers)
+        known = self.state.workers
+        aliases = {n: w.id for w in known.values() for n in (w.name, w.address)}
+        ids = {w: w if w in known else aliases.get(w) for w in workers}
         futs: dict[str, asyncio.Future[str]] = {}
-        for w in workers:
-            if w not in self.state.workers:
-                continue
+        for wid in dict.fromkeys(i for i in ids.values() if i is not None):
             fut = loop.create_future()
-            self.retire_waiters.setdefault(w, []).append(fut)
-            futs[w] = fut
+            self.retire_waiters.setdefault(wid, []).append(fut)
+            futs[wid] = fut
         await self.apply([ev.RetireWorkers(list(futs), self.clock(), reason)])
-        result = {w: "unknown worker" for w in workers if w not in futs}
-        for w, fut in futs.items():
-            result[w] = await fut
-        return result
+        done = {wid: await fut for wid, fut in futs.items()}
+        return {w: "unknown worker" if wid is None else done[wid] for w, wid in ids.items()}
 
     async def _rejoined(self, workers: list[str]) -> None:
         """After a restart from the state directory, wait (at most the recovery wait since the
