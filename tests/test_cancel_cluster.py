@@ -58,8 +58,10 @@ def touch(path: str) -> str:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tidepool.LocalCluster]:
     with tidepool.LocalCluster(n_workers=0, queue_seconds=60.0) as c:
-        c.add_workers(1, node_type=NodeType("alpha", {"cpu": 1, "alpha": 1}))
-        c.add_workers(1, node_type=NodeType("beta", {"cpu": 1, "beta": 1}))
+        # room for many tasks of each label at once: a task needing a scarce resource is sent only
+        # where enough of it is free, so with one of each a second task would wait at the scheduler
+        c.add_workers(1, node_type=NodeType("alpha", {"cpu": 1, "alpha": 100}))
+        c.add_workers(1, node_type=NodeType("beta", {"cpu": 1, "beta": 100}))
         yield c
 
 

@@ -63,6 +63,36 @@ def test_a_gpu_worker_takes_no_more_gpu_tasks_than_it_has_gpus_so_a_new_one_gets
     assert sorted(_where(half)) == ["gpu-0", "gpu-1"]
 
 
+def test_a_seceded_gpu_task_gives_its_gpu_back_and_a_released_run_keeps_it_until_it_ends() -> None:
+    # a review of the fix above: a gpu task that secedes (worker_client) to wait on a child gpu
+    # task kept its gpu counted, so the child could never be placed on the 1-gpu worker: deadlock
+    d = StateDriver(SchedulerState(queue_seconds=1000))
+    d.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
+    d.submit([("parent-0", [], {"gpu": 1})], ["parent-0"])
+    d.send(ev.TaskSeceded("g1", "parent-0", d.clock()))
+    d.submit([("child-0", [], {"gpu": 1})], ["child-0"], client="c2")
+    assert _where(d) == {"parent-0": "g1", "child-0": "g1"}
+    d.finish("g1", "child-0")
+    d.finish("g1", "parent-0")
+    d.state.validate()
+    assert not d.state.workers["g1"].special_used
+    # a gpu task released while it executes still holds the gpu there until its run ends
+    r = StateDriver(SchedulerState(queue_seconds=1000), auto_start=False)
+    r.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
+    r.add_worker("g2", {"cpu": 4.0, "gpu": 1.0})
+    r.submit([("long-0", [], {"gpu": 1})], ["long-0"])
+    (where,) = [w for w, keys in r.running.items() if keys]
+    other = "g2" if where == "g1" else "g1"
+    r.start(where, "long-0")
+    r.release(["long-0"])
+    r.submit([("next-0", [], {"gpu": 1}), ("next-1", [], {"gpu": 1})], ["next-0", "next-1"])
+    assert _where(r) == {"next-0": other}  # not queued behind the abandoned run
+    r.state.validate()
+    r.send(ev.AbandonedRunsEnded(where, ["long-0"], r.clock()))
+    assert _where(r) == {"next-0": other, "next-1": where}
+    r.state.validate()
+
+
 def test_ordinary_tasks_prefer_workers_without_scarce_resources() -> None:
     d = StateDriver()
     d.add_worker("gpu1", GPU)

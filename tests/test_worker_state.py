@@ -19,6 +19,7 @@ shell's lane clock could send at that point.  After every step:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import hypothesis.strategies as st
@@ -248,6 +249,34 @@ def test_a_jump_past_the_terminate_level_that_spilling_undoes_spills_instead_of_
     small.send(ws.Compute((ws.TaskIn("s"),)))
     small.send(ws.TaskDone("s", True, 5))
     assert small.send(ws.MemorySample(990)) == [ws.Terminate(990)]
+    sh.check()
+
+
+def test_a_worker_paused_by_a_terminate_that_spilling_undid_resumes_when_memory_falls() -> None:
+    """A review of the fix above: the worker's state paused, but the monitor thread had not marked
+    itself paused on a terminate, so it never posted RESUME and the worker stayed paused (one task
+    at a time) at 30% of its limit.  The monitor and the real state, wired as the worker wires them."""
+    import asyncio
+
+    from tidepool.worker.memory import MemoryMonitor
+
+    sh = Shell(LIMIT)
+    sh.send(ws.Compute((ws.TaskIn("a"),)))
+    sh.send(ws.TaskDone("a", True, 400))
+    loop = asyncio.new_event_loop()
+    mon = MemoryMonitor(LIMIT, sh.state.thresholds, loop, lambda a, rss: sh.send(ws.MemorySample(rss)),
+                        interval=0.001)  # fmt: skip
+    readings = iter([960, 960] + [300] * 10**7)  # over the level, again on the loop, then spilled
+    mon.sample = lambda: next(readings)  # type: ignore[method-assign]
+    try:
+        mon.start()
+        deadline = time.monotonic() + 30
+        while not (sh.disk and not sh.state.paused) and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.005))
+    finally:
+        mon.stop()
+        loop.close()
+    assert sh.disk == {"a": 400} and not sh.state.paused
     sh.check()
 
 

@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -94,6 +95,28 @@ def test_sigkill_reschedules_running_tasks_and_recomputes_lost_results() -> None
         assert counters["workers_lost"] == 1
         assert counters["recomputed"] >= 1
         assert client.gather(first) == list(range(1, 9))  # the client's results are not lost
+
+
+def once(flag: str) -> bytes:
+    """Succeeds the first time (a value too big to ride inline), fails when run again."""
+    if os.path.exists(flag):
+        raise ValueError("second run fails")
+    open(flag, "w").close()
+    return bytes(10_000)
+
+
+def test_a_finished_future_whose_recompute_fails_turns_to_that_error(tmp_path: Any) -> None:
+    """A review found a finished future still saying "finished" (exception() None) while result()
+    raised: its only holder died, and the recomputation raised the task's own exception."""
+    with tidepool.LocalCluster(n_workers=2) as cluster, tidepool.Client(cluster) as client:
+        f = client.submit(once, str(tmp_path / "ran"), key="once-1")
+        tidepool.wait([f], timeout=30)
+        (holder,) = client.who_has([f])["once-1"]
+        os.kill(client.run(os.getpid)[holder], signal.SIGKILL)
+        wait_until(lambda: f.status == "error", timeout=60, what="the future turning to 'error'")
+        assert isinstance(f.exception(), ValueError)
+        with pytest.raises(ValueError, match="second run fails"):
+            f.result(timeout=30)
 
 
 def crash_worker() -> None:

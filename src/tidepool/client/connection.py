@@ -362,7 +362,9 @@ class ClientConnection:
                     else:
                         with contextlib.suppress(concurrent.futures.InvalidStateError):
                             f.set_exception(e.error())
-                elif not e.pickled:  # finished, and its value is lost for good (restart, unsendable)
+                elif e.pickled:  # finished, its value lost and its task failed since (a recompute)
+                    self._fail_off_loop(f, e)
+                else:  # finished, and its value is lost for good (restart, unsendable)
                     f._mark_failed(e.error())
             elif isinstance(e, Cancelled):  # this future, or one downstream of it
                 f._mark_cancelled()
@@ -379,6 +381,9 @@ class ClientConnection:
 
         async def build() -> None:
             exc = await off_loop(e.error, self._builder)
+            if f.done():  # finished before: its value, if only workers held it, is gone
+                f._mark_failed(exc)
+                return
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled, or lost meanwhile
                 f.set_exception(exc)
 

@@ -59,7 +59,8 @@ def validate(state: StateView) -> None:
     for wid, wrec in state.workers.items():
         assert (wid in state.overloaded) == (wrec.assigned > wrec.slots), ("overloaded", wid)
         for name in wrec.special:  # the scarce resources its assigned tasks ask for, counted exactly
-            asked = sum(dict(ts.shape).get(name, 0.0) for ts in wrec.processing)
+            asked = sum(dict(ts.shape).get(name, 0.0) for ts in wrec.processing if not ts.seceded)
+            asked += sum(dict(shape).get(name, 0.0) for shape in wrec.abandoned_special.values())
             assert abs(wrec.special_used.get(name, 0.0) - asked) < 1e-6, ("special_used", wid, name)
     assert state.overloaded <= set(state.workers), ("overloaded", state.overloaded - set(state.workers))
     for wid in state.room:  # new work goes only to running workers that answer

@@ -123,7 +123,8 @@ def fits_on(ws: WorkerRecord, shape: Shape) -> bool:
 
 def special_free(ws: WorkerRecord, shape: Shape) -> bool:
     """Is enough of every scarce resource ``shape`` asks for (gpu, ...) free on ``ws``, counting
-    the tasks assigned to it?  Tasks needing one are never queued behind it: a 4-cpu worker with
+    the tasks assigned to it (but those that seceded: they gave theirs back) and the runs taken
+    back from it that still execute there?  Tasks needing one are never queued behind it: a 4-cpu worker with
     one gpu runs one gpu task at a time, so a second one waits in the ready line for whichever gpu
     worker frees first (or joins)."""
     if not ws.special:
@@ -133,6 +134,11 @@ def special_free(ws: WorkerRecord, shape: Shape) -> bool:
         if name in ws.special and used.get(name, 0.0) + amount > ws.resources[name] * (1 + 1e-9):
             return False
     return True
+
+
+def asks_special(ws: WorkerRecord, shape: Shape) -> bool:
+    """Does ``shape`` ask for any of ``ws``'s scarce resources?"""
+    return any(name in ws.special for name, _ in shape)
 
 
 def take_special(ws: WorkerRecord, shape: Shape, sign: int) -> None:

@@ -235,7 +235,7 @@ class WorkerRecord:
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
         "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
-        "abandoned", "abandoned_run", "special_used",
+        "abandoned", "abandoned_run", "special_used", "abandoned_special",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -267,6 +267,8 @@ class WorkerRecord:
         #: goes only where enough of it is free (a 1-gpu worker with 4 cpus runs one gpu task at a
         #: time, so it must not take four while another gpu worker idles)
         self.special_used: dict[str, float] = {}
+        #: key -> shape of the abandoned runs that hold scarce resources (counted in ``special_used``)
+        self.abandoned_special: dict[str, Shape] = {}
         self.seceded = 0  # tasks in ``processing`` that left their slot (they do not count as load)
         #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
         #: it gets no new work until it is heard from again; it is not declared dead for that
@@ -289,6 +291,7 @@ class WorkerRecord:
         """The scheduler restarted: nothing assigned, nothing held, idle since ``now``."""
         self.processing.clear()
         self.special_used.clear()
+        self.abandoned_special.clear()
         self.abandoned.clear()
         self.abandoned_run.clear()
         self.has_what.clear()

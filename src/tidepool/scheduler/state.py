@@ -412,6 +412,9 @@ class SchedulerState:
         if est is not None and ws is not None:
             ws.abandoned[ts.key] = est
             ws.abandoned_run[ts.key] = ts.run
+            if ws.special and pl.asks_special(ws, ts.shape):  # the run holds its gpu until it ends
+                pl.take_special(ws, ts.shape, 1)
+                ws.abandoned_special[ts.key] = ts.shape
             ws.occupancy += est
             self._load_changed(ws)
             if not self._has_room(ws):
@@ -434,6 +437,9 @@ class SchedulerState:
             # under the key waits on the worker until the old run ends: that stays abandoned.)
             ws.abandoned_run.pop(ts.key, None)
             ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
+            held = ws.abandoned_special.pop(ts.key, None)
+            if held is not None:  # counted again below, as this record's
+                pl.take_special(ws, held, -1)
         ts.started = self.now
         ws.processing[ts] = est
         if ws.special:
@@ -463,7 +469,7 @@ class SchedulerState:
         self._load_changed(ws)
         if est is None:
             return
-        if ws.special:
+        if ws.special and not seceded:  # a seceded task gave them back when it left its slot
             pl.take_special(ws, ts.shape, -1)
         if seceded:
             est = 0.0
@@ -985,6 +991,8 @@ class SchedulerState:
         ts.seceded = True
         ts.executing = True
         ws.seceded += 1
+        if ws.special:  # it left its slot and, on the worker, its resources: a gpu it waits on may go
+            pl.take_special(ws, ts.shape, -1)
         self._load_changed(ws)
         est = ws.processing.get(ts, 0.0)
         ws.occupancy = max(0.0, ws.occupancy - est)
@@ -996,6 +1004,9 @@ class SchedulerState:
             return
         for key in e.keys:
             ws.abandoned_run.pop(key, None)
+            held = ws.abandoned_special.pop(key, None)
+            if held is not None:
+                pl.take_special(ws, held, -1)
             est = ws.abandoned.pop(key, None)
             if est is not None:
                 ws.occupancy = max(0.0, ws.occupancy - est) if ws.processing or ws.abandoned else 0.0

@@ -160,7 +160,7 @@ class MemoryMonitor:
             action = memory_action(rss, self.limit, self.thresholds, self.paused)
             if action is Action.NOTHING or self._pending:
                 continue
-            if action is Action.PAUSE:
+            if action in (Action.PAUSE, Action.TERMINATE):  # a terminate spilling undoes pauses
                 self.paused = True
             elif action is Action.RESUME:
                 self.paused = False
