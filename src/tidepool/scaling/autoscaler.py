@@ -244,10 +244,11 @@ class AutoScaler:
         before the controller gives up on the launch's workers), so one that breaks the contract
         and blocks cannot stall the scheduler's loop."""
         timeout = max(0.5, timeout / 2)
+        ids: list[str] = []
         try:
             ids = list(self.provider.worker_ids(nt, n, rid))
             self.scheduler.expect_workers(ids, nt)
-            self.round.name(rid, ids, self.scheduler.clock())
+            self.round.name(rid, ids, self.scheduler.clock(), submitted=False)
             self.startup.launched(ids, rid, nt.name, self.scheduler.clock())
             if isinstance(self.provider, AsyncProvider):
                 async with asyncio.timeout(timeout):
@@ -264,6 +265,8 @@ class AutoScaler:
             msg = str(exc) if isinstance(exc, ProviderError) else f"{type(exc).__name__}: {exc}"
             log.warning("launch %s of %s failed: %s", rid, nt.name, msg)
             self.round.launch_failed(rid, msg, self.scheduler.clock())
+        finally:  # listings asked for from now on can show them (or their end)
+            self.round.submitted(ids, self.scheduler.clock())
 
     async def _call(self, name: str, *args: Any) -> Any:
         """A provider call: awaited in this loop for an :class:`AsyncProvider`, else in a thread."""

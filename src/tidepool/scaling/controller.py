@@ -425,7 +425,7 @@ class ScalingController(Replacing):
             numbers = [int(m.group(1)) for rid in self.instances.requests if (m := re.fullmatch(r"a(\d+)", rid))]
             self._ids = itertools.count(max(numbers, default=0) + 1)  # never an adopted launch's id again
         if obs.listing is not None:
-            self._reconcile(obs.listing, obs.now, obs.listed_at)
+            self._reconcile(obs.listing, obs.now)
         self._sync_live(by_id, obs.now)
         self._notices(obs, by_id, actions)
         self._expiring([(w, "provider: walltime ends soon") for w in obs.expiring]
@@ -575,20 +575,14 @@ class ScalingController(Replacing):
         self.instances.move_request(req, IS.JOINED, now, "every worker still coming registered")
         self.journal.record("launch-arrived", now, request=req.id, node_type=req.node_type, seconds=round(took, 3))
 
-    def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float, listed_at: float | None = None) -> None:
-        """Workers not registered yet that the provider no longer lists, or lists as ended.  Those
-        named after ``listed_at`` (the listing was asked for before their launch was submitted)
-        are left for the next listing."""
+    def _reconcile(self, listing: Mapping[str, Mapping[str, Any]], now: float) -> None:
+        """Workers not registered yet that the provider no longer lists, or lists as ended."""
         table = self.instances
         for req in list(table.open.values()):
             for wid in table.missing(req):
                 if not req.open:
                     break  # the request failed as a whole
                 info = listing.get(wid)
-                inst = table.get(wid)
-                if info is None and listed_at is not None and inst is not None and inst.history \
-                        and inst.history[0][0] > listed_at:
-                    continue
                 if info is None:
                     why = f"worker {wid} is not listed by the provider any more"
                 elif not info.get("alive", True):

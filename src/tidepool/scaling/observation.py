@@ -124,9 +124,6 @@ class Observation:
     #: known ends: (worker, when it must be gone: walltime minus the retire margin), this clock
     ends: tuple[tuple[str, float], ...] = ()
     listing: Mapping[str, Mapping[str, Any]] | None = None  # the provider's list(), when fetched
-    #: when that listing was asked for: workers named later (a launch submitted while the provider
-    #: was being listed) cannot be in it, and are not failed for missing from it
-    listed_at: float | None = None
     reports: tuple[Report, ...] = ()  # what happened since the last step, in order
 
     def worker(self, wid: str) -> WorkerView | None:
@@ -262,7 +259,7 @@ def graph_view(state: SchedulerState, now: float) -> GraphView:
 def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: Sequence[str] = (),
             listing: Mapping[str, Mapping[str, Any]] | None = None,
             reports: Sequence[Report] = (), notices: Mapping[str, float] | None = None,
-            ends: Mapping[str, float] | None = None, listed_at: float | None = None) -> Observation:  # fmt: skip
+            ends: Mapping[str, float] | None = None) -> Observation:  # fmt: skip
     """Read the scheduler state once into frozen data (the shell's side of the boundary)."""
     workers = worker_views(state)
     return Observation(
@@ -270,7 +267,7 @@ def observe(state: SchedulerState, now: float, *, graph: bool = True, expiring: 
         finished=state.counters["finished"], waiting=state.counts.get("waiting", 0),
         running=sum(w.running for w in workers), tasks=len(state.tasks),
         graph=graph_view(state, now) if graph else None, expiring=tuple(expiring), listing=listing,
-        listed_at=listed_at if listing is not None else None, reports=tuple(reports), notices=tuple(sorted((notices or {}).items())),
+        reports=tuple(reports), notices=tuple(sorted((notices or {}).items())),
         ends=tuple(sorted((ends or {}).items())),
     )  # fmt: skip
 

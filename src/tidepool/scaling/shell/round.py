@@ -61,6 +61,9 @@ class Round:
         self.named: list[str] = []  # every worker id given to a launch (or adopted with one), for close()
         self._named_set: set[str] = set()
         self._listed_at = float("-inf")
+        #: workers named whose launch is being submitted (inf) or was, at that time: a listing
+        #: asked for before the submission ended cannot show them (:meth:`step`)
+        self._submitting: dict[str, float] = {}
 
     # ---- observe ----------------------------------------------------------------------------------
     def scheduler_events(self, events: Iterable[ev.Event], pending: bool) -> bool:
@@ -104,13 +107,16 @@ class Round:
              listed_at: float | None = None) -> tuple[Actions, bool]:  # fmt: skip
         """Observe ``state`` at ``now`` with the inbox, step the controller, journal its records.
         ``listed_at``: when ``listing`` was asked for (default ``now``; a shell that lists while
-        launches are being submitted passes the time it asked).  Returns the actions and whether the unfinished graph went into the observation."""
+        launches are being submitted passes the time it asked): workers whose launch was still being
+        submitted then are listed as starting, not failed for missing from it.  Returns the actions
+        and whether the unfinished graph went into the observation."""
+        if listing is not None and self._submitting:
+            listing = self._with_submitting(listing, now if listed_at is None else listed_at)
         want = graph_allowed and self.view.forecast.due(len(state.workers), len(state.tasks),
                                                         state.counters["finished"], now)  # fmt: skip
         reports, self.inbox = self.inbox, []
         actions = self.controller.step(observe(state, now, graph=want, expiring=expiring, listing=listing,
-                                               reports=reports, notices=notices, ends=ends,
-                                               listed_at=now if listed_at is None else listed_at))  # fmt: skip
+                                               reports=reports, notices=notices, ends=ends))  # fmt: skip
         self.view = actions.view
         for wid, row in actions.instances.items():  # adopted after a restart: terminated at close too
             if row is not None and row.get("request") is not None and wid not in self._named_set:
@@ -120,12 +126,31 @@ class Round:
             self.journal.add(rec)
         return actions, want
 
+    def _with_submitting(self, listing: Mapping[str, Mapping[str, Any]],
+                         listed_at: float) -> Mapping[str, Mapping[str, Any]]:  # fmt: skip
+        out = dict(listing)
+        for wid, done in list(self._submitting.items()):
+            if done > listed_at:
+                out.setdefault(wid, {"alive": True, "state": "submitting"})
+            else:  # a listing asked for after its submission ended shows it, or it is gone
+                del self._submitting[wid]
+        return out
+
     # ---- act: what the shell reports back ---------------------------------------------------------
-    def name(self, rid: str, ids: Sequence[str], now: float) -> None:
-        """The provider named the workers of launch ``rid``."""
+    def name(self, rid: str, ids: Sequence[str], now: float, submitted: bool = True) -> None:
+        """The provider named the workers of launch ``rid``.  ``submitted=False``: the launch is
+        submitted after this (in a thread), and :meth:`submitted` says when that ended."""
+        if not submitted:
+            self._submitting.update(dict.fromkeys(ids, float("inf")))
         self.named.extend(ids)
         self._named_set.update(ids)
         self.inbox.append(Named(rid, tuple(ids), now))
+
+    def submitted(self, ids: Sequence[str], now: float) -> None:
+        """The launch of ``ids`` (named with ``submitted=False``) was submitted, or failed, at ``now``."""
+        for wid in ids:
+            if wid in self._submitting:
+                self._submitting[wid] = now
 
     def launch_failed(self, rid: str, message: str, now: float) -> None:
         self.inbox.append(LaunchFailed(rid, message, now))
