@@ -57,6 +57,11 @@ def test_a_gpu_worker_takes_no_more_gpu_tasks_than_it_has_gpus_so_a_new_one_gets
     assert _where(d)["gpu-3"] == "g3"
     d.run_until_idle()
     assert d.status() == {k: "memory" for k in keys}
+    busy = StateDriver(SchedulerState(queue_seconds=1000))  # its gpu busy: its spare cores take cpu work
+    busy.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
+    busy.submit([(k, [], {"gpu": 1}) for k in keys], keys)
+    busy.submit([(f"cpu-{i}", []) for i in range(5)], [f"cpu-{i}" for i in range(5)])
+    assert sorted(_where(busy)) == ["cpu-0", "cpu-1", "cpu-2", "gpu-0"]  # free slots only, no queue
     half = StateDriver(SchedulerState(queue_seconds=1000))  # half a gpu each: two at a time
     half.add_worker("g1", {"cpu": 4.0, "gpu": 1.0})
     half.submit([(k, [], {"gpu": 0.5}) for k in keys], keys)

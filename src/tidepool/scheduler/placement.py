@@ -179,8 +179,8 @@ def allowed(ws: WorkerRecord, shape: Shape, ready: Mapping[Shape, list[Entry]]) 
         return True
     if ws.assigned >= ws.slots:
         return False  # never queue ordinary work behind a GPU
-    for s, heap in ready.items():  # ready work that needs what ws has spare comes first
-        if heap and any(name in extra for name, _ in s) and fits_on(ws, s):
+    for s, heap in ready.items():  # ready work that needs what ws has spare, and could start, comes first
+        if heap and any(name in extra for name, _ in s) and fits_on(ws, s) and special_free(ws, s):
             return False
     return True
 
