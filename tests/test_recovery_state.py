@@ -320,11 +320,12 @@ def test_a_retirement_asked_again_after_a_restart_waits_for_its_worker_to_rejoin
     s = Scheduler(state_dir=str(tmp_path / "state"))
     assert s.durable is not None
     s.durable.expected = {"w1"}  # as restored: w1 was registered at the last flush
+    s.durable.expected_at = {"tcp://w1:1": "w1"}
     seen: list[ev.Event] = []
     s.subscribe(lambda events, cmds: seen.extend(events))
 
     async def main() -> bool:
-        asked = asyncio.ensure_future(s.retire_workers(["w1", "nobody"]))
+        asked = asyncio.ensure_future(s.retire_workers(["tcp://w1:1", "nobody"]))  # by address, too
         for _ in range(5):
             await asyncio.sleep(0)
         waited = not asked.done()

@@ -270,6 +270,7 @@ class Durability:
         #: the setup hooks clients had registered (name, pickled spec), for workers that join from now on
         self.setups: list[tuple[str, Serialized]] = list(self.snapshot.setups)
         self.expected: set[str] = set()
+        self.expected_at: dict[str, str] = {}
         self.back: set[str] = set()
         self.gate_until = 0.0
         self.gate_open = True
@@ -303,6 +304,7 @@ class Durability:
         self._finished_before = {t.key for t in snap.tasks if t.status == "m"}
         # the workers registered at the last flush (a holder recorded on a row may have died since)
         self.expected = set(snap.workers)
+        self.expected_at = {address: wid for wid, address in snap.workers.items()}  # address -> id
         if self.expected and snap.tasks:
             self.gate_open = False
             self.gate_until = now + self.recovery_wait

@@ -618,7 +618,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         await self._rejoined(workers)
         known = self.state.workers
-        aliases = {n: w.id for w in known.values() for n in (w.name, w.address)}
+        aliases = {n: w.id for w in known.values() for n in (w.name, w.address) if n}
         ids = {w: w if w in known else aliases.get(w) for w in workers}
         futs: dict[str, asyncio.Future[str]] = {}
         for wid in dict.fromkeys(i for i in ids.values() if i is not None):
@@ -636,7 +636,8 @@ class Scheduler:
         d = self.durable
         if d is None:
             return
-        missing = [w for w in workers if w in d.expected and w not in d.back and w not in self.state.workers]
+        ids = [d.expected_at.get(w, w) for w in workers]  # an address of the last run names its worker
+        missing = [w for w in ids if w in d.expected and w not in d.back and w not in self.state.workers]
         left = d.rejoin_deadline - time.monotonic()
         if not missing or left <= 0:
             return
