@@ -143,11 +143,10 @@ class Worker:
         self.setup_failed = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    async def _listen(self, scheme: str) -> Any:
+    async def _listen(self, scheme: str, port: str) -> Any:
         """The data port: the one this worker had before it restarted itself over its memory limit
         (:data:`PORT_ENV`, set for the new process), so work pinned to its address still finds it;
         any free port if that one is taken."""
-        port = os.environ.pop(PORT_ENV, "")
         if port.isdigit():
             try:
                 return await listen(f"{scheme}://{self.host}:{port}", self._serve_peer, self.token, tls=self.tls)
@@ -157,13 +156,14 @@ class Worker:
         return await listen(f"{scheme}://{self.host}:0", self._serve_peer, self.token, tls=self.tls)
 
     async def start(self) -> Worker:
+        port = os.environ.pop(PORT_ENV, "")  # before preload: nothing this process starts inherits it
         jobs.preload(self.preload)
         loop = self.loop = asyncio.get_running_loop()
         self.closed = asyncio.Event()
         self.pool = SlotPool(loop, self._on_done)
         self.peers = Peers(self.token, self.tls, self.fetch_timeout)
         scheme = "tls" if self.scheme == "tls" else "tcp"
-        self.listener = await self._listen(scheme)
+        self.listener = await self._listen(scheme, port)
         self.address = self.listener.address
         await self._connect(scheme)
         self._tasks = [loop.create_task(self._scheduler_loop()), loop.create_task(self._heartbeat_loop())]
