@@ -45,8 +45,9 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
     The loop's signal handlers write to a wakeup socket that ``loop.close()`` closes *before* it
     removes the handlers, so a signal in that gap (say the provider's SIGTERM reaching a worker that
     is already shutting down) printed "Exception ignored when trying to write to the signal wakeup
-    fd ... Bad file descriptor".  So the handlers come off while the loop still runs, and a late
-    signal during the rest of the teardown is ignored; the previous handlers are back on return.
+    fd ... Bad file descriptor".  So the handlers come off while the loop still runs, the wakeup fd
+    is cleared even if other handlers stay on the loop (a worker's SIGUSR1), and a late signal
+    during the rest of the teardown is ignored; the previous handlers are back on return.
     """
     previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
     replaced: list[signal.Signals] = []
@@ -75,6 +76,9 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, _ignore_late_signal)
                 replaced.append(sig)
+            if installed:  # other handlers on the loop (a worker's SIGUSR1 notice) keep it set
+                with contextlib.suppress(ValueError):
+                    signal.set_wakeup_fd(-1)
 
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as run:
