@@ -160,9 +160,9 @@ def test_a_sigterm_while_the_cli_loop_closes_is_quiet(notice: bool) -> None:
     loop, which kept the wakeup fd set while the loop closed it (bug hunts saw the message again)."""
     script = LATE_SIGTERM
     if notice:
-        script = script.replace("    async def main():\n", "    async def main():\n"
-                                "        from tidepool.worker.signals import on_preemption_notice\n"
-                                "        on_preemption_notice()\n")  # fmt: skip
+        script = script.replace("async def main():\n", "async def main():\n"
+                                "    from tidepool.worker.signals import on_preemption_notice\n"
+                                "    on_preemption_notice()\n")  # fmt: skip
         assert "on_preemption_notice()" in script
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "signal wakeup fd" not in r.stderr and "Traceback" not in r.stderr, r.stderr
