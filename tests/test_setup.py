@@ -276,3 +276,39 @@ def test_two_registrations_of_one_setup_at_once_both_return() -> None:
         with cf.ThreadPoolExecutor(2) as pool:
             calls = [pool.submit(c.register_setup, slow_ok_setup) for c in (one, two)]
             assert [list(f.result(timeout=60).values()) for f in calls] == [["ok"], ["ok"]]
+
+
+def set_flag_env() -> None:
+    os.environ["TP_JOIN_RACE"] = "set"
+
+
+def test_a_worker_whose_registration_is_on_its_way_during_a_register_setup_gets_that_setup(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Found by a bug hunt: a setup registered while a joining worker's "registered" answer was
+    being sent (slow: it carries every earlier setup, 80 MB of files in the hunt) reached neither
+    that answer nor the worker, and register_setup still said "ok": the worker then ran tasks
+    without it (237 of 2,058 setups missed in a stress run).  The answer is held here until the
+    registration is done, so the race happens every time."""
+    import asyncio
+    import threading
+
+    from tidepool.comm.core import TCPConnection
+
+    arrived, release = threading.Event(), threading.Event()
+    real_send = TCPConnection.send
+
+    async def send(self: TCPConnection, msg: dict) -> None:  # type: ignore[type-arg]
+        if msg.get("op") == "registered":
+            arrived.set()
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+        await real_send(self, msg)
+
+    monkeypatch.setattr(TCPConnection, "send", send)
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        cluster.add_workers(1, wait=False)
+        assert arrived.wait(60), "the worker never registered"
+        assert client.register_setup(set_flag_env, name="flag") == {}  # no worker had registered yet
+        release.set()
+        client.wait_for_workers(1, timeout=60)
+        assert client.submit(read_env, "TP_JOIN_RACE", pure=False).result(timeout=60) == "set"

@@ -423,7 +423,8 @@ class Scheduler:
             await conn.send({"op": "refused", "reason": overclaim})
             return
         rejoin = msg.get("rejoin")  # it lost us and kept its work: it has run the setups already
-        setups = [[name, blob] for name, blob in self.setups.items()] if rejoin is None else []
+        sent = dict(self.setups) if rejoin is None else {}
+        setups = [[name, blob] for name, blob in sent.items()]
         window = self.durable.reconnect_window if self.durable is not None else 0.0
         now = self.clock()
         gated = self.durable is not None and not self.durable.gate_open
@@ -439,6 +440,10 @@ class Scheduler:
         cause = ev.RemoveCause.CLOSED
         try:
             self.worker_conns[wid] = conn  # in here: whatever fails from now on, the finally forgets it
+            if rejoin is None:  # setups registered while "registered" was on its way missed us: send them
+                missed = [[name, blob] for name, blob in self.setups.items() if sent.get(name) is not blob]
+                if missed:
+                    self.outgoing.post_worker(wid, {"op": "setup", "setups": missed})
             await self.apply(joined)
             if gated and self.durable is not None:  # the last worker expected back opens the gate
                 await self.apply(self.durable.worker_joined(wid, now))
