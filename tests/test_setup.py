@@ -312,3 +312,24 @@ def test_a_worker_whose_registration_is_on_its_way_during_a_register_setup_gets_
         release.set()
         client.wait_for_workers(1, timeout=60)
         assert client.submit(read_env, "TP_JOIN_RACE", pure=False).result(timeout=60) == "set"
+
+
+def test_a_module_shipped_again_after_an_edit_runs_its_new_code_on_old_and_new_workers(shipped: str,
+                                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """Found by a bug hunt: workers that had run a function of a shipped module kept running the
+    old code after the edited module was registered again (its pickle, by reference, and so its
+    id were unchanged: the loaded function was reused), and a package's submodule stayed old
+    everywhere, on workers that joined later too (only the top module was reloaded).  The edit
+    keeps the file's size: a .pyc from the same second would pass as up to date."""
+    import importlib
+
+    mod = importlib.import_module(shipped)
+    core = tmp_path / "src" / shipped / "core.py"
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        client.register_setup(modules=[shipped], name="code")
+        assert client.submit(mod.triple, 2, pure=False).result(timeout=60) == 6
+        core.write_text(core.read_text().replace("3 * x", "4 * x"))
+        assert list(client.register_setup(modules=[shipped], name="code").values()) == ["ok"]
+        assert client.submit(mod.triple, 2, pure=False).result(timeout=60) == 8
+        (late,) = cluster.add_workers(1, node_type=NodeType("late", {"cpu": 1, "late": 1}))
+        assert client.submit(mod.triple, 3, pure=False, resources={"late": 1}).result(timeout=60) == 12

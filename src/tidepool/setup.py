@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import io
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -121,17 +122,19 @@ def run_setup(spec: SetupSpec, workdir: Path) -> None:
         if spec.archive:
             step = f"modules {spec.modules}"
             code = workdir / "code" / spec.name
+            # a version shipped before under this name goes first, with its bytecode: an edit of
+            # the same size within the same second would pass the cached .pyc as up to date
+            shutil.rmtree(code, ignore_errors=True)
             code.mkdir(parents=True, exist_ok=True)
             with zipfile.ZipFile(io.BytesIO(spec.archive)) as zf:
                 zf.extractall(code)
             if str(code) not in sys.path:
                 sys.path.insert(0, str(code))
             importlib.invalidate_caches()
-            for m in spec.modules:
-                if m in sys.modules:
-                    importlib.reload(sys.modules[m])
-                else:
-                    importlib.import_module(m)
+            for m in spec.modules:  # imported afresh with its submodules (reload() did the top only)
+                for name in [n for n in sys.modules if n == m or n.startswith(m + ".")]:
+                    del sys.modules[name]
+                importlib.import_module(m)
         if spec.requirements:
             step = f"pip install {' '.join(spec.requirements)}"
             cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",

@@ -128,6 +128,7 @@ class Worker:
         if self.memory_limit:  # values move to disk when the state says so (target: infinite)
             self.data = worker_store(self.setup_dir, self.id, spill_dir, spill_limit, self._spill_disabled)
         self.functions: dict[str, Any] = {}
+        self._function_blobs: dict[str, Any] = {}  # their pickles, to load again after a setup
         self._specs: dict[str, tuple[str, Serialized | None, list[str]]] = {}  # key -> (function, args, inputs)
         self._arrived: dict[str, Any] = {}  # values the state has not said to store yet
         self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
@@ -250,6 +251,9 @@ class Worker:
             if op == "setup":  # handled in order: later tasks wait for it
                 if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
                     self.setup_failed = True
+                # functions pickled by reference to a module it may have shipped again resolve
+                # afresh (their pickle, and so their id, did not change with the module's code)
+                self.functions = dict(self._function_blobs)
             elif op == "compute":
                 st = self.state
                 released_runs = bool(st.cancelled or st.unlining)  # a key among them may come back
@@ -285,6 +289,7 @@ class Worker:
         for fid, blob in (msg.get("functions") or {}).items():
             if fid not in self.functions:
                 self.functions[fid] = blob  # deserialised lazily, in the loop, once
+                self._function_blobs[fid] = blob
         tasks = []
         st = self.state
         for t in msg["tasks"]:
