@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -333,3 +334,36 @@ def test_a_module_shipped_again_after_an_edit_runs_its_new_code_on_old_and_new_w
         assert client.submit(mod.triple, 2, pure=False).result(timeout=60) == 8
         (late,) = cluster.add_workers(1, node_type=NodeType("late", {"cpu": 1, "late": 1}))
         assert client.submit(mod.triple, 3, pure=False, resources={"late": 1}).result(timeout=60) == 12
+
+
+ORPHAN = """
+import os, sys, threading, time, tidepool
+marker = sys.argv[1]
+def slow():
+    open(marker, "w").close()
+    time.sleep(120)
+with tidepool.LocalCluster(n_workers=1, dashboard=False) as cluster, tidepool.Client(cluster) as client:
+    print(*client.run(os.getpid).values(), flush=True)
+    threading.Thread(target=client.register_setup, args=(slow,), daemon=True).start()
+    while not os.path.exists(marker):  # the setup runs on the worker: now this process (the scheduler) dies
+        time.sleep(0.01)
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_worker_whose_scheduler_dies_during_a_long_setup_exits(tmp_path: Path) -> None:
+    """Found by a bug hunt: nothing read the scheduler connection while a setup ran, so a worker
+    whose scheduler died then lived on as an orphan, and SIGTERM did not end it either (the exit
+    waited for the setup's thread): 12 minutes behind a 3,600 s setup."""
+    import psutil
+
+    p = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path / "started")], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(p.stdout.readline()))  # type: ignore[union-attr]
+        p.wait(timeout=60)
+        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, timeout=60,
+                   what="the orphaned worker to exit")  # fmt: skip
+    finally:
+        p.kill()
+        with contextlib.suppress(psutil.Error):
+            worker.kill()

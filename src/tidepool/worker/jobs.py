@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -47,13 +48,50 @@ def preload(modules: list[str]) -> None:
             raise WorkerSetupError(f"preloading module {mod!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
+#: seconds between looks at the scheduler connection while a setup hook runs
+SETUP_WATCH = 0.2
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread: a hook that never returns cannot keep the process from
+    exiting (the default executor's threads are joined at shutdown)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a setup failure
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, None, exc)
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, value, None)
+
+    threading.Thread(target=run, name="tidepool-setup", daemon=True).start()
+    return fut
+
+
 async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path, initial: bool) -> bool:
-    """Run setup hooks ``[[name, blob], ...]``; False when one failed (it was reported)."""
+    """Run setup hooks ``[[name, blob], ...]``; False when one failed (it was reported).  The
+    scheduler connection is watched meanwhile (nothing reads it while a hook runs): if it closes,
+    ``CommError`` is raised, so the worker reconnects or exits as on any lost scheduler instead of
+    waiting for the hook (a worker whose scheduler died during a long setup stayed, an orphan)."""
     done = []
     for name, blob in items:
         try:
             spec = blob.load()
-            await asyncio.to_thread(run_setup, spec, setup_dir)
+            running = _in_daemon_thread(run_setup, spec, setup_dir)
+            while not (await asyncio.wait([running], timeout=SETUP_WATCH))[0]:
+                if conn.closed:
+                    raise CommError(f"the connection to the scheduler closed while setup {name!r} ran")
+            running.result()
+        except CommError:
+            raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             log.error("setup %s failed: %s", name, exc)
