@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 from tidepool.scheduler import events as ev
@@ -340,3 +341,64 @@ def test_a_retirement_asked_again_after_a_restart_waits_for_its_worker_to_rejoin
         assert asyncio.run(main())
     finally:
         s.durable.close()
+
+
+_HOOK_GATE = threading.Event()
+_HOOK_RUNS: list[int] = []
+
+
+def _gated_hook() -> None:
+    _HOOK_RUNS.append(threading.get_ident())
+    _HOOK_GATE.wait(30)
+
+
+def test_a_rejoining_worker_is_sent_the_setups_it_has_not_run_to_their_end(tmp_path: Path) -> None:
+    """A review found a worker that lost its scheduler during its setups rejoined as ready without
+    the rest of them, and one that was away while a setup was registered never got it (rejoining
+    workers were sent no setups).  A worker records each setup it ran to its end; the scheduler
+    sends a rejoining worker the others.  The hook cut off is waited for, then run again, never
+    twice at once."""
+    import cloudpickle
+
+    from tidepool.comm.serialize import serialize
+    from tidepool.errors import CommError
+    from tidepool.scheduler.server import _setups_missed
+    from tidepool.setup import SetupSpec, setup_digest
+    from tidepool.worker.jobs import SetupRuns, apply_setups
+
+    gate, runs_of = _HOOK_GATE, _HOOK_RUNS
+    a = serialize(SetupSpec("a", fn=cloudpickle.dumps(_gated_hook)))
+    b = serialize(SetupSpec("b", env={"TP_SETUP_B": "1"}))
+    assert _setups_missed({"a": a, "b": b}, {"a": setup_digest(a)}) == [["b", b]]
+    assert _setups_missed({"a": a, "b": b}, {"a": "another version"}) == [["a", a], ["b", b]]
+    assert _setups_missed({"a": a}, None) == [["a", a]]  # a worker that does not say: all of them
+
+    class Conn:
+        closed = False
+        sent: list[dict[str, object]] = []
+
+        async def send(self, msg: dict[str, object]) -> None:
+            self.sent.append(msg)
+
+    async def main() -> SetupRuns:
+        runs, conn = SetupRuns(), Conn()
+        first = asyncio.ensure_future(apply_setups(conn, [["a", a], ["b", b]], tmp_path, True, runs))  # type: ignore[arg-type]
+        while not runs_of:
+            await asyncio.sleep(0.01)
+        conn.closed = True  # the scheduler is lost while "a" runs
+        try:
+            await first
+            raise AssertionError("apply_setups went on without its scheduler")
+        except CommError:
+            pass
+        assert runs.ran == {} and runs.running is not None
+        conn.closed = False  # rejoined: the scheduler sends what did not run to its end
+        again = asyncio.ensure_future(apply_setups(conn, [["a", a], ["b", b]], tmp_path, False, runs))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        assert len(runs_of) == 1, "the hook ran again while its first run went on"
+        gate.set()
+        assert await again
+        return runs
+
+    runs = asyncio.run(main())
+    assert len(runs_of) == 2 and runs.ran == {"a": setup_digest(a), "b": setup_digest(b)}

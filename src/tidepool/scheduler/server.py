@@ -442,8 +442,10 @@ class Scheduler:
             self.worker_conns[wid] = conn  # in here: whatever fails from now on, the finally forgets it
             if rejoin is None:  # setups registered while "registered" was on its way missed us: send them
                 missed = [[name, blob] for name, blob in self.setups.items() if sent.get(name) is not blob]
-                if missed:
-                    self.outgoing.post_worker(wid, {"op": "setup", "setups": missed})
+            else:  # a rejoining worker: the setups it has not run to their end (cut off, or new)
+                missed = _setups_missed(self.setups, rejoin.get("setups"))
+            if missed:
+                self.outgoing.post_worker(wid, {"op": "setup", "setups": missed})
             await self.apply(joined)
             if gated and self.durable is not None:  # the last worker expected back opens the gate
                 await self.apply(self.durable.worker_joined(wid, now))
@@ -820,3 +822,12 @@ def _join_events(wid: str, msg: dict[str, Any], now: float, ready: bool) -> list
     if rejoin is not None:
         out.append(rejoin_event(wid, rejoin, now))
     return out
+
+
+def _setups_missed(setups: Mapping[str, Any], ran: Any) -> list[list[Any]]:
+    """The registered setups a rejoining worker has not run (``ran``: its name -> digest)."""
+    from tidepool.setup import setup_digest
+
+    if not isinstance(ran, dict):
+        return [[name, blob] for name, blob in setups.items()]
+    return [[name, blob] for name, blob in setups.items() if ran.get(name) != setup_digest(blob)]

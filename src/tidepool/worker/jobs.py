@@ -76,20 +76,41 @@ def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
     return fut
 
 
-async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path, initial: bool) -> bool:
+class SetupRuns:
+    """A worker's record of its setup hooks: name -> digest of each one that ran to its end
+    (a rejoining worker tells the scheduler, which sends it the ones it lacks), and the hook
+    still running in its thread when the scheduler connection was lost (waited for before the
+    next one starts, so no hook runs twice at once)."""
+
+    def __init__(self) -> None:
+        self.ran: dict[str, str] = {}
+        self.running: asyncio.Future[Any] | None = None
+
+
+async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path, initial: bool,
+                       runs: SetupRuns | None = None) -> bool:  # fmt: skip
     """Run setup hooks ``[[name, blob], ...]``; False when one failed (it was reported).  The
     scheduler connection is watched meanwhile (nothing reads it while a hook runs): if it closes,
     ``CommError`` is raised, so the worker reconnects or exits as on any lost scheduler instead of
-    waiting for the hook (a worker whose scheduler died during a long setup stayed, an orphan)."""
+    waiting for the hook (a worker whose scheduler died during a long setup stayed, an orphan).
+    The hooks not run then are sent again when it rejoins (``runs``)."""
+    from tidepool.setup import setup_digest
+
+    runs = runs if runs is not None else SetupRuns()
     done = []
     for name, blob in items:
         try:
+            if runs.running is not None:  # one cut off by a lost scheduler: let it end first
+                await asyncio.wait([runs.running])
+                runs.running = None
             spec = blob.load()
-            running = _in_daemon_thread(run_setup, spec, setup_dir)
+            running = runs.running = _in_daemon_thread(run_setup, spec, setup_dir)
             while not (await asyncio.wait([running], timeout=SETUP_WATCH))[0]:
                 if conn.closed:
                     raise CommError(f"the connection to the scheduler closed while setup {name!r} ran")
+            runs.running = None
             running.result()
+            runs.ran[name] = setup_digest(blob)
         except CommError:
             raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed

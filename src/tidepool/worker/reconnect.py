@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from tidepool.comm import Connection, connect
 from tidepool.comm.tls import TLSConfig
 from tidepool.errors import CommError
+from tidepool.worker.jobs import SetupRuns
 from tidepool.worker.outbox import Outbox
 from tidepool.worker.state import WorkerState
 
@@ -54,6 +55,7 @@ class Worker(Protocol):
     outbox: Outbox
     state: WorkerState
     closed: asyncio.Event | None
+    setup_runs: SetupRuns
     _tasks: list[asyncio.Task[Any]]
 
     async def _heartbeat_loop(self) -> None: ...
@@ -94,6 +96,9 @@ def rejoin_message(worker: Worker) -> dict[str, Any]:
         # task running for ever (it only ends with an "ended" report, which adopts nothing)
         "running": [*(k for k in st.running if k not in st.cancelled), *erring],
         "queued": [*(t.key for t in st.queue), *st.lined, *st.waiting, *st.superseded],
+        # the setups that ran to their end here: the scheduler sends the others (cut off by the
+        # lost connection, or registered while we were away)
+        "setups": dict(worker.setup_runs.ran),
     }
 
 

@@ -129,6 +129,7 @@ class Worker:
             self.data = worker_store(self.setup_dir, self.id, spill_dir, spill_limit, self._spill_disabled)
         self.functions: dict[str, Any] = {}
         self._function_blobs: dict[str, Any] = {}  # their pickles, to load again after a setup
+        self.setup_runs = jobs.SetupRuns()  # which setups ran here (a rejoin says so)
         self._specs: dict[str, tuple[str, Serialized | None, list[str]]] = {}  # key -> (function, args, inputs)
         self._arrived: dict[str, Any] = {}  # values the state has not said to store yet
         self._serve_failures: dict[str, int] = {}  # key -> times serving it ran out of memory
@@ -244,12 +245,12 @@ class Worker:
         assert self.conn is not None
         if self._initial_setups:
             setups, self._initial_setups = self._initial_setups, []
-            self.setup_failed = not await jobs.apply_setups(self.conn, setups, self.setup_dir, True)
+            self.setup_failed = not await jobs.apply_setups(self.conn, setups, self.setup_dir, True, self.setup_runs)
         while True:
             msg = await self.conn.recv()
             op = msg.get("op")
             if op == "setup":  # handled in order: later tasks wait for it
-                if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False):
+                if not await jobs.apply_setups(self.conn, msg["setups"], self.setup_dir, False, self.setup_runs):
                     self.setup_failed = True
                 # functions pickled by reference to a module it may have shipped again resolve
                 # afresh (their pickle, and so their id, did not change with the module's code)
