@@ -31,6 +31,9 @@ def _token(args: argparse.Namespace) -> str:
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: signals a command's loop may handle that must not kill it once it is shutting down (a worker's
+#: preemption notice: their default action ends the process); they stay ignored after return
+_LATE_NOTICES = (signal.SIGUSR1,)
 #: set in a worker process that re-executed itself over its memory limit: how many times it did
 RESTARTS_ENV = "TIDEPOOL_WORKER_RESTARTS"
 
@@ -76,7 +79,11 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, _ignore_late_signal)
                 replaced.append(sig)
-            if installed:  # other handlers on the loop (a worker's SIGUSR1 notice) keep it set
+            for sig in _LATE_NOTICES:  # a worker's notice handler: off too, and a late one ignored
+                with contextlib.suppress(ValueError, RuntimeError):
+                    if loop.remove_signal_handler(sig):
+                        signal.signal(sig, _ignore_late_signal)
+            if installed:  # any other handler on the loop would keep the wakeup fd set
                 with contextlib.suppress(ValueError):
                     signal.set_wakeup_fd(-1)
 

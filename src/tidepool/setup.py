@@ -133,18 +133,20 @@ def run_setup(spec: SetupSpec, workdir: Path) -> None:
         if spec.archive:
             step = f"modules {spec.modules}"
             code = workdir / "code" / spec.name
-            # a version shipped before under this name goes first, with its bytecode: an edit of
-            # the same size within the same second would pass the cached .pyc as up to date
-            shutil.rmtree(code, ignore_errors=True)
             code.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(io.BytesIO(spec.archive)) as zf:
-                zf.extractall(code)
-            if str(code) not in sys.path:
-                sys.path.insert(0, str(code))
+            with zipfile.ZipFile(io.BytesIO(spec.archive)) as zf:  # over a version shipped before:
+                zf.extractall(code)  # files stay in place for tasks importing from them meanwhile
+            # but not its bytecode: an edit of the same size within the same second would pass a
+            # cached .pyc as up to date
+            for cache in code.rglob("__pycache__"):
+                shutil.rmtree(cache, ignore_errors=True)
+            if str(code) in sys.path:  # first, also ahead of another setup shipping the same module
+                sys.path.remove(str(code))
+            sys.path.insert(0, str(code))
             importlib.invalidate_caches()
             for m in spec.modules:  # imported afresh with its submodules (reload() did the top only)
-                for name in [n for n in sys.modules if n == m or n.startswith(m + ".")]:
-                    del sys.modules[name]
+                for name in [n for n in list(sys.modules) if n == m or n.startswith(m + ".")]:
+                    sys.modules.pop(name, None)
                 importlib.import_module(m)
         if spec.requirements:
             step = f"pip install {' '.join(spec.requirements)}"
