@@ -611,3 +611,29 @@ def test_workers_spread_over_hosts_and_a_dead_host_is_skipped(sshd: Sshd, netns_
         pids = [info["pid"] for info in provider.list().values()]
         provider.close()
         assert all(pid_gone(p) for p in pids)
+
+
+def test_kill_script_takes_the_processes_a_workers_tasks_started_along() -> None:
+    """Found by a bug hunt: a task's child process (``subprocess.run(["sleep", ...])``) stayed on
+    the host after its worker was stopped, and held the channel open.  sshd makes the worker a
+    session leader; the group is signalled, and a member that ignores TERM gets the KILL."""
+    import psutil
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+            "print(c.pid, flush=True); time.sleep(60)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code, "w-8"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        child = psutil.Process(int(proc.stdout.readline()))
+        r = subprocess.run(["sh", "-c", kill_script([(proc.pid, "w-8")], 0.3)], capture_output=True, text=True)
+        assert r.returncode == 0 and "survivor" not in r.stdout, r.stdout
+        assert proc.wait(5) == -15
+        child.wait(5)  # KILLed with the group after the grace period (it ignores TERM)
+        assert not child.is_running()
+    finally:
+        proc.kill()
+        proc.wait()
+        with contextlib.suppress(psutil.Error):
+            child.kill()

@@ -168,10 +168,13 @@ def remote_script(command: Sequence[str], worker_id: str, workdir: str | None,
         _ALIVE_FN,
         f'echo "{_PID_PREFIX}$$"',
         "exec 3<&0",
-        # watchdog: stdin EOF (channel or connection gone) -> TERM, then KILL after term_grace s
-        f"( trap '' HUP INT; cat <&3 >/dev/null 2>&1; tp_alive $$ {wid} || exit 0; kill -TERM $$; "
+        # watchdog: stdin EOF (channel or connection gone) -> TERM, then KILL after term_grace s, to
+        # the worker's process group when it leads one (sshd makes it a session leader): processes
+        # its tasks started go with it
+        f"( trap '' HUP INT TERM; cat <&3 >/dev/null 2>&1; tp_alive $$ {wid} || exit 0; "
+        "kill -s TERM -- -$$ 2>/dev/null || kill -TERM $$; "
         f"n=0; while [ $n -lt {term_grace * 10} ] && tp_alive $$ {wid}; do {_SLEEP}; n=$((n+1)); done; "
-        f"tp_alive $$ {wid} && kill -KILL $$ ) >/dev/null 2>&1 &",
+        "kill -s KILL -- -$$ 2>/dev/null || kill -KILL $$ ) >/dev/null 2>&1 &",
         "exec 3<&-",
     ]
     if workdir:
@@ -185,16 +188,23 @@ def remote_script(command: Sequence[str], worker_id: str, workdir: str | None,
 def kill_script(targets: Sequence[tuple[int, str]], term_timeout: float) -> str:
     """TERM the (pid, worker id) pairs still alive, wait up to ``term_timeout``, KILL the rest.
 
-    A pid is signalled only while its command line still carries the worker id.  Prints
-    ``survivor PID`` for anything still alive at the end (nothing, normally).
+    A pid is signalled only while its command line still carries the worker id; when it leads its
+    process group (sshd makes it a session leader), the whole group is signalled, so processes its
+    tasks started go with it, and the group gets the KILL too.  Prints ``survivor PID`` for
+    anything still alive at the end (nothing, normally).
     """
     checks = [(int(pid), shlex.quote(wid)) for pid, wid in targets]
     ticks = max(1, int(term_timeout * 10))
     any_alive = " || ".join(f"tp_alive {p} {w}" for p, w in checks) or "false"
+    leads = " ".join(
+        f'tp_alive {p} {w} && [ "$(ps -o pgid= -p {p} 2>/dev/null | tr -d " ")" = {p} ] && tp_groups="$tp_groups {p}";'
+        for p, w in checks)  # fmt: skip
     return "\n".join([
         _ALIVE_FN,
         f"tp_any() {{ {any_alive}; }}",
-        "tp_sig() { " + " ".join(f'tp_alive {p} {w} && kill "-$1" {p} 2>/dev/null;' for p, w in checks) + " :; }",
+        f'tp_groups=""; {leads} :',
+        "tp_sig() { " + " ".join(f'tp_alive {p} {w} && kill "-$1" {p} 2>/dev/null;' for p, w in checks)
+        + ' for g in $tp_groups; do kill -s "$1" -- "-$g" 2>/dev/null; done; :; }',
         "tp_sig TERM",
         f"n=0; while [ $n -lt {ticks} ] && tp_any; do {_SLEEP}; n=$((n+1)); done",
         "tp_sig KILL",
