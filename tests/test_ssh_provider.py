@@ -637,3 +637,26 @@ def test_kill_script_takes_the_processes_a_workers_tasks_started_along() -> None
         proc.wait()
         with contextlib.suppress(psutil.Error):
             child.kill()
+
+
+def start_background(marker: str) -> int:
+    """A task that leaves a process behind, holding the worker's output open."""
+    return subprocess.Popen(["sleep", marker]).pid
+
+
+def test_a_worker_that_exits_with_a_background_child_is_listed_ended_and_the_child_goes(sshd: Sshd) -> None:
+    """Found by a bug hunt: a worker retired after a task left a background process behind stayed
+    listed alive for as long as that process lived (it held the channel's output open), each
+    terminate or close waited 5 s for it, and the process stayed on the host."""
+    nt = NodeType("bg", {"cpu": 1})
+    with tidepool.LocalCluster(n_workers=0) as cluster, tidepool.Client(cluster) as client:
+        provider = sshd.provider()
+        provider.bind(cluster.address, cluster.token)
+        (wid,) = provider.worker_ids(nt, 1, "r5")
+        provider.launch(nt, 1, "r5")
+        cluster.wait_for_workers([wid], timeout=30)
+        child = client.submit(start_background, "3171.5").result(timeout=30)
+        assert client.retire_workers([wid]) == {wid: "retired"}  # the worker exits by itself
+        wait_until(lambda: provider.list()[wid]["alive"] is False, 30, "the worker listed as ended")
+        wait_until(lambda: pid_gone(child), 30, "the task's background process to go")
+        provider.close()

@@ -111,6 +111,16 @@ _DEFAULT_KNOWN_HOSTS: Any = ()  # asyncssh's own default: ~/.ssh/known_hosts
 EXIT_NO_WORKDIR = 97
 _ALIVE_FN = ALIVE_FN  # is process $1 still the worker whose id is $2? (ssh_adopt.py)
 _SLEEP = "sleep 0.1 2>/dev/null || sleep 1"
+#: seconds between looks at whether a worker's process exited while its output stays open
+EXIT_POLL = 0.5
+
+
+def _exit_status(proc: Any) -> int | None:
+    """The remote process's exit status once the host sent it (the channel may stay open)."""
+    with contextlib.suppress(Exception):
+        status = proc.exit_status
+        return None if status is None else int(status)
+    return None
 
 
 def _asyncssh() -> Any:
@@ -810,18 +820,37 @@ class SSHProvider:
                     w.output.append(prefix + text)
                     log.debug("[%s] %s", w.worker_id, text)
 
+        drains = asyncio.ensure_future(asyncio.gather(drain(w.proc.stdout, ""), drain(w.proc.stderr, "")))
         try:
-            await asyncio.gather(drain(w.proc.stdout, ""), drain(w.proc.stderr, ""))
+            while not (await asyncio.wait([drains], timeout=EXIT_POLL))[0]:
+                if _exit_status(w.proc) is not None and not w.adopted:
+                    # the worker ended, but something holds its output open (a process a task
+                    # started in the background): its group goes too, and the channel closes
+                    await self._end_group(w)
+                    break
             with contextlib.suppress(Exception):
-                await w.proc.wait_closed()
+                await asyncio.wait_for(w.proc.wait_closed(), EXIT_POLL * 10)
         finally:
-            rc = w.proc.returncode
+            drains.cancel()
+            rc = w.proc.returncode if w.proc.returncode is not None else _exit_status(w.proc)
             w.lost = rc is None
             w.returncode = None if w.adopted else rc  # an adopted worker is not the channel's process
             w.reported = w.reported or (w.adopted and not w.lost)  # how it ended is not known: nothing to report
             w.ended = time.time()
             w.conn.sessions -= 1
             w.done.set()
+
+    async def _end_group(self, w: _SSHWorker) -> None:
+        """The worker's process is gone but its output is held open: end what is left of its
+        process group on the host (its tasks' background processes), then close the channel."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(asyncio.sleep(EXIT_POLL)), EXIT_POLL * 2)
+            conn = await self._any_conn(w.host)
+            script = (f"kill -s TERM -- -{w.pid} 2>/dev/null; n=0; while [ $n -lt 20 ] && kill -0 -- -{w.pid} "
+                      f"2>/dev/null; do {_SLEEP}; n=$((n+1)); done; kill -s KILL -- -{w.pid} 2>/dev/null; exit 0")  # fmt: skip
+            await asyncio.wait_for(conn.conn.run(script, check=False), self.connect_timeout + 10)
+        with contextlib.suppress(Exception):
+            w.proc.close()
 
     # ---- terminate --------------------------------------------------------------------------------
     def terminate(self, worker_ids: builtins.list[str]) -> None:
