@@ -660,3 +660,34 @@ def test_a_worker_that_exits_with_a_background_child_is_listed_ended_and_the_chi
         wait_until(lambda: provider.list()[wid]["alive"] is False, 30, "the worker listed as ended")
         wait_until(lambda: pid_gone(child), 30, "the task's background process to go")
         provider.close()
+
+
+def test_a_worker_of_a_partly_failed_launch_that_cannot_be_stopped_stays_known() -> None:
+    """Found by a bug hunt: with workers_per_node=2 against an sshd at MaxSessions, one worker
+    started, the other's session was refused, and stopping the first failed (no session for the
+    kill either): the provider forgot it while it ran on, unlisted, until close.  No sshd needed."""
+    import types
+
+    provider = SSHProvider(["127.0.0.1:9"], known_hosts=None)
+    nt = NodeType("two", {"cpu": 1}, workers_per_node=2)
+    host = types.SimpleNamespace(name="127.0.0.1:9")
+
+    async def pick(nt_: NodeType, rid: str) -> object:
+        return host
+
+    async def start(host_: object, nt_: NodeType, rid: str, wid: str) -> object:
+        if wid.endswith("-2"):
+            raise ProviderError(f"cannot start {wid}: open failed")
+        w = types.SimpleNamespace(worker_id=wid, host=host)
+        provider._workers[wid] = w  # type: ignore[assignment]
+        return w
+
+    async def stop(ws: list[object]) -> None:
+        raise ProviderError("could not open a session to run the kill")
+
+    provider._pick_host = pick  # type: ignore[method-assign]
+    provider._start = start  # type: ignore[method-assign]
+    provider._stop = stop  # type: ignore[method-assign]
+    with pytest.raises(ProviderError, match="open failed"):
+        asyncio.run(provider._launch_new(nt, 1, "r9"))
+    assert list(provider._workers) == ["two-r9-1"]  # still known: close() stops it

@@ -721,10 +721,16 @@ class SSHProvider:
                     if isinstance(r, BaseException):
                         raise r
         except BaseException as exc:
+            stopped = True
             if started:
-                with contextlib.suppress(Exception):
+                try:
                     await self._stop(started)
-            for w in started:
+                except Exception as stop_exc:  # noqa: BLE001 - they stay known, and close() stops them
+                    stopped = False
+                    log.warning("launch %s failed, and its workers that started (%s) could not be stopped "
+                                "(%s): they stay listed, and are stopped at close", rid,
+                                [w.worker_id for w in started], stop_exc)  # fmt: skip
+            for w in started if stopped else ():  # forgotten only once gone: else they ran on unseen
                 self._workers.pop(w.worker_id, None)
             if isinstance(exc, ProviderError):
                 raise ProviderError(f"launch {rid} of {count} {nt.name!r} node(s) failed: {exc}", rid) from exc
@@ -777,7 +783,11 @@ class SSHProvider:
             if isinstance(exc, TimeoutError):
                 raise ProviderError(f"opening an SSH session on {host.name} for {wid} timed out") from None
             if isinstance(exc, Exception) and not isinstance(exc, ProviderError):
-                raise ProviderError(f"cannot start {wid} on {host.name}: {exc}") from exc
+                hint = ""
+                if type(exc).__name__ == "ChannelOpenError":  # sshd refused one more session
+                    hint = (f" (sshd refused a session on a connection carrying {conn.sessions + 1}: lower "
+                            "SSHProvider(sessions_per_connection=...) below the host's MaxSessions)")  # fmt: skip
+                raise ProviderError(f"cannot start {wid} on {host.name}: {exc}{hint}") from exc
             raise
         env = {**self.env, "TIDEPOOL_TOKEN": self.token, "TIDEPOOL_WORKER_ID": wid}
         if self.tag:
