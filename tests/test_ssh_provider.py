@@ -678,8 +678,11 @@ def test_a_worker_of_a_partly_failed_launch_that_cannot_be_stopped_stays_known()
     async def start(host_: object, nt_: NodeType, rid: str, wid: str) -> object:
         if wid.endswith("-2"):
             raise ProviderError(f"cannot start {wid}: open failed")
-        w = types.SimpleNamespace(worker_id=wid, host=host)
-        provider._workers[wid] = w  # type: ignore[assignment]
+        from tidepool.providers.ssh import _SSHWorker
+
+        w = object.__new__(_SSHWorker)  # started: only its id and host are read here
+        w.worker_id, w.host = wid, host  # type: ignore[assignment]
+        provider._workers[wid] = w
         return w
 
     async def stop(ws: list[object]) -> None:
