@@ -356,8 +356,8 @@ def test_a_rejoining_worker_is_sent_the_setups_it_has_not_run_to_their_end(tmp_p
     """A review found a worker that lost its scheduler during its setups rejoined as ready without
     the rest of them, and one that was away while a setup was registered never got it (rejoining
     workers were sent no setups).  A worker records each setup it ran to its end; the scheduler
-    sends a rejoining worker the others.  The hook cut off is waited for, then run again, never
-    twice at once."""
+    sends a rejoining worker the others.  The hook cut off is waited for, never run twice at once,
+    and not again when it ended well."""
     import cloudpickle
 
     from tidepool.comm.serialize import serialize
@@ -401,4 +401,5 @@ def test_a_rejoining_worker_is_sent_the_setups_it_has_not_run_to_their_end(tmp_p
         return runs
 
     runs = asyncio.run(main())
-    assert len(runs_of) == 2 and runs.ran == {"a": setup_digest(a), "b": setup_digest(b)}
+    # the cut-off run ended well: recorded, and not run a second time (a third review)
+    assert len(runs_of) == 1 and runs.ran == {"a": setup_digest(a), "b": setup_digest(b)}

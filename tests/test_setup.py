@@ -367,3 +367,50 @@ def test_a_worker_whose_scheduler_dies_during_a_long_setup_exits(tmp_path: Path)
         p.kill()
         with contextlib.suppress(psutil.Error):
             worker.kill()
+
+
+RESHIP = """
+import importlib, sys
+from pathlib import Path
+from tidepool.setup import build_spec, run_setup
+base = Path(sys.argv[1])
+def ship(root):
+    sys.path.insert(0, str(root))
+    try:
+        return build_spec("s", modules=["tp_reship"])
+    finally:
+        sys.path.remove(str(root))
+        for n in [n for n in sys.modules if n.startswith("tp_reship")]:
+            del sys.modules[n]
+v1 = base / "v1" / "tp_reship"
+(v1 / "helpers").mkdir(parents=True)
+(v1 / "__init__.py").write_text("")
+(v1 / "helpers" / "__init__.py").write_text("VALUE = 1\\n")
+(v1 / "gone.py").write_text("X = 1\\n")
+v2 = base / "v2" / "tp_reship"
+v2.mkdir(parents=True)
+(v2 / "__init__.py").write_text("")
+(v2 / "helpers.py").write_text("VALUE = 2\\n")
+s1, s2 = ship(base / "v1"), ship(base / "v2")
+run_setup(s1, base / "worker")
+import tp_reship.helpers, tp_reship.gone
+held = tp_reship.helpers  # a task still using the first version
+run_setup(s2, base / "worker")
+importlib.import_module("tp_reship.helpers")
+print("helpers", sys.modules["tp_reship.helpers"].VALUE)
+try:
+    importlib.import_module("tp_reship.gone")
+    print("gone importable")
+except ModuleNotFoundError:
+    print("gone gone")
+print("first version's files still there", Path(held.__file__).exists())
+"""
+
+
+def test_a_module_shipped_again_leaves_nothing_of_the_earlier_version_in_the_way(tmp_path: Path) -> None:
+    """A third review: extracting the new version over the old one kept a package the new version
+    turned into a module (a package wins: the old code ran) and modules it deleted.  Each version
+    now has a directory of its own; the earlier one stays whole for tasks still using it."""
+    r = subprocess.run([sys.executable, "-c", RESHIP, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["helpers 2", "gone gone", "first version's files still there True"], r.stdout

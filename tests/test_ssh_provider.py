@@ -613,11 +613,19 @@ def test_workers_spread_over_hosts_and_a_dead_host_is_skipped(sshd: Sshd, netns_
         assert all(pid_gone(p) for p in pids)
 
 
-def test_kill_script_takes_the_processes_a_workers_tasks_started_along() -> None:
+@pytest.mark.parametrize("ps", ["procps", "busybox"])
+def test_kill_script_takes_the_processes_a_workers_tasks_started_along(ps: str, tmp_path: Path) -> None:
     """Found by a bug hunt: a task's child process (``subprocess.run(["sleep", ...])``) stayed on
     the host after its worker was stopped, and held the channel open.  sshd makes the worker a
-    session leader; the group is signalled, and a member that ignores TERM gets the KILL."""
+    session leader; the group is signalled, and a member that ignores TERM gets the KILL.
+    ``busybox``: a ``ps`` without ``-p`` (a review: the group was never found)."""
     import psutil
+
+    env = dict(os.environ)
+    if ps == "busybox":
+        (tmp_path / "ps").write_text("#!/bin/sh\necho 'ps: unrecognized option: p' >&2\nexit 1\n")
+        (tmp_path / "ps").chmod(0o755)
+        env["PATH"] = f"{tmp_path}:{env['PATH']}"
 
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
             "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
@@ -627,7 +635,7 @@ def test_kill_script_takes_the_processes_a_workers_tasks_started_along() -> None
     try:
         assert proc.stdout is not None
         child = psutil.Process(int(proc.stdout.readline()))
-        r = subprocess.run(["sh", "-c", kill_script([(proc.pid, "w-8")], 0.3)], capture_output=True, text=True)
+        r = subprocess.run(["sh", "-c", kill_script([(proc.pid, "w-8")], 0.3)], capture_output=True, text=True, env=env)
         assert r.returncode == 0 and "survivor" not in r.stdout, r.stdout
         assert proc.wait(5) == -15
         child.wait(5)  # KILLed with the group after the grace period (it ignores TERM)

@@ -13,6 +13,7 @@ carrying the traceback; the worker reports it and is not given tasks.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import io
@@ -132,17 +133,21 @@ def run_setup(spec: SetupSpec, workdir: Path) -> None:
             os.environ["TIDEPOOL_FILES"] = str(fdir)
         if spec.archive:
             step = f"modules {spec.modules}"
-            code = workdir / "code" / spec.name
-            code.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(io.BytesIO(spec.archive)) as zf:  # over a version shipped before:
-                zf.extractall(code)  # files stay in place for tasks importing from them meanwhile
-            # but not its bytecode: an edit of the same size within the same second would pass a
-            # cached .pyc as up to date
-            for cache in code.rglob("__pycache__"):
-                shutil.rmtree(cache, ignore_errors=True)
-            if str(code) in sys.path:  # first, also ahead of another setup shipping the same module
-                sys.path.remove(str(code))
-            sys.path.insert(0, str(code))
+            # each version in a directory of its own: a version shipped before stays whole for tasks
+            # importing from it meanwhile, and none of its files (a module the new one deleted, a
+            # package it turned into a module, stale bytecode) can shadow the new one
+            root = workdir / "code" / spec.name
+            code = root / hashlib.blake2b(spec.archive, digest_size=8).hexdigest()
+            if not code.is_dir():
+                part = root / f".{code.name}.{os.getpid()}"
+                shutil.rmtree(part, ignore_errors=True)
+                part.mkdir(parents=True)
+                with zipfile.ZipFile(io.BytesIO(spec.archive)) as zf:
+                    zf.extractall(part)
+                part.rename(code)
+            prefix = str(root) + os.sep
+            sys.path[:] = [p for p in sys.path if not p.startswith(prefix)]  # earlier versions off
+            sys.path.insert(0, str(code))  # first, also ahead of another setup shipping the same module
             importlib.invalidate_caches()
             for m in spec.modules:  # imported afresh with its submodules (reload() did the top only)
                 for name in [n for n in list(sys.modules) if n == m or n.startswith(m + ".")]:

@@ -111,6 +111,10 @@ _DEFAULT_KNOWN_HOSTS: Any = ()  # asyncssh's own default: ~/.ssh/known_hosts
 EXIT_NO_WORKDIR = 97
 _ALIVE_FN = ALIVE_FN  # is process $1 still the worker whose id is $2? (ssh_adopt.py)
 _SLEEP = "sleep 0.1 2>/dev/null || sleep 1"
+#: the process group of pid $1: field 5 of /proc/$1/stat (after the command name, which may hold
+#: spaces), else ``ps`` (busybox's has no ``-p``: then nothing, and only the pid is signalled)
+_PGID_FN = ('tp_pgid() { if [ -r "/proc/$1/stat" ]; then sed "s/.*) //" "/proc/$1/stat" | cut -d" " -f3; '
+            'else ps -o pgid= -p "$1" 2>/dev/null | tr -d " "; fi; }')
 #: seconds between looks at whether a worker's process exited while its output stays open
 EXIT_POLL = 0.5
 
@@ -207,10 +211,11 @@ def kill_script(targets: Sequence[tuple[int, str]], term_timeout: float) -> str:
     ticks = max(1, int(term_timeout * 10))
     any_alive = " || ".join(f"tp_alive {p} {w}" for p, w in checks) or "false"
     leads = " ".join(
-        f'tp_alive {p} {w} && [ "$(ps -o pgid= -p {p} 2>/dev/null | tr -d " ")" = {p} ] && tp_groups="$tp_groups {p}";'
+        f'tp_alive {p} {w} && [ "$(tp_pgid {p})" = {p} ] && tp_groups="$tp_groups {p}";'
         for p, w in checks)  # fmt: skip
     return "\n".join([
         _ALIVE_FN,
+        _PGID_FN,
         f"tp_any() {{ {any_alive}; }}",
         f'tp_groups=""; {leads} :',
         "tp_sig() { " + " ".join(f'tp_alive {p} {w} && kill "-$1" {p} 2>/dev/null;' for p, w in checks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -87,6 +88,13 @@ class SetupRuns:
         self.running: asyncio.Future[Any] | None = None
 
 
+def _record_run(runs: SetupRuns, name: str, digest: str, fut: asyncio.Future[Any]) -> None:
+    """A setup's run ended: recorded if it ended well, also when it was cut off by a lost
+    scheduler and nobody awaits it any more (its error is read here: never left unretrieved)."""
+    if not fut.cancelled() and fut.exception() is None:
+        runs.ran[name] = digest
+
+
 async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path, initial: bool,
                        runs: SetupRuns | None = None) -> bool:  # fmt: skip
     """Run setup hooks ``[[name, blob], ...]``; False when one failed (it was reported).  The
@@ -100,17 +108,21 @@ async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path
     done = []
     for name, blob in items:
         try:
+            digest = setup_digest(blob)
             if runs.running is not None:  # one cut off by a lost scheduler: let it end first
                 await asyncio.wait([runs.running])
                 runs.running = None
+            if runs.ran.get(name) == digest:  # that one, and it ended well meanwhile: not again
+                done.append(name)
+                continue
             spec = blob.load()
             running = runs.running = _in_daemon_thread(run_setup, spec, setup_dir)
+            running.add_done_callback(functools.partial(_record_run, runs, name, digest))
             while not (await asyncio.wait([running], timeout=SETUP_WATCH))[0]:
                 if conn.closed:
                     raise CommError(f"the connection to the scheduler closed while setup {name!r} ran")
             runs.running = None
             running.result()
-            runs.ran[name] = setup_digest(blob)
         except CommError:
             raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - report any setup failure, then wait to be closed
