@@ -841,10 +841,10 @@ class SSHProvider:
                 if _exit_status(w.proc) is not None and not w.adopted:
                     # the worker ended, but something holds its output open (a process a task
                     # started in the background): its group goes too, and the channel closes
-                    await self._end_group(w)
+                    await self._end_group(w, drains)
                     break
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.proc.wait_closed(), EXIT_POLL * 10)
+                await asyncio.wait_for(w.proc.wait_closed(), 30.0)
         finally:
             drains.cancel()
             rc = w.proc.returncode if w.proc.returncode is not None else _exit_status(w.proc)
@@ -855,11 +855,13 @@ class SSHProvider:
             w.conn.sessions -= 1
             w.done.set()
 
-    async def _end_group(self, w: _SSHWorker) -> None:
+    async def _end_group(self, w: _SSHWorker, drains: asyncio.Future[Any]) -> None:
         """The worker's process is gone but its output is held open: end what is left of its
         process group on the host (its tasks' background processes), then close the channel."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(asyncio.sleep(EXIT_POLL)), EXIT_POLL * 2)
+            await asyncio.wait([drains], timeout=EXIT_POLL)
+            if drains.done():  # the output closed after all: nothing holds it, nothing to end
+                return
             conn = await self._any_conn(w.host)
             script = (f"kill -s TERM -- -{w.pid} 2>/dev/null; n=0; while [ $n -lt 20 ] && kill -0 -- -{w.pid} "
                       f"2>/dev/null; do {_SLEEP}; n=$((n+1)); done; kill -s KILL -- -{w.pid} 2>/dev/null; exit 0")  # fmt: skip
