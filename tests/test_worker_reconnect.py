@@ -12,6 +12,7 @@ from typing import Any, cast
 from tidepool.comm.messages import TaskBatch
 from tidepool.worker import reconnect
 from tidepool.worker import state as ws
+from tidepool.worker.jobs import SetupRuns
 from tidepool.worker.outbox import Outbox
 
 ONE_CPU = (("cpu", 1.0),)
@@ -27,7 +28,7 @@ class ClosedConn:
 
 def _worker(window: float | None) -> Any:
     return SimpleNamespace(state=ws.WorkerState({"cpu": 1.0}), outbox=Outbox(), heartbeat_interval=1.0,
-                           reconnect_window_setting=window, reconnect_window=0.0)  # fmt: skip
+                           reconnect_window_setting=window, reconnect_window=0.0, setup_runs=SetupRuns())  # fmt: skip
 
 
 def _busy_worker() -> Any:
@@ -53,6 +54,7 @@ def test_the_rejoin_message_names_held_running_erring_and_queued_tasks() -> None
     assert msg["held"] == [["a", 40]]
     assert msg["running"] == ["b", "e"]  # e: its error is still to be sent, so it must be accepted
     assert msg["queued"] == ["c"]
+    assert msg["setups"] == {}  # none ran here: a scheduler with setups sends them all
 
 
 def test_a_cancelled_run_is_not_offered_as_running_on_a_rejoin() -> None:

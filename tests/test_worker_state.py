@@ -380,6 +380,7 @@ def test_a_task_waiting_behind_a_released_run_is_given_up_to_a_steal_and_listed_
     it out."""
     from types import SimpleNamespace
 
+    from tidepool.worker.jobs import SetupRuns
     from tidepool.worker.outbox import Outbox
     from tidepool.worker.reconnect import rejoin_message
 
@@ -387,7 +388,7 @@ def test_a_task_waiting_behind_a_released_run_is_given_up_to_a_steal_and_listed_
     sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=1),)))
     sh.send(ws.FreeKeys(("k",)))
     sh.send(ws.Compute((ws.TaskIn("k", func="g", resources=CPU, ident=2),)))
-    msg = rejoin_message(SimpleNamespace(state=sh.state, outbox=Outbox()))  # type: ignore[arg-type]
+    msg = rejoin_message(SimpleNamespace(state=sh.state, outbox=Outbox(), setup_runs=SetupRuns()))  # type: ignore[arg-type]
     assert "k" in msg["queued"] and "k" not in msg["running"]
     assert sh.send(ws.StealKeys(("k",))) == [ws.Report("stolen", "k")]
     assert not sh.state.superseded
