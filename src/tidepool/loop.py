@@ -139,6 +139,33 @@ async def _cancel_remaining(timeout: float) -> None:
     await loop.shutdown_asyncgens()
 
 
+def in_daemon_thread_future(fn: Any, *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread, as a future of this loop: a call that never returns
+    holds neither the loop nor the interpreter's exit (the default executor's threads are joined
+    at shutdown).  Its outcome, an exception included (``SystemExit`` too), settles the future."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def run() -> None:
+        value: Any
+        try:
+            value, ok = fn(*args), True
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            value, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name=f"tidepool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return fut
+
+
 class ClosesOnExit:
     """``with`` support, and cleanup at interpreter exit or garbage collection for objects with
     ``close()`` (a script that never closes its ``Client()`` still exits, and leaves no worker).

@@ -37,8 +37,6 @@ PIP_TIMEOUT = 900.0
 def setup_digest(blob: Any) -> str:
     """A registered setup's content (its pickle), to tell which setups a worker has run: the
     scheduler sends a rejoining worker those it has not."""
-    import hashlib
-
     h = hashlib.blake2b(digest_size=16)
     for part in (getattr(blob, "data", blob), *getattr(blob, "buffers", ())):
         h.update(part if isinstance(part, (bytes, bytearray, memoryview)) else repr(part).encode())

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidepool.errors import ProviderError
+from tidepool.loop import in_daemon_thread_future
 from tidepool.providers.base import (
     AsyncProvider,
     ReportsEnds,
@@ -52,26 +52,7 @@ __all__ = ["LIST_EVERY", "PROVIDER_CALL_TIMEOUT", "AutoScaler", "in_daemon_threa
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
     """Run a blocking call in a daemon thread; raise TimeoutError after ``timeout`` (the call keeps
     running in its thread, but nobody waits for it: not the loop, not interpreter exit)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
-
-    def run() -> None:
-        value: Any
-        try:
-            value, ok = fn(*args), True
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            value, ok = exc, False
-        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
-            loop.call_soon_threadsafe(settle, ok, value)
-
-    threading.Thread(target=run, name=f"tidepool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    fut: asyncio.Future[T] = in_daemon_thread_future(fn, *args)
     async with asyncio.timeout(timeout):  # (3.11's wait_for can swallow a cancel that races the result)
         return await asyncio.shield(fut)
 

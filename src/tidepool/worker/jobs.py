@@ -17,7 +17,6 @@ import inspect
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ import psutil
 
 from tidepool.comm import Connection, Serialized, serialize
 from tidepool.errors import CommError
+from tidepool.loop import in_daemon_thread_future
 from tidepool.setup import run_setup
 from tidepool.worker.memory import MemoryMonitor
 from tidepool.worker.spill import SpillStore
@@ -51,30 +51,6 @@ def preload(modules: list[str]) -> None:
 
 #: seconds between looks at the scheduler connection while a setup hook runs
 SETUP_WATCH = 0.2
-
-
-def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
-    """``fn(*args)`` in a daemon thread: a hook that never returns cannot keep the process from
-    exiting (the default executor's threads are joined at shutdown)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if not fut.done():
-            fut.set_exception(exc) if exc is not None else fut.set_result(value)
-
-    def run() -> None:
-        try:
-            value = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a setup failure
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, None, exc)
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, value, None)
-
-    threading.Thread(target=run, name="tidepool-setup", daemon=True).start()
-    return fut
 
 
 class SetupRuns:
@@ -116,7 +92,8 @@ async def apply_setups(conn: Connection, items: list[list[Any]], setup_dir: Path
                 done.append(name)
                 continue
             spec = blob.load()
-            running = runs.running = _in_daemon_thread(run_setup, spec, setup_dir)
+            # a daemon thread: a hook that never returns cannot keep the process from exiting
+            running = runs.running = in_daemon_thread_future(run_setup, spec, setup_dir)
             running.add_done_callback(functools.partial(_record_run, runs, name, digest))
             while not (await asyncio.wait([running], timeout=SETUP_WATCH))[0]:
                 if conn.closed:
