@@ -369,9 +369,10 @@ def test_a_rejoining_worker_is_sent_the_setups_it_has_not_run_to_their_end(tmp_p
     gate, runs_of = _HOOK_GATE, _HOOK_RUNS
     a = serialize(SetupSpec("a", fn=cloudpickle.dumps(_gated_hook)))
     b = serialize(SetupSpec("b", env={"TP_SETUP_B": "1"}))
-    assert _setups_missed({"a": a, "b": b}, {"a": setup_digest(a)}) == [["b", b]]
-    assert _setups_missed({"a": a, "b": b}, {"a": "another version"}) == [["a", a], ["b", b]]
-    assert _setups_missed({"a": a}, None) == [["a", a]]  # a worker that does not say: all of them
+    digests = {"a": setup_digest(a), "b": setup_digest(b)}
+    assert _setups_missed({"a": a, "b": b}, digests, {"a": setup_digest(a)}) == [["b", b]]
+    assert _setups_missed({"a": a, "b": b}, digests, {"a": "another version"}) == [["a", a], ["b", b]]
+    assert _setups_missed({"a": a}, digests, None) == [["a", a]]  # a worker that does not say: all of them
 
     class Conn:
         closed = False

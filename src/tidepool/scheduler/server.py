@@ -51,6 +51,7 @@ from tidepool.scheduler.recovery import Durability, rejoin_event
 from tidepool.scheduler.stalls import StallLog
 from tidepool.scheduler.state import SchedulerState
 from tidepool.scheduler.worker_reports import batch_events
+from tidepool.setup import setup_digest
 
 log = logging.getLogger("tidepool.scheduler")
 
@@ -131,6 +132,7 @@ class Scheduler:
         self.eta_hooks: list[Callable[[float], tuple[float, ...]]] = []
         self.retire_waiters: dict[str, list[asyncio.Future[str]]] = {}
         self.setups: dict[str, Any] = {}  # name -> pickled SetupSpec, in registration order
+        self.setup_digests: dict[str, str] = {}  # name -> its setup_digest (what workers report)
         #: (worker, setup name) -> the register_setup calls waiting for that worker's answer (two
         #: calls may register the same name at once: each gets the answer)
         self.setup_waiters: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
@@ -152,7 +154,8 @@ class Scheduler:
         if self.durable is not None:  # rebuilt before anybody can connect; the same address as before
             where = self.durable.address(where)
             self._client_ids = self.durable.restore(self.state, self.clock())
-            self.setups.update(self.durable.setups)  # workers that join from now on run them
+            for name, blob in self.durable.setups:  # workers that join from now on run them
+                self._keep_setup(name, blob)
             self.subscribe(self.durable.observe)
         self.listener = await listen(where, self._handle_conn, self.token, tls=self.tls)
         self.address = self.listener.address
@@ -348,10 +351,16 @@ class Scheduler:
             if not fut.done():
                 fut.set_result(outcome)
 
-    async def register_setup(self, name: str, blob: Any) -> dict[str, str]:
-        """Store a setup for future workers and run it on every current one; worker -> outcome."""
+    def _keep_setup(self, name: str, blob: Any) -> None:
+        """Keep a setup for the workers that join from now on (a name registered again moves to
+        the end), with its digest (computed once, not at every worker's join)."""
         self.setups.pop(name, None)
         self.setups[name] = blob
+        self.setup_digests[name] = setup_digest(blob)
+
+    async def register_setup(self, name: str, blob: Any) -> dict[str, str]:
+        """Store a setup for future workers and run it on every current one; worker -> outcome."""
+        self._keep_setup(name, blob)
         if self.durable is not None and isinstance(blob, Serialized):
             self.durable.record_setup(name, blob)
         loop = asyncio.get_running_loop()
@@ -422,9 +431,11 @@ class Scheduler:
             self.refused_registrations += 1
             await conn.send({"op": "refused", "reason": overclaim})
             return
-        rejoin = msg.get("rejoin")  # it lost us and kept its work: it has run the setups already
-        sent = dict(self.setups) if rejoin is None else {}
-        setups = [[name, blob] for name, blob in sent.items()]
+        rejoin = msg.get("rejoin")  # it lost us and kept its work: it says which setups it has run
+        # a new worker gets every setup now; which it got is remembered for the setups registered
+        # while this answer is on its way (sent right after, as a rejoining worker's missing ones)
+        has = dict(self.setup_digests) if rejoin is None else rejoin.get("setups")
+        setups = [[name, blob] for name, blob in self.setups.items()] if rejoin is None else []
         window = self.durable.reconnect_window if self.durable is not None else 0.0
         now = self.clock()
         gated = self.durable is not None and not self.durable.gate_open
@@ -440,10 +451,7 @@ class Scheduler:
         cause = ev.RemoveCause.CLOSED
         try:
             self.worker_conns[wid] = conn  # in here: whatever fails from now on, the finally forgets it
-            if rejoin is None:  # setups registered while "registered" was on its way missed us: send them
-                missed = [[name, blob] for name, blob in self.setups.items() if sent.get(name) is not blob]
-            else:  # a rejoining worker: the setups it has not run to their end (cut off, or new)
-                missed = _setups_missed(self.setups, rejoin.get("setups"))
+            missed = _setups_missed(self.setups, self.setup_digests, has)
             if missed:
                 self.outgoing.post_worker(wid, {"op": "setup", "setups": missed})
             await self.apply(joined)
@@ -824,10 +832,9 @@ def _join_events(wid: str, msg: dict[str, Any], now: float, ready: bool) -> list
     return out
 
 
-def _setups_missed(setups: Mapping[str, Any], ran: Any) -> list[list[Any]]:
-    """The registered setups a rejoining worker has not run (``ran``: its name -> digest)."""
-    from tidepool.setup import setup_digest
-
-    if not isinstance(ran, dict):
-        return [[name, blob] for name, blob in setups.items()]
-    return [[name, blob] for name, blob in setups.items() if ran.get(name) != setup_digest(blob)]
+def _setups_missed(setups: Mapping[str, Any], digests: Mapping[str, str], has: Any) -> list[list[Any]]:
+    """The registered ``setups`` (with their ``digests``) a worker lacks: ``has`` is name -> digest
+    of each it has run or was sent; anything else (a worker that does not say) lacks them all."""
+    if not isinstance(has, dict):
+        has = {}
+    return [[name, blob] for name, blob in setups.items() if has.get(name) != digests[name]]
