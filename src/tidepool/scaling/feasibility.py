@@ -22,6 +22,9 @@ def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
     resource the shape needs more of than every node type has."""
     from tidepool.resources import format_resources
 
+    def offered(name: str, value: float) -> str:
+        return format_resources({name: value}).split("=", 1)[1]
+
     parts = []
     types = list(types)
     for name, amount in shape:
@@ -31,20 +34,13 @@ def largest_offers(shape: Shape, types: Iterable[NodeType]) -> str:
             if best <= 0:
                 parts.append(f"no node type has {name}")
             else:
-                parts.append(f"the most {name} any node type offers is "
-                             f"{format_resources({name: best}).split('=', 1)[1]} per worker, on {who!r}")  # fmt: skip
-    short: list[str] = []
-    for nt in types if not parts else ():  # each amount is offered somewhere: all at once nowhere?
-        res = nt.worker_resources
-        lacks = [f"{name} {format_resources({name: res.get(name, 0.0)}).split('=', 1)[1]}"
-                 for name, amount in shape if res.get(name, 0.0) < amount]  # fmt: skip
-        if not lacks:
-            short = []
-            break  # this one fits
-        short.append(f"{nt.name!r} has only {', '.join(lacks)}")
-    if short:
-        parts.append("each amount is offered by some node type, but none offers all of them at once: "
-                     + "; ".join(short))  # fmt: skip
+                parts.append(f"the most {name} any node type offers is {offered(name, best)} per worker, on {who!r}")
+    if not parts:  # each amount is offered somewhere: all of them at once nowhere?
+        lacks = {nt.name: [f"{name} {offered(name, nt.worker_resources.get(name, 0.0))}" for name, amount in shape
+                           if nt.worker_resources.get(name, 0.0) < amount] for nt in types}  # fmt: skip
+        if lacks and all(lacks.values()):
+            parts.append("each amount is offered by some node type, but none offers all of them at once: "
+                         + "; ".join(f"{t!r} has only {', '.join(lack)}" for t, lack in lacks.items()))  # fmt: skip
     return f" ({'; '.join(parts)})" if parts else ""
 
 
