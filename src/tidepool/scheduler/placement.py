@@ -136,9 +136,19 @@ def special_free(ws: WorkerRecord, shape: Shape) -> bool:
     return True
 
 
-def asks_special(ws: WorkerRecord, shape: Shape) -> bool:
-    """Does ``shape`` ask for any of ``ws``'s scarce resources?"""
-    return any(name in ws.special for name, _ in shape)
+def hold_abandoned_special(ws: WorkerRecord, key: str, shape: Shape) -> None:
+    """A run of ``key`` taken back from ``ws`` still executes there: the scarce resources its
+    ``shape`` asks for stay counted until :func:`release_abandoned_special`."""
+    if any(name in ws.special for name, _ in shape):
+        take_special(ws, shape, 1)
+        ws.abandoned_special[key] = shape
+
+
+def release_abandoned_special(ws: WorkerRecord, key: str) -> None:
+    """The abandoned run of ``key`` on ``ws`` ended (or is this record's again)."""
+    held = ws.abandoned_special.pop(key, None)
+    if held is not None:
+        take_special(ws, held, -1)
 
 
 def take_special(ws: WorkerRecord, shape: Shape, sign: int) -> None:

@@ -412,9 +412,8 @@ class SchedulerState:
         if est is not None and ws is not None:
             ws.abandoned[ts.key] = est
             ws.abandoned_run[ts.key] = ts.run
-            if ws.special and pl.asks_special(ws, ts.shape):  # the run holds its gpu until it ends
-                pl.take_special(ws, ts.shape, 1)
-                ws.abandoned_special[ts.key] = ts.shape
+            if ws.special:  # the run holds its gpu until it ends
+                pl.hold_abandoned_special(ws, ts.key, ts.shape)
             ws.occupancy += est
             self._load_changed(ws)
             if not self._has_room(ws):
@@ -437,9 +436,7 @@ class SchedulerState:
             # under the key waits on the worker until the old run ends: that stays abandoned.)
             ws.abandoned_run.pop(ts.key, None)
             ws.occupancy = max(0.0, ws.occupancy - ws.abandoned.pop(ts.key))
-            held = ws.abandoned_special.pop(ts.key, None)
-            if held is not None:  # counted again below, as this record's
-                pl.take_special(ws, held, -1)
+            pl.release_abandoned_special(ws, ts.key)  # counted again below, as this record's
         ts.started = self.now
         ws.processing[ts] = est
         if ws.special:
@@ -1004,9 +1001,7 @@ class SchedulerState:
             return
         for key in e.keys:
             ws.abandoned_run.pop(key, None)
-            held = ws.abandoned_special.pop(key, None)
-            if held is not None:
-                pl.take_special(ws, held, -1)
+            pl.release_abandoned_special(ws, key)
             est = ws.abandoned.pop(key, None)
             if est is not None:
                 ws.occupancy = max(0.0, ws.occupancy - est) if ws.processing or ws.abandoned else 0.0
