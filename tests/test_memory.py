@@ -4,6 +4,7 @@ spill store (values on disk come back byte for byte; spilled bytes are still hel
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,9 @@ def test_a_terminate_sample_is_measured_again_on_the_loop_and_the_monitor_keeps_
 
         mon.sample = sample  # type: ignore[method-assign]
         mon.start()
-        loop.run_until_complete(asyncio.sleep(0.05))
+        deadline = time.monotonic() + 30  # a bound, not a wait: it goes on at once unless it stopped
+        while len(seen) <= 2 and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.01))
         mon.stop()
         assert len(seen) > 2, "the thread stopped watching after one terminate"
     finally:
