@@ -283,3 +283,21 @@ def test_a_pool_with_fewer_free_slots_than_ready_tasks_spreads_by_load() -> None
     d.submit([(f"t-{i}", []) for i in range(6)], [f"t-{i}" for i in range(6)])
     counts = sorted(list(_where(d).values()).count(w) for w in ("w0", "w1"))
     assert counts == [3, 3]  # the queue beyond the slots is shared by load, not piled on one
+
+
+def test_a_worker_running_setup_hooks_gets_no_new_task_until_they_end() -> None:
+    # found by a review: a worker sent a setup (register_setup, or the ones a rejoining worker
+    # missed) was given tasks that waited behind the setup on it while another worker idled
+    d = StateDriver(SchedulerState(queue_seconds=0))  # no queue beyond a free slot
+    d.add_worker("a", {"cpu": 1.0})
+    d.add_worker("b", {"cpu": 1.0})
+    d.send(ev.WorkerPreparing("a", d.clock(), True))
+    keys = [f"t-{i}" for i in range(4)]
+    d.submit([(k, []) for k in keys], keys)
+    assert set(_where(d).values()) == {"b"}
+    d.finish("b", _where(d).popitem()[0])
+    assert set(_where(d).values()) == {"b"}  # still none on a
+    d.send(ev.WorkerPreparing("a", d.clock(), False))
+    assert "a" in set(_where(d).values())
+    d.run_until_idle()
+    assert d.status() == {k: "memory" for k in keys}

@@ -167,7 +167,12 @@ def test_setup_hooks_are_stored_at_the_next_tick_and_given_back_at_a_restart(tmp
     dur.close()  # the last tick's batch is flushed at close; a crash before a tick would lose it
     dur2, _ = _restart(tmp_path)
     assert [(n, blob.load()) for n, blob in dur2.setups] == [("one", "spec-1"), ("two", "spec-2")]
+    dur2.forget_setup("one")  # client.unregister_setup: workers joining after the next restart skip it
+    dur2.record_setup("three", serialize("spec-3"))
     dur2.close()
+    dur3, _ = _restart(tmp_path)
+    assert [(n, blob.load()) for n, blob in dur3.setups] == [("two", "spec-2"), ("three", "spec-3")]
+    dur3.close()
 
 
 def test_fire_and_forget_tasks_wanted_by_no_client_are_kept_and_run_after_a_restart(tmp_path: Path) -> None:

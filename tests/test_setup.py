@@ -414,3 +414,33 @@ def test_a_module_shipped_again_leaves_nothing_of_the_earlier_version_in_the_way
     r = subprocess.run([sys.executable, "-c", RESHIP, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:3] == ["helpers 2", "gone gone", "first version's files still there True"], r.stdout
+
+
+def test_a_setup_that_does_not_end_in_its_timeout_names_the_worker_and_can_be_unregistered(tmp_path: Path) -> None:
+    flag = tmp_path / "release"
+
+    def wait_for_release() -> None:
+        import time
+
+        while not flag.exists():
+            time.sleep(0.05)
+        os.environ["TP_RELEASED"] = "yes"
+
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        stuck = cluster.workers[0]
+        with pytest.raises(WorkerSetupError) as info:
+            client.register_setup(wait_for_release, name="hang", timeout=0.5)
+        msg = str(info.value)
+        assert "'hang'" in msg and "did not finish within 0.5 s" in msg and stuck in msg, msg
+        assert "retire_workers" in msg and "unregister_setup" in msg, msg
+        with pytest.raises(tidepool.ConfigError, match="no setup is registered as 'nope'"):
+            client.unregister_setup("nope")
+        client.unregister_setup("hang")
+        # a worker joining now does not run it, and takes the work while the stuck one waits
+        cluster.add_workers(1)
+        assert client.submit(read_env, "TP_RELEASED", pure=False).result(timeout=30) is None
+        flag.write_text("go")  # the stuck worker's setup ends: it takes tasks again, prepared
+        wait_until(lambda: list(client.run(read_env, "TP_RELEASED", workers=[stuck]).values()) == ["yes"], timeout=30,
+                   what="the setup to end on the worker it timed out on")  # fmt: skip
+        with pytest.raises(tidepool.ConfigError, match="timeout must be a number"):
+            client.register_setup(wait_for_release, timeout=0)

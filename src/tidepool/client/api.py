@@ -121,7 +121,6 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self._connection = conn = ClientConnection(address, token, timeout, tls, shared, via)
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)
-        self._setups: list[str] = []
         if "dask" in sys.modules:  # collections built from now on shuffle by tasks, not local disk
             from tidepool.dask.client import prefer_tasks_shuffle
 

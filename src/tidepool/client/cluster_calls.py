@@ -35,7 +35,6 @@ class ClusterCalls:
     """The base of :class:`~tidepool.Client` that owns its connection; see the module docstring."""
 
     _connection: ClientConnection
-    _setups: list[str]
     timeout: float
 
     if TYPE_CHECKING:
@@ -53,7 +52,7 @@ class ClusterCalls:
     def register_setup(self, fn: Callable[[], Any] | None = None, *, modules: Iterable[str] = (),
                        files: Iterable[str] = (), requirements: Iterable[str] = (),
                        env: dict[str, str] | None = None, name: str | None = None,
-                       pip_args: Iterable[str] = ()) -> dict[str, str]:  # fmt: skip
+                       pip_args: Iterable[str] = (), timeout: float | None = None) -> dict[str, str]:  # fmt: skip
         """Prepare every worker, now and joining later, before it runs another task.
 
         ``modules``: local modules/packages to ship (importable on the workers afterwards);
@@ -62,8 +61,13 @@ class ClusterCalls:
         variables; ``fn``: a function run last.  A setup with the same ``name`` replaces the
         earlier one for future workers.  Returns worker id -> "ok"; raises
         :class:`WorkerSetupError` (with the remote traceback) if it failed anywhere — such
-        workers are closed and take no tasks.
+        workers are closed and take no tasks.  ``timeout``: seconds to wait for the current
+        workers (default: until each has run it); a worker still running it then is named in a
+        :class:`WorkerSetupError` (it runs the setup to its end and takes no task until then).
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):  # fmt: skip
+            raise ConfigError(f"register_setup: timeout must be a number of seconds > 0 or None, got {timeout!r}")
         from tidepool.setup import build_spec
 
         spec = build_spec(name or "", fn, modules=modules, files=files, requirements=requirements, env=env,
@@ -72,17 +76,35 @@ class ClusterCalls:
             # (two clients' "setup-1", two lambdas, two functions called init), the same one is kept once
             digest = hashlib.sha1(serialize(spec).data).hexdigest()[:10]  # noqa: S324 - a name, not security
             spec.name = f"{(getattr(fn, '__name__', None) if fn is not None else None) or 'setup'}-{digest}"
-        return self._register_spec(spec.name, spec)
+        return self._register_spec(spec.name, spec, timeout)
 
-    def _register_spec(self, nm: str, spec: Any) -> dict[str, str]:
+    def unregister_setup(self, name: str) -> None:
+        """Workers that join from now on no longer run the setup ``name`` (as ``register_setup``
+        named it, or as its :class:`WorkerSetupError` names it); workers that ran it keep what it
+        did.  Raises :class:`ConfigError` if no setup has that name."""
+        if not self._call({"op": "unregister-setup", "name": str(name)}):
+            raise ConfigError(f"unregister_setup: no setup is registered as {name!r} (names are those "
+                              f"register_setup(name=...) gave, or its error message shows)")  # fmt: skip
+
+    def _register_spec(self, nm: str, spec: Any, timeout: float | None = None) -> dict[str, str]:
         self._connection.check_open()
-        self._setups.append(nm)
-        result = self._call({"op": "register-setup", "name": nm, "setup": serialize(spec)})
-        failed = {w: r for w, r in result.items() if r != "ok"}
-        if failed:
-            details = "\n".join(f"--- worker {w}: {r}" for w, r in failed.items())
-            raise WorkerSetupError(f"setup {nm!r} failed on {len(failed)} of {len(result)} workers "
-                                   f"(they were closed):\n{details}")  # fmt: skip
+        msg: dict[str, Any] = {"op": "register-setup", "name": nm, "setup": serialize(spec)}
+        if timeout is not None:
+            msg["timeout"] = float(timeout)
+        result = self._call(msg)
+        late = {w: r for w, r in result.items() if r.startswith("timeout:")}
+        failed = {w: r for w, r in result.items() if r != "ok" and w not in late}
+        if failed or late:
+            parts = []
+            if failed:
+                parts.append(f"failed on {len(failed)} of {len(result)} workers (they were closed)")
+            if late:
+                parts.append(f"did not finish within {timeout:g} s on {len(late)} of {len(result)} workers "
+                             f"(they run it to its end and take no task until then; retire them with "
+                             f"client.retire_workers({sorted(late)!r}) if it never ends; drop it for later workers with client.unregister_setup({nm!r}))")  # fmt: skip
+            details = "\n".join(f"--- worker {w}: {r}" for w, r in {**failed, **late}.items())
+            raise WorkerSetupError(f"setup {nm!r} {' and '.join(parts)}; it is kept for workers that join "
+                                   f"later:\n{details}")  # fmt: skip
         return result  # type: ignore[no-any-return]
 
     def _graph_progress(self, keys: list[str] | None, watch: int | None) -> dict[str, int]:

@@ -66,6 +66,7 @@ def validate(state: StateView) -> None:
     for wid in state.room:  # new work goes only to running workers that answer
         assert wid in state.workers and state.workers[wid].state == "running", ("room", wid)
         assert not state.workers[wid].suspect, ("room for a suspect worker", wid)
+        assert not state.workers[wid].preparing, ("room for a worker running setup hooks", wid)
     for key, ts in state.tasks.items():
         assert ts.key == key
         for w in ts.who_has:

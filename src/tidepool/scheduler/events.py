@@ -102,6 +102,17 @@ class WorkerReady:
 
 
 @dataclass(slots=True)
+class WorkerPreparing:
+    """A running worker was sent setup hooks (``preparing``) or ran all it was sent (not
+    ``preparing``): while it prepares it is given no new task (they would wait behind the hooks
+    on it while other workers idle)."""
+
+    worker: str
+    now: float
+    preparing: bool
+
+
+@dataclass(slots=True)
 class WorkerRemove:
     worker: str
     now: float
@@ -308,6 +319,7 @@ Event = (
     | ClientGone
     | WorkerJoin
     | WorkerReady
+    | WorkerPreparing
     | WorkerRemove
     | TaskFinished
     | TaskErred

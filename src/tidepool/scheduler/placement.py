@@ -196,9 +196,9 @@ def allowed(ws: WorkerRecord, shape: Shape, ready: Mapping[Shape, list[Entry]]) 
 
 
 def has_room(ws: WorkerRecord, queue_seconds: float, max_queue_per_slot: int) -> bool:
-    """May ``ws`` be given another task: running, answering, a free slot or a short queue?"""
+    """May ``ws`` be given another task: running, answering, not preparing, a free slot or a short queue?"""
     n = ws.assigned
-    if ws.state != "running" or ws.suspect or n >= ws.slots * max_queue_per_slot:
+    if ws.state != "running" or ws.suspect or ws.preparing or n >= ws.slots * max_queue_per_slot:
         return False
     return n < ws.slots or ws.occupancy < queue_seconds * ws.slots
 

@@ -235,7 +235,7 @@ class WorkerRecord:
         "id", "address", "resources", "node_type", "name", "state", "processing", "has_what",
         "nbytes", "occupancy", "slots", "last_seen", "idle_since", "joined", "seq", "metrics",
         "fit_cache", "memory_limit", "funcs", "executed", "last_done", "special", "seceded", "suspect",
-        "abandoned", "abandoned_run", "special_used", "abandoned_special",
+        "abandoned", "abandoned_run", "special_used", "abandoned_special", "preparing",
     )  # fmt: skip
 
     def __init__(self, wid: str, address: str, resources: dict[str, float], node_type: str,
@@ -270,6 +270,7 @@ class WorkerRecord:
         #: key -> shape of the abandoned runs that hold scarce resources (counted in ``special_used``)
         self.abandoned_special: dict[str, Shape] = {}
         self.seceded = 0  # tasks in ``processing`` that left their slot (they do not count as load)
+        self.preparing = False  # running setup hooks sent after it joined: given no new task meanwhile
         #: a peer's fetch from it stalled (no FIN, no bytes: frozen, or partitioned from its peers):
         #: it gets no new work until it is heard from again; it is not declared dead for that
         self.suspect = False

@@ -380,6 +380,12 @@ class Durability:
             self.persister.batch.setups.pop(name, None)
             self.persister.batch.setups[name] = blob
 
+    def forget_setup(self, name: str) -> None:
+        """A client unregistered a setup hook: workers that join after a restart do not run it."""
+        if self.persister is not None:
+            self.persister.batch.setups.pop(name, None)
+            self.persister.batch.setups[name] = None
+
     def record_instances(self, rows: dict[str, dict[str, Any] | None]) -> None:
         """The autoscaler's instance rows that changed (``None``: ended), stored at the next tick."""
         if self.persister is not None:

@@ -136,6 +136,8 @@ class Scheduler:
         #: (worker, setup name) -> the register_setup calls waiting for that worker's answer (two
         #: calls may register the same name at once: each gets the answer)
         self.setup_waiters: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
+        #: worker -> setup messages sent after it joined and not answered yet (it prepares meanwhile)
+        self.setups_in_flight: dict[str, int] = {}
         self.run_waiters: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         self._run_ids = 0
         self._restarting: set[str] = set()
@@ -358,21 +360,53 @@ class Scheduler:
         self.setups[name] = blob
         self.setup_digests[name] = setup_digest(blob)
 
-    async def register_setup(self, name: str, blob: Any) -> dict[str, str]:
-        """Store a setup for future workers and run it on every current one; worker -> outcome."""
+    def _send_setups(self, wid: str, setups: list[list[Any]]) -> bool:
+        """Send setup hooks to a worker that registered; True if it is (newly) preparing, and
+        known to the state (a worker whose join is not applied yet is told after it is)."""
+        self.outgoing.post_worker(wid, {"op": "setup", "setups": setups})
+        self.setups_in_flight[wid] = self.setups_in_flight.get(wid, 0) + 1
+        return self.setups_in_flight[wid] == 1 and wid in self.state.workers
+
+    def unregister_setup(self, name: str) -> bool:
+        """Workers that join from now on do not run this setup (those that ran it keep what it did);
+        False if no setup has that name."""
+        if self.setups.pop(name, None) is None:
+            return False
+        self.setup_digests.pop(name, None)
+        if self.durable is not None:
+            self.durable.forget_setup(name)
+        return True
+
+    async def register_setup(self, name: str, blob: Any, timeout: float | None = None) -> dict[str, str]:
+        """Store a setup for future workers and run it on every current one; worker -> outcome.
+
+        With ``timeout``, a worker still running it after that many seconds is answered
+        ``"timeout: ..."`` (it keeps running it, and takes no task until it ends)."""
         self._keep_setup(name, blob)
         if self.durable is not None and isinstance(blob, Serialized):
             self.durable.record_setup(name, blob)
         loop = asyncio.get_running_loop()
         futs: dict[str, asyncio.Future[str]] = {}
+        preparing: list[ev.Event] = []
         for wid in list(self.worker_conns):
             fut = loop.create_future()
             self.setup_waiters.setdefault((wid, name), []).append(fut)
             futs[wid] = fut
-            self.outgoing.post_worker(wid, {"op": "setup", "setups": [[name, blob]]})
+            if self._send_setups(wid, [[name, blob]]):
+                preparing.append(ev.WorkerPreparing(wid, self.clock(), True))
+        if preparing:
+            await self.apply(preparing)
+        if futs and timeout is not None:
+            await asyncio.wait(list(futs.values()), timeout=timeout)
         result = {}
         for wid, fut in futs.items():
-            result[wid] = await fut
+            if fut.done():
+                result[wid] = fut.result()
+            elif timeout is not None:
+                result[wid] = (f"timeout: still running after {timeout:g} s (the worker runs it to its end and "
+                               f"takes no task until then)")  # fmt: skip
+            else:
+                result[wid] = await fut
         return result
 
     def _resolve_retire(self, wid: str, outcome: str) -> None:
@@ -453,8 +487,10 @@ class Scheduler:
             self.worker_conns[wid] = conn  # in here: whatever fails from now on, the finally forgets it
             missed = _setups_missed(self.setups, self.setup_digests, has)
             if missed:
-                self.outgoing.post_worker(wid, {"op": "setup", "setups": missed})
+                self._send_setups(wid, missed)
             await self.apply(joined)
+            if self.setups_in_flight.get(wid):  # a rejoining worker, or a setup registered meanwhile
+                await self.apply([ev.WorkerPreparing(wid, now, True)])
             if gated and self.durable is not None:  # the last worker expected back opens the gate
                 await self.apply(self.durable.worker_joined(wid, now))
             while True:
@@ -489,6 +525,11 @@ class Scheduler:
                     # it joined may be an earlier version under the same name (registered again meanwhile)
                     for name in msg.get("names", ()) if not msg.get("initial") else ():
                         self._resolve_setup(wid, name, "ok")
+                    if not msg.get("initial") and self.setups_in_flight.get(wid):
+                        self.setups_in_flight[wid] -= 1
+                        if not self.setups_in_flight[wid]:
+                            del self.setups_in_flight[wid]
+                            await self.apply([ev.WorkerPreparing(wid, now, False)])
                     if msg.get("initial"):
                         await self.apply([ev.WorkerReady(wid, now)])
                 elif op == "run-result":
@@ -519,6 +560,7 @@ class Scheduler:
                 _, fut = self.run_waiters.pop(rid)
                 if not fut.done():
                     fut.set_result({"ok": False, "error": f"worker {wid} left before answering ({reason})"})
+            self.setups_in_flight.pop(wid, None)
             for (w, name) in [k for k in self.setup_waiters if k[0] == wid]:
                 self._resolve_setup(w, name, f"failed: worker left ({reason})")
             if self.worker_conns.get(wid) is conn:
@@ -624,6 +666,9 @@ class Scheduler:
             await self.apply([ev.Broadcast(list(msg["keys"]), now, int(msg.get("copies") or 0))])
         elif op == "register-setup":
             asyncio.get_running_loop().create_task(self._setup_request(cid, msg))
+        elif op == "unregister-setup":
+            found = self.unregister_setup(str(msg["name"]))
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": found})
         else:
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
 
@@ -730,7 +775,8 @@ class Scheduler:
         return {"workers": back, "expected": n}
 
     async def _setup_request(self, cid: str, msg: dict[str, Any]) -> None:
-        await self._answer(cid, msg, lambda: self.register_setup(str(msg["name"]), msg["setup"]))
+        await self._answer(cid, msg, lambda: self.register_setup(str(msg["name"]), msg["setup"],
+                                                                     _setup_timeout(msg.get("timeout"))))
 
     def eta(self) -> dict[str, Any]:
         """Forecast remaining seconds with the workers present now (and in-flight launches)."""
@@ -838,3 +884,12 @@ def _setups_missed(setups: Mapping[str, Any], digests: Mapping[str, str], has: A
     if not isinstance(has, dict):
         has = {}
     return [[name, blob] for name, blob in setups.items() if has.get(name) != digests[name]]
+
+
+def _setup_timeout(value: Any) -> float | None:
+    """A register-setup request's ``timeout``: None (wait for every worker) or seconds > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ProtocolError(f"register-setup timeout must be a number of seconds > 0, got {value!r}")
+    return float(value)

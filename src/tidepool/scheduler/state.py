@@ -123,7 +123,8 @@ class SchedulerState:
         }  # fmt: skip
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph, ev.ReleaseKeys: self._release_keys, ev.ClientGone: self._client_gone,
-            ev.WorkerJoin: self._worker_join, ev.WorkerReady: self._worker_ready, ev.WorkerRemove: self._worker_remove,
+            ev.WorkerJoin: self._worker_join, ev.WorkerReady: self._worker_ready,
+            ev.WorkerPreparing: self._worker_preparing, ev.WorkerRemove: self._worker_remove,
             ev.TaskFinished: self._task_finished, ev.TaskErred: self._task_erred, ev.AddReplica: self._add_replica,
             ev.MissingData: self._missing_data, ev.Heartbeat: self._heartbeat, ev.Tick: self._tick,
             ev.TasksStarted: self._tasks_started, ev.ValueUnservable: self._value_unservable,
@@ -696,9 +697,19 @@ class SchedulerState:
             self._move_worker(ws, WS.RUNNING)
             self._worker_running(ws, out)
 
+    def _worker_preparing(self, e: ev.WorkerPreparing, out: list[ev.Command]) -> None:
+        ws = self.workers.get(e.worker)
+        if ws is None or ws.preparing == e.preparing:
+            return
+        ws.preparing = e.preparing
+        if e.preparing:
+            self.room.discard(ws.id)
+        elif ws.state == WS.RUNNING:
+            self._worker_running(ws, out)
+
     def _worker_running(self, ws: WorkerRecord, out: list[ev.Command]) -> None:
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if ok}
-        self.room.add(ws.id)
+        self._room_changed(ws)
         for shape in [s for s in self.no_worker if fits(ws.resources, s)]:
             for ts in sorted(self.no_worker.pop(shape), key=lambda t: t.priority):
                 self._make_ready(ts, out)

@@ -103,7 +103,8 @@ class Batch:
     workers_joined: list[tuple[str, str]] = field(default_factory=list)
     workers_left: list[str] = field(default_factory=list)
     instances: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # None: gone
-    setups: dict[str, Serialized] = field(default_factory=dict)  # name -> pickled SetupSpec (latest wins)
+    setups: dict[str, Serialized | None] = field(default_factory=dict)  # name -> pickled SetupSpec (latest
+    # wins; None: unregistered)
     cost: dict[str, Any] | None = None  # the autoscaler's cost meter (replaces the stored one)
     clear_tasks: bool = False  # client.restart(): every task is forgotten first
 
@@ -361,9 +362,12 @@ class StateStore:
                     db.execute("INSERT OR REPLACE INTO instances VALUES (?, ?)", (iid, json.dumps(data)))
             if b.cost is not None:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('cost', ?)", (json.dumps(b.cost),))
-            if b.setups:  # a name registered again moves to the end (a new seq), as in the scheduler
-                db.executemany("INSERT OR REPLACE INTO setups (name, blob) VALUES (?, ?)",
-                               [(n, pack(blob)) for n, blob in b.setups.items()])  # fmt: skip
+            for n, blob in b.setups.items():  # a name registered again moves to the end (a new seq), as
+                # in the scheduler
+                if blob is None:
+                    db.execute("DELETE FROM setups WHERE name = ?", (n,))
+                else:
+                    db.execute("INSERT OR REPLACE INTO setups (name, blob) VALUES (?, ?)", (n, pack(blob)))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
