@@ -122,3 +122,31 @@ def test_a_progress_bar_of_a_collection_counts_its_tasks(client: tidepool.Client
     out = capsys.readouterr().out
     done = re.search(r"(\d+)/(\d+) done", out)
     assert done is not None and int(done[1]) == int(done[2]) > 10, out  # before: "1/1 done"
+
+
+def _times_ten(x: int) -> int:
+    return x * 10
+
+
+def _plus(x: int, y: int) -> int:
+    return x + y
+
+
+def test_a_dask_key_reused_by_the_next_compute_is_a_new_task_not_a_collision(client: tidepool.Client) -> None:
+    # found by a bug hunt: the second compute under a key the first one's (dropped) future still
+    # held in the client's release queue was refused with KeyCollisionError
+    from operator import add
+
+    with client.as_dask_scheduler():
+        got = [dask.delayed(_times_ten)(x, dask_key_name="result").compute() for x in range(3)]
+    assert got == [0, 10, 20]
+    for _ in range(3):
+        assert client.get({"a": 1, "b": (add, "a", 10)}, "b") == 11
+        assert client.get({"a": 1, "b": (_plus, "a", "a")}, "b") == 2
+    # a key still held by a live future stays refused for a different task
+    held = client.compute(dask.delayed(_times_ten)(1, dask_key_name="held"))
+    assert held.result() == 10
+    with pytest.raises(tidepool.KeyCollisionError):
+        with client.as_dask_scheduler():
+            dask.delayed(_times_ten)(2, dask_key_name="held").compute()
+    assert held.result() == 10

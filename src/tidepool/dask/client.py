@@ -117,7 +117,9 @@ def submit_graph(client: Any, dsk: Any, keys: list[Hashable], options: dict[str,
         return RECURSE
 
     for t in conv.tasks:  # dependencies first: every input is in ``nodes`` already
-        nodes[t.key] = Delayed(t.key, t.fn, replace(t.args, link), {}, t.options)
+        # explicit: a Dask key is the user's name (dask_key_name, a graph dict), reused from one
+        # compute to the next; a dropped earlier task under it is released before this one is sent
+        nodes[t.key] = Delayed(t.key, t.fn, replace(t.args, link), {}, t.options, explicit=True)
     if graph_keys is not None:
         graph_keys.extend(t.key for t in conv.tasks)
     wanted = list(dict.fromkeys(conv.names[k] for k in keys))
