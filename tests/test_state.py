@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tidepool.scheduler import events as ev
 from tidepool.scheduler import records
+from tidepool.scheduler.audit import validate
 from tidepool.scheduler.state import TASK_TRANSITIONS, InvalidTransition, SchedulerState
 from tidepool.testing import StateDriver
 
@@ -601,3 +602,23 @@ def test_retiring_a_batch_keeps_one_survivor_for_the_data() -> None:
     cmds = d.send(ev.RetireWorkers(["w1", "w2", "w3"], d.clock()))
     refused = [c.worker for c in cmds if isinstance(c, ev.RetireRefused)]
     assert len(refused) == 1  # all but one can go; the last must keep the data
+
+
+def test_held_bytes_never_drift_when_copies_or_reruns_report_another_size() -> None:
+    # found by a bug hunt: a worker holding nothing showed held_bytes -3 (a copy was counted at the
+    # size its receiver measured, and taken off at the size the task record had then)
+    d = StateDriver()
+    for w in ("w1", "w2"):
+        d.add_worker(w)
+    d.submit([("a", [])], ["a"])
+    first = d.state.tasks["a"].worker or ""
+    other = "w2" if first == "w1" else "w1"
+    d.finish(first, "a", nbytes=100)
+    d.send(ev.AddReplica(other, "a", 97, d.clock()))  # the receiver measures the copy otherwise
+    assert d.state.workers[other].nbytes == d.state.workers[first].nbytes == 100
+    d.send(ev.TaskFinished(other, "a", 120, 0.01, d.clock()))  # a stale duplicate outcome
+    validate(d.state)  # held bytes are the sum of what each holds
+    d.remove_worker(first)
+    assert d.state.workers[other].nbytes == d.state.tasks["a"].nbytes
+    d.release(["a"])
+    assert d.state.workers[other].nbytes == 0

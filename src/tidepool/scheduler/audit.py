@@ -57,6 +57,7 @@ def worker_rows(state: StateView) -> list[dict[str, Any]]:
 def validate(state: StateView) -> None:
     """Check cross-references; raises AssertionError on an inconsistency."""
     for wid, wrec in state.workers.items():
+        assert wrec.nbytes == sum(ts.nbytes for ts in wrec.has_what), ("held bytes", wid, wrec.nbytes)
         assert (wid in state.overloaded) == (wrec.assigned > wrec.slots), ("overloaded", wid)
         for name in wrec.special:  # the scarce resources its assigned tasks ask for, counted exactly
             asked = sum(dict(ts.shape).get(name, 0.0) for ts in wrec.processing if not ts.seceded)

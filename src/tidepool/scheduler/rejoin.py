@@ -44,6 +44,7 @@ class Host(Protocol):
     def _move(self, ts: TaskRecord, new: TS) -> None: ...
     def _assign(self, ts: TaskRecord, ws: WorkerRecord, out: list[ev.Command]) -> None: ...
     def _add_holder(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int) -> None: ...
+    def _set_nbytes(self, ts: TaskRecord, nbytes: int) -> None: ...
     def _value_arrived(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int, duration: float | None,
                        out: list[ev.Command]) -> None: ...  # fmt: skip
     def _erred_cascade(self, root: TaskRecord, out: list[ev.Command]) -> None: ...
@@ -130,7 +131,7 @@ def claim(st: Host, new: list[TaskRecord]) -> list[TaskRecord]:
             if ws is None:
                 continue
             if ts.state != TS.MEMORY:
-                ts.nbytes = nbytes
+                st._set_nbytes(ts, nbytes)
                 st._move(ts, TS.MEMORY)
                 _count(st, "recovered")
                 claimed.append(ts)

@@ -526,7 +526,7 @@ class SchedulerState:
             self.estimates.observe(ts.group, duration)
             self.counters["finished"] += 1
             ws.executed += 1
-        ts.nbytes = nbytes
+        self._set_nbytes(ts, nbytes)
         ts.suspicious = 0
         if self.solo:
             self.solo.discard(ts.key)
@@ -550,10 +550,24 @@ class SchedulerState:
             self._check(ts, out)
 
     def _add_holder(self, ts: TaskRecord, ws: WorkerRecord, nbytes: int) -> None:
+        """``ws`` holds ``ts`` too; its held bytes count the task's one size (``nbytes``, what this
+        holder measured, sets it only while none is known), so they stay the sum of what it holds."""
         if ws.id not in ts.who_has:
+            if not ts.nbytes and nbytes:
+                self._set_nbytes(ts, nbytes)
             ts.add_holder(ws.id)
             ws.has_what.add(ts)
-            ws.nbytes += nbytes or ts.nbytes
+            ws.nbytes += ts.nbytes
+
+    def _set_nbytes(self, ts: TaskRecord, nbytes: int) -> None:
+        """A new size of ``ts`` (a run ended again): the workers holding it count the new one."""
+        delta = nbytes - ts.nbytes
+        if delta:
+            for w in ts.who_has:
+                holder = self.workers.get(w)
+                if holder is not None:
+                    holder.nbytes += delta
+        ts.nbytes = nbytes
 
     def _add_replica(self, e: ev.AddReplica, out: list[ev.Command]) -> None:
         ws = self.workers.get(e.worker)
