@@ -394,3 +394,57 @@ def test_port_and_host_flags_win_over_the_cluster_file_and_a_given_token_is_not_
         said = p.wait_for_line(re.compile(r"^token: (.*)$")).group(1)
         assert "secret-931677453" not in said and "not shown" in said
         assert p.stop() == 0, p.stderr()
+
+
+def test_a_token_file_that_holds_a_token_is_read_not_overwritten(tmp_path: Path) -> None:
+    # found by a docs review: `--token-file F` replaced a token the user had put in F, so workers
+    # given a copy of it (or a scheduler restarted on it) were refused
+    token_file = tmp_path / "token.txt"
+    token_file.write_text("my-shared-secret\n")
+    token_file.chmod(0o600)
+    sched = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
+                              "--no-dashboard"), tmp_path / "s.err")  # fmt: skip
+    with running(sched):
+        address = sched.wait_for_line(ADDRESS_LINE).group(1)
+        with tidepool.Client(address, token="my-shared-secret") as client:
+            assert client.scheduler_info()["workers"] == []
+        assert token_file.read_text() == "my-shared-secret\n"
+    token_file.chmod(0o644)  # one others may read is refused, as a worker refuses it
+    bad = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
+                            "--no-dashboard"), tmp_path / "b.err")  # fmt: skip
+    with running(bad):
+        assert bad.popen.wait(30) == 2, bad.stderr()
+        assert "chmod 600" in bad.stderr() and "Traceback" not in bad.stderr()
+
+
+def test_a_client_of_a_frozen_scheduler_fails_its_calls_and_futures_instead_of_waiting_for_ever(
+        tmp_path: Path) -> None:  # fmt: skip
+    # found by a network-fault hunt: a scheduler frozen (SIGSTOP) or cut off without its socket
+    # closing left scheduler_info() and result() blocked for ever (the client read nothing, and
+    # nothing told it the scheduler was gone)
+    import concurrent.futures
+
+    token_file = tmp_path / "token.txt"
+    sched = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
+                              "--no-dashboard"), tmp_path / "s.err")  # fmt: skip
+    with running(sched):
+        address = sched.wait_for_line(ADDRESS_LINE).group(1)
+        token = token_file.read_text().strip()
+        with tidepool.Client(address, token=token, silence_timeout=1.0) as quiet:
+            time.sleep(2.5)  # longer than its silence_timeout with nothing to do: the pings keep it
+            assert quiet.scheduler_info()["workers"] == []
+            client = tidepool.Client(address, token=token, silence_timeout=2.0)
+            pending = client.submit(sum, [1, 2])  # no worker: it waits
+            sched.popen.send_signal(signal.SIGSTOP)
+            try:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    call = pool.submit(client.scheduler_info)
+                    with pytest.raises(tidepool.ConnectionLostError, match="sent nothing for"):
+                        call.result(timeout=60)
+                with pytest.raises(tidepool.ConnectionLostError, match="sent nothing for"):
+                    pending.result(timeout=60)
+                with pytest.raises(tidepool.ConnectionLostError):
+                    client.submit(sum, [3])
+            finally:
+                sched.popen.send_signal(signal.SIGCONT)
+            client.close()

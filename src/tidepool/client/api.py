@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from tidepool.client.cluster_calls import ClusterCalls, futures_of
-from tidepool.client.connection import ClientConnection
+from tidepool.client.connection import SILENCE_TIMEOUT, ClientConnection
 from tidepool.client.executor import ClientExecutor
 from tidepool.client.protocol import cancelled_message, make_exception
 from tidepool.client.specs import SpecBuilder, check_acyclic, pure_key
@@ -89,10 +89,15 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
 
     ``address`` may be a ``tcp://host:port`` string or a cluster object (with ``address`` and
     ``token``).  The token defaults to ``$TIDEPOOL_TOKEN`` / ``$TIDEPOOL_TOKEN_FILE``.
+    ``timeout`` bounds connecting; ``silence_timeout``: seconds a scheduler may send nothing,
+    not even an answer to the pings sent while it is quiet, before it counts as lost (frozen, or
+    cut off by the network): pending futures and calls then fail with :class:`ConnectionLostError`
+    (a durable scheduler is reconnected to first); ``None`` waits for ever.
     """
 
     def __init__(self, address: Any = None, token: str | None = None, *, timeout: float = 30.0,
-                 name: str = "client", tls: TLSConfig | None = None, asynchronous: bool = False) -> None:  # fmt: skip
+                 name: str = "client", tls: TLSConfig | None = None, asynchronous: bool = False,
+                 silence_timeout: float | None = SILENCE_TIMEOUT) -> None:  # fmt: skip
         self._own_cluster = None
         #: Dask's ``asynchronous=True``: ``await Client(..., asynchronous=True)`` (or ``async with``),
         #: and the calls that wait (gather, scheduler_info, close, ...) return awaitables
@@ -118,7 +123,10 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.closed = False
         shared = _shared_loop(self.cluster)  # then it has a scheduler in this process
         via = self.cluster.scheduler.memory_address if shared is not None and self.cluster is not None else None
-        self._connection = conn = ClientConnection(address, token, timeout, tls, shared, via)
+        if silence_timeout is not None and (isinstance(silence_timeout, bool) or not isinstance(silence_timeout, (int, float))
+                                            or not silence_timeout > 0):  # fmt: skip
+            raise ConfigError(f"silence_timeout must be a number of seconds > 0 or None, got {silence_timeout!r}")
+        self._connection = conn = ClientConnection(address, token, timeout, tls, shared, via, silence_timeout)
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)
         if "dask" in sys.modules:  # collections built from now on shuffle by tasks, not local disk

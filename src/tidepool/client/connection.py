@@ -48,7 +48,13 @@ from tidepool.comm import Connection, connect
 from tidepool.comm.data import fetch_timeout_from_env, load_values, request_data
 from tidepool.comm.messages import Cancel, KeyQuery, Release
 from tidepool.comm.tls import TLSConfig
-from tidepool.errors import CommError, ConnectionLostError, SchedulerError, TidepoolError
+from tidepool.errors import (
+    CommError,
+    ConnectionLostError,
+    PeerSilentError,
+    SchedulerError,
+    TidepoolError,
+)
 from tidepool.futures import IN_MEMORY, PENDING, RUNNING, Future, call_logged
 from tidepool.loop import LoopThread
 
@@ -56,6 +62,10 @@ log = logging.getLogger("tidepool.client")
 
 #: a client gives up a read from a silent holder after this many times ``TIDEPOOL_FETCH_TIMEOUT``
 CLIENT_SILENCE_FACTOR = 4
+#: seconds a scheduler may send nothing before the client counts it as lost (``Client(silence_timeout=)``)
+SILENCE_TIMEOUT = 120.0
+#: a scheduler that sent nothing for this long (at most) is pinged, so a quiet but healthy one answers
+PING_EVERY = 10.0
 T = TypeVar("T")
 
 
@@ -71,6 +81,12 @@ GOODBYE_TIMEOUT = 5.0
 #: unpickled in a thread when the loop is shared with a LocalCluster's scheduler (smaller ones on
 #: the loop: the thread hop costs ~70 us, about a tenth of a 4 KiB value's submit().result())
 LOAD_IN_THREAD_BYTES = 64 * 1024
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """A ping's outcome is not needed (its answer's bytes are what counts); never left unretrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class HolderGone(ConnectionLostError):
@@ -99,8 +115,13 @@ class ClientConnection:
     """See the module docstring.  ``setup_errors`` collects workers' setup failures."""
 
     def __init__(self, address: str, token: str, timeout: float, tls: TLSConfig | None,
-                 loop: LoopThread | None = None, via: str | None = None) -> None:  # fmt: skip
+                 loop: LoopThread | None = None, via: str | None = None,
+                 silence_timeout: float | None = SILENCE_TIMEOUT) -> None:  # fmt: skip
         self.address = address
+        #: seconds the scheduler may send nothing (pings unanswered) before it counts as lost; None:
+        #: wait for ever (an in-process scheduler is never checked: it cannot be cut off from us)
+        self.silence_timeout = silence_timeout if via is None else None
+        self._silent: CommError | None = None  # why the watch closed the connection
         #: where the scheduler is reached: ``via`` (an in-process LocalCluster's in-memory address), else
         #: ``address`` (which is what users see)
         self.connect_address = via or address
@@ -157,7 +178,32 @@ class ClientConnection:
         self._conn = conn
         self.id = welcome.get("client", self.id)
         self.reconnect_window = float(welcome.get("reconnect_window") or 0.0)
+        self._silent = None
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        if self.silence_timeout is not None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_silence(conn, self.silence_timeout))
+
+    async def _watch_silence(self, conn: Connection, limit: float) -> None:
+        """A frozen or partitioned scheduler never closes its socket: ping it when it has been
+        quiet, and once it has sent nothing for ``limit`` seconds close the connection, so the
+        read loop ends as on any lost scheduler (futures fail, or a durable one is reconnected to)."""
+        loop = asyncio.get_running_loop()
+        every = min(PING_EVERY, limit / 4)
+        started = loop.time()
+        while not conn.closed and not self.closed:
+            await asyncio.sleep(every)
+            quiet = loop.time() - max(conn.last_received, started)
+            if conn.closed or self.closed:
+                return
+            if quiet >= limit:
+                self._silent = PeerSilentError(
+                    f"it sent nothing for {quiet:.0f}s, not even an answer to a ping: frozen, or cut off "
+                    f"from this client by the network (Client(silence_timeout=...) sets how long to wait)")  # fmt: skip
+                log.warning("the scheduler at %s %s; closing the connection", self.address, self._silent)
+                conn.close()
+                return
+            if quiet >= every:
+                asyncio.ensure_future(self.request({"op": "ping"})).add_done_callback(_retrieved)
 
     async def _goodbye(self) -> None:
         """Tell a scheduler that keeps lost clients' keys for their reconnection (a durable one)
@@ -309,6 +355,7 @@ class ClientConnection:
                 try:
                     msg = await self._conn.recv()
                 except CommError as exc:
+                    exc = self._silent or exc  # the watch closed it: say why
                     if not reconnect.start_resume(self, exc):
                         self._connection_lost(exc)
                     return

@@ -635,6 +635,8 @@ class Scheduler:
             tasks = self.state.tasks
             q = KeyQuery.decode(msg)
             await self.outgoing.send_client(cid, Reply(q.id or 0, {k: self.state.who_has(k) if k in tasks else None for k in q.keys}).encode())
+        elif op == "ping":  # a client checks that we are there (it heard nothing for a while)
+            await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": "pong"})
         elif op == "info":
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": self.info()})
         elif op == "why":  # a timed-out result(): each key's state and why it is not done
