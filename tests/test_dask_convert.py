@@ -15,7 +15,7 @@ da = pytest.importorskip("dask.array")
 from dask._task_spec import Alias, DataNode, Task, TaskRef  # noqa: E402
 
 from tidepool.dask.convert import convert, flatten_keys, materialize, pack, require_dask  # noqa: E402
-from tidepool.errors import ConfigError, KeyCollisionError  # noqa: E402
+from tidepool.errors import ConfigError, CycleError, KeyCollisionError  # noqa: E402
 from tidepool.futures import Future  # noqa: E402
 from tidepool.graph.keys import key_name  # noqa: E402
 from tidepool.graph.refs import Ref, collect, substitute  # noqa: E402
@@ -102,8 +102,10 @@ def test_bad_graphs_are_refused_with_the_key_named() -> None:
         convert({"a": DataNode("a", 1)}, ["nope"], c)
     with pytest.raises(ConfigError, match="depends on 'ghost'"):
         convert({"a": Task("a", inc, TaskRef("ghost"))}, ["a"], c)
-    with pytest.raises(ConfigError, match="cycle"):
+    with pytest.raises(CycleError, match="cycle"):  # the class errors.md names for a cycle
         convert({"a": Task("a", inc, TaskRef("b")), "b": Task("b", inc, TaskRef("a"))}, ["a"], c)
+    with pytest.raises(CycleError, match="cycle"):
+        convert({"a": Task("a", inc, TaskRef("a"))}, ["a"], c)
     with pytest.raises(ConfigError, match="needs a Dask graph"):
         materialize(42)
 

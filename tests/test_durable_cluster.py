@@ -125,3 +125,15 @@ def test_a_durable_clusters_cluster_file_sets_the_schedulers_port(tmp_path: Path
         assert cluster.address == f"tcp://127.0.0.1:{port}"
     finally:
         cluster.close()
+
+
+def test_a_second_durable_cluster_on_a_state_dir_in_use_raises_store_in_use(tmp_path: Path) -> None:
+    # found by a docs review: the documented StoreInUseError came as a ConfigError wrapping the
+    # second scheduler's exit, so `except tidepool.StoreInUseError` missed it
+    state = str(tmp_path / "s")
+    with tidepool.LocalCluster(0, state_dir=state) as cluster, tidepool.Client(cluster) as client:
+        with pytest.raises(tidepool.StoreInUseError, match="in use by another scheduler"):
+            tidepool.LocalCluster(0, state_dir=state)
+        assert client.scheduler_info()["workers"] == []  # the first one is untouched
+    with tidepool.LocalCluster(0, state_dir=state):  # free again once the first one closed
+        pass

@@ -39,6 +39,8 @@ _LAZY: dict[str, str] = {
     "NodeType": "tidepool.scaling.node_types",
     "Scheduler": "tidepool.scheduler.server",
     "setup_file": "tidepool.setup",
+    "TLSConfig": "tidepool.comm.tls",
+    "make_certs": "tidepool.comm.tls",
     "as_completed": "tidepool.waiting",
     "wait": "tidepool.waiting",
     "Worker": "tidepool.worker",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
         worker_client,
     )
     from tidepool.cluster import LocalCluster
+    from tidepool.comm.tls import TLSConfig, make_certs
     from tidepool.errors import (
         AuthenticationError,
         CommError,
@@ -137,7 +140,7 @@ __all__ = [
     "PeerSilentError", "ProtocolError", "ProviderError", "RemoteTaskError", "RemoteTraceback", "ResultTooLargeError",
     "Scheduler", "SchedulerError", "SerializationError", "StateStoreError", "StoreCorruptError", "StoreInUseError",
     "StoreTokenError", "StoreVersionError", "TaskCancelledError", "TaskError",
-    "TidepoolError", "TransferError", "UnpicklableError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget",
+    "TLSConfig", "TidepoolError", "TransferError", "UnpicklableError", "Worker", "WorkerSetupError", "as_completed", "compute", "fire_and_forget", "make_certs",
     "futures_of",
     "default_client", "get_client", "get_worker", "secede", "setup_file", "task", "wait", "worker_client",
 ]  # fmt: skip

@@ -188,6 +188,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         check_output(args.journal, "--journal")
     # with a state directory and no token given, the store's token is used (same cluster again)
     given = token_from_env()
+    # a token file that holds a token already is read, never overwritten: workers and clients given
+    # a copy of it (or a scheduler restarted on it) keep working
+    kept = bool(not given and args.token_file and _holds_text(args.token_file))
+    if kept:
+        given = read_token_file(args.token_file)
     token = given or ("" if args.state_dir else new_token())
 
     async def main() -> None:
@@ -209,11 +214,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             from tidepool.dashboard import start_dashboard
 
             dash = await start_dashboard(s, args.dashboard, lambda: scaler)
-        if args.token_file:
+        if args.token_file and not kept:
             write_token_file(args.token_file, tok)
         print(f"tidepool scheduler at {s.address}", flush=True)  # the first line (scripts read it)
         if args.token_file:
-            print(f"token written to {args.token_file} (workers: --token-file {args.token_file})", flush=True)
+            print(f"token {'read from' if kept else 'written to'} {args.token_file} (workers: --token-file "
+                  f"{args.token_file})", flush=True)  # fmt: skip
         elif given:  # the user has it: a token is never printed where a log may keep it
             print("token: the one given in TIDEPOOL_TOKEN / TIDEPOOL_TOKEN_FILE (not shown)", flush=True)
         else:
@@ -387,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="interface to listen on (0.0.0.0 for all; default 127.0.0.1, or "
                    "the cluster file's [scheduler] host)")
     s.add_argument("--port", type=int, default=None, help="port (default 8786, or the cluster file's [scheduler] port)")
-    s.add_argument("--token-file", help="write the generated token here (mode 600)")
+    s.add_argument("--token-file", help="the token's file: read if it holds one, else a new token is written there (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="write the event journal (JSON lines) to this file (one kept there before is moved to FILE.1)")
     s.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
@@ -495,6 +501,17 @@ def _tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca-file", default=None, help="CA certificate (PEM): TLS for every connection (tls://)")
     p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="this process's private key (PEM)")
+
+
+def _holds_text(path: str) -> bool:
+    """``path`` exists and holds more than whitespace (a token someone put there)."""
+    try:
+        with open(path, "rb") as f:
+            return bool(f.read(4096).strip())
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,6 +106,11 @@ class DurableLocalCluster(ClosesOnExit):
         """Start ``tidepool scheduler --state-dir`` (again); returns once it listens."""
         if self.scheduler_proc is not None and self.scheduler_proc.poll() is None:
             raise ConfigError("the scheduler is still running; kill_scheduler() first")
+        if self.durable:  # another scheduler on it: StoreInUseError here, as errors.md says (its
+            # process would exit with the message only)
+            from tidepool.scheduler.store import check_free
+
+            check_free(Path(self.state_dir))
         log_path = Path(self.state_dir) / "scheduler.log"
         token_file = Path(self.state_dir) / "token"
         start_at = log_path.stat().st_size if log_path.exists() else 0

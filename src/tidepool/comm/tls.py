@@ -91,7 +91,7 @@ def resolve(tls: TLSConfig | None, address: str) -> TLSConfig:
     """The configuration for a ``tls://`` address: the one given, else the environment's."""
     cfg = tls or TLSConfig.from_env()
     if cfg is None:
-        raise ConfigError(f"{address} is a TLS address but no TLS configuration was given: pass tls=TLSConfig(...) "
+        raise ConfigError(f"{address} is a TLS address but no TLS configuration was given: pass tls=tidepool.TLSConfig(...) "
                           f"(or --tls-ca-file/--tls-cert/--tls-key, or set {ENV_CA}, {ENV_CERT}, {ENV_KEY}); "
                           "`tidepool certs DIR` makes a CA and certificates")  # fmt: skip
     return cfg

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.comm.serialize import dumps
-from tidepool.errors import ConfigError, KeyCollisionError
+from tidepool.errors import ConfigError, CycleError, KeyCollisionError
 from tidepool.futures import _INLINE_FUTURES, Future
 from tidepool.graph.delayed import TaskOptions
 from tidepool.graph.keys import key_name
@@ -232,7 +232,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
             deps = node.dependencies
             if not expanded:
                 if k in open_:
-                    raise ConfigError(f"the Dask graph has a cycle through {k!r}")
+                    raise CycleError(f"the Dask graph has a cycle through {k!r}; a task cannot depend on its own result")
                 open_.add(k)
                 stack.append((k, True))
                 for d in deps:
@@ -240,7 +240,7 @@ def convert(graph: Mapping[Hashable, Any], keys: list[Hashable], client: Any,
                         if d not in graph:
                             raise ConfigError(f"Dask task {k!r} depends on {d!r}, which is not in the graph")
                         if d in open_:
-                            raise ConfigError(f"the Dask graph has a cycle through {d!r}")
+                            raise CycleError(f"the Dask graph has a cycle through {d!r}; a task cannot depend on its own result")
                         stack.append((d, False))
                 continue
             open_.discard(k)

@@ -180,6 +180,12 @@ def _cost(text: str) -> dict[str, Any]:
 
 
 # ---- the store ------------------------------------------------------------------------------------
+def check_free(directory: Path) -> None:
+    """Raise :class:`StoreInUseError` if a scheduler holds ``directory`` now (a process about to
+    start one on it reports that as itself, not as its child's exit)."""
+    _lock_directory(directory).close()
+
+
 def _lock_directory(directory: Path) -> IO[str]:
     """An exclusive lock on ``directory`` for as long as the returned file is open: a second
     scheduler on the same directory is refused (it loaded the live store and released the first
