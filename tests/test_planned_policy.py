@@ -571,3 +571,21 @@ def test_a_budget_with_no_node_held_buys_the_first_whatever_it_would_work() -> N
     nt = NodeType("default", max_nodes=100, startup_estimate=60.0, cost=3.6)
     d = GraphPlan(budget=100.0)(snapshot(0.0, nt, (), wide(2, 5.0), (Demand(CPU, "work", 2, 5.0),)))
     assert d.launch.get("default", 0) >= 1
+
+
+@pytest.mark.parametrize("objective", ["cheapest", "balanced"])
+@pytest.mark.parametrize("finished", [0, 10])
+def test_an_empty_pool_with_runnable_work_gets_a_node_whatever_the_objective(objective: str, finished: int) -> None:
+    # found by a bug hunt: adapt(objective="cheapest") on an empty pool launched nothing for one
+    # 0.1 s task (it would work less than 3 start-ups) until the no-progress net fired 30 s later;
+    # balanced did the same for short work once a task had finished
+    nt = NodeType("default", max_nodes=2, startup_estimate=5.0)
+    demand = (Demand(CPU, "work", 1, 0.1),)
+    d = GraphPlan(objective)(snapshot(0.0, nt, (), wide(1, 0.1), demand, finished=finished))
+    assert d.launch == {"default": 1}, d
+    assert d.reasons, "a launch carries its reason"
+    if finished == 0 and objective == "balanced":
+        return  # on guessed durations balanced launches for every runnable task (tested above)
+    # with a node up, short measured work does not buy a second one
+    assert GraphPlan(objective)(snapshot(0.0, nt, (worker("w0", running=1),), wide(2, 0.1), demand,
+                                         finished=finished)).launch == {}  # fmt: skip

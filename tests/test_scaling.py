@@ -139,7 +139,7 @@ def test_idle_holder_retires_after_the_plain_timeout_when_no_work_can_come_befor
     """Bursty graphs whose client keeps every result: the workers of a finished wide phase all hold
     data.  When the forecast says nothing can run before a new node could start, they go after the
     plain idle timeout (their data moved), not after cached_idle_timeout (60 s of 1,000 idle VMs)."""
-    pol = IdleRetire(idle_timeout=5, cached_idle_timeout=60)
+    pol = IdleRetire(idle_timeout=5, cached_idle_timeout=60, lookahead=True)
     ws = [worker("holder", idle_since=0.0, unique=3)]
     assert pol(snap([], ws, now=6.0, next_demand_in=300.0)).retire == ("holder",)
     assert pol(snap([], ws, now=4.0, next_demand_in=300.0)).retire == ()  # not before the timeout
@@ -162,10 +162,21 @@ def test_idle_retire_keeps_workers_that_fit_demand_and_the_controller_keeps_min_
 
 
 def test_idle_retire_lookahead_retires_at_once_when_no_work_can_arrive() -> None:
-    pol = IdleRetire(idle_timeout=5)
+    pol = IdleRetire(idle_timeout=5, lookahead=True)
     ws = [worker("w", idle_since=9.9)]
     assert pol(snap([], ws, now=10.0, next_demand_in=None)).retire == ("w",)
     assert pol(snap([], ws, now=10.0, next_demand_in=0.5)).retire == ()
+    assert IdleRetire()(snap([], ws, now=10.0, next_demand_in=None)).retire == ("w",)  # the default looks ahead
+
+
+def test_an_idle_timeout_the_user_sets_is_kept_even_when_no_work_is_forecast() -> None:
+    # found by a bug hunt: IdleRetire(idle_timeout=5) retired idle workers 0.1 s after a graph
+    # ended (the forecast saw no more work), so between an interactive session's graphs the pool
+    # was always gone
+    pol = IdleRetire(idle_timeout=5)
+    ws = [worker("w", idle_since=9.9), worker("holder", idle_since=9.9, unique=2)]
+    assert pol(snap([], ws, now=10.0, next_demand_in=None)).retire == ()
+    assert pol(snap([], ws, now=15.0, next_demand_in=None)).retire == ("w",)
 
 
 def test_adaptive_keeps_young_workers_and_the_controller_never_launches_and_retires_one_type() -> None:

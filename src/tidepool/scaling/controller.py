@@ -674,6 +674,7 @@ class ScalingController(Replacing):
             backoff=tuple(sorted({**self.backoff_until, **self.fallbacks.blocked_until(obs.now)}.items())),
             unusable=tuple(sorted(self.unusable)),
             forecasts=self._forecasts, eta=self._eta, next_demand_in=self._next_demand,
+            spent=self.cost.spent(obs.now),
         )  # fmt: skip
 
     def _decide(self, snap: ClusterSnapshot) -> ScaleDecision:
@@ -893,9 +894,22 @@ class ScalingController(Replacing):
         if self._terminate:
             actions.terminate.extend(w for w in self._terminate if w not in actions.terminate)
             self._terminate.clear()
-        if len(self.unusable) != len(self._feasibility.disabled):  # a node type was disabled
+        never = self._feasibility.never
+        if self.limits.budget is not None and actions.snapshot is not None:
+            # what is left of the budget no longer pays one node of a type: its tasks fail after
+            # no_worker_timeout (they waited for ever, the policy asking and the limit refusing)
+            now = actions.snapshot.now
+            before = dict(self._feasibility.never)
+            now_never = never_launched(tuple(self.node_types.values()), self.limits, self.cost.spent(now))
+            new = [(name, why) for name, why in now_never if name not in before]
+            for name, why in new:
+                self.journal.record("cost-limit", now, node_type=name, asked=0, allowed=0,
+                                    reason=f"{name}: no more launches: {why}")  # fmt: skip
+            never = (*self._feasibility.never, *new)  # a type ruled out stays out (spending only grows)
+        if len(self.unusable) != len(self._feasibility.disabled) or never != self._feasibility.never:
+            # a node type was disabled, or the budget left rules one out
             disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
-            self._feasibility = Feasibility(self._feasibility.node_types, disabled, self._feasibility.never)
+            self._feasibility = Feasibility(self._feasibility.node_types, disabled, never)
             actions.feasibility = self._feasibility
         recs = self.journal.records[self._drained:]
         self._drained = len(self.journal.records)

@@ -53,9 +53,11 @@ def check_affordable(node_types: Sequence[NodeType], limits: CostLimits) -> None
                           f"a node is billed {MIN_HOLD:g}s at least): no node could ever be launched; raise it")  # fmt: skip
 
 
-def never_launched(node_types: Sequence[NodeType], limits: CostLimits) -> tuple[tuple[str, str], ...]:
+def never_launched(node_types: Sequence[NodeType], limits: CostLimits,
+                   spent: float = 0.0) -> tuple[tuple[str, str], ...]:  # fmt: skip
     """(node type, why) for each node type these settings never let launch: ``max_nodes=0``, a cost
-    per node-hour over ``max_cost_per_hour``, or one node's least bill over the budget.  Tasks only
+    per node-hour over ``max_cost_per_hour``, or one node's least bill over the budget (what is left
+    of it after ``spent``: spending only grows, so a type it rules out stays out).  Tasks only
     such types could run wait ``no_worker_timeout`` for a worker started by hand, then fail
     (``InfeasibleTaskError``) instead of waiting for ever (``Feasibility.by_hand_only``)."""
     out = []
@@ -65,7 +67,9 @@ def never_launched(node_types: Sequence[NodeType], limits: CostLimits) -> tuple[
         elif limits.max_cost_per_hour is not None and nt.cost > limits.max_cost_per_hour:
             out.append((nt.name, f"its cost {nt.cost:g} per node-hour is over max_cost_per_hour "
                                  f"{limits.max_cost_per_hour:g}"))  # fmt: skip
-        elif limits.budget is not None and nt.cost * least_billed_hours(nt) > limits.budget:
+        elif limits.budget is not None and nt.cost * least_billed_hours(nt) > limits.budget - spent:
+            rest = limits.budget - spent
+            left = "" if spent <= 0 else f" ({rest:.4g} of it left)" if rest > 0 else " (all of it spent)"
             out.append((nt.name, f"one node costs {nt.cost * least_billed_hours(nt):.4g} at the least, over the "
-                                 f"budget {limits.budget:g}"))  # fmt: skip
+                                 f"budget {limits.budget:g}{left}"))  # fmt: skip
     return tuple(out)

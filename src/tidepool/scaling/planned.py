@@ -64,6 +64,7 @@ from typing import Any
 from tidepool.errors import ConfigError
 from tidepool.resources import fits
 from tidepool.scaling.forecast import peak_in_use
+from tidepool.scaling.limits import least_billed_hours
 from tidepool.scaling.planner import PLAIN, plan
 from tidepool.scaling.policies import MemoryPressure, NoProgress, as_decision, keep_young, merge
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision, TypeForecast, WorkerView
@@ -234,6 +235,10 @@ class GraphPlan:
             else:
                 i, text = self._for_objective(f.for_launch, factor, soon)
                 n = f.extra[i]
+            if n == 0 and left is None and snap.demand and f.etas[0] == float("inf"):
+                # runnable work and no node that could run it, none coming: whatever the objective
+                # weighs, one must start (else only the no-progress net, 30 s later, would start it)
+                n, text = self._first_node(f)
             if text:
                 reasons.append(text)
             if n > 0:
@@ -302,6 +307,14 @@ class GraphPlan:
         if not snap.demand and not snap.forecasts and not snap.running and not snap.waiting:
             self._guessed.clear()
 
+    def _first_node(self, f: TypeForecast) -> tuple[int, str]:
+        """The fewest nodes of ``f``'s type that make the forecast finite (the pool has none)."""
+        i = next((j for j in range(1, len(f.extra)) if f.etas[j] < float("inf")), 0)
+        if i == 0:
+            return 0, ""
+        return f.extra[i], (f"{self.label}: {f.tasks} tasks preferring {f.node_type} and no node that runs them: "
+                            f"forecast never now, {_fmt(f.etas[i])} with {f.extra[i]} more node(s)")  # fmt: skip
+
     def _for_objective(self, f: TypeForecast, factor: float, soon: float, guessing: bool = False) -> tuple[int, str]:
         best = 0
         for i in range(1, len(f.extra)):
@@ -364,6 +377,11 @@ class GraphPlan:
         reserve does not fit, launch nothing and retire idle nodes at once."""
         assert self.budget is not None
         nt = snap.node_type(f.node_type)
+        billed = self.budget - snap.spent if snap.spent is not None else left  # the meter's, when known
+        if nt is not None and nt.cost > 0 and billed < nt.cost * least_billed_hours(nt):
+            # the hard limit refuses it (a node is billed that much at the least): not planned either
+            return 0, (f"budget {self.budget:g}: {max(0.0, billed):.4g} left, under the least bill of one "
+                       f"{f.node_type} node ({nt.cost * least_billed_hours(nt):.4g}); no more nodes")  # fmt: skip
         rate = (nt.cost if nt is not None else 1.0) / 3600.0
         held = snap.nodes_of(f.node_type)
         eta0 = f.etas[0]

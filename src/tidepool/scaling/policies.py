@@ -224,8 +224,10 @@ class IdleRetire:
     min_idle_timeout: float = 0.05
     #: default idle timeout, as a fraction of the node type's (measured) startup time
     startup_fraction: float = 0.25
-    #: retire at once when the forecast says no work can arrive before a new node could start
-    lookahead: bool = True
+    #: retire at once when the forecast says no work can arrive before a new node could start;
+    #: None: so when ``idle_timeout`` is left to its default, not when it is given (a user who sets
+    #: it keeps idle workers that long, e.g. between the graphs of an interactive session)
+    lookahead: bool | None = None
 
     def __post_init__(self) -> None:
         _check("IdleRetire", idle_timeout=self.idle_timeout, cached_idle_timeout=self.cached_idle_timeout,
@@ -247,7 +249,8 @@ class IdleRetire:
             timeout = max(timeout, self.min_idle_timeout)
             idle = snap.now - w.idle_since
             gap = snap.next_demand_in
-            lookahead = (self.lookahead and not snap.demand and idle >= self.min_idle_timeout
+            ahead = self.lookahead if self.lookahead is not None else self.idle_timeout is None
+            lookahead = (ahead and not snap.demand and idle >= self.min_idle_timeout
                          and (gap is None or gap > timeout))  # fmt: skip
             if w.unique_keys == 0 and (idle >= timeout or lookahead):
                 why = "no work expected soon" if idle < timeout else f"timeout {timeout:.1f}s"

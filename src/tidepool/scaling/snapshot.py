@@ -113,6 +113,7 @@ class ClusterSnapshot:
     forecasts: tuple[TypeForecast, ...] = ()
     eta: float | None = None  # forecast remaining seconds with the pool as it is (None: unknown)
     next_demand_in: float | None = None  # seconds until waiting work becomes runnable (None: none waits)
+    spent: float | None = None  # the run's cost so far, as the controller's meter bills it (None: not known)
 
     def node_type(self, name: str) -> NodeType | None:
         for nt in self.node_types:
