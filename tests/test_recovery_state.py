@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from tidepool.scheduler import events as ev
+from tidepool.scheduler.audit import validate
 from tidepool.scheduler.recovery import Durability, Persister
 from tidepool.scheduler.state import SchedulerState
 from tidepool.scheduler.store import StateStore
@@ -267,6 +268,36 @@ def test_a_graph_resent_after_the_workers_rejoined_finds_their_values_and_runs_n
     d.clock.advance(121.0)
     d.send(ev.Tick(d.clock()))  # "c" was never claimed: freed on its worker after UNCLAIMED_KEEP
     assert _freed(d) == ["c"] and not d.state.unclaimed
+
+
+def test_a_graph_resent_after_the_workers_rejoined_takes_their_runs_and_runs_nothing_twice() -> None:
+    # found by a bug hunt: tasks started less than a tick before a kill ran twice when the workers
+    # rejoined before the client resent their graph (their runs of unknown keys were freed)
+    d = StateDriver()
+    d.send(ev.RecoveryReport("loaded", {}, d.clock()))
+    d.add_worker("w1")
+    d.log.clear()
+    d.send(ev.WorkerRejoin("w1", [], ["run", "done-first"], ["queued"], d.clock()))
+    assert _freed(d) == []  # kept for the graph that names them
+    d.finish("w1", "done-first", nbytes=30)  # one ends before the graph is back: its value is kept
+    assert _freed(d) == [] and "done-first" in d.state.unclaimed
+    d.submit([("run", []), ("queued", []), ("done-first", []), ("total", ["run", "queued", "done-first"])],
+             ["total"])  # fmt: skip
+    assert _executed(d) == []  # nothing sent again: "total" waits for the runs
+    assert d.state.tasks["run"].state == "running" and d.state.tasks["run"].executing
+    assert d.state.tasks["queued"].state == "running" and not d.state.tasks["queued"].executing
+    assert d.state.tasks["done-first"].state == "memory"
+    validate(d.state)
+    d.finish("w1", "run")
+    d.finish("w1", "queued")
+    assert _executed(d) == ["total"]
+    d.run_until_idle()
+    assert d.status()["total"] == "memory"
+    # a run no graph claims is freed (stopped) on its worker after UNCLAIMED_KEEP
+    d.send(ev.WorkerRejoin("w1", [], ["orphan"], [], d.clock()))
+    d.clock.advance(121.0)
+    d.send(ev.Tick(d.clock()))
+    assert "orphan" in _freed(d) and not d.state.unclaimed_runs
 
 
 def test_a_kept_value_nothing_wants_is_freed_and_a_scheduler_not_restored_frees_unknown_keys_at_once() -> None:

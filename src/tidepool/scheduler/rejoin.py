@@ -38,6 +38,8 @@ class Host(Protocol):
     counters: dict[str, int]
     #: key -> {worker: (nbytes, since)}: values rejoining workers hold of keys not known yet
     unclaimed: dict[str, dict[str, tuple[int, float]]]
+    #: key -> (worker, executing, since): runs rejoining workers have of keys not known yet
+    unclaimed_runs: dict[str, tuple[str, bool, float]]
     #: when this scheduler was restored from its state directory (None: it was not)
     restored_at: float | None
 
@@ -87,9 +89,15 @@ def worker_rejoin(st: Host, e: ev.WorkerRejoin, out: list[ev.Command]) -> None:
             _count(st, "recovered")
             st._value_arrived(ts, ws, nbytes, None, out)
     executing = set(e.running)
+    recent = st.restored_at is not None and e.now - st.restored_at <= RESTORED_FOR
     for key in [*e.running, *e.queued]:
         ts = tasks.get(key)
         if ts is not None and ts.state == TS.RUNNING and ts.worker == ws.id:
+            continue
+        if ts is None and recent and key not in st.unclaimed_runs:
+            # a task of a graph not stored before the kill: its client resends it (the run is taken
+            # then, not started again; a bug hunt saw every such task run twice)
+            st.unclaimed_runs[key] = (ws.id, key in executing, e.now)
             continue
         if ts is None or ts.state not in _PENDING:
             free.append(key)  # finished, erred or released meanwhile, or running elsewhere
@@ -122,9 +130,21 @@ def restore_errors(st: Host, e: ev.RestoreErrors, out: list[ev.Command]) -> None
 
 def claim(st: Host, new: list[TaskRecord]) -> list[TaskRecord]:
     """New tasks whose values rejoining workers kept (:data:`UNCLAIMED_KEEP`) are in memory there
-    at once, as held values are at a rejoin (no new execution); returns them."""
+    at once, as held values are at a rejoin (no new execution), and those a rejoining worker runs
+    are running there (no new ``Execute``); returns them."""
     claimed = []
     for ts in new:
+        run = st.unclaimed_runs.pop(ts.key, None)
+        ws = st.workers.get(run[0]) if run is not None else None
+        if run is not None and ws is not None and ts.state == TS.RELEASED and ts.key not in st.unclaimed:
+            st._move(ts, TS.READY)
+            ts.waiting_on = NOSET
+            st._assign(ts, ws, [])  # its Execute is dropped: the worker runs it already
+            ts.run = 0  # the worker's copy carries another scheduler's serial: any is taken for this run
+            ts.executing = run[1]
+            _count(st, "adopted_running")
+            claimed.append(ts)
+            continue
         held = st.unclaimed.pop(ts.key, None)
         for wid, (nbytes, _) in (held or {}).items():
             ws = st.workers.get(wid)
@@ -139,9 +159,27 @@ def claim(st: Host, new: list[TaskRecord]) -> list[TaskRecord]:
     return claimed
 
 
+def run_ended(st: Host, ws: WorkerRecord, key: str, nbytes: int | None, now: float) -> bool:
+    """An outcome of a run no graph claimed yet (``nbytes``: it finished; None: it failed): a value
+    is kept as a rejoining worker's held one is (for the graph that names it); False if ``key``
+    is no such run of ``ws``."""
+    run = st.unclaimed_runs.get(key)
+    if run is None or run[0] != ws.id:
+        return False
+    del st.unclaimed_runs[key]
+    if nbytes is not None:
+        st.unclaimed.setdefault(key, {})[ws.id] = (nbytes, now)
+    return True
+
+
 def expire_unclaimed(st: Host, now: float, out: list[ev.Command]) -> None:
-    """Values no graph claimed within :data:`UNCLAIMED_KEEP` are freed on their workers."""
+    """Values and runs no graph claimed within :data:`UNCLAIMED_KEEP` are freed on their workers."""
     free: dict[str, list[str]] = {}
+    for key, (wid, _, since) in list(st.unclaimed_runs.items()):
+        if now - since > UNCLAIMED_KEEP or wid not in st.workers:
+            del st.unclaimed_runs[key]
+            if wid in st.workers:
+                free.setdefault(wid, []).append(key)
     for key, held in list(st.unclaimed.items()):
         for wid, (_, since) in list(held.items()):
             if now - since > UNCLAIMED_KEEP or wid not in st.workers:

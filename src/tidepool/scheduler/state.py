@@ -107,6 +107,7 @@ class SchedulerState:
         #: key -> {worker: (nbytes, since)}: values rejoining workers hold of keys not known yet
         #: (a graph sent just before a scheduler restart comes again with its client: rejoin.py)
         self.unclaimed: dict[str, dict[str, tuple[int, float]]] = {}
+        self.unclaimed_runs: dict[str, tuple[str, bool, float]] = {}
         #: when this state was restored from a state directory (a "loaded" RecoveryReport)
         self.restored_at: float | None = None
         self._priority = 0
@@ -181,7 +182,7 @@ class SchedulerState:
         for ts in new:
             self.tasks[ts.key] = ts
             self.tally.add(ts)
-        claimed = rejoin.claim(self, new) if self.unclaimed else []
+        claimed = rejoin.claim(self, new) if self.unclaimed or self.unclaimed_runs else []
         keys = self.clients.setdefault(e.client, set())
         for k in e.wanted:
             wts = self.tasks.get(k)
@@ -487,6 +488,8 @@ class SchedulerState:
         if ws.abandoned and e.key in ws.abandoned:
             self._abandoned_outcome(ws, e.key, e.run)
         ts = self.tasks.get(e.key)
+        if ts is None and self.unclaimed_runs and rejoin.run_ended(self, ws, e.key, e.nbytes, e.now):
+            return  # kept for the graph that names it (a client resending after a restart)
         if ts is None or ts.state in ("released", "erred"):
             if ts is not None and ts in ws.processing:
                 self._unassign(ts)
@@ -599,6 +602,9 @@ class SchedulerState:
         if ws is not None and ws.abandoned and e.key in ws.abandoned:
             self._abandoned_outcome(ws, e.key, e.run)
         ts = self.tasks.get(e.key)
+        if ts is None and ws is not None and self.unclaimed_runs and rejoin.run_ended(self, ws, e.key, None, e.now):
+            out.append(ev.Free(ws.id, [e.key]))  # the resent graph runs it again (its error is not kept)
+            return
         if e.run and ts is not None and ts.run and e.run != ts.run:
             self.counters["stale_outcomes"] += 1  # another record's run under this key: see _task_finished
             return
@@ -854,7 +860,7 @@ class SchedulerState:
                 self.counters["trusted_again"] += 1
 
     def _tick(self, e: ev.Tick, out: list[ev.Command]) -> None:
-        if self.unclaimed:
+        if self.unclaimed or self.unclaimed_runs:
             rejoin.expire_unclaimed(self, e.now, out)
         for ws in list(self.workers.values()):
             if e.stalled > 0:  # silence while we ourselves could not listen does not count
