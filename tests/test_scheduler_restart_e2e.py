@@ -250,3 +250,46 @@ def test_a_fire_and_forget_task_runs_to_the_end_after_a_restart(tmp_path: Path) 
         wait_until(lambda: os.path.exists(out), timeout=120, what="the fire-and-forget task to run to its end")
         wait_until(lambda: _stored_wants(tmp_path / "state", "forgotten-") == 0, timeout=60,
                    what="its want to leave the store once it ran")  # fmt: skip
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _failing_setup() -> None:
+    raise RuntimeError("cannot reach the license server")
+
+
+def test_a_setup_registered_as_a_restarted_scheduler_waits_for_its_workers_answers_for_them(tmp_path: Path) -> None:
+    """Found by a recovery hunt: a register_setup cut off by a kill, asked again by the
+    reconnecting client before the workers were back, answered {} at once (a success) though the
+    setup then failed on every worker."""
+    import concurrent.futures
+    import signal
+
+    import pytest
+
+    from tidepool.errors import WorkerSetupError
+
+    with LocalCluster(2, state_dir=str(tmp_path / "state"), reconnect_window=120.0, timeout=120) as cluster:
+        with Client(cluster, timeout=60) as client:
+            pids = sorted(client.run(_pid).values())
+            cluster.kill_scheduler()
+            for p in pids:  # the workers cannot rejoin until they go on
+                os.kill(p, signal.SIGSTOP)
+            try:
+                cluster.restart_scheduler()
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    call = pool.submit(client.register_setup, _failing_setup, name="bad")
+                    # two round trips to the restarted scheduler after the request: it was read
+                    # and, before the fix, answered by then
+                    assert client.scheduler_info()["workers"] == []
+                    assert client.scheduler_info()["workers"] == []
+                    assert not call.done()  # it waits for the workers of the last run
+                    for p in pids:
+                        os.kill(p, signal.SIGCONT)
+                    with pytest.raises(WorkerSetupError, match="failed on 2 of 2 workers"):
+                        call.result(timeout=120)
+            finally:
+                for p in pids:
+                    os.kill(p, signal.SIGCONT)

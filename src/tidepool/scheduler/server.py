@@ -382,6 +382,9 @@ class Scheduler:
 
         With ``timeout``, a worker still running it after that many seconds is answered
         ``"timeout: ..."`` (it keeps running it, and takes no task until it ends)."""
+        if self.durable is not None:  # asked again by a client reconnecting after a restart: the
+            # workers of the last run answer too (it answered {} at once, before they were back)
+            await self._rejoined(list(self.durable.expected))
         self._keep_setup(name, blob)
         if self.durable is not None and isinstance(blob, Serialized):
             self.durable.record_setup(name, blob)
