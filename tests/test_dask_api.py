@@ -264,3 +264,18 @@ def test_restart_cancels_futures_and_brings_fresh_worker_processes_back() -> Non
         assert len(client.scheduler_info()["workers"]) == 2
         assert set(client.run(pid).values()) == before  # the same processes, re-executed fresh
         assert cluster.workers  # the cluster still knows its workers
+
+
+def test_data_scattered_to_a_worker_that_dies_is_restored_on_another() -> None:
+    """Found by a churn hunt: scatter(workers=[w]) restored its value only on w: after w died its
+    dependents waited no_worker_timeout, then failed telling the user to start a dead worker."""
+    import signal
+
+    with tidepool.LocalCluster(n_workers=2, no_worker_timeout=30.0) as cluster, tidepool.Client(cluster) as client:
+        first, other = cluster.workers
+        data = client.scatter([5, 6], workers=[first])
+        assert client.submit(where, data[0]).result(timeout=30) == first  # it is there
+        (p,) = client.run(pid, workers=[first]).values()
+        os.kill(p, signal.SIGKILL)
+        wait_until(lambda: first not in cluster.workers, timeout=30, what="the worker to be gone")
+        assert client.submit(total, data).result(timeout=20) == 11  # restored from the scheduler's copy

@@ -153,7 +153,9 @@ class ClusterCalls:
                 for b in blob.buffers:
                     h.update(b)
                 key = f"{type(value).__name__}-{h.hexdigest()}"
-            return self.submit(_identity_value, value, key=key, workers=workers, allow_other_workers=False)
+            # on ``workers`` while one of them is here; restored anywhere from the scheduler's copy once
+            # they are all gone (strict, it waited for a dead worker, then failed)
+            return self.submit(_identity_value, value, key=key, workers=workers, allow_other_workers=True)
 
         if isinstance(data, (list, tuple)):
             futs: Any = type(data)(one(v) for v in data)
