@@ -99,6 +99,11 @@ def test_failing_setup_is_reported_with_traceback_and_the_worker_takes_no_tasks(
         wait_until(lambda: all(p.proc.poll() is not None for p in cluster.provider.procs.values()), timeout=30,
                    what="their processes to exit")  # fmt: skip
         assert all("-r1-" in wid for wid in cluster.provider.procs), list(cluster.provider.procs)  # no replacements
+        # a task submitted now fails at once with the setup's error (a docs review: it waited
+        # no_worker_timeout, 60 s, then blamed resources "no worker has offered")
+        with pytest.raises(WorkerSetupError, match="setup hook failed there") as late:
+            client.submit(read_env, "HOME").result(timeout=20)
+        assert "license server" in str(late.value) and "unregister_setup" in str(late.value)
 
 
 def test_autoscaler_stops_launching_a_node_type_whose_setup_keeps_failing() -> None:

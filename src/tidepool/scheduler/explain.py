@@ -47,10 +47,9 @@ def explain(state: Any, key: str) -> dict[str, str]:
             some = [k for k in lacking if any(w.resources.get(k, 0) > 0 for w in workers)]
             enough = " enough" if some and len(some) == len(lacking) else ""  # some, but too little
             why = (f"no worker offers{enough} {' or '.join(map(repr, lacking))} (it asks for {shape}; "
-                   f"{len(workers)} workers offer {', '.join(offered) or 'nothing'})")  # fmt: skip
+                   f"{_offered(len(workers), offered)})")  # fmt: skip
         else:
-            why = (f"no single worker offers all of {shape} at once ({len(workers)} workers offer "
-                   f"{', '.join(offered) or 'nothing'})")  # fmt: skip
+            why = f"no single worker offers all of {shape} at once ({_offered(len(workers), offered)})"
     elif st == TS.READY:
         free = [w for w in workers if fits(w.resources, ts.shape)]
         why = (f"ready, waiting for a free slot on one of {len(free)} workers that fit it"
@@ -65,6 +64,13 @@ def explain(state: Any, key: str) -> dict[str, str]:
     else:
         why = "not needed by any client now"
     return {"state": st, "why": why}
+
+
+def _offered(n: int, offered: list[str]) -> str:
+    """``n`` workers connected now and what they offer, said plainly (also for none)."""
+    if n == 0:
+        return "no worker is connected"
+    return f"{n} worker{'s' if n != 1 else ''} connected, offering {', '.join(offered) or 'nothing'}"
 
 
 def downstream(roots: Iterable[TaskRecord]) -> list[TaskRecord]:
@@ -98,11 +104,17 @@ def late_no_worker(no_worker: Mapping[Shape, set[TaskRecord]], workers: Mapping[
             have = sorted({f"{k}={v:g}" for w in workers.values() for k, v in w.resources.items()})
             out.append((ts, (
                 f"task {ts.key!r} needs {dict(shape)} and no worker has offered that for "
-                f"{timeout:g}s ({len(workers)} workers; resources seen: {', '.join(have) or 'none'}); "
+                f"{timeout:g}s ({_offered(len(workers), have)}); "
                 "no autoscaler can launch one. Start a worker with these resources "
                 "(tidepool worker --resources ...), use adapt() with a node type that has them, "
                 "or raise no_worker_timeout")))  # fmt: skip
     return out
+
+
+def setup_failed(ts: TaskRecord, reason: str) -> str:
+    return (f"task {ts.key!r} cannot run: every worker left because a setup hook failed there ({reason}). Fix "
+            "the setup and register it again under its name (or drop it: client.unregister_setup(name)), "
+            "then add workers")  # fmt: skip
 
 
 def killed_workers(ts: TaskRecord, last: str, reason: str) -> str:

@@ -148,7 +148,7 @@ def start_retire(view: RetireView, e: ev.RetireWorkers) -> list[Intent]:
         room = sum(_room(w) for w in survivors)
         if need > room:
             out.append(ev.RetireRefused(wid, f"its {need} bytes of needed data do not fit in the "
-                                              f"{room} bytes the survivors have free"))  # fmt: skip
+                                              f"{room:.0f} bytes the survivors have free"))  # fmt: skip
             continue
         names.add(wid)
         out.append(Begin(wid, e.reason))

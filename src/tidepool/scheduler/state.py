@@ -108,6 +108,8 @@ class SchedulerState:
         #: (a graph sent just before a scheduler restart comes again with its client: rejoin.py)
         self.unclaimed: dict[str, dict[str, tuple[int, float]]] = {}
         self.unclaimed_runs: dict[str, tuple[str, bool, float]] = {}
+        #: why the last worker that left did (a failed setup hook), until a worker becomes ready
+        self.setup_failed: str | None = None
         #: when this state was restored from a state directory (a "loaded" RecoveryReport)
         self.restored_at: float | None = None
         self._priority = 0
@@ -728,6 +730,7 @@ class SchedulerState:
             self._worker_running(ws, out)
 
     def _worker_running(self, ws: WorkerRecord, out: list[ev.Command]) -> None:
+        self.setup_failed = None  # a worker ran every setup: a new one may too
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if ok}
         self._room_changed(ws)
         for shape in [s for s in self.no_worker if fits(ws.resources, s)]:
@@ -741,6 +744,8 @@ class SchedulerState:
         self._move_worker(ws, WS.GONE)
         self.room.discard(ws.id)
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if not ok}
+        if e.cause == ev.RemoveCause.SETUP_FAILED:
+            self.setup_failed = e.reason
         if not e.graceful:
             self.counters["workers_lost"] += 1
         lost: list[TaskRecord] = []
@@ -869,6 +874,14 @@ class SchedulerState:
                 reason = explain.silent(e.now - ws.last_seen, self.heartbeat_timeout)
                 out.append(ev.CloseWorker(ws.id, reason))
                 self._worker_remove(ev.WorkerRemove(ws.id, e.now, reason, cause=ev.RemoveCause.SILENT), out)
+        if self.setup_failed and self.no_worker and not self.workers and self.infeasible is None:
+            # every worker left on a failed setup and nothing launches others: any worker started
+            # would run the same setup, so the waiting tasks fail now with its error (an autoscaler
+            # disables the node type instead, and its tasks fail the same way)
+            for tasks in list(self.no_worker.values()):
+                for ts in sorted(tasks, key=lambda t: t.priority):
+                    if ts.state == TS.NO_WORKER:
+                        self._fail(ts, "WorkerSetupError", explain.setup_failed(ts, self.setup_failed), out)
         if self.no_worker_timeout is not None and self.no_worker:
             waiting: Mapping[ev.Shape, set[TaskRecord]] = self.no_worker
             why: dict[ev.Shape, str] = {}
