@@ -112,6 +112,11 @@ def test_broken_traces_are_refused_with_what_is_wrong() -> None:
     with pytest.raises(ConfigError, match="non-empty list"):
         from_wfformat({"workflow": {"specification": {"tasks": []}}})
     assert not is_wfformat({"tasks": [], "workflow": {}})  # a tidepool graph is not a trace
+    # a trace that lost its specification is told so, not that it lacks a tidepool graph's "tasks"
+    for doc in ({"workflow": {"execution": {"tasks": []}}, "schemaVersion": "1.5"}, {"workflow": {}}):
+        assert is_wfformat(doc)
+        with pytest.raises(ConfigError, match=r"needs workflow\.specification\.tasks"):
+            from_wfformat(doc)
 
 
 @pytest.mark.parametrize(("task", "run", "said"), [
