@@ -213,6 +213,9 @@ class Connection:
                     raise PeerSilentError(f"{self.peer} sent nothing for {idle:g}s (frozen, or cut off "
                                           "from us by the network)")  # fmt: skip
         finally:
+            # this reader may be cancelled in the turn its read ended with an error (the connection
+            # closed): that error is read here, or asyncio logs "Task exception was never retrieved"
+            task.add_done_callback(_retrieve)
             if not task.done():
                 task.cancel()
 
@@ -898,3 +901,9 @@ def _memory_connect(name: str, max_frame: int) -> MemoryConnection:
     a.peer, b.peer = f"memory://{name}", f"memory://{name}-client"
     listener._spawn(b)
     return a
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Read a finished task's outcome that nobody awaits any more (no "never retrieved" log)."""
+    if not task.cancelled():
+        task.exception()
