@@ -79,6 +79,7 @@ NT = "[[node_types]]\nname='a'\n"
         ("[policy]\nidle_timout=1\n" + NT, "unknown key 'idle_timout' (did you mean 'idle_timeout'?) in [policy]"),
         ("[nodes]\n", "unknown key 'nodes' (did you mean 'node_types'?) in the top level"),
         ("[scheduler]\nprot=1\n" + NT, "unknown key 'prot' (did you mean 'port'?) in [scheduler]; allowed keys: host, port"),
+        ("[scheduler]\nprot=1\n", "unknown key 'prot' (did you mean 'port'?)"),  # before "define [[node_types]]"
         ("[provider]\nenvv={A='1'}\n" + NT, "unknown key 'envv' (did you mean 'env'?) in [provider]"),
         ("[provider]\nkind='slurm'\nwaltime='1:00:00'\n" + NT, "unknown key 'waltime' (did you mean 'walltime'?)"),
         ("[provider]\nkind='callback'\nlaunch='os:getcwd'\nterminate='os:getpid'\npyton='x'\n" + NT,

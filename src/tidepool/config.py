@@ -391,9 +391,9 @@ def _node_types(source: str, raw: Any) -> list[NodeType]:
 def parse(data: dict[str, Any], source: str = "<dict>") -> ClusterConfig:
     """Validate a parsed cluster file: every key of every table, every value, the policy and provider."""
     _check_keys(source, "the top level (tables)", data, _TOP_KEYS)
-    types_ = _node_types(source, data.get("node_types"))
     scheduler = dict(_table(source, "[scheduler]", data.get("scheduler", {})))
-    _check_scheduler(source, scheduler)
+    _check_scheduler(source, scheduler)  # a typo is named first, before what the typo hides
+    types_ = _node_types(source, data.get("node_types"))
     provider = dict(_table(source, "[provider]", data.get("provider", {"kind": "local"})))
     policy = dict(_table(source, "[policy]", data.get("policy", {"kind": "adaptive"})))
     autoscaler = dict(_table(source, "[autoscaler]", data.get("autoscaler", {})))
