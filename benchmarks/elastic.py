@@ -209,7 +209,7 @@ class TidepoolHarness(Harness):
                 policy = Adaptive(idle=IdleRetire(cached_idle_timeout=EAGER_CACHED_IDLE))
                 self.cluster.adapt(maximum=MAX_WORKERS, policy=policy)
             else:  # a journal of our own, for task records and any worker leaving
-                self.journal = Journal()
+                self.journal = Journal(keep=None)  # every task record: busy worker-seconds
                 self.cluster.scheduler.subscribe(self.journal.observe)
             self.client = tidepool.Client(self.cluster)
         except BaseException:

@@ -99,7 +99,7 @@ def real_memory(n: int, mb: int, limit: str) -> dict[str, Any]:
     with tidepool.LocalCluster(n_workers=2, slots=1, memory_limit=limit, dashboard=False) as cluster, \
             tidepool.Client(cluster) as c:  # fmt: skip
         c.gather([c.submit(timed_make, i, mb, key=f"wmake-{i}") for i in range(2)])  # imports numpy
-        journal = Journal()
+        journal = Journal(keep=None)  # every task record
         cluster.scheduler.subscribe(journal.observe)
         state = cluster.scheduler.state
         deadline = time.monotonic() + 30

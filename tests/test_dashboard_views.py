@@ -201,3 +201,32 @@ def test_per_worker_series_only_below_the_label_limit_and_the_start_up_histogram
     assert "tidepool_launches_total 1.0" in text
     few = render(registry_for(m, 2)).decode()
     assert "worker=" not in few and 'tidepool_workers{node_type="default",state="idle"} 3.0' in few
+
+
+def test_a_long_lived_journal_keeps_bounded_memory_and_the_dashboard_every_decision() -> None:
+    """Found by a long-running-service hunt: the journal kept every task record and every
+    submitted key's shape for ever (a kilobyte per task, 48 -> 352 MB), and the dashboard looked
+    for decisions in the last 2,000 records only (under load it missed some)."""
+    from tidepool.telemetry.journal import Journal
+
+    j = Journal(keep=1_000)
+    decisions = []
+    for n in range(20):
+        specs = [ev.TaskSpec(f"t{n}-{i}", "f", None) for i in range(3_000)]
+        j.observe([ev.UpdateGraph("c", specs, [], float(n))], [])
+        j.observe([ev.TaskFinished("w", s.key, 8, 0.01, float(n)) for s in specs], [])
+        j.record("decision", float(n), reason=f"round {n}")
+        decisions.append(f"round {n}")
+        j.observe([ev.UpdateGraph("c", [ev.TaskSpec(f"never-{n}-{i}", "f", None) for i in range(500)], [], 1.0)], [])
+    assert len(j.records) <= 1_251 and j.end == 20 * 3_001 and j.dropped == j.end - len(j.records)
+    assert len(j._graph) <= 2_000  # submitted shapes: let go when the task ran, the oldest beyond
+    assert [r["reason"] for r in j.since(j.end - 1)] == ["round 19"]
+    sched = SimpleNamespace(state=StateDriver().state, clock=lambda: 0.0, eta=lambda: {"eta": None}, launched_as={})
+    m = DashboardModel(sched, lambda: SimpleNamespace(journal=j), interval=0.5)
+    shown, nxt = m.decisions_since(0)
+    assert [r["reason"] for r in shown] == decisions and nxt == j.end  # 3,000 task records between each
+    assert m.decisions_since(nxt) == ([], nxt)
+    everything = Journal(keep=None)  # the simulator's: every record, for its figures
+    for i in range(3_000):
+        everything.record("task", 0.0, key=str(i))
+    assert len(everything.records) == 3_000 and everything.dropped == 0

@@ -68,8 +68,8 @@ def run_demo(workers: int = 4, tasks: int = 40, task_seconds: float = 0.25, kill
 
         def drain() -> None:
             nonlocal seen
-            recs = journal.records[seen:]
-            seen += len(recs)
+            recs = journal.since(seen)
+            seen = journal.end
             for r in recs:
                 if r["kind"] == "launch":
                     say(f"[green]launch {r['nodes']}[/green] ({r['reason'][:110]})")

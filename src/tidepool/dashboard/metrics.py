@@ -92,7 +92,7 @@ class ModelCollector(Collector):
                                ("tidepool_tasks_retried", "retried", "Task retries"),
                                ("tidepool_workers_lost", "workers_lost", "Workers lost without retiring")):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=c.get(counter, 0))
-        m.tally.read(m.journal_records())
+        m.tally.read(m.journal())
         t = m.tally
         yield CounterMetricFamily("tidepool_launches", "Nodes the autoscaler launched", value=t.launched)
         yield CounterMetricFamily("tidepool_retirements", "Workers the autoscaler retired", value=t.retired)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidepool.scheduler import events as ev
+from tidepool.telemetry.journal import Journal
 
 STREAM = 2_000
 SERIES = 1_200
@@ -79,21 +80,42 @@ class GroupStats:
         self.buckets[bisect.bisect_left(DURATION_BUCKETS, duration)] += 1
 
 
+def _positions_since(journal: Journal, position: int) -> list[tuple[int, dict[str, Any]]]:
+    """The journal's non-task records at ``position`` or later, oldest first, with their positions
+    (walked from the newest back: only what is new is touched)."""
+    out = []
+    for pos, rec in reversed(journal.notable):
+        if pos < position:
+            break
+        out.append((pos, rec))
+    out.reverse()
+    return out
+
+
+def _notable_since(journal: Journal, position: int) -> list[dict[str, Any]]:
+    return [rec for _, rec in _positions_since(journal, position)]
+
+
 class JournalTally:
     """Counters over an append-only journal, read from a cursor (each record once)."""
 
     def __init__(self) -> None:
         self.cursor = 0
+        self.journal_id = 0
         self.launched = 0
         self.retired = 0
         self.launch_failed = 0
         self.refused = 0
         self.startup: dict[str, list[float]] = {}  # node type -> measured start-up seconds (bounded)
 
-    def read(self, records: list[dict[str, Any]]) -> None:
-        if self.cursor > len(records):  # a new journal
+    def read(self, journal: Journal | None) -> None:
+        """Count the journal's records since the last read (its non-task ones: no task record counts)."""
+        if journal is None:
+            return
+        if id(journal) != self.journal_id:  # a new journal
             self.__init__()  # type: ignore[misc]
-        for r in itertools.islice(records, self.cursor, None):
+            self.journal_id = id(journal)
+        for r in _notable_since(journal, self.cursor):
             k = r.get("kind")
             if k == "launch":
                 self.launched += int(r.get("nodes", 1))
@@ -108,7 +130,7 @@ class JournalTally:
                 seen = self.startup.setdefault(str(r.get("node_type")), [])
                 seen.append(float(r["seconds"]))
                 del seen[:-1000]
-        self.cursor = len(records)
+        self.cursor = journal.end
 
 
 class DashboardModel:
@@ -171,9 +193,9 @@ class DashboardModel:
                             "start": round(start, 4), "duration": round(duration, 4), "ok": ok})  # fmt: skip
 
     # ---- read by the server -------------------------------------------------------------------
-    def journal_records(self) -> list[dict[str, Any]]:
+    def journal(self) -> Journal | None:
         scaler = self.autoscaler()
-        return scaler.journal.records if scaler is not None else []
+        return scaler.journal if scaler is not None else None
 
     def node_types(self) -> list[str]:
         """Every node type known (configured, launched or joined), so a count of 0 reads 0."""
@@ -269,7 +291,7 @@ class DashboardModel:
         """The shared part of every view, and its JSON: computed at most once per ``interval``."""
         if self._snap is None or now - self._snap_t >= self.interval or now < self._snap_t:
             st = self.scheduler.state
-            self.tally.read(self.journal_records())
+            self.tally.read(self.journal())
             snap = {
                 "now": round(now, 3), "t0": round(self.t0, 3), "point": self.point(now),
                 "counts": st.task_counts(), "counters": dict(st.counters), "groups": self.groups(),
@@ -280,11 +302,12 @@ class DashboardModel:
         return self._snap, self._snap_json
 
     def decisions_since(self, after: int) -> tuple[list[dict[str, Any]], int]:
-        records = self.journal_records()
-        start = max(0, min(after, len(records)), len(records) - 2_000)
-        out = [dict(r, i=i) for i, r in enumerate(itertools.islice(records, start, None), start)
-               if r.get("kind") in DECISIONS]  # fmt: skip
-        return out[-200:], len(records)
+        journal = self.journal()
+        if journal is None:
+            return [], 0
+        after = min(after, journal.end)  # a cursor of an earlier journal
+        out = [dict(r, i=i) for i, r in _positions_since(journal, after) if r.get("kind") in DECISIONS]
+        return out[-200:], journal.end
 
     def stream_since(self, after: int) -> list[dict[str, Any]]:
         first = self.stream_seq - len(self.stream) + 1  # seq of the oldest kept
@@ -304,7 +327,8 @@ class DashboardModel:
         moves on: pollers, and the pages that follow along (they all hold the same cursors), share
         one answer."""
         _, shared = self.snapshot(now)
-        key = (self._snap_t, self.stream_seq, len(self.journal_records()))
+        journal = self.journal()
+        key = (self._snap_t, self.stream_seq, journal.end if journal is not None else 0)
         if self._answers_key != key:
             self._answers_key, self._answers = key, {}
         hit = self._answers.get((stream_after, decisions_after))

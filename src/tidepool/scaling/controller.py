@@ -911,8 +911,8 @@ class ScalingController(Replacing):
             disabled = tuple((n, self.unusable_error.get(n, "ProviderError"), why) for n, why in self.unusable.items())
             self._feasibility = Feasibility(self._feasibility.node_types, disabled, never)
             actions.feasibility = self._feasibility
-        recs = self.journal.records[self._drained:]
-        self._drained = len(self.journal.records)
+        recs = self.journal.since(self._drained)
+        self._drained = self.journal.end
         actions.records = recs
         snap = actions.snapshot
         self._fc = dataclasses.replace(self._fc, in_flight=len(self.instances.open))

@@ -209,7 +209,7 @@ class Simulation:
         if isinstance(journal, Journal):
             self.journal = journal
         else:
-            self.journal = Journal(journal, tasks=task_records)
+            self.journal = Journal(journal, tasks=task_records, keep=None)  # the run's figures read them all
         self.journal_path = journal if isinstance(journal, str) else None
         self.provider = SimProvider(cluster.models, seed, self._clock, up=self._provider_up, kill=self._provider_kill)
         if cluster.config is not None:  # the cluster file's [autoscaler] limits, under any given here

@@ -11,7 +11,12 @@ scaling controller's ``launch``, ``retire``, ``cancel-launch``, ``launch-failed`
 ``infeasible`` and ``decision`` records carrying ``reason``; ``recovery`` records (stage
 ``loaded``, then ``resumed`` with the values recovered, recomputed and the running tasks adopted)
 after a scheduler restarts from its state directory.  The journal lives in memory and,
-given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  The file is
+given a path, is appended to a JSON-lines file that ``tidepool report`` reads.  In memory it keeps
+the last ``keep`` records (:data:`KEEP`; a long-lived scheduler grew by a kilobyte per task it ever
+ran): positions in it are absolute (:attr:`Journal.dropped` records were let go from the front;
+read new ones with :meth:`Journal.since`), and the file keeps every record.  Records other than
+``task`` ones are also kept apart (:attr:`Journal.notable`, the last :data:`KEEP_NOTABLE`), so a
+reader of decisions does not walk thousands of task records to find them.  The file is
 flushed at least once a second while records arrive and on every scheduler tick (the scheduler
 calls :meth:`observe` every ``tick_interval``), so a journal survives a killed scheduler up to its
 last second.
@@ -19,6 +24,8 @@ last second.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
 import os
@@ -29,6 +36,10 @@ from typing import IO, Any
 from tidepool.scheduler import events as ev
 
 log = logging.getLogger("tidepool.journal")
+#: records kept in memory by default (about 50 MB of task records at most); None keeps all
+KEEP = 50_000
+#: non-task records (launches, retirements, decisions, workers joining and leaving) kept apart
+KEEP_NOTABLE = 10_000
 
 
 class Journal:
@@ -36,8 +47,13 @@ class Journal:
     FLUSH_EVERY = 1.0
 
     def __init__(self, path: str | None = None, *, tasks: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, keep: int | None = KEEP) -> None:  # fmt: skip
         self.records: list[dict[str, Any]] = []
+        #: records let go from the front of :attr:`records` (``records[0]`` is record number ``dropped``)
+        self.dropped = 0
+        self.keep = keep
+        #: (absolute position, record) of the last :data:`KEEP_NOTABLE` records that are not ``task`` ones
+        self.notable: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=KEEP_NOTABLE)
         self.tasks = tasks
         self._clock = clock
         self._flushed = clock()
@@ -56,10 +72,22 @@ class Journal:
         self._graph: dict[str, tuple[float, tuple[str, ...], dict[str, float], str]] = {}
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
-        rec = {"t": round(t, 6), "kind": kind, **fields}
-        self.records.append(rec)
-        if self._file is not None:
-            self._write(json.dumps(rec, default=str) + "\n")
+        self.add({"t": round(t, 6), "kind": kind, **fields})
+
+    @property
+    def end(self) -> int:
+        """The absolute position the next record gets."""
+        return self.dropped + len(self.records)
+
+    def since(self, position: int) -> list[dict[str, Any]]:
+        """The records from absolute ``position`` on (those still kept)."""
+        return self.records[max(0, position - self.dropped):]
+
+    def _keep_bounded(self) -> None:
+        if self.keep is not None and len(self.records) > self.keep + self.keep // 4 + 1:
+            n = len(self.records) - self.keep
+            del self.records[:n]  # now and then, a quarter at a time: amortised O(1) per record
+            self.dropped += n
 
     def _write(self, line: str) -> None:
         try:
@@ -83,7 +111,10 @@ class Journal:
 
     def add(self, rec: dict[str, Any]) -> None:
         """Append a record made elsewhere (e.g. by the scaling controller) as it is."""
+        if rec.get("kind") != "task":
+            self.notable.append((self.end, rec))
         self.records.append(rec)
+        self._keep_bounded()
         if self._file is not None:
             self._write(json.dumps(rec, default=str) + "\n")
 
@@ -96,8 +127,13 @@ class Journal:
         """Scheduler observer: worker joins/leaves and task outcomes."""
         for e in events:
             if self.tasks and isinstance(e, ev.UpdateGraph):
+                graph = self._graph
                 for spec in e.tasks:
-                    self._graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources), spec.group)
+                    graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources), spec.group)
+                if self.keep is not None and len(graph) > 2 * self.keep:  # tasks that never ran
+                    # (cancelled, released): the oldest go; a task recorded later lacks its shape
+                    for key in list(itertools.islice(graph, len(graph) - self.keep)):
+                        del graph[key]
             elif isinstance(e, ev.WorkerJoin):
                 self.record("worker-join", e.now, worker=e.worker, node_type=e.node_type,
                             resources=e.resources)  # fmt: skip
@@ -109,7 +145,8 @@ class Journal:
                 self.record("spill-disabled", e.now, worker=e.worker, reason=str(e.metrics["spill_disabled"]))
             elif self.tasks and isinstance(e, ev.TaskFinished):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
-                            duration=round(e.duration, 6), ok=True, nbytes=e.nbytes, **self._shape(e.key))  # fmt: skip
+                            duration=round(e.duration, 6), ok=True, nbytes=e.nbytes,
+                            **self._shape(e.key, done=True))  # fmt: skip
             elif self.tasks and isinstance(e, ev.TaskErred):
                 self.record("task", e.now, key=e.key, worker=e.worker, start=round(e.now - e.duration, 6),
                             duration=round(e.duration, 6), ok=False, **self._shape(e.key))  # fmt: skip
@@ -119,9 +156,11 @@ class Journal:
                             reason=c.reason)  # fmt: skip
         self.flush_if_due()  # ticks arrive even when nothing else happens
 
-    def _shape(self, key: str) -> dict[str, Any]:
-        """A task record's graph fields: when it was submitted, its inputs, its resources."""
-        known = self._graph.get(key)
+    def _shape(self, key: str, done: bool = False) -> dict[str, Any]:
+        """A task record's graph fields: when it was submitted, its inputs, its resources (let go
+        when it finished while the journal keeps a bounded memory: a value recomputed later is
+        recorded without them)."""
+        known = self._graph.pop(key, None) if done and self.keep is not None else self._graph.get(key)
         if known is None:
             return {}
         at, deps, resources, group = known
