@@ -417,6 +417,10 @@ def test_a_token_file_that_holds_a_token_is_read_not_overwritten(tmp_path: Path)
         assert "chmod 600" in bad.stderr() and "Traceback" not in bad.stderr()
 
 
+async def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # blocks the client's event loop, as a paused process would
+
+
 def test_a_client_of_a_frozen_scheduler_fails_its_calls_and_futures_instead_of_waiting_for_ever(
         tmp_path: Path) -> None:  # fmt: skip
     # found by a network-fault hunt: a scheduler frozen (SIGSTOP) or cut off without its socket
@@ -432,6 +436,10 @@ def test_a_client_of_a_frozen_scheduler_fails_its_calls_and_futures_instead_of_w
         token = token_file.read_text().strip()
         with tidepool.Client(address, token=token, silence_timeout=1.0) as quiet:
             time.sleep(2.5)  # longer than its silence_timeout with nothing to do: the pings keep it
+            assert quiet.scheduler_info()["workers"] == []
+            # a review: a client whose own loop did not run for a while (paused, a long GIL hold)
+            # dropped a healthy scheduler on waking, without a ping
+            quiet._connection.loop.run(_hold_the_loop(3.0))
             assert quiet.scheduler_info()["workers"] == []
             client = tidepool.Client(address, token=token, silence_timeout=2.0)
             pending = client.submit(sum, [1, 2])  # no worker: it waits

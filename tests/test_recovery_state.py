@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 
@@ -293,6 +294,25 @@ def test_a_graph_resent_after_the_workers_rejoined_takes_their_runs_and_runs_not
     assert _executed(d) == ["total"]
     d.run_until_idle()
     assert d.status()["total"] == "memory"
+    # a review: the same worker rejoining again (it dropped before a tick) kept no entry and was
+    # told to free the run, and the claim then waited on a run that had stopped
+    d.send(ev.WorkerRejoin("w1", [], [], ["again"], d.clock()))
+    d.send(ev.WorkerRejoin("w1", [], [], ["again"], d.clock()))
+    assert "again" not in _freed(d) and d.state.unclaimed_runs["again"][0] == "w1"
+    d.start("w1", "again")  # it left the queue for a slot before the graph came back
+    d.submit([("again", [])], ["again"])
+    assert d.state.tasks["again"].state == "running" and d.state.tasks["again"].executing
+    d.finish("w1", "again")
+    # a worker that leaves takes its parked runs with it: the graph then computes them anew
+    d.send(ev.WorkerRejoin("w1", [], ["lost"], [], d.clock()))
+    d.add_worker("w2")
+    d.remove_worker("w1")
+    assert "lost" not in d.state.unclaimed_runs
+    d.log.clear()
+    d.submit([("lost", [])], ["lost"])
+    assert _executed(d) == ["lost"]
+    d.run_until_idle()
+    d.add_worker("w1")
     # a run no graph claims is freed (stopped) on its worker after UNCLAIMED_KEEP
     d.send(ev.WorkerRejoin("w1", [], ["orphan"], [], d.clock()))
     d.clock.advance(121.0)
@@ -440,3 +460,61 @@ def test_a_rejoining_worker_is_sent_the_setups_it_has_not_run_to_their_end(tmp_p
     runs = asyncio.run(main())
     # the cut-off run ended well: recorded, and not run a second time (a third review)
     assert len(runs_of) == 1 and runs.ran == {"a": setup_digest(a), "b": setup_digest(b)}
+
+
+def test_a_rejoining_worker_sent_missed_setups_is_given_no_task_in_its_join() -> None:
+    """A review: the join of a worker sent setups it missed placed tasks on it in its own batch,
+    before it was marked preparing (they waited behind the setups while other workers idled)."""
+    from tidepool.comm.serialize import serialize
+    from tidepool.scheduler.server import Scheduler
+    from tidepool.setup import SetupSpec
+
+    class FakeWorker:
+        """A worker connection: its register message, then silence (it is running the setups)."""
+
+        info = {"role": "worker"}
+        closed = False
+
+        def __init__(self, register: dict[str, object]) -> None:
+            self.inbox: list[dict[str, object]] = [register]
+            self.sent: list[dict[str, object]] = []
+
+        async def recv(self) -> dict[str, object]:
+            if self.inbox:
+                return self.inbox.pop(0)
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+        async def send(self, msg: dict[str, object]) -> None:
+            self.sent.append(msg)
+
+        def send_nowait(self, msg: dict[str, object]) -> bool:
+            self.sent.append(msg)
+            return True
+
+        def recv_buffered(self, op: str) -> None:
+            return None
+
+    async def main() -> None:
+        s = Scheduler("tcp://127.0.0.1:0", "t0ken")
+        s._keep_setup("env", serialize(SetupSpec("env", env={"TP_X": "1"})))
+        await s.apply([ev.UpdateGraph("c", [ev.TaskSpec(f"t-{i}", "f", None, (), {}, 0, "t") for i in range(4)],
+                                      [f"t-{i}" for i in range(4)], s.clock())])  # fmt: skip
+        conn = FakeWorker({"op": "register", "id": "w1", "address": "tcp://w1:1", "resources": {"cpu": 1},
+                           "rejoin": {"setups": {}, "held": [], "running": [], "queued": []}})  # fmt: skip
+        task = asyncio.ensure_future(s._handle_worker(conn))  # type: ignore[arg-type]
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "w1" in s.state.workers:
+                break
+        try:
+            if task.done():
+                task.result()  # how it failed
+            ws = s.state.workers["w1"]
+            assert ws.preparing and not ws.processing, ws.processing  # the setup first, then tasks
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    asyncio.run(main())

@@ -189,20 +189,24 @@ class ClientConnection:
         read loop ends as on any lost scheduler (futures fail, or a durable one is reconnected to)."""
         loop = asyncio.get_running_loop()
         every = min(PING_EVERY, limit / 4)
-        started = loop.time()
+        started = woke = loop.time()
         while not conn.closed and not self.closed:
             await asyncio.sleep(every)
-            quiet = loop.time() - max(conn.last_received, started)
+            now = loop.time()
+            if now - woke > 2 * every:  # this process did not run meanwhile (paused, a long GIL
+                started = now  # hold): the scheduler's silence counts from now, after a ping
+            woke = now
+            quiet = now - max(conn.last_received, started)
             if conn.closed or self.closed:
                 return
             if quiet >= limit:
                 self._silent = PeerSilentError(
                     f"it sent nothing for {quiet:.0f}s, not even an answer to a ping: frozen, or cut off "
                     f"from this client by the network (Client(silence_timeout=...) sets how long to wait)")  # fmt: skip
-                log.warning("the scheduler at %s %s; closing the connection", self.address, self._silent)
+                log.warning("the scheduler at %s is silent (%s); closing the connection", self.address, self._silent)
                 conn.close()
                 return
-            if quiet >= every:
+            if quiet >= every or now == started:
                 asyncio.ensure_future(self.request({"op": "ping"})).add_done_callback(_retrieved)
 
     async def _goodbye(self) -> None:

@@ -94,9 +94,11 @@ def worker_rejoin(st: Host, e: ev.WorkerRejoin, out: list[ev.Command]) -> None:
         ts = tasks.get(key)
         if ts is not None and ts.state == TS.RUNNING and ts.worker == ws.id:
             continue
-        if ts is None and recent and key not in st.unclaimed_runs:
+        parked = st.unclaimed_runs.get(key)
+        if ts is None and recent and (parked is None or parked[0] == ws.id):
             # a task of a graph not stored before the kill: its client resends it (the run is taken
-            # then, not started again; a bug hunt saw every such task run twice)
+            # then, not started again; a bug hunt saw every such task run twice).  The same worker
+            # rejoining again keeps it parked (a free would leave a claim waiting on a stopped run)
             st.unclaimed_runs[key] = (ws.id, key in executing, e.now)
             continue
         if ts is None or ts.state not in _PENDING:
@@ -157,6 +159,19 @@ def claim(st: Host, new: list[TaskRecord]) -> list[TaskRecord]:
                 claimed.append(ts)
             st._add_holder(ts, ws, nbytes)
     return claimed
+
+
+def run_started(st: Host, ws: WorkerRecord, key: str) -> None:
+    """A parked run of ``ws`` left its queue for a slot: a claim takes it as executing."""
+    run = st.unclaimed_runs.get(key)
+    if run is not None and run[0] == ws.id:
+        st.unclaimed_runs[key] = (run[0], True, run[2])
+
+
+def forget_worker(st: Host, wid: str) -> None:
+    """``wid`` left: its parked runs are gone with it (a claim then computes them anew)."""
+    for key in [k for k, run in st.unclaimed_runs.items() if run[0] == wid]:
+        del st.unclaimed_runs[key]
 
 
 def run_ended(st: Host, ws: WorkerRecord, key: str, nbytes: int | None, now: float) -> bool:

@@ -491,9 +491,10 @@ class Scheduler:
             missed = _setups_missed(self.setups, self.setup_digests, has)
             if missed:
                 self._send_setups(wid, missed)
+            if self.setups_in_flight.get(wid):  # a rejoining worker, or a setup registered meanwhile:
+                # in the join's own batch, so no task is placed there before
+                joined.append(ev.WorkerPreparing(wid, now, True))
             await self.apply(joined)
-            if self.setups_in_flight.get(wid):  # a rejoining worker, or a setup registered meanwhile
-                await self.apply([ev.WorkerPreparing(wid, now, True)])
             if gated and self.durable is not None:  # the last worker expected back opens the gate
                 await self.apply(self.durable.worker_joined(wid, now))
             while True:
@@ -568,12 +569,18 @@ class Scheduler:
                 self._resolve_setup(w, name, f"failed: worker left ({reason})")
             if self.worker_conns.get(wid) is conn:
                 del self.worker_conns[wid]
+            let_go = wid not in self.state.workers  # retired, or closed by us: it does not come back
             if wid in self.state.workers and not self._closed:
                 if wid in self._restarting:  # it re-executes itself: not a failure, nothing to replace
                     self._restarting.discard(wid)
                     reason, cause = "restarting (client.restart)", ev.RemoveCause.RESTARTED
                 await self.apply([ev.WorkerRemove(wid, self.clock(), reason, graceful=cause is ev.RemoveCause.RESTARTED,
                                                   cause=cause)])  # fmt: skip
+            if let_go or cause is ev.RemoveCause.SETUP_FAILED or (cause is ev.RemoveCause.CLOSED and self.durable is None):
+                # it does not come back under this id (a restarting worker, or one rejoining a
+                # durable scheduler, may: its claim is checked again then); a long-lived
+                # scheduler kept one entry per worker ever launched
+                self.launched_as.pop(wid, None)
 
     async def _handle_client(self, conn: Connection) -> None:
         resume = str(conn.info.get("resume") or "")

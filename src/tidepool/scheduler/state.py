@@ -746,6 +746,8 @@ class SchedulerState:
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if not ok}
         if e.cause == ev.RemoveCause.SETUP_FAILED:
             self.setup_failed = e.reason
+        if self.unclaimed_runs:
+            rejoin.forget_worker(self, ws.id)
         if not e.graceful:
             self.counters["workers_lost"] += 1
         lost: list[TaskRecord] = []
@@ -903,6 +905,10 @@ class SchedulerState:
             ts = tasks.get(key)
             if ts is not None and ts.state == "running" and ts.worker == e.worker:
                 ts.executing = True
+            elif ts is None and self.unclaimed_runs:
+                ws = self.workers.get(e.worker)
+                if ws is not None:
+                    rejoin.run_started(self, ws, key)
 
     def _value_unservable(self, e: ev.ValueUnservable, out: list[ev.Command]) -> None:
         ts = self.tasks.get(e.key)
