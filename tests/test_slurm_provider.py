@@ -104,6 +104,12 @@ def test_job_script_exports_the_token_and_starts_one_worker_per_id() -> None:
     assert len(workers) == 2 and all("s3cret" not in ln for ln in workers)  # never on a command line
     assert "--id big-r4-1" in workers[0] and '{"cpu": 4.0, "memory": 8589934592.0}' in workers[0]
     assert "<redacted>" in p.job_script(nt, "r4", ["big-r4-1"], redact=True)
+    spaced = SlurmProvider(log_dir="/shared/my logs", workdir="/scratch/a b")
+    spaced.bind("tcp://10.0.0.1:8786", "s3cret")
+    lines = spaced.job_script(nt, "r5", ["big-r5-1"]).splitlines()
+    assert '#SBATCH --output="/shared/my logs/tidepool-%j.out"' in lines and '#SBATCH --chdir="/scratch/a b"' in lines
+    with pytest.raises(ConfigError, match="double quote"):
+        SlurmProvider(log_dir='/logs/"x"')
     with_file = SlurmProvider(token_file="/shared/tok")
     with_file.scheduler = "tcp://h:1"
     assert "export TIDEPOOL_TOKEN_FILE=/shared/tok" in with_file.job_script(nt, "r1", ["a", "b"])
@@ -214,6 +220,20 @@ def test_missing_sbatch_is_a_provider_error_that_says_what_to_do() -> None:
     errors: list[Any] = []
     wait_until(lambda: errors.extend(p.poll_errors()) or errors, 10, "the failed submission")
     assert errors[0].request_id == "r10" and "not found" in errors[0].message and not p.poll_errors()
+
+
+def test_listing_runs_squeue_at_most_every_poll_interval(tmp_path: Path) -> None:
+    """Found by a Slurm hunt: list() forced a squeue every time, and the autoscaler lists every
+    2 s while a launch waits: 15 squeue calls in 30 s with poll_interval=10 (a job may queue for hours)."""
+    calls = tmp_path / "calls"
+    squeue = tmp_path / "squeue"
+    squeue.write_text(f"#!/bin/sh\necho x >> {calls}\necho '7|PENDING|Priority||N/A|N/A'\n")
+    squeue.chmod(0o755)
+    p = SlurmProvider(squeue_command=str(squeue), scontrol_command=str(squeue), poll_interval=10.0)
+    p._jobs = {"7": _Job("7", "r1", "cpu", ["cpu-r1-1"], state="PENDING")}
+    for _ in range(5):
+        assert p.list()["cpu-r1-1"]["state"] == "PENDING"
+    assert len(calls.read_text().split()) == 1
 
 
 def test_expiring_lists_workers_of_jobs_that_end_within_the_margin() -> None:
@@ -454,7 +474,12 @@ def test_adaptive_cluster_runs_tasks_in_slurm_jobs_and_cancels_them(slurm: Slurm
 @pytest.mark.integration
 def test_the_one_machine_example_in_the_docs_runs_as_written(slurm: Slurm, tmp_path: Path) -> None:
     code = doc_block("SlurmProvider(partition=\"debug\"", "python")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    # its log directory (tempfile.mkdtemp) has a blank in its path: #SBATCH values are quoted (a
+    # Slurm hunt: every submission failed with "Invalid directive")
+    spaced = tmp_path / "with blank"
+    spaced.mkdir()
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "TMPDIR": str(spaced)})  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "6", r.stdout + r.stderr[-3000:]
 
 

@@ -304,6 +304,11 @@ class SlurmProvider:
         self._lock = threading.RLock()
         self._last_refresh = -math.inf
         self._closed = False
+        for what, value in (("job_name", self.job_name), ("workdir", self.workdir), ("log_dir", self.log_dir),
+                            ("partition", self.partition), ("account", self.account)):  # fmt: skip
+            if value and any(c in str(value) for c in '"\n\r'):
+                raise ConfigError(f"SlurmProvider: {what} cannot hold a double quote or a line break "
+                                  f"(#SBATCH lines cannot carry them), got {value!r}")  # fmt: skip
         self.tag = ""  # tag_with(): jobs carry it, so a restarted scheduler's provider re-finds them
 
     @staticmethod
@@ -357,7 +362,7 @@ class SlurmProvider:
         if mem is None and nt.resources.get("memory"):
             mem = int(math.ceil(nt.resources["memory"] / 2**20))
         name = f"{self.job_name}-{self.tag}-{nt.name}-{request_id}" if self.tag else f"{self.job_name}-{nt.name}-{request_id}"
-        d = ["--job-name=" + name, "--nodes=1", "--ntasks=1", f"--cpus-per-task={cores}"]
+        d = [_directive("--job-name", name), "--nodes=1", "--ntasks=1", f"--cpus-per-task={cores}"]
         if self.tag:  # what a provider of a restarted scheduler re-finds the job by (tag_with)
             d.append(f"--comment={tag_comment(self.tag, nt.name, request_id, worker_ids)}")
         if mem:
@@ -365,13 +370,13 @@ class SlurmProvider:
         if self.walltime_seconds is not None:
             d.append(f"--time={format_walltime(self.walltime_seconds)}")
         if self.partition:
-            d.append(f"--partition={self.partition}")
+            d.append(_directive("--partition", self.partition))
         if self.account:
-            d.append(f"--account={self.account}")
+            d.append(_directive("--account", self.account))
         if self.workdir:
-            d.append(f"--chdir={self.workdir}")
+            d.append(_directive("--chdir", self.workdir))
         if self.log_dir:
-            d.append(f"--output={os.path.join(self.log_dir, 'tidepool-%j.out')}")
+            d.append(_directive("--output", os.path.join(self.log_dir, "tidepool-%j.out")))
         d += self.job_extra
         lines = ["#!/bin/sh", *(f"#SBATCH {x}" for x in d),
                  f"# tidepool: {n} worker(s) of node type {nt.name!r}, launch {request_id}"]  # fmt: skip
@@ -613,10 +618,12 @@ class SlurmProvider:
         job.exit_code = kv.get("ExitCode", "")
 
     def list(self) -> dict[str, dict[str, Any]]:  # noqa: A003
-        """Worker id -> {node_type, request_id, job_id, state, alive, nodelist, end_time} (squeue)."""
+        """Worker id -> {node_type, request_id, job_id, state, alive, nodelist, end_time} (squeue, at
+        most every ``poll_interval`` s: the autoscaler lists every 2 s while a launch waits, and a
+        job may wait in the queue for hours)."""
         with self._lock:
             try:
-                self.refresh(force=True)
+                self.refresh()
             except ProviderError as exc:
                 log.warning("list: %s", exc)
             out = {}
@@ -751,3 +758,9 @@ class SlurmProvider:
 
     def __repr__(self) -> str:
         return f"<SlurmProvider partition={self.partition} jobs={len(self._jobs)}>"
+
+
+def _directive(flag: str, value: str) -> str:
+    """``#SBATCH flag=value``, the value in double quotes when it holds blanks (sbatch splits the
+    line on them: a log directory with a space made every submission fail)."""
+    return f'{flag}="{value}"' if any(c.isspace() for c in value) else f"{flag}={value}"
