@@ -10,7 +10,7 @@ import pytest
 
 from tidepool.scaling.controller import ScalingController
 from tidepool.scaling.node_types import NodeType
-from tidepool.scaling.observation import Adopted, Named, Report, Retired, step_with_state
+from tidepool.scaling.observation import Adopted, Joined, Named, Report, Retired, step_with_state
 from tidepool.scaling.planned import Planned
 from tidepool.scaling.policies import Adaptive
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision
@@ -151,7 +151,8 @@ def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data()
     d.add_worker("job-1", node_type="cpu")
     d.submit([("link", [])], ["link"])
     d.finish("job-1", "link")  # it holds a value the client wants, and no other worker can take it
-    c = ScalingController((CPU,), lambda s: None, forecast_interval=0.25, manage_foreign=True)
+    policy: dict[str, Any] = {"f": lambda s: None}
+    c = ScalingController((CPU,), lambda s: policy["f"](s), forecast_interval=0.25, manage_foreign=True)
     assert step_with_state(c, d.state, 0.0, expiring=["job-1"]).retire == ["job-1"]
     refused = Retired("job-1", "refused: it holds data nobody else can take", 0.5)
     step_with_state(c, d.state, 1.0, expiring=["job-1"], reports=[refused])
@@ -159,6 +160,17 @@ def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data()
     assert acts.retire == ["job-1"]  # refused: asked again, and this time replaced
     assert [(t.name, n) for _, t, n in acts.launch] == [("cpu", 1)], acts.launch
     assert any("its retirement was refused" in r.get("reason", "") for r in acts.records if r["kind"] == "launch"), acts.records
+    # a Slurm hunt: the replacement was retired by the policy as idle before the expiring worker's
+    # retirement was asked again, so the data never moved (a 35-step chain started over 4 times)
+    (rid, _, _), = acts.launch
+    new = f"cpu-{rid}-1"
+    d.add_worker(new, node_type="cpu")
+    policy["f"] = retire_everyone
+    acts = step_with_state(c, d.state, 7.0, expiring=["job-1"],
+                           reports=[Named(rid, (new,), 6.5), Joined(new, 7.0, ready=True)])  # fmt: skip
+    assert new not in acts.retire  # it is there to take job-1's data
+    acts = step_with_state(c, d.state, 8.0, expiring=["job-1"], reports=[Retired("job-1", "refused: again", 7.5)])
+    assert new not in acts.retire and "job-1" in acts.retire  # asked again at once: the replacement is up
 
 
 def test_a_walltime_retirement_refused_while_the_data_was_going_away_launches_nothing() -> None:

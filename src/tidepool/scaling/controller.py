@@ -618,8 +618,11 @@ class ScalingController(Replacing):
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or wid in self._abandoned:
                 continue
-            if now - self._expiry_tried.get(wid, -1e9) <= EXPIRY_RETRY:
-                continue
+            tried = self._expiry_tried.get(wid, -1e9)
+            fresh = any(w.node_type == ws.node_type and w.state == "running" and w.joined > tried and w.id != wid
+                        for w in by_id.values())  # fmt: skip
+            if now - tried <= EXPIRY_RETRY and not fresh:  # asked again at once when a worker that
+                continue  # could take its data (its replacement) has joined since
             nt = self.node_types.get(ws.node_type)
             if nt is not None and nt.replace_before and wid not in self._noticed and self._awaits_replacement(ws, now):
                 continue
@@ -826,9 +829,14 @@ class ScalingController(Replacing):
         idle = idle_by_type(snap, self.instances.retiring, coming=False)
         why = dict(decision.why)
         pool = pool_summary(by_id.values()) if decision.retire else None
+        # a worker that must leave (walltime, preemption) waits for one of its type to take its data:
+        # that one is not retired as idle meanwhile (a Slurm chain longer than a walltime started over)
+        takers = {by_id[w].node_type for w in self._replaced if w in by_id}
         for wid in decision.retire:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or not self._ours(ws, now):
+                continue
+            if ws.node_type in takers and wid not in self._replaced:
                 continue
             if planned.get(ws.node_type):
                 continue
