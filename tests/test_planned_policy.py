@@ -452,7 +452,7 @@ def launched(snap: ClusterSnapshot, *counts: tuple[str, int]) -> ClusterSnapshot
 
 
 def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> None:
-    # a cloud of 200 nodes booting in 90 s: 1.5 node-hours of start-ups buys 60 of them
+    # a cloud of 200 nodes booting in 90 s: 1.25 node-hours of start-ups buys 50 of them
     nt = NodeType("default", max_nodes=200, startup_estimate=90.0)
     demand = (Demand(CPU, "split", 1, 0.5),)
     snap = snapshot(0.0, nt, (), gate(400), demand, finished=0)
@@ -462,13 +462,13 @@ def test_a_bet_on_guessed_durations_buys_at_most_guess_budget_of_start_ups() -> 
     assert GraphPlan(guess_budget=0.0)(snap).launch == {"default": 4}
     plan = GraphPlan()
     d = plan(snap)
-    assert d.launch == {"default": 60}
-    assert any("limited to 60 by guess_budget=1.5" in r for r in d.reasons)
+    assert d.launch == {"default": 50}
+    assert any("limited to 50 by guess_budget=1.25" in r for r in d.reasons)
     # the launch was carried out: the bet is spent, later rounds buy only what the forecast justifies
-    later = launched(snap, ("a1", 60))
+    later = launched(snap, ("a1", 50))
     again = plan(later)
     assert again.launch == {"default": 4}
-    assert any("limited to 0" in r and "60 launched while guessing" in r for r in again.reasons)
+    assert any("limited to 0" in r and "50 launched while guessing" in r for r in again.reasons)
     assert GraphPlan(guess_budget=3.0)(snap).launch == {"default": 120}
     # node-hours of start-up, not cost: a spot type at a tenth of the price bets on as many nodes
     spot = NodeType("default", max_nodes=200, startup_estimate=90.0, cost=0.1)
@@ -491,7 +491,7 @@ def test_a_bet_the_controller_did_not_carry_out_is_not_charged() -> None:
     # dropped (a stale forecast, a limit): no launch appears, so the next round asks again in full
     assert plan(replace(snap, now=1.0)).launch == first
     # carried out only in part (clamped to 30 nodes): the rest of the bet is left
-    assert plan(launched(snap, ("a1", 30))).launch == {"default": 30}
+    assert plan(launched(snap, ("a1", 30))).launch == {"default": 20}
     # a launch first seen after some of its nodes joined counts whole (its ``nodes`` are those to come)
     part = replace(snap, now=1.0, pending=(PendingLaunch("a9", "default", 10, (), 0.0, requested=60),))
     plan2 = GraphPlan()
@@ -505,10 +505,10 @@ def test_a_new_graph_after_an_idle_pool_gets_a_new_bet() -> None:
     snap = snapshot(0.0, nt, (), gate(400), demand, finished=0)
     plan = GraphPlan()
     plan(snap)
-    assert plan(launched(snap, ("a1", 60))).launch == {"default": 4}  # spent
+    assert plan(launched(snap, ("a1", 50))).launch == {"default": 4}  # spent
     # the graph was cancelled (nothing finished): no work known, nothing running or waiting
     plan(snapshot(600.0, nt, (), None, (), finished=0))
-    assert plan(snapshot(3600.0, nt, (), gate(400), demand, finished=0)).launch == {"default": 60}
+    assert plan(snapshot(3600.0, nt, (), gate(400), demand, finished=0)).launch == {"default": 50}
 
 
 def test_guess_budget_zero_means_no_bet_even_for_a_free_start_up() -> None:
@@ -521,7 +521,7 @@ def test_guess_budget_zero_means_no_bet_even_for_a_free_start_up() -> None:
 def test_the_runnable_tasks_and_the_nodes_the_forecast_justifies_are_launched_whatever_the_bet() -> None:
     nt = NodeType("default", max_nodes=400, startup_estimate=90.0)
     # 100 runnable tasks at the prior, each gating 4 more: 100 nodes for the runnable ones (beyond
-    # the bet's 60, which they serve too: the work behind them runs on them)
+    # the bet's 50, which they serve too: the work behind them runs on them)
     n = 100
     durations = (0.5,) * (n * 5)
     deps = tuple(() for _ in range(n)) + tuple((k % n,) for k in range(4 * n))
@@ -531,7 +531,7 @@ def test_the_runnable_tasks_and_the_nodes_the_forecast_justifies_are_launched_wh
     later = launched(snap, ("a1", n))  # they count: no bet on top, only what the forecast justifies
     assert plan(later).launch == GraphPlan(guess_budget=0.0)(later).launch
     # behind a gate, 70 tasks the user says take 300 s (the forecast justifies a node each) and 400
-    # at the prior: the 70, not limited by the bet's 60
+    # at the prior: the 70, not limited by the bet's 50
     durations = (0.5,) + (300.0,) * 70 + (0.5,) * 400
     work = RemainingWork(durations, ((),) + ((0,),) * 470, ())
     snap = snapshot(0.0, nt, (), work, (Demand(CPU, "split", 1, 0.5),), finished=0)
@@ -589,3 +589,27 @@ def test_an_empty_pool_with_runnable_work_gets_a_node_whatever_the_objective(obj
     # with a node up, short measured work does not buy a second one
     assert GraphPlan(objective)(snapshot(0.0, nt, (worker("w0", running=1),), wide(2, 0.1), demand,
                                          finished=finished)).launch == {}  # fmt: skip
+
+
+def test_the_first_node_rule_buys_only_the_best_type_for_work_nothing_can_run() -> None:
+    # a review: it bought a gpu node at t=0 for a gpu task behind an hour of cpu work the cpu
+    # workers were running (the per-type forecast saw the gpu task as runnable)
+    from tidepool.scaling.forecast import type_forecasts as forecasts_of
+
+    gpu_shape = (("cpu", 1.0), ("gpu", 1.0))
+    cpu = NodeType("cpu", {"cpu": 1.0}, max_nodes=4, startup_estimate=30.0, cost=1.0)
+    gpu = NodeType("gpu", {"cpu": 1.0, "gpu": 1.0}, max_nodes=2, startup_estimate=30.0, cost=20.0)
+    work = RemainingWork((3600.0,) * 4 + (10.0,), ((),) * 4 + ((0, 1, 2, 3),), (0, 1, 2, 3),
+                         tuple(f"k{i}" for i in range(5)))  # fmt: skip
+    ws = tuple(worker(f"c{i}", running=1, node_type="cpu") for i in range(4))
+    fc, eta, nxt = forecasts_of(GraphView(work, (CPU,) * 4 + (gpu_shape,)), ws, (cpu, gpu), {"cpu": 4}, (), 0.0, set())
+    snap = ClusterSnapshot(now=0.0, node_types=(cpu, gpu), demand=(Demand(CPU, "work", 4, 3600.0),), workers=ws,
+                           finished=10, waiting=1, running=4, forecasts=fc, eta=eta, next_demand_in=nxt)  # fmt: skip
+    for objective in ("cheapest", "balanced"):
+        assert "gpu" not in GraphPlan(objective)(snap).launch
+    # an empty pool with cpu work and both types: one cpu node, not a gpu one as well
+    wide1 = RemainingWork((0.1,), ((),), (), ("k0",))
+    fc, eta, nxt = forecasts_of(GraphView(wide1, (CPU,)), (), (cpu, gpu), {}, (), 0.0, set())
+    empty = ClusterSnapshot(now=0.0, node_types=(cpu, gpu), demand=(Demand(CPU, "work", 1, 0.1),), workers=(),
+                            finished=10, forecasts=fc, eta=eta, next_demand_in=nxt)  # fmt: skip
+    assert GraphPlan("cheapest")(empty).launch == {"cpu": 1}

@@ -65,7 +65,7 @@ from tidepool.errors import ConfigError
 from tidepool.resources import fits
 from tidepool.scaling.forecast import peak_in_use
 from tidepool.scaling.limits import least_billed_hours
-from tidepool.scaling.planner import PLAIN, plan
+from tidepool.scaling.planner import PLAIN, plan, rank_types
 from tidepool.scaling.policies import MemoryPressure, NoProgress, as_decision, keep_young, merge
 from tidepool.scaling.snapshot import ClusterSnapshot, ScaleDecision, TypeForecast, WorkerView
 
@@ -93,11 +93,13 @@ GUESS_SLACK = -1.0
 #: slurm:50 2.62 node-hours (now 2.52), the 15-degree montage on cloud:50 7.43 (now 7.39), makespans
 #: unchanged; 5 s retired nodes the montage's last wave needed (1,058 -> 1,085 s)
 LOCALITY_HOLD = 10.0
-#: the default ``guess_budget``: 1.5 node-hours of start-ups, 60 cloud nodes of a 90 s boot.  On the
+#: the default ``guess_budget``: 1.25 node-hours of start-ups, 50 cloud nodes of a 90 s boot.  On the
 #: montages and 1000genome on 200 cloud nodes an unlimited bet bought every node at t=0 and retired
 #: most on arrival (cost 2-4x the bound: 2mass-05d 6.66 node-hours for 165 s, 2.62 for 195 s with
-#: this); blast's 300 long tasks behind a 1 s gate need about 54 nodes at once (36 made it 21% slower)
-GUESS_BUDGET = 1.5
+#: this); blast's 300 long tasks behind a 1 s gate run best on about 54 nodes at once (50: 308 s
+#: against 302, still ahead of the ramp's 333; 36 made it 21% slower), and the dss montage's bet
+#: nodes are retired on arrival (1.5: 7.62 node-hours, dearer than the ramp's 7.41; 1.25: 7.39)
+GUESS_BUDGET = 1.25
 #: objective -> (launch_factor, slack, guess launches before anything finished)
 _RULES = {"balanced": (0.5, 0.5, True), "fastest": (0.0, 1.0, True), "cheapest": (3.0, 0.25, False)}
 
@@ -235,9 +237,10 @@ class GraphPlan:
             else:
                 i, text = self._for_objective(f.for_launch, factor, soon)
                 n = f.extra[i]
-            if n == 0 and left is None and snap.demand and f.etas[0] == float("inf"):
-                # runnable work and no node that could run it, none coming: whatever the objective
-                # weighs, one must start (else only the no-progress net, 30 s later, would start it)
+            if n == 0 and left is None and f.etas[0] == float("inf") and _stranded(snap, f.node_type):
+                # runnable work no node here or coming could run, and this type is the one for it:
+                # whatever the objective weighs, one must start (else only the no-progress net,
+                # 30 s later, would start it)
                 n, text = self._first_node(f)
             if text:
                 reasons.append(text)
@@ -571,6 +574,20 @@ def _billed(snap: ClusterSnapshot, node_type: str, startup: float) -> float:
     if nt is None or nt.billed_startup is None:
         return startup
     return min(nt.billed_startup, startup)
+
+
+def _stranded(snap: ClusterSnapshot, node_type: str) -> bool:
+    """Is some runnable task (in ``snap.demand``) one that no live worker and no launch in flight
+    could run, and ``node_type`` the best launchable type for it?"""
+    coming = [nt.worker_resources for p in snap.pending if (nt := snap.node_type(p.node_type)) is not None]
+    launchable = tuple(nt for nt in snap.node_types if not snap.blocked(nt.name))
+    for d in snap.demand:
+        if any(fits(w.resources, d.shape) for w in snap.workers) or any(fits(r, d.shape) for r in coming):
+            continue
+        best = rank_types(d.shape, launchable)
+        if best and best[0].name == node_type:
+            return True
+    return False
 
 
 def _wasted(snap: ClusterSnapshot, node_type: str, needed: set[str]) -> bool:
