@@ -210,6 +210,8 @@ def test_a_long_lived_journal_keeps_bounded_memory_and_the_dashboard_every_decis
     from tidepool.telemetry.journal import Journal
 
     j = Journal(keep=1_000)
+    forgotten: set[str] = set()
+    j.alive = lambda key: key not in forgotten  # as follow(scheduler) sets it: does the scheduler know it?
     decisions = []
     for n in range(20):
         specs = [ev.TaskSpec(f"t{n}-{i}", "f", None) for i in range(3_000)]
@@ -217,15 +219,24 @@ def test_a_long_lived_journal_keeps_bounded_memory_and_the_dashboard_every_decis
         j.observe([ev.TaskFinished("w", s.key, 8, 0.01, float(n)) for s in specs], [])
         j.record("decision", float(n), reason=f"round {n}")
         decisions.append(f"round {n}")
-        j.observe([ev.UpdateGraph("c", [ev.TaskSpec(f"never-{n}-{i}", "f", None) for i in range(500)], [], 1.0)], [])
+        never = [ev.TaskSpec(f"never-{n}-{i}", "f", None) for i in range(500)]
+        j.observe([ev.UpdateGraph("c", never, [], 1.0)], [])
+        forgotten.update(s.key for s in never)  # cancelled: the scheduler forgot them unrun
     assert len(j.records) <= 1_251 and j.end == 20 * 3_001 and j.dropped == j.end - len(j.records)
-    assert len(j._graph) <= 2_000  # submitted shapes: let go when the task ran, the oldest beyond
+    assert len(j._graph) <= 3_500  # shapes let go when the task ran or was forgotten (2 x keep + a graph)
+    assert not any(k.startswith("t") for k in j._graph)
     assert [r["reason"] for r in j.since(j.end - 1)] == ["round 19"]
     sched = SimpleNamespace(state=StateDriver().state, clock=lambda: 0.0, eta=lambda: {"eta": None}, launched_as={})
     m = DashboardModel(sched, lambda: SimpleNamespace(journal=j), interval=0.5)
     shown, nxt = m.decisions_since(0)
     assert [r["reason"] for r in shown] == decisions and nxt == j.end  # 3,000 task records between each
     assert m.decisions_since(nxt) == ([], nxt)
+    # a review: a graph larger than the limit still pending keeps every shape (its records need them)
+    big = [ev.TaskSpec(f"big-{i}", "f", None, (f"big-{i - 1}",) if i else ()) for i in range(5_000)]
+    j.observe([ev.UpdateGraph("c", big, [], 30.0)], [])
+    j.observe([ev.TaskFinished("w", "big-1", 8, 0.01, 31.0)], [])
+    assert j.since(j.end - 1)[0]["deps"] == ["big-0"]
+    assert sum(k.startswith("big-") for k in j._graph) == 4_999
     everything = Journal(keep=None)  # the simulator's: every record, for its figures
     for i in range(3_000):
         everything.record("task", 0.0, key=str(i))

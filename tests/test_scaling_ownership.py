@@ -164,11 +164,15 @@ def test_a_walltime_retirement_refused_launches_a_replacement_to_take_the_data()
     # retirement was asked again, so the data never moved (a 35-step chain started over 4 times)
     (rid, _, _), = acts.launch
     new = f"cpu-{rid}-1"
+    d.add_worker("older-idle", node_type="cpu")  # an idle worker of the type from before the
+    d.state.workers["older-idle"].joined = 0.5  # replacement was wanted: retired as usual
     d.add_worker(new, node_type="cpu")
+    d.state.workers[new].joined = 7.0  # (the driver's clock is not the controller's)
     policy["f"] = retire_everyone
     acts = step_with_state(c, d.state, 7.0, expiring=["job-1"],
                            reports=[Named(rid, (new,), 6.5), Joined(new, 7.0, ready=True)])  # fmt: skip
     assert new not in acts.retire  # it is there to take job-1's data
+    assert "older-idle" in acts.retire  # not the whole type: the others retire as usual (a review)
     acts = step_with_state(c, d.state, 8.0, expiring=["job-1"], reports=[Retired("job-1", "refused: again", 7.5)])
     assert new not in acts.retire and "job-1" in acts.retire  # asked again at once: the replacement is up
 

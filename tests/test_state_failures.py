@@ -376,3 +376,31 @@ def test_a_task_only_a_node_type_the_settings_never_launch_offers_waits_for_a_ha
     # it used to wait for a gpu node for ever: no autoscaler ever launches one
     assert d.status()["train"] == "erred" and ts.exc_type == "InfeasibleTaskError", ts.state
     assert "no autoscaler can launch one" in ts.message and why in ts.message
+
+
+def test_tasks_fail_on_a_failed_setup_only_while_it_is_why_the_pool_is_empty() -> None:
+    # a review: the "every worker left on a failed setup" verdict outlived a fixed setup and a
+    # later loss of another kind, failing tasks with the old setup's error
+    def setup_failed_pool() -> StateDriver:
+        d = StateDriver(SchedulerState(no_worker_timeout=60.0))
+        d.add_worker("w1")
+        d.send(ev.WorkerRemove("w1", d.clock(), "setup failed: boom", cause=ev.RemoveCause.SETUP_FAILED))
+        return d
+
+    d = setup_failed_pool()
+    d.submit([("t", [])], ["t"])
+    d.send(ev.Tick(d.clock()))
+    assert d.state.tasks["t"].exc_type == "WorkerSetupError"  # nothing else would ever run it
+    fixed = setup_failed_pool()
+    fixed.send(ev.SetupsChanged(fixed.clock()))  # registered again (fixed), or dropped
+    fixed.submit([("t", [])], ["t"])
+    fixed.send(ev.Tick(fixed.clock()))
+    assert fixed.state.tasks["t"].state == "no-worker"  # it waits for a worker as usual
+    other = StateDriver(SchedulerState(no_worker_timeout=60.0))
+    other.add_worker("ok")
+    other.add_worker("flaky")
+    other.send(ev.WorkerRemove("flaky", other.clock(), "setup failed: boom", cause=ev.RemoveCause.SETUP_FAILED))
+    other.remove_worker("ok")  # then the good one is lost for another reason
+    other.submit([("t", [])], ["t"])
+    other.send(ev.Tick(other.clock()))
+    assert other.state.tasks["t"].state == "no-worker"

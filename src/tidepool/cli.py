@@ -233,7 +233,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
             plain_journal = Journal(args.journal)
             plain_journal.record("journal-start", s.clock(), address=s.address)
-            s.subscribe(plain_journal.observe)
+            plain_journal.follow(s)
         if cfg is not None:
             from tidepool.scaling.autoscaler import AutoScaler
             from tidepool.scaling.controller import ScalingController

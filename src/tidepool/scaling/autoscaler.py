@@ -115,7 +115,7 @@ class AutoScaler:
         for ws in self.scheduler.state.workers.values():  # present before autoscaling started
             journal.record("worker-join", ws.joined, worker=ws.id, node_type=ws.node_type,
                            resources=dict(ws.resources))  # fmt: skip
-        self.scheduler.subscribe(journal.observe)
+        journal.follow(self.scheduler)
         await self.scheduler.apply([ev.CheckFeasible(now, self.round.view.feasibility)])
         for nt in self.controller.node_types.values():  # names these may offer are no typos
             self.scheduler.state.offered_resources.update(nt.resources)

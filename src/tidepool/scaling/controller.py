@@ -110,6 +110,8 @@ FORECAST_MAX_INTERVAL = 30.0
 FORECAST_PER_STARTUP = 20.0
 #: seconds between asks to retire a worker whose allocation ends soon
 EXPIRY_RETRY = 5.0
+#: seconds a worker that joined to take a leaving worker's data is kept from idle retirement
+TAKER_HOLD = 60.0
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,8 @@ class ScalingController(Replacing):
         self._abandoned: set[str] = set()  # noticed workers ended at once (their work could not finish)
         #: workers a replacement was launched for (known end: preemption notice, walltime)
         self._replaced: set[str] = set()
+        #: worker being replaced -> when its replacement was first wanted (see _takers)
+        self._replaced_at: dict[str, float] = {}
         self._replace: list[tuple[str, str, str]] = []  # (worker, node type, why) to replace this step
         self._drained = 0
         self.instances = InstanceTable()
@@ -829,14 +833,14 @@ class ScalingController(Replacing):
         idle = idle_by_type(snap, self.instances.retiring, coming=False)
         why = dict(decision.why)
         pool = pool_summary(by_id.values()) if decision.retire else None
-        # a worker that must leave (walltime, preemption) waits for one of its type to take its data:
+        # a worker that must leave (walltime, preemption) waits for its replacement to take its data:
         # that one is not retired as idle meanwhile (a Slurm chain longer than a walltime started over)
-        takers = {by_id[w].node_type for w in self._replaced if w in by_id}
+        takers = self._takers(by_id, now)
         for wid in decision.retire:
             ws = by_id.get(wid)
             if ws is None or ws.state != "running" or self._is_retiring(wid) or not self._ours(ws, now):
                 continue
-            if ws.node_type in takers and wid not in self._replaced:
+            if wid in takers:
                 continue
             if planned.get(ws.node_type):
                 continue
@@ -856,6 +860,24 @@ class ScalingController(Replacing):
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self._asked[wid] = sig
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
+
+    def _takers(self, by_id: Mapping[str, WorkerView], now: float) -> set[str]:
+        """For each worker being replaced, the first worker of its type (or fallback) that joined
+        since, for :data:`TAKER_HOLD` s after it joined: kept from idle retirement, its data goes there."""
+        for gone in [w for w in self._replaced_at if w not in self._replaced]:
+            del self._replaced_at[gone]
+        out: set[str] = set()
+        for wid in sorted(self._replaced):
+            ws = by_id.get(wid)
+            if ws is None:
+                continue
+            since = self._replaced_at.setdefault(wid, now)
+            kinds = {ws.node_type, self.fallbacks.route(ws.node_type)}
+            fresh = [w for w in by_id.values() if w.node_type in kinds and w.id not in self._replaced
+                     and w.id not in out and w.joined >= since and now - w.joined < TAKER_HOLD]  # fmt: skip
+            if fresh:
+                out.add(min(fresh, key=lambda w: (w.joined, w.id)).id)
+        return out
 
     def _ours(self, ws: WorkerView, now: float) -> bool:
         if self._manages(ws.id):

@@ -113,6 +113,14 @@ class WorkerPreparing:
 
 
 @dataclass(slots=True)
+class SetupsChanged:
+    """A setup hook was registered or dropped: workers that join from now on run other setups
+    (an earlier failure of one says nothing about them)."""
+
+    now: float
+
+
+@dataclass(slots=True)
 class WorkerRemove:
     worker: str
     now: float
@@ -320,6 +328,7 @@ Event = (
     | WorkerJoin
     | WorkerReady
     | WorkerPreparing
+    | SetupsChanged
     | WorkerRemove
     | TaskFinished
     | TaskErred

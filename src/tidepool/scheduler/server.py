@@ -375,6 +375,7 @@ class Scheduler:
         self.setup_digests.pop(name, None)
         if self.durable is not None:
             self.durable.forget_setup(name)
+        self.state.handle(ev.SetupsChanged(self.clock()))  # no command comes of it
         return True
 
     async def register_setup(self, name: str, blob: Any, timeout: float | None = None) -> dict[str, str]:
@@ -386,6 +387,7 @@ class Scheduler:
             # workers of the last run answer too (it answered {} at once, before they were back)
             await self._rejoined(list(self.durable.expected))
         self._keep_setup(name, blob)
+        await self.apply([ev.SetupsChanged(self.clock())])
         if self.durable is not None and isinstance(blob, Serialized):
             self.durable.record_setup(name, blob)
         loop = asyncio.get_running_loop()

@@ -127,7 +127,7 @@ class SchedulerState:
         self._handlers: dict[type, Callable[[Any, list[ev.Command]], None]] = {
             ev.UpdateGraph: self._update_graph, ev.ReleaseKeys: self._release_keys, ev.ClientGone: self._client_gone,
             ev.WorkerJoin: self._worker_join, ev.WorkerReady: self._worker_ready,
-            ev.WorkerPreparing: self._worker_preparing, ev.WorkerRemove: self._worker_remove,
+            ev.WorkerPreparing: self._worker_preparing, ev.SetupsChanged: self._setups_changed, ev.WorkerRemove: self._worker_remove,
             ev.TaskFinished: self._task_finished, ev.TaskErred: self._task_erred, ev.AddReplica: self._add_replica,
             ev.MissingData: self._missing_data, ev.Heartbeat: self._heartbeat, ev.Tick: self._tick,
             ev.TasksStarted: self._tasks_started, ev.ValueUnservable: self._value_unservable,
@@ -729,6 +729,9 @@ class SchedulerState:
         elif ws.state == WS.RUNNING:
             self._worker_running(ws, out)
 
+    def _setups_changed(self, e: ev.SetupsChanged, out: list[ev.Command]) -> None:
+        self.setup_failed = None  # fixed, or dropped: a worker that joins now may well get ready
+
     def _worker_running(self, ws: WorkerRecord, out: list[ev.Command]) -> None:
         self.setup_failed = None  # a worker ran every setup: a new one may too
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if ok}
@@ -744,8 +747,8 @@ class SchedulerState:
         self._move_worker(ws, WS.GONE)
         self.room.discard(ws.id)
         self._fit_any = {s: ok for s, ok in self._fit_any.items() if not ok}
-        if e.cause == ev.RemoveCause.SETUP_FAILED:
-            self.setup_failed = e.reason
+        # the last worker to leave says whether a setup is what empties the pool
+        self.setup_failed = e.reason if e.cause == ev.RemoveCause.SETUP_FAILED else None
         if self.unclaimed_runs:
             rejoin.forget_worker(self, ws.id)
         if not e.graceful:

@@ -25,7 +25,6 @@ last second.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import os
@@ -70,6 +69,10 @@ class Journal:
         self.path = path
         #: key -> (submitted at, deps, resources) of tasks submitted while listening (task records)
         self._graph: dict[str, tuple[float, tuple[str, ...], dict[str, float], str]] = {}
+        #: does the scheduler still know this key?  Set by whoever subscribes the journal to a
+        #: scheduler (:meth:`follow`); with it, shapes of tasks forgotten unrun are let go
+        self.alive: Callable[[str], bool] | None = None
+        self._prune_at = 2 * keep if keep is not None else 0
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
         self.add({"t": round(t, 6), "kind": kind, **fields})
@@ -123,6 +126,12 @@ class Journal:
         if self._file is not None and self._clock() - self._flushed >= self.FLUSH_EVERY:
             self.flush()
 
+    def follow(self, scheduler: Any) -> None:
+        """Listen to ``scheduler`` (a :class:`~tidepool.scheduler.server.Scheduler`): its events
+        come to :meth:`observe`, and the shapes of tasks it forgot unrun are let go."""
+        self.alive = lambda key: key in scheduler.state.tasks
+        scheduler.subscribe(self.observe)
+
     def observe(self, events: list[ev.Event], cmds: list[ev.Command]) -> None:
         """Scheduler observer: worker joins/leaves and task outcomes."""
         for e in events:
@@ -130,10 +139,12 @@ class Journal:
                 graph = self._graph
                 for spec in e.tasks:
                     graph[spec.key] = (e.now, tuple(spec.deps), dict(spec.resources), spec.group)
-                if self.keep is not None and len(graph) > 2 * self.keep:  # tasks that never ran
-                    # (cancelled, released): the oldest go; a task recorded later lacks its shape
-                    for key in list(itertools.islice(graph, len(graph) - self.keep)):
+                if self.keep is not None and self.alive is not None and len(graph) > self._prune_at:
+                    # tasks the scheduler forgot without running them (cancelled, released): a
+                    # walk now and then, amortised (a task still pending keeps its shape)
+                    for key in [k for k in graph if not self.alive(k)]:
                         del graph[key]
+                    self._prune_at = max(2 * self.keep, 2 * len(graph))
             elif isinstance(e, ev.WorkerJoin):
                 self.record("worker-join", e.now, worker=e.worker, node_type=e.node_type,
                             resources=e.resources)  # fmt: skip
