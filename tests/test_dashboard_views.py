@@ -189,9 +189,12 @@ def test_per_worker_series_only_below_the_label_limit_and_the_start_up_histogram
     for w in ("a", "b", "c"):
         d.add_worker(w)
     m = _model(d, [0.0], [])
-    journal = [{"t": 0.0, "kind": "launch", "request": "r1", "node_type": "default", "nodes": 1},
-               {"t": 3.0, "kind": "launch-arrived", "request": "r1", "node_type": "default", "seconds": 3.0}]
-    m.autoscaler = lambda: SimpleNamespace(journal=SimpleNamespace(records=journal), view=ControllerView(),
+    from tidepool.telemetry.journal import Journal
+
+    journal = Journal()
+    journal.record("launch", 0.0, request="r1", node_type="default", nodes=1)
+    journal.record("launch-arrived", 3.0, request="r1", node_type="default", seconds=3.0)
+    m.autoscaler = lambda: SimpleNamespace(journal=journal, view=ControllerView(),
                                            controller=SimpleNamespace(node_types={}))
     text = render(registry_for(m, 3)).decode()
     assert 'tidepool_worker_tasks{worker="a"}' in text
