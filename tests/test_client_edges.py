@@ -470,3 +470,54 @@ def test_a_value_slow_to_pickle_is_not_taken_for_a_silent_holder(monkeypatch: py
         fut = client.submit(_make_slow, 2.0)
         got = fut.result(timeout=60)
     assert isinstance(got, _SlowToPickle)
+
+
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+def test_a_map_racing_close_in_another_thread_leaves_no_future_waiting_for_ever() -> None:
+    # found by a concurrency hunt: close() failed the futures it found, but a map still creating
+    # its futures in another thread returned 99,557 of 100,000 that never finished
+    import threading
+
+    with tidepool.LocalCluster(n_workers=1) as cluster:
+        client = tidepool.Client(cluster)
+        box: dict[str, Any] = {}
+
+        def mapper() -> None:
+            try:
+                box["futs"] = client.map(_plus_one, range(20_000))
+            except Exception as exc:  # noqa: BLE001 - refusing is an outcome too
+                box["err"] = exc
+
+        th = threading.Thread(target=mapper)
+        th.start()
+        deadline = time.monotonic() + 30
+        while not client._connection.core.futures and time.monotonic() < deadline:
+            time.sleep(0.0005)  # map is creating its futures: close now
+        client.close()
+        th.join(60)
+        assert not th.is_alive()
+        futs = box.get("futs", [])
+        for f in futs:  # every one is done: a value, or cancelled by the close
+            assert f.done() or isinstance(f.exception(timeout=10), Exception)
+
+
+def test_a_released_finished_future_frees_its_key_for_another_task() -> None:
+    # found by a concurrency hunt: release() of a finished future kept its key "alive", so the
+    # next task under it was refused with KeyCollisionError, whose message says to release first
+    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
+        f = client.submit(abs, -1, key="mykey")
+        assert f.result(timeout=30) == 1
+        f.release()
+        g = client.submit(abs, -2, key="mykey")
+        assert g.result(timeout=30) == 2
+        del f
+        gc.collect()  # the released future going away does not release the new task's key
+        assert client.submit(_plus_one, g).result(timeout=30) == 3
+        failed = client.submit(int, "x", key="bad")
+        with pytest.raises(ValueError):
+            failed.result(timeout=30)
+        failed.release()
+        assert client.submit(int, "7", key="bad").result(timeout=30) == 7  # not the old error

@@ -276,6 +276,12 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             exc = make_exception(key, err)
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed meanwhile
                 fut.set_exception(exc)
+        if self.closed and not fut.done():
+            # closed by another thread while this call ran (close() set ``closed`` before it failed
+            # the futures it found: this one came after, and would wait for ever; a review: a map
+            # returned 99,557 such futures)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                fut.set_exception(TaskCancelledError(f"client closed before {key!r} finished", key))
         return fut  # type: ignore[no-any-return]
 
     def _send_graph(self, tasks: list[TaskSpec], wanted: list[str], functions: dict[str, Any],

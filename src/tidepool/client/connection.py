@@ -687,6 +687,9 @@ class ClientConnection:
 
     def release(self, keys: list[str]) -> None:
         self.post(Release(list(keys)).encode())
+        with self.lock:
+            for key in keys:
+                self.core.forget_released(key)
 
     def release_dropped(self, key: str) -> None:
         """Weak-reference callback of a future: its key is released after all posted before, within
