@@ -521,3 +521,39 @@ def test_a_released_finished_future_frees_its_key_for_another_task() -> None:
             failed.result(timeout=30)
         failed.release()
         assert client.submit(int, "7", key="bad").result(timeout=30) == 7  # not the old error
+
+
+def _big(n: int, i: int) -> bytes:
+    return bytes([i]) * n
+
+
+def test_gathering_futures_another_thread_cancels_raises_the_executor_cancellation() -> None:
+    # found by a concurrency hunt: the cancellation raised on the client's loop crossed into the
+    # reader as asyncio.CancelledError, a BaseException that `except Exception` and `except
+    # concurrent.futures.CancelledError` both missed (it killed the reader threads)
+    import concurrent.futures
+    import threading
+
+    outcomes: list[str] = []
+    with tidepool.LocalCluster(n_workers=2, slots=2) as cluster, tidepool.Client(cluster) as client:
+        for _ in range(6):
+            fs = client.map(_big, [2_000_000] * 6, range(6))
+            tidepool.wait(fs)
+
+            def reader(futs: list[Any] = fs) -> None:
+                try:
+                    client.gather(futs, timeout=30)
+                    outcomes.append("values")
+                except concurrent.futures.CancelledError:
+                    outcomes.append("cancelled")
+                except BaseException as exc:  # noqa: BLE001 - what the bug raised
+                    outcomes.append(f"{type(exc).__module__}.{type(exc).__name__}")
+
+            threads = [threading.Thread(target=reader) for _ in range(3)]
+            for t in threads:
+                t.start()
+            client.cancel(fs[2:4])
+            for t in threads:
+                t.join(60)
+            del fs
+    assert outcomes and set(outcomes) <= {"values", "cancelled"}, outcomes

@@ -19,6 +19,7 @@ from tidepool.client.protocol import (
     Event,
     Failed,
     Finished,
+    KeyCancelled,
     Running,
     Settled,
     WorkerSetupFailed,
@@ -428,7 +429,7 @@ def test_waiting_keys_that_can_never_come_raise() -> None:
     fetch.end_round()
     fetch.check_waiting()  # nothing final yet: wait for a report
     held["b"].cancel()
-    with pytest.raises(concurrent.futures.CancelledError):
+    with pytest.raises(KeyCancelled):  # the caller raises concurrent.futures.CancelledError
         fetch.check_waiting()
     core.receive(report(["a", "erred", erred("KilledWorkerError")]))
     key, info = fetch.check_waiting() or ("", {})  # failed: the caller builds its exception

@@ -38,6 +38,7 @@ from tidepool.client.protocol import (
     Event,
     Failed,
     Finished,
+    KeyCancelled,
     Running,
     Settled,
     WorkerSetupFailed,
@@ -485,6 +486,8 @@ class ClientConnection:
             return {**got, **self.run(self._fetch_within(rest, timeout))}
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+        except KeyCancelled as exc:
+            raise concurrent.futures.CancelledError(str(exc)) from None
 
     def _inline_values(self, keys: list[str]) -> dict[str, Any]:
         """The values of ``keys`` that came inline, unpickled in the calling thread (outside ``lock``)."""
@@ -600,6 +603,8 @@ class ClientConnection:
                 more = await asyncio.wrap_future(self.loop.submit(coro))
         except TimeoutError:
             raise TimeoutError(f"values of {keys[:3]} could not be fetched within {timeout}s") from None
+        except KeyCancelled as exc:
+            raise concurrent.futures.CancelledError(str(exc)) from None
         except (asyncio.CancelledError, concurrent.futures.CancelledError):
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # the caller's own cancellation

@@ -37,7 +37,6 @@ to give up (``FETCH_ATTEMPTS``) or wait for the next report.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import importlib.util
 import itertools
 import weakref
@@ -149,6 +148,13 @@ class WorkerSetupFailed:
 
 
 Event = Finished | Failed | Cancelled | Running | Settled | Answered | WorkerSetupFailed
+
+
+class KeyCancelled(Exception):  # noqa: N818 - what it says, not an error of the program
+    """A key being read was cancelled (raised on the client's loop; the caller's thread raises
+    ``concurrent.futures.CancelledError`` for it: a cancellation error raised in a coroutine
+    crosses loops as ``asyncio.CancelledError``, a ``BaseException`` that ``except Exception``
+    misses, or passes for the loop stopping)."""
 
 
 class FutureTable(weakref.WeakValueDictionary[str, KeyedFuture]):
@@ -530,7 +536,7 @@ class Fetch:
                 return k, err
             f = core.futures.get(k)
             if f is not None and f.cancelled():  # its value is gone for good
-                raise concurrent.futures.CancelledError(cancelled_message(k))
+                raise KeyCancelled(cancelled_message(k))
         if core.lost is not None:
             raise core.lost
         return None
