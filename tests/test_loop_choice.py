@@ -92,3 +92,34 @@ def test_uvloop_connects_to_an_abstract_unix_socket() -> None:
     finally:
         loop.close()
     assert got == [{"op": "ping"}] and reply == {"op": "pong"}
+
+
+def test_a_call_interrupted_in_its_thread_stops_its_work_on_the_loop() -> None:
+    # found by a concurrency hunt: Ctrl-C during a gather left its read going on the loop (the
+    # next gather took three times as long); only a timeout cancelled the loop's side
+    import asyncio
+    import os
+    import signal
+    import threading
+
+    from tidepool.loop import LoopThread
+
+    lt = LoopThread("tidepool-test-loop")
+    stopped = threading.Event()
+
+    async def long_read() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C: the wait is woken
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lt.run(long_read())
+        assert stopped.wait(10), "the interrupted call's coroutine still runs on the loop"
+    finally:
+        timer.cancel()
+        lt.stop()

@@ -86,7 +86,10 @@ class LoopThread:
         fut = self.submit(coro)
         try:
             return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
+            # nobody waits for it any more (a timeout, or Ctrl-C in the calling thread): its work
+            # on the loop stops too (an interrupted gather read on in the background, a concurrency
+            # hunt saw the next one take 3x as long)
             fut.cancel()
             raise
 
