@@ -265,3 +265,36 @@ def test_dask_async_cluster_habits_work_or_say_what_to_do() -> None:
         return got, cluster.closed
 
     assert asyncio.run(main()) == (2, True)
+
+
+def _nap(x: int, d: float) -> int:
+    import time
+
+    time.sleep(d)
+    return x
+
+
+def test_a_cancelled_await_kept_by_the_caller_does_not_keep_the_future() -> None:
+    # found by a concurrency hunt: the CancelledError of an await held its frame, which held the
+    # future: a caller keeping the error (gather(..., return_exceptions=True)) kept the key held
+    import gc
+
+    with tidepool.LocalCluster(n_workers=1) as cluster:
+
+        async def main() -> list[str]:
+            async with tidepool.Client(cluster.address, token=cluster.token, asynchronous=True) as c:
+                f = c.submit(_nap, 1, 0.5)
+
+                async def waits(fut: Any = f) -> int:
+                    return await fut  # type: ignore[no-any-return]
+
+                t = asyncio.ensure_future(waits())
+                await asyncio.sleep(0.1)
+                t.cancel()
+                kept = (await asyncio.gather(t, return_exceptions=True))[0]
+                assert isinstance(kept, asyncio.CancelledError)
+                del f, t
+                gc.collect()
+                return list(c._connection.core.futures)
+
+        assert asyncio.run(main()) == []

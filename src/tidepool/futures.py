@@ -404,10 +404,14 @@ class Future(concurrent.futures.Future, Generic[T]):  # type: ignore[type-arg]
         self._add_raw_callback(wake)
         try:
             await done
-        finally:
+        except BaseException:
             # an await given up (a timeout, a cancel) takes its callback along: a server polling a
-            # long task with wait_for left one per poll (a bug hunt: 2,000 callbacks)
+            # long task with wait_for left one per poll (a bug hunt: 2,000 callbacks); and the
+            # CancelledError a caller may keep holds this frame: not the future (its key stayed held)
             self._remove_raw_callback(wake)
+            self = None  # type: ignore[assignment]
+            raise
+        self._remove_raw_callback(wake)
         try:
             v = super().result(0)
         except BaseException:
