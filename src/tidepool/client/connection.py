@@ -344,9 +344,9 @@ class ClientConnection:
         try:
             return self.loop.run(coro, timeout)
         except concurrent.futures.CancelledError:
+            why = "this client was closed while the call waited" if self._own_loop else "its cluster closed"
             raise self.core.lost or ConnectionLostError(
-                f"the event loop of the connection to the scheduler at {self.address} stopped (its "
-                "cluster closed)") from None  # fmt: skip
+                f"the event loop of the connection to the scheduler at {self.address} stopped ({why})") from None
 
     def call(self, msg: dict[str, Any], timeout: float | None = None) -> Any:
         """:meth:`request`, blocking the calling thread."""
