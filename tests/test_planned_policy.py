@@ -613,3 +613,5 @@ def test_the_first_node_rule_buys_only_the_best_type_for_work_nothing_can_run() 
     empty = ClusterSnapshot(now=0.0, node_types=(cpu, gpu), demand=(Demand(CPU, "work", 1, 0.1),), workers=(),
                             finished=10, forecasts=fc, eta=eta, next_demand_in=nxt)  # fmt: skip
     assert GraphPlan("cheapest")(empty).launch == {"cpu": 1}
+    leaving = replace(worker("c0", node_type="cpu"), state="retiring")  # a review: it takes no new task
+    assert GraphPlan("cheapest")(replace(empty, workers=(leaving,))).launch == {"cpu": 1}

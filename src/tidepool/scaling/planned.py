@@ -582,7 +582,8 @@ def _stranded(snap: ClusterSnapshot, node_type: str) -> bool:
     coming = [nt.worker_resources for p in snap.pending if (nt := snap.node_type(p.node_type)) is not None]
     launchable = tuple(nt for nt in snap.node_types if not snap.blocked(nt.name))
     for d in snap.demand:
-        if any(fits(w.resources, d.shape) for w in snap.workers) or any(fits(r, d.shape) for r in coming):
+        staying = (w for w in snap.workers if w.state != "retiring")  # a retiring one takes no new task
+        if any(fits(w.resources, d.shape) for w in staying) or any(fits(r, d.shape) for r in coming):
             continue
         best = rank_types(d.shape, launchable)
         if best and best[0].name == node_type:
