@@ -294,6 +294,17 @@ def test_a_cancelled_await_kept_by_the_caller_does_not_keep_the_future() -> None
                 kept = (await asyncio.gather(t, return_exceptions=True))[0]
                 assert isinstance(kept, asyncio.CancelledError)
                 del f, t
+                g = c.submit(_nap, 2, 0.5)  # the same through gather_async (a review)
+
+                async def gathers() -> list[int]:
+                    return await c.gather_async([g])  # type: ignore[no-any-return]  # noqa: F821
+
+                t2 = asyncio.ensure_future(gathers())
+                await asyncio.sleep(0.1)
+                t2.cancel()
+                kept2 = (await asyncio.gather(t2, return_exceptions=True))[0]
+                assert isinstance(kept2, asyncio.CancelledError)
+                del g, t2
                 gc.collect()
                 return list(c._connection.core.futures)
 

@@ -504,25 +504,6 @@ def test_a_map_racing_close_in_another_thread_leaves_no_future_waiting_for_ever(
             assert f.done() or isinstance(f.exception(timeout=10), Exception)
 
 
-def test_a_released_finished_future_frees_its_key_for_another_task() -> None:
-    # found by a concurrency hunt: release() of a finished future kept its key "alive", so the
-    # next task under it was refused with KeyCollisionError, whose message says to release first
-    with tidepool.LocalCluster(n_workers=1) as cluster, tidepool.Client(cluster) as client:
-        f = client.submit(abs, -1, key="mykey")
-        assert f.result(timeout=30) == 1
-        f.release()
-        g = client.submit(abs, -2, key="mykey")
-        assert g.result(timeout=30) == 2
-        del f
-        gc.collect()  # the released future going away does not release the new task's key
-        assert client.submit(_plus_one, g).result(timeout=30) == 3
-        failed = client.submit(int, "x", key="bad")
-        with pytest.raises(ValueError):
-            failed.result(timeout=30)
-        failed.release()
-        assert client.submit(int, "7", key="bad").result(timeout=30) == 7  # not the old error
-
-
 def _big(n: int, i: int) -> bytes:
     return bytes([i]) * n
 

@@ -73,7 +73,10 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, *, interruptible: bool = False) -> T:
+        """Run ``coro`` on this loop and wait for it; a timeout cancels it there, and so does a
+        ``KeyboardInterrupt`` in the waiting thread when ``interruptible`` (a read or a request:
+        nobody wants its answer any more; a close is not, it runs to its end)."""
         if threading.current_thread() is self.thread:
             coro.close()
             raise TidepoolError(
@@ -86,11 +89,12 @@ class LoopThread:
         fut = self.submit(coro)
         try:
             return fut.result(timeout)
-        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-            # nobody waits for it any more (a timeout, or Ctrl-C in the calling thread): its work
-            # on the loop stops too (an interrupted gather read on in the background, a concurrency
-            # hunt saw the next one take 3x as long)
+        except concurrent.futures.TimeoutError:
             fut.cancel()
+            raise
+        except KeyboardInterrupt:
+            if interruptible:  # an interrupted gather read on in the background (a concurrency hunt
+                fut.cancel()  # saw the next one take 3x as long)
             raise
 
     def call_soon(self, fn: Any, *args: Any) -> None:

@@ -593,12 +593,18 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
             try:
                 await asyncio.wait_for(asyncio.shield(all_done), _finite(timeout))
             except TimeoutError:
+                for f in pending:
+                    f._remove_raw_callback(one_done)
                 keys = [f.key for f in flat if not f.done()]
                 why = await self._connection.why_not_done_async(keys, timeout)
                 raise TimeoutError(f"{len(keys)} of {len(flat)} futures not done after {timeout}s; {why}") from None
-            finally:
-                for f in pending:
+            except BaseException:  # cancelled: the error a caller may keep holds this frame, not
+                for f in pending:  # the futures (their keys stayed held; a review)
                     f._remove_raw_callback(one_done)
+                del futures, flat, f, pending
+                raise
+            for f in pending:
+                f._remove_raw_callback(one_done)
         need = []
         for f in flat:
             if f.cancelled():

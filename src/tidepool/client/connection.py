@@ -342,7 +342,7 @@ class ClientConnection:
         while we wait: it cancels what runs on it) is a lost connection, not a ``CancelledError``
         (which says a future was cancelled)."""
         try:
-            return self.loop.run(coro, timeout)
+            return self.loop.run(coro, timeout, interruptible=True)
         except concurrent.futures.CancelledError:
             why = "this client was closed while the call waited" if self._own_loop else "its cluster closed"
             raise self.core.lost or ConnectionLostError(
@@ -692,9 +692,6 @@ class ClientConnection:
 
     def release(self, keys: list[str]) -> None:
         self.post(Release(list(keys)).encode())
-        with self.lock:
-            for key in keys:
-                self.core.forget_released(key)
 
     def release_dropped(self, key: str) -> None:
         """Weak-reference callback of a future: its key is released after all posted before, within

@@ -409,21 +409,6 @@ class ClientProtocol:
         self.holders.pop(key, None)
         self._drop_inline(key)
 
-    def forget_released(self, key: str) -> None:
-        """``future.release()`` of a finished future (its release is in the outbox): the key is no
-        longer a live task of this client, so another task may take it (it was refused with
-        KeyCollisionError, whose message says to release first), and nothing of the old task is
-        read by a new future under the key.  A future not done is cancelled instead (claim
-        replaces cancelled futures)."""
-        fut = self.futures.get(key)
-        if fut is None or not fut.done():
-            return
-        del self.futures[key]
-        self.idents.pop(key, None)
-        self.errors.pop(key, None)
-        self.holders.pop(key, None)
-        self._drop_inline(key)
-
     def _release_queued(self, key: str) -> bool:
         """A release of ``key`` still waits (in ``dropped`` or the outbox)."""
         return key in self.dropped or any(m.get("op") == "release" and key in m["keys"] for m in self.outbox)

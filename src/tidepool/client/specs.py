@@ -184,8 +184,9 @@ class SpecBuilder:
             if taken:
                 raise KeyCollisionError(
                     f"key {spec.key!r} is already used by a different task that is still alive (another "
-                    "function, arguments or inputs); give this task its own key, or release the first "
-                    f"future before reusing the key{unsent}", spec.key)  # fmt: skip
+                    "function, arguments or inputs); give this task its own key, or drop the first "
+                    f"future (del it: a future still referenced keeps its key) before reusing the key{unsent}",
+                    spec.key)  # fmt: skip
 
     def delayed_specs(self, roots: list[Delayed[Any]], functions: dict[str, Any]) -> list[TaskSpec]:
         """Specs for the graphs behind ``roots``, dependencies first (iterative DFS)."""

@@ -367,7 +367,7 @@ class Scheduler:
         self.setups_in_flight[wid] = self.setups_in_flight.get(wid, 0) + 1
         return self.setups_in_flight[wid] == 1 and wid in self.state.workers
 
-    def unregister_setup(self, name: str) -> bool:
+    async def unregister_setup(self, name: str) -> bool:
         """Workers that join from now on do not run this setup (those that ran it keep what it did);
         False if no setup has that name."""
         if self.setups.pop(name, None) is None:
@@ -375,7 +375,7 @@ class Scheduler:
         self.setup_digests.pop(name, None)
         if self.durable is not None:
             self.durable.forget_setup(name)
-        self.state.handle(ev.SetupsChanged(self.clock()))  # no command comes of it
+        await self.apply([ev.SetupsChanged(self.clock())])  # (a batch may carry due commands: sent)
         return True
 
     async def register_setup(self, name: str, blob: Any, timeout: float | None = None) -> dict[str, str]:
@@ -681,7 +681,7 @@ class Scheduler:
         elif op == "register-setup":
             asyncio.get_running_loop().create_task(self._setup_request(cid, msg))
         elif op == "unregister-setup":
-            found = self.unregister_setup(str(msg["name"]))
+            found = await self.unregister_setup(str(msg["name"]))
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": found})
         else:
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg.get("id"), "error": f"unknown op {op!r}"})
