@@ -538,3 +538,30 @@ def test_gathering_futures_another_thread_cancels_raises_the_executor_cancellati
                 t.join(60)
             del fs
     assert outcomes and set(outcomes) <= {"values", "cancelled"}, outcomes
+
+
+def test_gather_skip_leaves_out_futures_another_thread_cancels_during_the_read() -> None:
+    # a review: errors="skip" raised CancelledError for the whole batch when another thread
+    # cancelled one of its futures while the values were read
+    import threading
+
+    outcomes: list[Any] = []
+    with tidepool.LocalCluster(n_workers=2, slots=2) as cluster, tidepool.Client(cluster) as client:
+        for _ in range(6):
+            fs = client.map(_big, [2_000_000] * 6, range(6))
+            tidepool.wait(fs)
+
+            def reader(futs: list[Any] = fs) -> None:
+                try:
+                    outcomes.append(len(client.gather(futs, errors="skip", timeout=30)))
+                except BaseException as exc:  # noqa: BLE001 - what the bug raised
+                    outcomes.append(type(exc).__name__)
+
+            threads = [threading.Thread(target=reader) for _ in range(3)]
+            for t in threads:
+                t.start()
+            client.cancel(fs[2:4])
+            for t in threads:
+                t.join(60)
+            del fs
+    assert outcomes and set(outcomes) <= {4, 6}, outcomes

@@ -554,8 +554,15 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 continue
             if f._value is _UNSET:
                 need.append(f.key)
-        if need:
-            values = self._connection.run_fetch(list(dict.fromkeys(need)), timeout)
+        while need:
+            try:
+                values = self._connection.run_fetch(list(dict.fromkeys(need)), timeout)
+                break
+            except concurrent.futures.CancelledError:  # one was cancelled by another thread meanwhile
+                need = _skip_cancelled(need, flat, errors)
+        else:
+            values = {}
+        if values:
             for f in flat:
                 if f.key in values:
                     f._value = values[f.key]
@@ -619,10 +626,16 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
                 continue
             if f._value is _UNSET:
                 need.append(f.key)
-        if need:
+        values = {}
+        while need:
             bound = _finite(timeout)
             left = None if bound is None else max(0.0, bound - (loop.time() - start))
-            values = await self._connection.fetch_async(list(dict.fromkeys(need)), left)
+            try:
+                values = await self._connection.fetch_async(list(dict.fromkeys(need)), left)
+                break
+            except concurrent.futures.CancelledError:  # one was cancelled by another thread meanwhile
+                need = _skip_cancelled(need, flat, errors)
+        if values:
             for f in flat:
                 if f.key in values:
                     f._value = values[f.key]
@@ -741,3 +754,13 @@ for _name in _AWAITABLE_WHEN_ASYNCHRONOUS:
         setattr(Client, _name, _awaitable_when_asynchronous(getattr(Client, _name)))
 
 Client.__module__ = "tidepool.client"  # its public home (``from tidepool.client import Client``)
+
+
+def _skip_cancelled(need: list[str], flat: list[Future[Any]], errors: str) -> list[str]:
+    """A read was cut off because one of its futures was cancelled (by another thread): with
+    ``errors="skip"`` the keys still to read without the cancelled ones, else the error again."""
+    cancelled = {f.key for f in flat if f.cancelled()}
+    rest = [k for k in need if k not in cancelled]
+    if errors != "skip" or len(rest) == len(need):
+        raise  # noqa: PLE0704 - the read's own CancelledError, handled by the caller's except
+    return rest
