@@ -508,41 +508,10 @@ def _big(n: int, i: int) -> bytes:
     return bytes([i]) * n
 
 
-def test_gathering_futures_another_thread_cancels_raises_the_executor_cancellation() -> None:
-    # found by a concurrency hunt: the cancellation raised on the client's loop crossed into the
-    # reader as asyncio.CancelledError, a BaseException that `except Exception` and `except
-    # concurrent.futures.CancelledError` both missed (it killed the reader threads)
-    import concurrent.futures
-    import threading
-
-    outcomes: list[str] = []
-    with tidepool.LocalCluster(n_workers=2, slots=2) as cluster, tidepool.Client(cluster) as client:
-        for _ in range(6):
-            fs = client.map(_big, [2_000_000] * 6, range(6))
-            tidepool.wait(fs)
-
-            def reader(futs: list[Any] = fs) -> None:
-                try:
-                    client.gather(futs, timeout=30)
-                    outcomes.append("values")
-                except concurrent.futures.CancelledError:
-                    outcomes.append("cancelled")
-                except BaseException as exc:  # noqa: BLE001 - what the bug raised
-                    outcomes.append(f"{type(exc).__module__}.{type(exc).__name__}")
-
-            threads = [threading.Thread(target=reader) for _ in range(3)]
-            for t in threads:
-                t.start()
-            client.cancel(fs[2:4])
-            for t in threads:
-                t.join(60)
-            del fs
-    assert outcomes and set(outcomes) <= {"values", "cancelled"}, outcomes
-
-
-def test_gather_skip_leaves_out_futures_another_thread_cancels_during_the_read() -> None:
-    # a review: errors="skip" raised CancelledError for the whole batch when another thread
-    # cancelled one of its futures while the values were read
+def _gather_while_another_thread_cancels(read: Any) -> list[Any]:
+    """Six rounds: three threads each ``read(client, futures)`` six finished futures while the main
+    thread cancels two of them; returns every reader's outcome (what ``read`` returned, or the name
+    of what it raised)."""
     import threading
 
     outcomes: list[Any] = []
@@ -553,9 +522,9 @@ def test_gather_skip_leaves_out_futures_another_thread_cancels_during_the_read()
 
             def reader(futs: list[Any] = fs) -> None:
                 try:
-                    outcomes.append(len(client.gather(futs, errors="skip", timeout=30)))
-                except BaseException as exc:  # noqa: BLE001 - what the bug raised
-                    outcomes.append(type(exc).__name__)
+                    outcomes.append(read(client, futs))
+                except BaseException as exc:  # noqa: BLE001 - what the bugs raised
+                    outcomes.append(f"{type(exc).__module__}.{type(exc).__name__}")
 
             threads = [threading.Thread(target=reader) for _ in range(3)]
             for t in threads:
@@ -564,4 +533,29 @@ def test_gather_skip_leaves_out_futures_another_thread_cancels_during_the_read()
             for t in threads:
                 t.join(60)
             del fs
+    return outcomes
+
+
+def test_gathering_futures_another_thread_cancels_raises_the_executor_cancellation() -> None:
+    # found by a concurrency hunt: the cancellation raised on the client's loop crossed into the
+    # reader as asyncio.CancelledError, a BaseException that `except Exception` and `except
+    # concurrent.futures.CancelledError` both missed (it killed the reader threads)
+    import concurrent.futures
+
+    def read(client: tidepool.Client, futs: list[Any]) -> str:
+        try:
+            client.gather(futs, timeout=30)
+            return "values"
+        except concurrent.futures.CancelledError:
+            return "cancelled"
+
+    outcomes = _gather_while_another_thread_cancels(read)
+    assert outcomes and set(outcomes) <= {"values", "cancelled"}, outcomes
+
+
+def test_gather_skip_leaves_out_futures_another_thread_cancels_during_the_read() -> None:
+    # a review: errors="skip" raised CancelledError for the whole batch when another thread
+    # cancelled one of its futures while the values were read
+    outcomes = _gather_while_another_thread_cancels(
+        lambda client, futs: len(client.gather(futs, errors="skip", timeout=30)))
     assert outcomes and set(outcomes) <= {4, 6}, outcomes

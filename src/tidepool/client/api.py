@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from tidepool.client.cluster_calls import ClusterCalls, futures_of
+from tidepool.client.cluster_calls import ClusterCalls, check_seconds, futures_of
 from tidepool.client.connection import SILENCE_TIMEOUT, ClientConnection
 from tidepool.client.executor import ClientExecutor
 from tidepool.client.protocol import cancelled_message, make_exception
@@ -123,9 +123,7 @@ class Client(ClosesOnExit, concurrent.futures.Executor, ClusterCalls):
         self.closed = False
         shared = _shared_loop(self.cluster)  # then it has a scheduler in this process
         via = self.cluster.scheduler.memory_address if shared is not None and self.cluster is not None else None
-        if silence_timeout is not None and (isinstance(silence_timeout, bool) or not isinstance(silence_timeout, (int, float))
-                                            or not silence_timeout > 0):  # fmt: skip
-            raise ConfigError(f"silence_timeout must be a number of seconds > 0 or None, got {silence_timeout!r}")
+        check_seconds("silence_timeout", silence_timeout)
         self._connection = conn = ClientConnection(address, token, timeout, tls, shared, via, silence_timeout)
         self._loop = conn.loop
         self._specs = SpecBuilder(self, conn.core, conn.lock)

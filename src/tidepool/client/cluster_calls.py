@@ -65,9 +65,7 @@ class ClusterCalls:
         workers (default: until each has run it); a worker still running it then is named in a
         :class:`WorkerSetupError` (it runs the setup to its end and takes no task until then).
         """
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):  # fmt: skip
-            raise ConfigError(f"register_setup: timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        check_seconds("register_setup: timeout", timeout)
         from tidepool.setup import build_spec
 
         spec = build_spec(name or "", fn, modules=modules, files=files, requirements=requirements, env=env,
@@ -318,3 +316,9 @@ def fire_and_forget(futures: Any) -> None:
 
 
 __all__ = ["ClusterCalls", "fire_and_forget", "futures_of"]
+
+
+def check_seconds(what: str, value: Any) -> None:
+    """Refuse a timeout argument that is not None or a number of seconds > 0 (``what`` names it)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ConfigError(f"{what} must be a number of seconds > 0 or None, got {value!r}")
