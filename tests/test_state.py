@@ -452,6 +452,22 @@ def test_retire_refused_when_no_survivor_can_take_the_data() -> None:
     assert not [c for c in cmds if isinstance(c, ev.RetireRefused)]
 
 
+def test_a_worker_retired_while_its_task_runs_is_refused_when_no_survivor_can_take_the_value() -> None:
+    """Found by a bug hunt: retire_workers of the only (gpu) worker while it ran a task waited for
+    ever once the task ended (its value had nowhere to go), and the tasks waiting for it never ran."""
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9))
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    assert d.state.tasks["a"].worker == "w1"
+    assert not [c for c in d.send(ev.RetireWorkers(["w1"], d.clock())) if isinstance(c, ev.RetireRefused)]
+    cmds = d.finish("w1", "a")
+    refused = [c for c in cmds if isinstance(c, ev.RetireRefused)]
+    assert [c.worker for c in refused] == ["w1"] and "no other running worker can take them" in refused[0].reason
+    assert d.state.workers["w1"].state == "running" and not d.state.retiring
+    d.finish("w1", "b")  # the work waiting for it runs there again
+    assert d.state.tasks["b"].state == "memory"
+
+
 def test_retire_refused_when_survivors_lack_memory() -> None:
     d = StateDriver()
     d.add_worker("w1")

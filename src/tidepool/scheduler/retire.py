@@ -4,7 +4,8 @@ A retiring worker takes no new tasks and finishes the ones it runs.  Every value
 holds and that somebody still needs is copied (``Replicate``) to the survivor with the fewest held
 bytes that has memory room; once nothing unique is left and nothing runs, the worker is closed and
 removed gracefully (no recomputation, no failure counted).  If no survivor can take the data, the
-retirement is refused with the reason and the worker goes back to ``running``.  A copy that has not
+retirement is refused with the reason and the worker goes back to ``running`` (at the start, or
+once its running tasks end if the values they made have no survivor to go to).  A copy that has not
 arrived ``REASK_AFTER`` seconds after it was asked for (the survivor's fetch failed: the retiring
 worker was frozen, the line was down), or whose survivor left, is asked for again, of the least
 loaded survivor; after ``MAX_ASKS`` asks for one value the retirement is given up (refused, back to
@@ -201,7 +202,14 @@ def progress_retirements(view: RetireView) -> list[Intent]:
             targets = [(float(w.nbytes), w.seq, w.id) for w in workers.values() if w.state == "running"]
             heapq.heapify(targets)
         if not targets:
-            continue  # wait: data stays put until a survivor appears or the worker is lost
+            if ws.processing:
+                continue  # wait: a survivor may join before its tasks end
+            # its running tasks ended and made values nobody else can take: refused, as at the
+            # start (it waited for ever, its caller too, and tasks only it could run never ran)
+            need = sum(ts.nbytes for ts in unique)
+            out.append(GiveUp(wid, f"it holds {len(unique)} needed values ({need} bytes) made while it "
+                                   "retired, and no other running worker can take them"))  # fmt: skip
+            continue
         plan: dict[str, list[str]] = {}
         asks: dict[str, Ask] = {}
         for ts in sorted(todo, key=lambda t: (-t.nbytes, t.priority, str(t.key))):  # deterministic order
