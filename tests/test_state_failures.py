@@ -404,3 +404,34 @@ def test_tasks_fail_on_a_failed_setup_only_while_it_is_why_the_pool_is_empty() -
     other.submit([("t", [])], ["t"])
     other.send(ev.Tick(other.clock()))
     assert other.state.tasks["t"].state == "no-worker"
+
+
+def test_a_value_lost_to_memory_restarts_again_and_again_fails_instead_of_looping() -> None:
+    """Found by a bug hunt: results that do not fit a worker (spilling off) were lost at each memory
+    restart and recomputed there, filling it again: the worker restarted for ever (no task ran at
+    the restarts to blame) and the futures never finished.  Past allowed_failures a value lost that
+    way fails with KilledWorkerError saying what to do."""
+    from tidepool.scheduler import events as ev
+    from tidepool.scheduler.state import SchedulerState
+    from tidepool.testing import StateDriver
+
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9, allowed_failures=1))
+    d.add_worker("w1")
+    d.submit([("a", [])], ["a"])
+    for restart in range(2):
+        assert d.state.tasks["a"].worker == "w1"
+        d.finish("w1", "a", nbytes=5 << 20)
+        d.send(ev.WorkerRemove("w1", d.clock(), "over 95% of its memory limit", False, ev.RemoveCause.MEMORY))
+        d.add_worker("w1")
+        if restart == 0:  # lost once: recomputed
+            assert d.state.tasks["a"].state == "running"
+    ts = d.state.tasks["a"]
+    assert ts.state == "erred" and ts.error is not None and ts.error.exc_type == "KilledWorkerError"
+    assert "lost 2 times" in ts.error.message and "memory_limit" in ts.error.message
+    # a crash (not a memory restart) loses values without counting against them
+    d.submit([("b", [])], ["b"])
+    for _ in range(3):
+        d.finish("w1", "b")
+        d.remove_worker("w1")
+        d.add_worker("w1")
+    assert d.state.tasks["b"].state == "running"

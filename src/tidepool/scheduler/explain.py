@@ -122,6 +122,13 @@ def killed_workers(ts: TaskRecord, last: str, reason: str) -> str:
             "it is not retried again. Check it for crashes or memory blow-ups, or raise allowed_failures")  # fmt: skip
 
 
+def lost_to_memory(ts: TaskRecord, last: str, reason: str) -> str:
+    return (f"the value of task {ts.key!r} was lost {ts.memory_losses} times with a worker that restarted over its "
+            f"memory limit (last: {last}, {reason}); it is not recomputed again. The values held do not fit in the "
+            "workers' memory: release futures you no longer need, raise memory_limit, or let workers spill to "
+            "disk (docs/memory.md)")  # fmt: skip
+
+
 def transfer_failed(ts: TaskRecord, dep: TaskRecord, holder: str, error: str) -> str:
     return (f"task {ts.key!r} could not get its input {dep.key!r}: its only copy could not be fetched "
             f"{dep.fetch_failures} times in a row (last from {holder}: {error or 'unknown error'}); "

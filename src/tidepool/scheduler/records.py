@@ -67,7 +67,7 @@ class TaskRecord:
         "key", "func_id", "payload", "deps", "dependents", "waiters", "waiting_on", "state",
         "who_has", "nbytes", "worker", "shape", "retries_left", "suspicious", "wanted_by",
         "priority", "group", "error", "ready_seq", "started", "recomputes", "executing", "no_worker_since",
-        "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid", "run",
+        "fetch_failures", "stealing", "seceded", "restrict", "loose", "avoid", "run", "memory_losses",
     )  # fmt: skip
 
     def __init__(self, key: str, func_id: str, payload: Serialized | bytes | None, shape: Shape,
@@ -98,6 +98,8 @@ class TaskRecord:
         self.ready_seq = 0
         self.started = 0.0
         self.recomputes = 0
+        #: times its only copy was lost because its holder restarted over its memory limit
+        self.memory_losses = 0
         self.executing = False  # its worker reported it left the queue for a slot
         self.no_worker_since = 0.0
         self.fetch_failures = 0  # times a worker could not fetch this value from its holder

@@ -762,7 +762,16 @@ class SchedulerState:
         running = sorted(ws.processing, key=lambda t: t.priority)
         ws.processing.clear()
         self.overloaded.discard(ws.id)
+        memory = e.cause is ev.RemoveCause.MEMORY
         for ts in sorted(lost, key=lambda t: t.priority):
+            if memory and ts.needed:
+                # the values held do not fit: with spilling off or failing, each restart lost them
+                # and their recomputes filled the worker again, for ever (no task ran at the
+                # restarts to blame); past allowed_failures such a value fails instead
+                ts.memory_losses += 1
+                if ts.memory_losses > self.allowed_failures:
+                    self._fail(ts, "KilledWorkerError", explain.lost_to_memory(ts, ws.name, e.reason), out)
+                    continue
             self._lose_value(ts, out)
         for ts in running:
             if ts.state != "running" or ts.worker != ws.id:

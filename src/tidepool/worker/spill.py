@@ -59,6 +59,10 @@ def _load(blob: bytes | bytearray | memoryview) -> Any:
     return deserialize(Serialized(bytes(frames[0]), frames[1:]))
 
 
+
+class SpillingOff(OSError):
+    """A value would be spilled while the spill limit is 0: spilling is off by the user's choice."""
+
 class Unspillable(Exception):
     """``key``'s value cannot be pickled: it stays in memory."""
 
@@ -89,7 +93,7 @@ class Disk(MutableMapping[str, Any]):
             raise Unspillable(key, exc) from exc
         nbytes = sum(memoryview(f).nbytes for f in frames)
         if self.limit < 0:
-            raise OSError(errno.ENOSPC, "spilling is off (spill limit 0): values stay in memory")
+            raise SpillingOff(errno.ENOSPC, "the spill limit is 0 (spill_limit=0, --spill-limit 0)")
         if self.limit and self.used + nbytes > self.limit:
             raise OSError(errno.ENOSPC, f"the spill limit of {self.limit:,} bytes would be passed "
                                         f"({self.used:,} used, {nbytes:,} more asked); raise --spill-limit")  # fmt: skip
@@ -223,6 +227,8 @@ class SpillStore(MutableMapping[str, Any]):
             del self._buf[exc.key]
             self.pinned[exc.key] = value
             log.warning("%s; it stays in memory", exc)
+        elif isinstance(exc, SpillingOff):  # a setting, not a failed write
+            self.disable(exc.strerror or "the spill limit is 0")
         elif isinstance(exc, (OSError, MemoryError)):
             self.disable(f"writing to {self.directory} failed: {exc}")
         else:
