@@ -188,3 +188,27 @@ def test_a_terminate_sample_is_measured_again_on_the_loop_and_the_monitor_keeps_
         assert len(seen) > 2, "the thread stopped watching after one terminate"
     finally:
         loop.close()
+
+
+def test_a_spilled_value_is_read_back_after_the_values_in_memory_make_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a bug hunt: a 100 MiB spilled value failed for good ("cannot be read back") on a
+    worker holding another 100 MiB value in memory, far under its limit: the room counted only what
+    was free, not what spilling the values in memory frees.  They are spilled first now."""
+    from tidepool.worker.server import Worker
+
+    w = Worker("tcp://127.0.0.1:1", "0" * 64, memory_limit="8GB")
+    w.data["big"] = np.zeros(MB, dtype=np.uint8)
+    w.state.spilled["big"] = 600 * MB  # on disk, as the state knows it
+    for k in ("held1", "held2"):  # 2 x 300 MB in memory, the oldest first
+        w.data[k] = np.zeros(MB, dtype=np.uint8)
+        w.state.memory[k] = 300 * MB
+        w.state._memory_bytes += 300 * MB
+    monkeypatch.setattr(w, "_rss", lambda: int(0.95 * 8e9) - 100 * MB)  # 100 MiB of room left
+
+    async def serve() -> dict[str, object]:
+        return w._data_reply(["big"], 2**32)
+
+    reply = asyncio.run(serve())
+    assert list(reply["data"]) == ["big"] and not reply.get("failed")
+    assert set(w.state.spilled) == {"big", "held1", "held2"} and not w.state.memory  # both made room
+    w.state.validate()

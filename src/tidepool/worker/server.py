@@ -544,14 +544,21 @@ class Worker:
         return int(self._proc.memory_info().rss)
 
     def _unreadable(self, keys: list[str]) -> dict[str, str]:
-        """Spilled values that cannot be read back without passing the terminate level: reading one
-        would restart the worker, losing it, and its recompute would be spilled and asked for again,
-        for ever.  They fail (the scheduler errs their task) with what to do."""
+        """Spilled values that cannot be read back without passing the terminate level, even once the
+        values held in memory are spilled: reading one would restart the worker, losing it, and its
+        recompute would be spilled and asked for again, for ever.  They fail (the scheduler errs
+        their task) with what to do."""
         spilled = self.state.spilled
         room = self.memory_thresholds.terminate * self.memory_limit - self._rss()
         out: dict[str, str] = {}
         for k in keys:
             size = spilled.get(k)
+            if size is not None and size > room and not self.state.spill_off:
+                # values in memory go to disk first (a bug hunt: a 100 MiB value failed for good on a
+                # worker holding another 100 MiB in memory, far under its 250 MB limit)
+                before = self.state.memory_bytes
+                self._apply(self.state.handle(ws.MakeRoom(size - room)))
+                room += before - self.state.memory_bytes
             if size is not None and size > room:
                 message = (f"task {k!r} produced a value of {mib(size)} that cannot be read back from disk on worker "
                            f"{self.name} without passing its {mib(self.memory_limit)} memory limit (it uses "

@@ -201,8 +201,16 @@ class MemorySample:
     rss: int
 
 
+@dataclass(frozen=True, slots=True)
+class MakeRoom:
+    """About ``nbytes`` more must fit in memory (a spilled value is to be read back): spill values
+    held in memory, least recently used first."""
+
+    nbytes: float
+
+
 Event = Compute | FreeKeys | StealKeys | Replicate | Secede | TaskDone | FetchDone | FetchFailed | SpillFailed \
-    | Unservable | MemorySample | RunsLong | Unlined  # fmt: skip
+    | Unservable | MemorySample | RunsLong | Unlined | MakeRoom  # fmt: skip
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -370,7 +378,7 @@ class WorkerState:
             Compute: self._compute, FreeKeys: self._free, StealKeys: self._steal, Replicate: self._replicate,
             Secede: self._secede, TaskDone: self._done, FetchDone: self._fetched, FetchFailed: self._fetch_failed,
             SpillFailed: self._spill_failed, Unservable: self._unservable, MemorySample: self._memory,
-            RunsLong: self._runs_long, Unlined: self._unlined,
+            RunsLong: self._runs_long, Unlined: self._unlined, MakeRoom: self._make_room,
         }  # fmt: skip
 
     # ---- queries ---------------------------------------------------------------------------------
@@ -800,6 +808,9 @@ class WorkerState:
             self._memory_bytes -= nb
         if keys:
             out.append(Spill(tuple(keys)))
+
+    def _make_room(self, e: MakeRoom, out: list[Command]) -> None:
+        self._spill(e.nbytes, out)
 
     def _spill_failed(self, e: SpillFailed, out: list[Command]) -> None:
         for k in e.keys:
