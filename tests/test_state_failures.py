@@ -435,3 +435,13 @@ def test_a_value_lost_to_memory_restarts_again_and_again_fails_instead_of_loopin
         d.remove_worker("w1")
         d.add_worker("w1")
     assert d.state.tasks["b"].state == "running"
+    # nor does a memory restart while a task executes: that task is blamed (a creeping task on a
+    # worker holding values: the values are recomputed, the task fails after allowed_failures)
+    d.finish("w1", "b")
+    d.submit([("c", [])], ["c"])
+    for _ in range(2):
+        d.start("w1", "c")
+        d.send(ev.WorkerRemove("w1", d.clock(), "over 95% of its memory limit", False, ev.RemoveCause.MEMORY))
+        d.add_worker("w1")
+    assert d.state.tasks["c"].state == "erred" and d.state.tasks["b"].memory_losses == 0
+    assert d.state.tasks["b"].state in ("running", "ready", "memory")

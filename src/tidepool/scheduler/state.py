@@ -762,11 +762,13 @@ class SchedulerState:
         running = sorted(ws.processing, key=lambda t: t.priority)
         ws.processing.clear()
         self.overloaded.discard(ws.id)
-        memory = e.cause is ev.RemoveCause.MEMORY
+        # a memory restart with no task executing: what it held is to blame (a running task is
+        # blamed instead, below, and the values that went with it are recomputed as before)
+        memory = e.cause is ev.RemoveCause.MEMORY and not any(t.executing for t in running)
         for ts in sorted(lost, key=lambda t: t.priority):
             if memory and ts.needed:
                 # the values held do not fit: with spilling off or failing, each restart lost them
-                # and their recomputes filled the worker again, for ever (no task ran at the
+                # and their recomputes filled the worker again, for ever (no task ran at those
                 # restarts to blame); past allowed_failures such a value fails instead
                 ts.memory_losses += 1
                 if ts.memory_losses > self.allowed_failures:
