@@ -445,3 +445,21 @@ def test_a_value_lost_to_memory_restarts_again_and_again_fails_instead_of_loopin
         d.add_worker("w1")
     assert d.state.tasks["c"].state == "erred" and d.state.tasks["b"].memory_losses == 0
     assert d.state.tasks["b"].state in ("running", "ready", "memory")
+
+
+def test_values_held_in_memory_past_the_target_are_blamed_even_with_a_task_running() -> None:
+    """The bug hunt's loop had a task executing at every restart (each a different one, each
+    finishing later): a worker holding more in memory than spilling leaves there (spilling off)
+    blames its values, so the loop ends."""
+    from tidepool.scheduler import events as ev
+    from tidepool.scheduler.state import SchedulerState
+    from tidepool.testing import StateDriver
+
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9, allowed_failures=0))
+    d.add_worker("w1", memory_limit=100 << 20)
+    d.submit([("a", []), ("b", [])], ["a", "b"])
+    d.finish("w1", "a", nbytes=70 << 20)  # 70% of the limit in memory: spilling would have moved it
+    d.start("w1", "b")
+    d.send(ev.WorkerRemove("w1", d.clock(), "over 95% of its memory limit", False, ev.RemoveCause.MEMORY))
+    ts = d.state.tasks["a"]
+    assert ts.state == "erred" and "lost 1 time with" in ts.error.message  # type: ignore[union-attr]

@@ -123,7 +123,7 @@ def killed_workers(ts: TaskRecord, last: str, reason: str) -> str:
 
 
 def lost_to_memory(ts: TaskRecord, last: str, reason: str) -> str:
-    return (f"the value of task {ts.key!r} was lost {ts.memory_losses} times with a worker that restarted over its "
+    return (f"the value of task {ts.key!r} was lost {ts.memory_losses} time{'s' if ts.memory_losses != 1 else ''} with a worker that restarted over its "
             f"memory limit (last: {last}, {reason}); it is not recomputed again. The values held do not fit in the "
             "workers' memory: release futures you no longer need, raise memory_limit, or let workers spill to "
             "disk (docs/memory.md)")  # fmt: skip
