@@ -131,14 +131,17 @@ class World:
 
 
 def chaos(rng: random.Random):  # type: ignore[no-untyped-def]
-    """A policy that asks anything: any launch size, any type (unknown ones too), any retirement."""
+    """A policy that asks anything: any launch size, any type (unknown ones too), any retirement, any
+    call-off of launches in flight."""
 
     def policy(snap: ClusterSnapshot) -> ScaleDecision:
         launch = {name: rng.randrange(0, 6) for name in rng.sample(["cpu", "gpu", "tpu"], rng.randrange(0, 3))}
         retire = tuple(w.id for w in snap.workers if rng.random() < 0.3)
         why = tuple((w, "idle") for w in retire if rng.random() < 0.5)
         reasons = ("asked",) if rng.random() < 0.5 else ()
-        return ScaleDecision(launch=launch, retire=retire, reasons=reasons, why=why)
+        cancel = {name: rng.randrange(1, 6) for name in rng.sample(["cpu", "gpu"], rng.randrange(0, 3))
+                  if not launch.get(name)}  # fmt: skip
+        return ScaleDecision(launch=launch, retire=retire, reasons=reasons, why=why, cancel=cancel)
 
     return policy
 
@@ -172,6 +175,10 @@ def test_random_observation_sequences_keep_the_controller_invariants(
         # never launch and retire the same type in one step
         retired_types = {w.node_type for w in snap.workers if w.id in acts.retire}
         assert not retired_types & {nt.name for _, nt, _ in acts.launch}, (acts.launch, acts.retire)
+        # ... nor launch and call off launches of the same type; a called-off worker is terminated
+        called_off = [r for r in acts.records if r["kind"] == "cancel-launch" and "workers" in r]
+        assert not {r["node_type"] for r in called_off} & {nt.name for _, nt, _ in acts.launch}
+        assert all(w in acts.terminate for r in called_off for w in r["workers"])
         for rid, _, _ in acts.launch:
             deadlines[rid] = world.now + acts.launch_timeouts[rid]
         world.act(acts.launch, acts.retire, acts.terminate)

@@ -59,3 +59,25 @@ def test_a_worker_view_counts_the_unique_values_a_task_still_needs_apart_from_re
     d.finish("w1", "b")
     (view,) = worker_views(d.state)
     assert (view.unique_keys, view.unique_for_tasks) == (2, 0)  # only the client wants them now
+
+
+def test_tasks_asking_for_no_cpu_count_one_slot_each_and_a_huge_node_type_stays_small() -> None:
+    """Found by a bug hunt: ``resources={"cpu": 0}`` counted a million slots per node (every
+    autoscaler step spent seconds in the forecast) and a node type offering 10**12 cpu failed every
+    step with a MemoryError; a node runs at most its slots (one per cpu), and no more than the tasks."""
+    from tidepool.scaling.forecast import RemainingWork
+    from tidepool.scaling.observation import GraphView
+    from tidepool.scaling.planner import plan
+    from tidepool.scaling.snapshot import ClusterSnapshot, Demand
+
+    free = (("cpu", 0.0),)
+    work = RemainingWork((0.5,) * 60, ((),) * 60, ())
+    graph = GraphView(work, (free,) * 60)
+    four = NodeType("default", {"cpu": 4}, max_nodes=20, startup_estimate=1.0)
+    (f,), _, _ = type_forecasts(graph, (), (four,), {}, (), 0.0, set())
+    assert f.slots_per_node == 4
+    huge = NodeType("big", {"cpu": 1e12}, max_nodes=2, startup_estimate=1.0)
+    (g,), _, _ = type_forecasts(graph, (), (huge,), {}, (), 0.0, set())
+    assert g.slots_per_node == 60 and g.etas[-1] < float("inf")
+    snap = ClusterSnapshot(now=0.0, node_types=(four,), demand=(Demand(free, "f", 60, 0.5),), workers=())
+    assert plan(snap).nodes == {"default": 15}

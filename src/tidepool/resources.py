@@ -40,6 +40,14 @@ def capacity(resources: Mapping[str, float], shape: Shape) -> int:
         n = min(n, resources.get(name, 0.0) // amount)
     return int(n) if n != math.inf else 1_000_000
 
+
+def task_slots(resources: Mapping[str, float], shape: Shape) -> int:
+    """How many tasks of ``shape`` a worker with ``resources`` runs at once: what fits, at most its
+    slots (one per whole cpu, at least one: the scheduler's ``WorkerRecord.slots``).  A task asking
+    for no cpu still takes a slot; the forecast counted a million of them per node (and a node type
+    offering 10**12 cpu that many), which stalled or failed every autoscaler step."""
+    return min(capacity(resources, shape), max(1, int(min(resources.get("cpu", 1), 1e9))))
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -407,6 +407,8 @@ class ScalingController(Replacing):
             planned = {}
         self._launch(planned, "; ".join(reasons), obs.now, actions)
         self._retirements(decision, snap, by_id, planned, retiring, actions, keep_idle=not zero)
+        if self._cancellations(decision, snap, planned, retiring, actions):
+            self.cost.settle(self.instances)  # the called-off nodes are billed no more
         self._budget_spent(snap, by_id, planned, actions)
         self._over_max(snap, by_id, actions)
         if zero:
@@ -860,6 +862,55 @@ class ScalingController(Replacing):
             left[ws.node_type] = left.get(ws.node_type, 0) - 1
             self._asked[wid] = sig
             self._begin_retire(ws, now, why.get(wid, "the policy asked (no reason given)"), actions)
+
+    def _cancellations(self, decision: ScaleDecision, snap: ClusterSnapshot, planned: Mapping[str, int],
+                       retiring: Mapping[str, int], actions: Actions) -> bool:  # fmt: skip
+        """Call off what the policy asked (``decision.cancel``) of the launches in flight: their
+        workers not registered yet are given up and terminated (the provider cancels a queued job,
+        releases a booting node), the newest launch first.  Not of a type launched in this step,
+        not below ``min_nodes``, not while a worker of that type waits for a replacement, and only
+        whole nodes whose workers have all still to come.  True if any was called off."""
+        now = snap.now
+        done = False
+        why = "; ".join(r for r in decision.reasons if "call off" in r) or "the policy asked (no reason given)"
+        for name, n in sorted(decision.cancel.items()):
+            nt = self.node_types.get(name)
+            if n <= 0 or nt is None or planned.get(name):
+                continue
+            if any(self.fallbacks.route(w.node_type) == name for w in snap.workers if w.id in self._replaced):
+                continue
+            n = min(n, standing(snap, name, retiring) - nt.min_nodes)
+            per = max(1, nt.workers_per_node)
+            for req in reversed(list(self.instances.open.values())):
+                if n <= 0:
+                    break
+                if req.node_type != name or not req.workers:
+                    continue  # not named yet: nothing to terminate
+                missing = self.instances.missing(req)
+                if per > 1 and len(missing) < len(req.workers):
+                    continue  # part of it joined: which workers share a node is the provider's
+                take = missing[len(missing) - min(len(missing), n * per):]
+                take = take[len(take) % per:]  # whole nodes only
+                if not take:
+                    continue
+                nodes = len(take) // per
+                for w in take:
+                    self.instances.move(self.instances.instances[w], IS.FAILED, now, f"called off: {why}")
+                    self.instances.delist(req, w)
+                if not req.workers:  # nothing of it came: it ends here, no failure of its type
+                    self.instances.move_request(req, IS.FAILED, now, f"called off: {why}")
+                else:
+                    req.nodes = max(1, -(-len(req.workers) // per))
+                    # the called-off nodes waited at least this long: the start-up learned from the
+                    # launch counts them (its median of the quick ones alone would be too short)
+                    req.delays.extend([max(0.0, now - req.since)] * nodes)
+                    self._maybe_arrived(req, now)  # the rest of it came already
+                n -= nodes
+                actions.terminate.extend(w for w in take if w not in actions.terminate)
+                self.journal.record("cancel-launch", now, request=req.id, node_type=name, nodes=nodes,
+                                    workers=list(take), reason=f"called off: {why}")  # fmt: skip
+                done = True
+        return done
 
     def _takers(self, by_id: Mapping[str, WorkerView], now: float) -> set[str]:
         """For each worker being replaced, the first worker of its type (or fallback) that joined

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tidepool.resources import Shape, capacity
+from tidepool.resources import Shape, task_slots
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.snapshot import TypeForecast, WorkerView
 from tidepool.scheduler.records import ORDINARY
@@ -435,9 +435,11 @@ def type_forecasts(
             graph.work, [i for i, sh in enumerate(graph.shapes) if sh in cls])  # fmt: skip
         hold = whole.variant(whole.for_hold)
         dom = max(cls, key=lambda s: (cls[s], s))
-        spn = max(1, capacity(dict(nt.worker_resources), dom)) * nt.workers_per_node
+        # a node runs no more tasks at once than it has slots, nor than there are tasks: counting
+        # more only grows the forecast's per-slot lists (a 10**12-cpu type: a MemoryError per step)
+        spn = min(max(1, task_slots(dict(nt.worker_resources), dom)) * nt.workers_per_node, max(1, len(whole)))
         room = 0 if name in blocked else max(0, nt.max_nodes - nodes_of.get(name, 0))
-        slots = sum(capacity(w.resources, dom) for w in workers
+        slots = sum(task_slots(w.resources, dom) for w in workers
                     if w.state in ("running", "starting") and counts_for(w, dom))  # fmt: skip
         slots = min(slots, 100_000)
         arrivals: list[float] = []
@@ -447,15 +449,19 @@ def type_forecasts(
         base = tuple(arrivals)
         # the pool as it is, played forward on the durations holding sees (RemainingWork.for_hold)
         profile: tuple[tuple[float, int], ...] = ()
+        profile_now: tuple[tuple[float, int], ...] = ()
         if len(hold) <= SIMULATE_MAX_TASKS and len(hold) * len(candidates(room, -(-len(hold) // spn))) <= SIMULATE_BUDGET:
             profile = in_use_profile(schedule_detail(hold, slots, base)[2])
+            if base and nt.billed_startup is not None and nt.billed_startup < nt.startup_estimate:
+                # a queued job may start any time: the width with every one of them here now
+                profile_now = in_use_profile(schedule_detail(hold, slots + len(base))[2])
         mean = _with_extra(name, nt.startup_estimate, spn, whole, slots, base, room, profile)
         evidence = None
         if whole.for_launch is not None:  # launches by evidence see unseen kinds at the prior
             evidence = _with_extra(name, nt.startup_estimate, spn, whole.variant(whole.for_launch), slots, base,
                                    room, profile)  # fmt: skip
         out.append(TypeForecast(name, nt.startup_estimate, spn, mean.extra, mean.etas, len(whole), mean.new_busy,
-                                profile, slots + len(base), mean.new_start, evidence))  # fmt: skip
+                                profile, slots + len(base), mean.new_start, evidence, profile_now))  # fmt: skip
         etas = mean.etas
         eta = etas[0] if eta is None else max(eta, etas[0])
         soon = next_demand_in(hold)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidepool.resources import Shape, capacity, fits
+from tidepool.resources import Shape, capacity, fits, task_slots
 from tidepool.scaling.node_types import NodeType
 from tidepool.scaling.snapshot import ClusterSnapshot, Demand
 
@@ -101,7 +101,7 @@ def plan(snapshot: ClusterSnapshot, demand: tuple[Demand, ...] | None = None) ->
                 break
             if snapshot.blocked(nt.name):
                 continue
-            per_node = capacity(dict(nt.worker_resources), shape) * nt.workers_per_node
+            per_node = task_slots(dict(nt.worker_resources), shape) * nt.workers_per_node
             room = nt.max_nodes - count[nt.name]
             if per_node <= 0 or room <= 0:
                 continue

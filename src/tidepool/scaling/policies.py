@@ -47,18 +47,19 @@ def as_decision(value: Any) -> ScaleDecision:
     if isinstance(value, ScaleDecision):
         return value
     if isinstance(value, dict):
-        unknown = set(value) - {"launch", "retire", "infeasible", "reasons", "why"}
+        unknown = set(value) - {"launch", "retire", "infeasible", "reasons", "why", "cancel"}
         if unknown:
-            raise ConfigError(f"policy returned unknown fields {sorted(unknown)}; use launch/retire")
+            raise ConfigError(f"policy returned unknown fields {sorted(unknown)}; use launch/retire/cancel")
         return ScaleDecision(dict(value.get("launch", {})), tuple(value.get("retire", ())),
                              tuple(value.get("infeasible", ())), tuple(value.get("reasons", ())),
-                             tuple(dict(value.get("why", {})).items()))  # fmt: skip
+                             tuple(dict(value.get("why", {})).items()), dict(value.get("cancel", {})))  # fmt: skip
     raise ConfigError(f"a policy must return a ScaleDecision or a dict, got {type(value).__name__}")
 
 
 def check_decision(decision: ScaleDecision, snap: ClusterSnapshot) -> None:
-    """Refuse (ConfigError) a decision naming node types the cluster does not have, launching a
-    count that is not a whole number >= 0, or retiring workers it does not have: a policy's bug,
+    """Refuse (ConfigError) a decision naming node types the cluster does not have, launching (or
+    calling off) a count that is not a whole number >= 0, launching and calling off one type, or
+    retiring workers it does not have: a policy's bug,
     journaled as ``policy-error`` (the default policy serves that round) rather than ignored."""
     types = {nt.name for nt in snap.node_types}
     for name, n in decision.launch.items():
@@ -67,6 +68,14 @@ def check_decision(decision: ScaleDecision, snap: ClusterSnapshot) -> None:
                               f"{sorted(types)}")  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ConfigError(f"policy asked to launch {n!r} nodes of {name!r}; a count is a whole number >= 0")
+    for name, n in decision.cancel.items():
+        if name not in types:
+            raise ConfigError(f"policy asked to call off launches of unknown node type {name!r}; the node types are "
+                              f"{sorted(types)}")  # fmt: skip
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"policy asked to call off {n!r} nodes of {name!r}; a count is a whole number >= 0")
+        if n and decision.launch.get(name):
+            raise ConfigError(f"policy asked to launch and to call off {name!r} nodes in one decision")
     if decision.retire:
         live = {w.id for w in snap.workers}
         unknown = [w for w in decision.retire if w not in live]
@@ -318,16 +327,21 @@ def merge(decisions: Sequence[ScaleDecision]) -> ScaleDecision:
     infeasible: list[str] = []
     reasons: list[str] = []
     why: dict[str, str] = {}
+    cancel: dict[str, int] = {}
     for d in decisions:
         for w, text in d.why:
             why.setdefault(w, text)
         for k, v in d.launch.items():
             launch[k] = max(launch.get(k, 0), v)
+        for k, v in d.cancel.items():
+            cancel[k] = max(cancel.get(k, 0), v)
         retire.extend(r for r in d.retire if r not in retire)
         infeasible.extend(i for i in d.infeasible if i not in infeasible)
         reasons.extend(d.reasons)
-    return ScaleDecision({k: v for k, v in launch.items() if v > 0}, tuple(retire), tuple(infeasible), tuple(reasons),
-                         tuple(why.items()))  # fmt: skip
+    launch = {k: v for k, v in launch.items() if v > 0}
+    # a type one of them launches is not called off by another: the launch wins (never both ways)
+    cancel = {k: v for k, v in cancel.items() if v > 0 and k not in launch}
+    return ScaleDecision(launch, tuple(retire), tuple(infeasible), tuple(reasons), tuple(why.items()), cancel)
 
 
 def keep_young(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> ScaleDecision:
@@ -343,7 +357,7 @@ def keep_young(snap: ClusterSnapshot, d: ScaleDecision, min_lifetime: float) -> 
             reasons.append(f"keep {wid}: younger than {min_lifetime:.1f}s")
         else:
             keep.append(wid)
-    return ScaleDecision(d.launch, tuple(keep), d.infeasible, tuple(reasons), d.why)
+    return ScaleDecision(d.launch, tuple(keep), d.infeasible, tuple(reasons), d.why, d.cancel)
 
 
 @dataclass

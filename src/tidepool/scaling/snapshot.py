@@ -89,6 +89,9 @@ class TypeForecast:
     #: of the other kinds (None: no such kind waits; see ``RemainingWork.for_launch``): what the
     #: default's objective rules launch on, while a deadline or budget plans on the mean
     evidence: TypeForecast | None = None
+    #: ``profile`` with every launch in flight arriving now (set only for types whose queue wait is
+    #: not billed and with launches in flight): the most a queued node could be used, whenever it starts
+    profile_now: tuple[tuple[float, int], ...] = ()
 
     @property
     def for_launch(self) -> TypeForecast:
@@ -150,7 +153,9 @@ class ClusterSnapshot:
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    """Launch ``launch[type]`` more nodes; retire ``retire`` workers; report ``infeasible`` shapes."""
+    """Launch ``launch[type]`` more nodes; retire ``retire`` workers; call off ``cancel[type]``
+    nodes of launches in flight (not registered yet: a queued Slurm job, a booting VM); report
+    ``infeasible`` shapes."""
 
     launch: dict[str, int] = field(default_factory=dict)
     retire: tuple[str, ...] = ()
@@ -158,7 +163,9 @@ class ScaleDecision:
     reasons: tuple[str, ...] = ()
     #: (worker id, why) for retirements: the journal gives each retirement its own reason
     why: tuple[tuple[str, str], ...] = ()
+    #: node type -> nodes of its launches in flight no longer wanted (the newest go first)
+    cancel: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not any(self.launch.values()) and not self.retire
+        return not any(self.launch.values()) and not self.retire and not any(self.cancel.values())
