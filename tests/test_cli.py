@@ -409,6 +409,19 @@ def test_a_token_file_that_holds_a_token_is_read_not_overwritten(tmp_path: Path)
         with tidepool.Client(address, token="my-shared-secret") as client:
             assert client.scheduler_info()["workers"] == []
         assert token_file.read_text() == "my-shared-secret\n"
+    # found by a bug hunt: with a token in the environment too, the file was overwritten with it
+    env = {**clean_env(), "TIDEPOOL_TOKEN": "another-secret"}
+    clash = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
+                              "--no-dashboard"), tmp_path / "c.err", env=env)  # fmt: skip
+    with running(clash):
+        assert clash.popen.wait(30) == 2, clash.stderr()
+        assert "differs from the one in TIDEPOOL_TOKEN" in clash.stderr() and "Traceback" not in clash.stderr()
+    assert token_file.read_text() == "my-shared-secret\n"
+    same = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
+                             "--no-dashboard"), tmp_path / "e.err", env={**env, "TIDEPOOL_TOKEN": "my-shared-secret"})  # fmt: skip
+    with running(same):
+        same.wait_for_line(ADDRESS_LINE)
+        assert token_file.read_text() == "my-shared-secret\n"
     token_file.chmod(0o644)  # one others may read is refused, as a worker refuses it
     bad = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--token-file", str(token_file),
                             "--no-dashboard"), tmp_path / "b.err")  # fmt: skip

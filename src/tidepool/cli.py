@@ -190,9 +190,14 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     given = token_from_env()
     # a token file that holds a token already is read, never overwritten: workers and clients given
     # a copy of it (or a scheduler restarted on it) keep working
-    kept = bool(not given and args.token_file and _holds_text(args.token_file))
+    kept = bool(args.token_file and _holds_text(args.token_file))
     if kept:
-        given = read_token_file(args.token_file)
+        held = read_token_file(args.token_file)
+        if given and given != held:  # (it overwrote the file with the environment's: a bug hunt)
+            raise ConfigError(f"the token in --token-file {args.token_file} differs from the one in TIDEPOOL_TOKEN / "
+                              "TIDEPOOL_TOKEN_FILE; the file is never overwritten: unset the variable, or give "
+                              "a --token-file that is empty or does not exist yet")  # fmt: skip
+        given = held
     token = given or ("" if args.state_dir else new_token())
 
     async def main() -> None:
