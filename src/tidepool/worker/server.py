@@ -70,6 +70,9 @@ from tidepool.worker.spill import SpillStore, worker_store
 log = logging.getLogger("tidepool.worker")
 #: set by a worker restarting itself over its memory limit for the new process: the port to take again
 PORT_ENV = "TIDEPOOL_WORKER_PORT"
+#: the worker's id, set for the fresh process a CLI worker becomes after a memory restart (it comes
+#: back under the same id: work pinned with ``workers=[id]`` still finds it)
+ID_ENV = "TIDEPOOL_WORKER_ID"
 #: report kinds sent at once rather than with the next batch
 _NOW = frozenset({"started", "stolen", "kept", "seceded"})
 
