@@ -184,3 +184,18 @@ def test_a_1_5_trace_does_not_resolve_a_dangling_parent_id_by_task_name() -> Non
     doc = _doc([{"id": "ID1", "name": "a", "parents": []}, {"id": "ID2", "name": "b", "parents": ["a"]}], [])
     with pytest.raises(ConfigError, match="parents that are not tasks"):
         from_wfformat(doc)
+
+
+def test_edges_given_only_as_children_are_read() -> None:
+    """Found by a bug hunt: a chain written with ``children`` (empty parents) ran as independent
+    tasks; an edge is read from either end (given on both, it counts once)."""
+    doc = _doc([{"id": "a", "children": ["b"], "outputFiles": []},
+                {"id": "b", "parents": [], "children": ["c"], "outputFiles": []},
+                {"id": "c", "parents": ["b"], "outputFiles": []}],
+               [{"id": k, "runtimeInSeconds": 10.0} for k in "abc"])  # fmt: skip
+    by_key = {t.key: t for t in from_wfformat(doc).tasks()}
+    assert by_key["b"].deps == ("a",) and by_key["c"].deps == ("b",) and by_key["a"].deps == ()
+    with pytest.raises(ConfigError, match="children that are not tasks"):
+        from_wfformat(_doc([{"id": "a", "children": ["zz"]}], [{"id": "a", "runtimeInSeconds": 1.0}]))
+    with pytest.raises(ConfigError, match="children must be a list"):
+        from_wfformat(_doc([{"id": "a", "children": "b"}], [{"id": "a", "runtimeInSeconds": 1.0}]))

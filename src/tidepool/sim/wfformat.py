@@ -8,7 +8,7 @@ WfCommons users (``wfcommons/WfInstances``) are in this format, so ``tidepool si
 TRACE.json`` reads them as they are.
 
 Mapping, per task: key = its id; duration = ``runtimeInSeconds`` (divided by ``scale``, so a trace
-can be replayed faster); inputs = ``parents``; group = the id up to ``_ID`` (``mProject_ID0000001``
+can be replayed faster); inputs = ``parents`` plus the tasks naming it among their ``children``; group = the id up to ``_ID`` (``mProject_ID0000001``
 -> ``mProject``: the program); result size = the sum of its output files' sizes; resources =
 ``coreCount`` cpus when above 1, and ``memory`` = ``memoryInBytes`` when the trace gives it.
 Tasks are ordered so inputs come first; the wanted results are the tasks nothing depends on.
@@ -92,6 +92,18 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
         name = t.get("name")
         if isinstance(name, str):
             by_name[name] = tid if name not in by_name else ""  # "": two tasks share it
+    # an edge may be written on either end: a task's "children" make it their parent too (a trace
+    # giving only children ran as independent tasks, silently: a bug hunt)
+    from_children: dict[str, list[str]] = {}
+    for tid, t in by_id.items():
+        kids = t.get("children", []) or []
+        if not isinstance(kids, list):
+            raise ConfigError(f"{source}: task {tid!r}: children must be a list of task ids, got {kids!r:.60}")
+        for c in map(str, kids):
+            child = c if c in by_id else by_name.get(c) or c
+            if child not in by_id:
+                raise ConfigError(f"{source}: task {tid!r} names children that are not tasks: [{c!r}]")
+            from_children.setdefault(child, []).append(tid)
     missing_runtime = 0
     out: dict[str, SimTask] = {}
     for tid, t in by_id.items():
@@ -103,6 +115,7 @@ def from_wfformat(data: Mapping[str, Any], *, source: str = "<wfformat>", scale:
         unknown = [p for p in parents if p not in by_id]
         if unknown:
             raise ConfigError(f"{where} names parents that are not tasks: {unknown[:3]}")
+        parents += [p for p in dict.fromkeys(from_children.get(tid, ())) if p not in parents]
         run = measured.get(tid, t)
         runtime = run.get("runtimeInSeconds", run.get("runtime"))
         if runtime is None:
