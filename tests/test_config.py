@@ -100,6 +100,10 @@ NT = "[[node_types]]\nname='a'\n"
         ("[scheduler]\nport=70000\n" + NT, "port must be a whole number 0..65535"),
         ("[scheduler]\nport='8786'\n" + NT, "port must be a whole number 0..65535"),
         ("[scheduler]\nhost=1\n" + NT, "host must be a host name or address"),
+        # a bug hunt: a number crashed the scheduler with a TypeError traceback
+        ("[scheduler]\ntls_ca_file=5\ntls_cert='c'\ntls_key='k'\n" + NT, "tls_ca_file must be the path of a PEM file"),
+        ("[scheduler]\ntls_cert=['c.pem']\n" + NT, "tls_cert must be the path of a PEM file"),
+        ("[scheduler]\ntls_cert='c.pem'\n" + NT, "TLS needs tls_ca_file, tls_cert and tls_key together"),
         ("scheduler=3\n" + NT, "[scheduler] must be a table"),
         ("[provider]\nkind='nomad'\n" + NT, "[provider] kind must be one of local, ssh, slurm, callback"),
         ("[provider]\nenv='A=1'\n" + NT, "[provider] env must be a table of strings"),

@@ -354,6 +354,13 @@ def _check_scheduler(source: str, s: dict[str, Any]) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"{source}: [scheduler] port must be a whole number 0..65535 (0: any free port), "
                           f"got {port!r}")  # fmt: skip
+    for key in ("tls_ca_file", "tls_cert", "tls_key"):  # (a number crashed the scheduler later: a bug hunt)
+        if key in s and (not isinstance(s[key], str) or not s[key]):
+            raise ConfigError(f"{source}: [scheduler] {key} must be the path of a PEM file, got {s[key]!r}")
+    tls = [key for key in ("tls_ca_file", "tls_cert", "tls_key") if key in s]
+    if tls and len(tls) != 3:
+        raise ConfigError(f"{source}: [scheduler] TLS needs tls_ca_file, tls_cert and tls_key together; "
+                          f"only {', '.join(tls)} given")  # fmt: skip
 
 
 def _node_types(source: str, raw: Any) -> list[NodeType]:
