@@ -205,3 +205,17 @@ def test_the_table_says_its_units_and_speed_lines_need_v(tmp_path: Path, capsys:
     assert row["retirements"] == count_retirements(load_records(str(tmp_path / "out" / "default.jsonl")))[0]
     _, err_v, _ = run_simulate(tmp_path, capsys, "bursty", "--cluster", "local:4", "-v")
     assert "events/s" in err_v and "wall time" in err_v
+
+
+def test_a_policy_that_raises_is_said_and_fails_the_simulation(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Found by a bug hunt: a policy raising on every round printed the default policy's numbers
+    under its name, exit 0 (the fallback is right for a live pool, not for judging a policy)."""
+    (tmp_path / "raising_policy_mod.py").write_text("def scale(snapshot):\n    raise RuntimeError('my bug')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["simulate", "chain", "--param", "n=3", "--cluster", "local:2", "--policy", "raising_policy_mod:scale",
+               "--policy", "default", "--out", str(tmp_path / "out"), "--no-plot", "--quiet"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert re.search(r"raising_policy_mod:scale: the policy raised in (\d+) of \1 rounds \(first: RuntimeError: my bug\)", out)
+    assert "policy 'raising_policy_mod:scale' raised" in err and "default: the policy raised" not in out

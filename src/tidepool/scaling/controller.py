@@ -167,6 +167,9 @@ class ControllerView:
     cost: CostView = CostView()
     #: restored instances wait for a provider listing (``adoption.py``): list the provider now
     restoring: bool = False
+    #: steps whose policy raised (the default policy decided them), and the first error
+    policy_errors: int = 0
+    policy_error: str = ""
 
 
 @dataclass
@@ -334,6 +337,8 @@ class ScalingController(Replacing):
         self._fallback = default_policy()
         self._policy_error_t = -1e9
         self._policy_error = ""
+        self._policy_errors = 0  # steps whose policy raised, and the first error (the view says so)
+        self._policy_error_first = ""
         #: a restarted scheduler's stored instance rows, adopted at the first listing (``adoption.py``)
         self._restoring = {w: dict(r) for w, r in restored.items()} if restored is not None else None
         self._rows: dict[str, dict[str, Any]] = dict(self._restoring or {})
@@ -701,6 +706,8 @@ class ScalingController(Replacing):
         import traceback
 
         text = f"{type(exc).__name__}: {exc}"
+        self._policy_errors += 1
+        self._policy_error_first = self._policy_error_first or text
         if text != self._policy_error or now - self._policy_error_t > 60.0:
             logging.getLogger("tidepool.scaling").error(
                 "the scaling policy raised (using the default policy until it works again):\n%s",
@@ -1006,7 +1013,8 @@ class ScalingController(Replacing):
             unusable=_frozen(self.unusable), startup=_frozen(self.startup), forecast=self._fc,
             feasibility=self._feasibility,
             cost=self.cost.view(snap.now, self.limits) if snap is not None else self.view.cost,
-            restoring=self._restoring is not None,
+            restoring=self._restoring is not None, policy_errors=self._policy_errors,
+            policy_error=self._policy_error_first,
         )  # fmt: skip
         actions.view = self.view
         rows = instance_rows(self.instances) if self._restoring is None else self._rows

@@ -163,4 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([result_json(r) for r in results], f, indent=1)
-    return 0 if all(r.completed and not r.failed_keys for r in results) else 1
+    broken = [r for r in results if r.policy_errors]
+    for r in broken:  # its row is partly the default policy's: not a result for that policy
+        print(f"tidepool: error: policy {r.policy!r} raised in {r.policy_errors} rounds (see the note above and "
+              f"its journal); fix it before reading its row", file=sys.stderr)  # fmt: skip
+    return 0 if all(r.completed and not r.failed_keys and not r.policy_errors for r in results) else 1

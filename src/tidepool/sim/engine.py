@@ -122,6 +122,7 @@ class SimResult:
     lost_seconds: float = 0.0  # task execution time thrown away: tasks running on a worker that was killed
     preempted: int = 0  # workers killed by a preemption (spot) before they left
     failed_keys: int = 0  # wanted keys whose tasks failed (the run ended, but not with every result)
+    policy_errors: int = 0  # rounds whose policy raised (the default policy decided them)
 
     @property
     def total_cost(self) -> float:
@@ -694,6 +695,10 @@ class Simulation:
             notes.append(f"stopped before the results: {self._stopped}")
         if self._erred:
             notes.append(f"{self._erred} wanted keys failed; the first: {self._first_failure}")
+        view = self.shell.round.view
+        if view.policy_errors:  # the numbers are the default policy's for those rounds: say so
+            notes.append(f"the policy raised in {view.policy_errors} of {self.shell.steps} rounds (first: "
+                         f"{view.policy_error}); the default policy decided those rounds")  # fmt: skip
         completed = self._gathered_at is not None
         return SimResult(
             policy=self.policy_name, workload=self.workload.name, seed=self.seed, completed=completed,
@@ -706,7 +711,7 @@ class Simulation:
             launch_failures=sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")),
             workers=self.state.counters["workers_joined"], peak_workers=self._peak, tasks=len(self.tasks),
             executions=self._executions, recomputed=self.state.counters["recomputed"], end=end, stats=st,
-            notes=notes, journal=self.journal_path, lost_seconds=self._lost, preempted=self._preempted,
+            notes=notes, journal=self.journal_path, policy_errors=view.policy_errors, lost_seconds=self._lost, preempted=self._preempted,
             failed_keys=self._erred,
         )  # fmt: skip
 
