@@ -219,3 +219,13 @@ def test_a_policy_that_raises_is_said_and_fails_the_simulation(capsys: pytest.Ca
     assert rc == 1
     assert re.search(r"raising_policy_mod:scale: the policy raised in (\d+) of \1 rounds \(first: RuntimeError: my bug\)", out)
     assert "policy 'raising_policy_mod:scale' raised" in err and "default: the policy raised" not in out
+
+
+def test_a_graph_function_missing_an_argument_says_which_param_to_pass(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # found by a bug hunt: a TypeError traceback
+    (tmp_path / "graph_fn_mod.py").write_text("def make(n, width, scale=1.0):\n    return {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = simulate_error(capsys, "graph_fn_mod:make", "--param", "n=3")
+    assert "graph_fn_mod:make needs 'width': pass --param width=VALUE" in err

@@ -95,6 +95,11 @@ def params(fn: Callable[..., Any], given: Mapping[str, Any], source: str) -> dic
                 raise ConfigError(f"{field} must be a number, got {value!r}") from None
         num = number(value, field, integer=isinstance(default, int))
         out[name] = int(num) if isinstance(default, int) else float(num)
+    missing = [n for n, p in sig.parameters.items() if n != "seed" and n not in out and p.default is p.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+    if missing:  # (a TypeError traceback before: a bug hunt)
+        raise ConfigError(f"{source} needs {', '.join(repr(n) for n in missing)}: pass "
+                          f"{' '.join(f'--param {n}=VALUE' for n in missing)}")  # fmt: skip
     return out
 
 
