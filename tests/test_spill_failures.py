@@ -209,3 +209,21 @@ def test_a_file_error_is_not_blamed_on_the_address(capsys: pytest.CaptureFixture
     assert main(["certs", "/proc/no-such-dir/certs"]) == 2
     err = capsys.readouterr().err
     assert "No such file or directory" in err and "address" not in err
+
+
+def test_a_missing_spill_dir_is_created_and_an_unusable_one_is_named(tmp_path: Path) -> None:
+    # found by a bug hunt: a missing --spill-dir failed with "[Errno 2] No such file or directory:
+    # '/nonexistent/x/tidepool-w-...'", naming neither the option nor the fix
+    from tidepool.errors import ConfigError
+    from tidepool.worker.server import Worker
+
+    where = tmp_path / "not" / "yet"
+    w = Worker("tcp://127.0.0.1:1", "token", memory_limit="8GB", spill_dir=str(where))
+    try:
+        assert isinstance(w.data, SpillStore) and where.is_dir()
+    finally:
+        w.data.close()  # type: ignore[attr-defined]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"--spill-dir .*a-file/x.*give a directory this worker may create"):
+        Worker("tcp://127.0.0.1:1", "token", memory_limit="8GB", spill_dir=str(blocker / "x"))

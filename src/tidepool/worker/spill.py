@@ -329,7 +329,14 @@ def worker_store(setup_dir: Path, worker_id: str, spill_dir: str | None, spill_l
     (close, exit, the local provider after a SIGKILL) removes spilled values too."""
     spill = setup_dir / ".spill"
     if spill_dir:
-        spill = workspace.claim(worker_id, spill_dir)
+        from tidepool.errors import ConfigError
+
+        try:  # created if missing (it failed with a bare "[Errno 2] ... tidepool-w-..." before: a bug hunt)
+            os.makedirs(spill_dir, exist_ok=True)
+            spill = workspace.claim(worker_id, spill_dir)
+        except OSError as exc:
+            raise ConfigError(f"--spill-dir {spill_dir!r} (spill_dir=): {exc.strerror or exc}; give a directory "
+                              "this worker may create and write to") from exc  # fmt: skip
     return SpillStore(spill, math.inf, resolve_spill_limit(spill_limit, spill), on_disable=on_disable, promote=False)
 
 
