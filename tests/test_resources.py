@@ -66,3 +66,17 @@ def test_non_finite_resources_are_rejected_at_submit(value: float) -> None:
         TaskOptions({"cpu": value})
     with pytest.raises(ConfigError, match="finite"):
         parse_resources({"memory": value})
+
+
+def test_a_worker_given_slots_and_a_different_cpu_is_refused() -> None:
+    # found by a bug hunt: `tidepool worker --slots 4 --resources '{"cpu": 2, "gpu": 1}'` ran with
+    # cpu=4 and said nothing (LocalCluster refused the same)
+    import pytest
+
+    from tidepool.errors import ConfigError
+    from tidepool.resources import worker_resources
+
+    with pytest.raises(ConfigError, match=r"slots=4 \(--slots\) and resources cpu=2 \(--resources\) disagree"):
+        worker_resources({"cpu": 2, "gpu": 1}, slots=4)
+    assert worker_resources({"cpu": 4, "gpu": 1}, slots=4) == {"cpu": 4.0, "gpu": 1.0}
+    assert worker_resources({"gpu": 1}, slots=3) == {"cpu": 3.0, "gpu": 1.0}

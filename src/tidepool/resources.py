@@ -111,6 +111,9 @@ def worker_resources(resources: Mapping[str, Any] | None, slots: int | None = No
     if slots is not None:
         if slots < 1:
             raise ConfigError(f"slots must be at least 1, got {slots}")
+        if "cpu" in res and res["cpu"] != float(slots):  # (--slots won silently: a bug hunt)
+            raise ConfigError(f"slots={slots} (--slots) and resources cpu={res['cpu']:g} (--resources) disagree: a "
+                              "worker runs as many default tasks at once as its cpu; give one of them")  # fmt: skip
         res["cpu"] = float(slots)
     res.setdefault("cpu", float(os.cpu_count() or 1))
     return res
