@@ -310,12 +310,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from tidepool.worker.server import ID_ENV, PORT_ENV
 
-    worker_id = args.id or os.environ.pop(ID_ENV, None) or None  # a memory restart keeps its id
-
     async def main() -> None:
         on_preemption_notice()  # SIGUSR1 is a notice, not a kill
         w = Worker(args.address, token, slots=args.slots, resources=resources, node_type=args.node_type,
-                   name=args.name, worker_id=worker_id, heartbeat_interval=args.heartbeat_interval, host=args.listen_host,
+                   name=args.name, worker_id=args.id, heartbeat_interval=args.heartbeat_interval, host=args.listen_host,
                    preload=args.preload, restartable=True, memory_limit=args.memory_limit,
                    memory_share=args.memory_share, spill_dir=args.spill_dir, spill_limit=args.spill_limit,
                    tls=_tls(args), reconnect_window=args.reconnect_window)  # fmt: skip
@@ -328,7 +326,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             # the new process can tell it is a restart (and how many came before it)
             os.environ[RESTARTS_ENV] = str(int(os.environ.get(RESTARTS_ENV) or 0) + 1)
             os.environ[PORT_ENV] = w.address.rsplit(":", 1)[-1]  # the same address again (workers=[...] pins)
-            os.environ[ID_ENV] = w.id  # ... and the same id (a bug hunt: a new random one)
+            os.environ[ID_ENV] = w.id  # ... and the same id (the Worker reads it; it took a new random one)
             sys.stdout.flush()
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

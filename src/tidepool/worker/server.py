@@ -70,8 +70,8 @@ from tidepool.worker.spill import SpillStore, worker_store
 log = logging.getLogger("tidepool.worker")
 #: set by a worker restarting itself over its memory limit for the new process: the port to take again
 PORT_ENV = "TIDEPOOL_WORKER_PORT"
-#: the worker's id, set for the fresh process a CLI worker becomes after a memory restart (it comes
-#: back under the same id: work pinned with ``workers=[id]`` still finds it)
+#: the worker's id when no ``worker_id`` is given: set by the providers, and for the fresh process
+#: a CLI worker becomes after a memory restart (the same id: work pinned with ``workers=[id]`` finds it)
 ID_ENV = "TIDEPOOL_WORKER_ID"
 #: report kinds sent at once rather than with the next batch
 _NOW = frozenset({"started", "stolen", "kept", "seceded"})
@@ -99,7 +99,7 @@ class Worker:
         self.tls = resolve_tls(tls, scheduler) if self.scheme == "tls" else tls
         self.resources = res = worker_resources(resources, slots)
         self.node_type = node_type
-        self.id = worker_id or os.environ.get("TIDEPOOL_WORKER_ID") or f"w-{uuid.uuid4().hex[:10]}"
+        self.id = worker_id or os.environ.get(ID_ENV) or f"w-{uuid.uuid4().hex[:10]}"
         self.name = name or self.id
         self.host = host or listen_host(scheduler)
         self.heartbeat_interval = heartbeat_interval
