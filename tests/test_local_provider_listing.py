@@ -102,3 +102,28 @@ def test_a_launch_still_running_when_the_provider_closes_leaves_no_process(monke
     assert len(started) == 1  # the one being spawned: the other two never start
     assert not provider.procs and started[0].poll() is not None  # killed at once
     assert not [p for p in psutil.Process().children() if p.pid == started[0].pid and p.status() != "zombie"]
+
+
+@pytest.mark.parametrize("fork_server", [False, True])
+def test_a_worker_that_refuses_to_start_gives_the_provider_its_reason(fork_server: bool) -> None:
+    """Found by a bug hunt: a node type with too little memory per worker failed every launch
+    with "exited with code 2" (and "fix the provider or the setup"); the reason was only on the
+    worker's stderr.  The worker writes it where the provider reads it."""
+    import time
+
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=fork_server)
+    nt = NodeType("tiny", {"cpu": 1, "memory": "5MB"})
+    (wid,) = provider.worker_ids(nt, 1, "a1")
+    provider.launch(nt, 1, "a1")
+    try:
+        errors: list[Any] = []
+        deadline = time.monotonic() + 60
+        while not errors and time.monotonic() < deadline:
+            errors = provider.poll_errors()
+            time.sleep(0.05)
+        (err,) = errors
+        assert err.worker_id == wid and "exited with code 2: memory limit 5 MiB is below what this worker uses" in err.message
+        assert provider._exit_dir is not None and not os.listdir(provider._exit_dir)  # read once, then gone
+    finally:
+        provider.close()
+    assert not os.path.exists(provider._exit_dir)

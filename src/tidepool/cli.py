@@ -534,6 +534,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return 130
     except TidepoolError as exc:
         print(f"tidepool: error: {exc}", file=sys.stderr)
+        _tell_launcher(str(exc))
         return 2
     except OSError as exc:
         # the address hint only where an address can be the cause (not, e.g., a missing file)
@@ -545,6 +546,22 @@ def _run_command(args: argparse.Namespace) -> int:
         hint = " (is the address right and the port free?)" if networky else ""
         print(f"tidepool: error: {exc}{hint}", file=sys.stderr)
         return 2
+
+
+def _tell_launcher(message: str) -> None:
+    """A worker started by a provider that failed to start: why, for the provider's error (the
+    user saw only "exited with code 2" there; the reason was on the worker's stderr)."""
+    from tidepool.providers.base import EXIT_FILE_ENV
+
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(message[:2000])
+    except OSError:
+        pass  # best effort: the message is on stderr anyway
 
 
 def worker_main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from tidepool.scaling.node_types import NodeType
 
+#: a file a provider names in a worker's environment: a worker that fails to start writes why there
+#: (the provider adds it to its ProviderFailure, so the user sees the reason, not only an exit code)
+EXIT_FILE_ENV = "TIDEPOOL_WORKER_EXIT_FILE"
+
 
 @dataclass(frozen=True)
 class ProviderFailure:

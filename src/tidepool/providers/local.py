@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidepool.providers import forkserver
-from tidepool.providers.base import IdNames, ProviderFailure, worker_command
+from tidepool.providers.base import EXIT_FILE_ENV, IdNames, ProviderFailure, worker_command
 from tidepool.scaling.node_types import NodeType
 
 log = logging.getLogger("tidepool.providers")
@@ -161,6 +161,8 @@ class LocalProvider:
         self._stopped: set[str] = set()
         self._spawning: dict[str, tuple[str, str]] = {}  # named by a launch, not spawned yet: (type, request)
         self._cleaned: set[str] = set()  # workers whose temp directory is gone
+        #: where a worker that fails to start writes why (``EXIT_FILE_ENV``), read when it exits
+        self._exit_dir: str | None = None
         self.preload = list(preload or [])
         #: journal records for the autoscaler (``drain_events``); bounded, for clusters that never drain
         self._events: deque[dict[str, Any]] = deque(maxlen=10_000)
@@ -346,7 +348,7 @@ class LocalProvider:
                 continue
             cmd = worker_command(self.scheduler, wid, node_type, sys.executable, self.heartbeat_interval,
                                  self.extra_args)  # fmt: skip
-            env = {**self._base_env(), "TIDEPOOL_WORKER_ID": wid}
+            env = {**self._base_env(), "TIDEPOOL_WORKER_ID": wid, EXIT_FILE_ENV: self._exit_file(wid)}
             t0 = time.monotonic()
             proc: subprocess.Popen[bytes] | forkserver.ForkedWorker | None = self._fork_worker(
                 wid, cmd, env, max(0.0, ready_by - t0))
@@ -432,8 +434,11 @@ class LocalProvider:
         for wid, p in list(self.procs.items()):
             rc = p.proc.poll()
             if rc is not None:
+                said = self._exit_reason(wid)
                 if rc not in (0, -signal.SIGTERM, -signal.SIGKILL) and wid not in self._stopped:
-                    self._errors.append(ProviderFailure(p.request_id, wid, f"worker {wid} exited with code {rc}"))
+                    # with the worker's own error (a memory limit too small, ...), not only its code
+                    why = f": {said}" if said else ""
+                    self._errors.append(ProviderFailure(p.request_id, wid, f"worker {wid} exited with code {rc}{why}"))
                 self._remove_temp_dir(wid)
                 del self.procs[wid]
         errs, self._errors = self._errors, []
@@ -472,6 +477,26 @@ class LocalProvider:
             if self._fork is not None:
                 self._fork.close()
                 self._fork = None
+        if self._exit_dir is not None:
+            shutil.rmtree(self._exit_dir, ignore_errors=True)
+
+    def _exit_file(self, wid: str) -> str:
+        if self._exit_dir is None:
+            self._exit_dir = tempfile.mkdtemp(prefix="tidepool-exits-")
+        return os.path.join(self._exit_dir, wid)
+
+    def _exit_reason(self, wid: str) -> str:
+        """What worker ``wid`` wrote before it exited with an error (empty: nothing), read once."""
+        if self._exit_dir is None:
+            return ""
+        path = os.path.join(self._exit_dir, wid)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(2000).strip()
+            os.unlink(path)
+        except OSError:
+            return ""
+        return text
 
     def _temp_roots(self) -> builtins.list[str]:
         """Where this provider's workers make temp directories: ours, or the one their env names."""
