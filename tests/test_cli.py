@@ -345,6 +345,12 @@ def test_the_scheduler_takes_allowed_failures_and_refuses_a_negative_one(tmp_pat
     (["worker", "tcp://127.0.0.1:1", "--memory-share", "-2"], "--memory-share: must be a whole number >= 1"),
     (["worker", "tcp://127.0.0.1:1", "--reconnect-window", "-5"], "--reconnect-window: must be a number of seconds >= 0"),
     (["demo", "--tasks", "-3"], "--tasks: must be a whole number >= 0"),
+    # a bug hunt: -1 said the address "needs a port"; demo --workers 0 blamed adapt(maximum=0);
+    # nan meant "wait forever", silently
+    (["scheduler", "--port", "-1"], "--port: must be a port 0..65535"),
+    (["demo", "--workers", "0"], "--workers: must be a whole number >= 1"),
+    (["scheduler", "--no-worker-timeout", "nan"], "--no-worker-timeout: must be a finite number of seconds"),
+    (["scheduler", "--allowed-failures", "-1"], "--allowed-failures: must be a whole number >= 0"),
 ])  # fmt: skip
 def test_bad_counts_and_seconds_are_refused_not_taken_as_something_else(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
@@ -494,3 +500,19 @@ def test_a_client_of_a_frozen_scheduler_fails_its_calls_and_futures_instead_of_w
             finally:
                 sched.popen.send_signal(signal.SIGCONT)
             client.close()
+
+
+def test_report_of_an_empty_journal_and_simulate_into_a_file_say_what_is_wrong(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+    # found by a bug hunt: report printed zeros and drew an empty plot (exit 0); simulate --out FILE
+    # failed with a bare "[Errno 17] File exists" after loading the workload
+    from tidepool.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["report", str(empty), "-o", str(tmp_path / "t.png")]) == 2
+    assert "no timed records" in capsys.readouterr().err and not (tmp_path / "t.png").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["simulate", "chain", "--out", str(afile), "--no-plot", "--quiet"]) == 2
+    assert "--out" in capsys.readouterr().err

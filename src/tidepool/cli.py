@@ -117,6 +117,27 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:  # (-1 said the address "needs a port": a bug hunt)
+        raise argparse.ArgumentTypeError(f"must be a port 0..65535 (0: any free port), got {text!r}")
+    return value
+
+
+def _finite(text: str) -> float:
+    """A finite number of seconds (nan meant "wait forever", silently: a bug hunt)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds (0: wait forever), got {text!r}")
+    return value
+
+
 def _at_least(least: int) -> Any:
     """A whole number >= ``least``."""
 
@@ -374,6 +395,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.trace:
         check_output(args.trace, "--trace")
     records = load_records(args.journal)
+    if not any(isinstance(r.get("t"), (int, float)) for r in records):  # (zeros and an empty plot: a bug hunt)
+        raise ConfigError(f"{args.journal}: the journal has no timed records: nothing to report (was it written "
+                          "by cluster.adapt(journal='run.jsonl') or `tidepool scheduler --journal`?)")  # fmt: skip
     plot_timeline(records, args.output, title=args.title)
     print(f"timeline written to {args.output}")
     if args.trace:
@@ -398,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("scheduler", help="run a scheduler")
     s.add_argument("--host", default=None, help="interface to listen on (0.0.0.0 for all; default 127.0.0.1, or "
                    "the cluster file's [scheduler] host)")
-    s.add_argument("--port", type=int, default=None, help="port (default 8786, or the cluster file's [scheduler] port)")
+    s.add_argument("--port", type=_port, default=None, help="port (default 8786, or the cluster file's [scheduler] port)")
     s.add_argument("--token-file", help="the token's file: read if it holds one, else a new token is written there (mode 600)")
     s.add_argument("--cluster", help="TOML cluster file: node types, provider, policy (autoscaling)")
     s.add_argument("--journal", help="write the event journal (JSON lines) to this file (one kept there before is moved to FILE.1)")
@@ -411,10 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
     s.add_argument("--heartbeat-timeout", type=_positive, default=None,
                    help="seconds a connected worker may stay silent before it is removed (default 300)")
-    s.add_argument("--allowed-failures", type=int, default=None,
+    s.add_argument("--allowed-failures", type=_at_least(0), default=None,
                    help="worker deaths a task may be blamed for (it was executing there) before it fails "
                         "with KilledWorkerError (default 3)")
-    s.add_argument("--no-worker-timeout", type=float, default=None,
+    s.add_argument("--no-worker-timeout", type=_finite, default=None,
                    help="without autoscaling: seconds a task may wait for a worker with its resources "
                         "before it fails (default 60; 0 waits forever)")
     s.add_argument("--state-dir", default=None,
@@ -440,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_certs)
 
     d = sub.add_parser("demo", help="run a demo graph on a local elastic cluster")
-    d.add_argument("--workers", type=int, default=4, help="most workers the autoscaler may start")
+    d.add_argument("--workers", type=_at_least(1), default=4, help="most workers the autoscaler may start")
     d.add_argument("--tasks", type=_at_least(0), default=40, help="tasks per wide phase")
     d.add_argument("--no-kill", action="store_true", help="do not kill a worker mid-run")
     d.add_argument("--dashboard", action="store_true", help="serve the live dashboard (the link is printed)")

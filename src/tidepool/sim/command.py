@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.plot, "--plot", plot=True)
     if args.json_out:
         check_output(args.json_out, "--json")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # (a bare "[Errno 17] File exists": a bug hunt)
+        raise ConfigError(f"--out {args.out!r} is a file: give a directory for the journals and the plot "
+                          "(created if missing)")  # fmt: skip
     if args.max_tasks is not None and args.max_tasks < 1:
         raise ConfigError(f"--max-tasks must be at least 1, got {args.max_tasks}")
     cluster = load_cluster(args.cluster)
@@ -127,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
                 f"model's mean {model.mean_startup:.0f}s, so most launches give up after "
                 f"{max(30.0, 5 * nt.startup_estimate):.0f}s (as the real scheduler would); set startup_estimate "
                 "in the cluster file")  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out!r}: {exc.strerror or exc}; give a directory this user may create") from exc
     records = {"on": True, "off": False}.get(args.task_records, workload.n_tasks <= 100_000)
     say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     # how fast the simulator itself ran is for its developers: only with -v
