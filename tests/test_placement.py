@@ -301,3 +301,28 @@ def test_a_worker_running_setup_hooks_gets_no_new_task_until_they_end() -> None:
     assert "a" in set(_where(d).values())
     d.run_until_idle()
     assert d.status() == {k: "memory" for k in keys}
+
+
+def test_a_worker_running_setup_hooks_is_not_idle_to_the_autoscaler() -> None:
+    # from a review: a worker sent a setup after it joined looked idle (no task, state running) and
+    # the default policy retired it mid-setup; it is seen as starting until its hooks end
+    from tidepool.scaling.node_types import NodeType
+    from tidepool.scaling.observation import worker_views
+    from tidepool.scaling.planned import default_policy
+    from tidepool.scaling.snapshot import ClusterSnapshot
+
+    d = StateDriver(SchedulerState())
+    d.add_worker("a", {"cpu": 1.0})
+    d.send(ev.WorkerPreparing("a", d.clock(), True))
+    d.clock.advance(600.0)
+    nt = NodeType("default", max_nodes=2, startup_estimate=1.0)
+
+    def snap() -> ClusterSnapshot:
+        return ClusterSnapshot(now=d.clock(), node_types=(nt,), demand=(), workers=worker_views(d.state), finished=1)
+
+    (view,) = snap().workers
+    assert view.state == "starting" and not view.idle
+    assert default_policy()(snap()).retire == ()
+    d.send(ev.WorkerPreparing("a", d.clock(), False))
+    d.clock.advance(600.0)
+    assert default_policy()(snap()).retire == ("a",)  # once ready and idle, as any worker
