@@ -48,9 +48,10 @@ from tidepool.scheduler.tally import Tally
 
 #: the pseudo-client that holds fire-and-forget tasks until they finish
 FIRE_AND_FORGET = "<fire-and-forget>"
-#: a worker spills the values it holds down to this share of its memory limit (the default memory
-#: target): more than that in memory at a memory restart means spilling was off or failing
-HELD_TARGET = 0.6
+#: a memory restart of a worker whose spilling is off blames the values it holds when they are at
+#: least this share of its memory limit (they do not fit; each restart lost them and their recomputes
+#: filled it again): past ``allowed_failures`` such losses a value fails instead of looping for ever
+HELD_SHARE = 0.5
 
 
 class SchedulerState:
@@ -765,12 +766,12 @@ class SchedulerState:
         running = sorted(ws.processing, key=lambda t: t.priority)
         ws.processing.clear()
         self.overloaded.discard(ws.id)
-        # a memory restart with no task executing, or with more values in memory than spilling
-        # leaves there (it is off, or failing): what it held is to blame.  Otherwise a running task
-        # is (below), and the values that went with it are recomputed as before
+        # a memory restart of a worker whose spilling is off (spill_limit=0, a full disk) holding
+        # values worth HELD_SHARE of its limit in memory: what it held is to blame.  Otherwise a
+        # running task is (below), and the values that went with it are recomputed as before
         in_memory = ws.nbytes - int(ws.metrics.get("spilled", 0) or 0)
-        memory = e.cause is ev.RemoveCause.MEMORY and (
-            not any(t.executing for t in running) or 0 < ws.memory_limit * HELD_TARGET <= in_memory)
+        memory = (e.cause is ev.RemoveCause.MEMORY and bool(ws.metrics.get("spill_disabled"))
+                  and in_memory >= HELD_SHARE * ws.memory_limit)  # fmt: skip
         for ts in sorted(lost, key=lambda t: t.priority):
             if memory and ts.needed:
                 # the values held do not fit: with spilling off or failing, each restart lost them
