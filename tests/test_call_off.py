@@ -222,3 +222,70 @@ def test_a_simulated_slurm_run_calls_off_queued_jobs_none_of_which_joins(tmp_pat
     joined = {rec["worker"] for rec in recs if rec["kind"] == "worker-join"}
     assert off and not set(off) & joined
     assert all("call off" in rec["reason"] and "still coming" in rec["reason"] for rec in calls)
+
+
+# ---- from a review of the call-off ---------------------------------------------------------------
+def test_a_retirement_and_a_call_off_in_one_step_never_go_below_min_nodes() -> None:
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=8, min_nodes=2, startup_estimate=1.0)
+    clock, d, p, c, rnd = started(nt, scripted(ScaleDecision()))
+    first = run_round(rnd, d, p, clock)  # min_nodes launches 2
+    clock.advance(101.0)
+    run_round(rnd, d, p, clock)
+    c.policy = scripted(ScaleDecision(launch={"cpu": 2}))
+    run_round(rnd, d, p, clock)
+    clock.advance(10.0)
+    c.policy = scripted(ScaleDecision(retire=tuple(first), cancel={"cpu": 2}, reasons=("call off 2",)))
+    run_round(rnd, d, p, clock)
+    recs = rnd.journal.records
+    retired = [r["worker"] for r in recs if r["kind"] == "retire"]
+    called = [w for r in recs if r["kind"] == "cancel-launch" for w in r["workers"]]
+    assert 2 - len(retired) + 2 - len(called) >= nt.min_nodes, (retired, called)
+
+
+def idle(wid: str) -> WorkerView:
+    return WorkerView(wid, "default", "running", {"cpu": 1.0}, 1, 0, 0.0, 0, 0, 0, -500.0, joined=-600.0)
+
+
+def test_the_default_does_not_retire_and_call_off_against_the_same_nodes() -> None:
+    # 2 busy for 150 s more, then 4 tasks of 400 s; 2 idle workers; 4 nodes booting: retiring the
+    # idle two and calling off all four (each counted against the same 4 live nodes) left 2 nodes
+    # for a peak of 4, and the policy bought 2 back 15 s later
+    from tidepool.scaling.forecast import peak_in_use
+
+    cloud = NodeType("default", {"cpu": 1}, max_nodes=10, startup_estimate=90.0)
+    work = RemainingWork((150.0, 150.0, *([400.0] * 4)), ((), (), *([(0,)] * 4)), (0, 1))
+    workers = (busy("w0"), busy("w1"), idle("w2"), idle("w3"))
+    snap = snap_with(workers, 4, work, node_type=cloud)
+    d = default_policy()(snap)
+    after = len(workers) - len(d.retire) + 4 - d.cancel.get("default", 0)
+    assert after >= peak_in_use(snap.forecasts[0].profile, 400.0), (d.retire, d.cancel)
+
+
+def test_a_called_off_worker_that_joins_anyway_is_billed_again() -> None:
+    priced = NodeType("cpu", {"cpu": 1}, max_nodes=8, startup_estimate=1.0, cost=3600.0)  # 1 per second
+    policy = scripted(ScaleDecision(launch={"cpu": 2}), ScaleDecision(cancel={"cpu": 1}, reasons=("call off 1",)))
+    clock, d, p, c, rnd = started(priced, policy)
+    ids = run_round(rnd, d, p, clock)
+    clock.advance(10.0)
+    p.terminate = lambda worker_ids: None  # type: ignore[method-assign]  # the cancel missed (raced its start)
+    run_round(rnd, d, p, clock)
+    assert c.instances.instances[ids[1]].state == "failed"
+    for _ in range(100):
+        clock.advance(1.0)
+        run_round(rnd, d, p, clock)
+    assert set(d.state.workers) == set(ids)
+    assert rnd.view.cost.rate == 2 * 3600.0  # both are held, both are billed
+
+
+def test_a_launch_partly_called_off_teaches_no_start_up() -> None:
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=10, startup_estimate=200.0)
+    policy = scripted(ScaleDecision(launch={"cpu": 10}), ScaleDecision(cancel={"cpu": 8}, reasons=("call off 8",)))
+    clock, d, p, c, rnd = started(nt, policy, startup=200.0)
+    run_round(rnd, d, p, clock)
+    clock.advance(5.0)
+    run_round(rnd, d, p, clock)  # 8 called off 5 s in: their 5 s is no start-up
+    for _ in range(200):
+        clock.advance(1.0)
+        run_round(rnd, d, p, clock)
+    assert len(d.state.workers) == 2 and c.instances.requests["a1"].state == "joined"
+    assert "cpu" not in rnd.view.startup  # (it learned 5 s; the two that came took 200 s)

@@ -358,6 +358,8 @@ class ScalingController(Replacing):
         self._stale_types: set[str] = set()
         #: workers to terminate at the next step (given up before they registered)
         self._terminate: list[str] = []
+        #: launches partly called off: they teach no start-up (see ``_cancellations``)
+        self._unmeasured: set[str] = set()
         self._feasibility = Feasibility(tuple(self.node_types.values()),
                                         never=never_launched(node_types, self.limits))
         #: what the shells may read, as of the last step
@@ -485,6 +487,8 @@ class ScalingController(Replacing):
                 self._maybe_arrived(req, r.at)
         elif inst.state in FINAL:
             self.instances.move(inst, IS.JOINED, r.at, "registered again")
+            if inst.request is not None:  # ours: it costs again (a call-off whose terminate missed it)
+                self.cost.registered_again(r.worker, inst.node_type, r.at)
         if r.ready:
             self._ready(Ready(r.worker, r.at))
 
@@ -582,7 +586,9 @@ class ScalingController(Replacing):
         # of 500 queue waits says little about the next launch of a few nodes)
         took = statistics.median(req.delays) if req.delays else now - req.since
         old = self.startup.get(req.node_type)
-        self.startup[req.node_type] = took if old is None else 0.7 * old + 0.3 * took
+        if req.id not in self._unmeasured:
+            self.startup[req.node_type] = took if old is None else 0.7 * old + 0.3 * took
+        self._unmeasured.discard(req.id)
         self.instances.move_request(req, IS.JOINED, now, "every worker still coming registered")
         self.journal.record("launch-arrived", now, request=req.id, node_type=req.node_type, seconds=round(took, 3))
 
@@ -880,6 +886,7 @@ class ScalingController(Replacing):
         now = snap.now
         done = False
         why = "; ".join(r for r in decision.reasons if "call off" in r) or "the policy asked (no reason given)"
+        retiring = self._retiring_by_type()  # with this step's retirements (a review: both counted them)
         for name, n in sorted(decision.cancel.items()):
             nt = self.node_types.get(name)
             if n <= 0 or nt is None or planned.get(name):
@@ -908,9 +915,9 @@ class ScalingController(Replacing):
                     self.instances.move_request(req, IS.FAILED, now, f"called off: {why}")
                 else:
                     req.nodes = max(1, -(-len(req.workers) // per))
-                    # the called-off nodes waited at least this long: the start-up learned from the
-                    # launch counts them (its median of the quick ones alone would be too short)
-                    req.delays.extend([max(0.0, now - req.since)] * nodes)
+                    # its quick nodes alone would teach too short a start-up, its called-off ones
+                    # (lower bounds) one as short as the call-off came early: it teaches none
+                    self._unmeasured.add(req.id)
                     self._maybe_arrived(req, now)  # the rest of it came already
                 n -= nodes
                 actions.terminate.extend(w for w in take if w not in actions.terminate)

@@ -123,6 +123,12 @@ class CostMeter:
         nt = self.node_types.get(node_type)
         return nt.cost if nt is not None else 0.0
 
+    def registered_again(self, wid: str, node_type: str, now: float) -> None:
+        """Worker ``wid``, given up (called off, timed out) or gone, registered after all: it is
+        billed again from now, its node's share (it was billed nothing since it was given up)."""
+        nt = self.node_types.get(node_type)
+        self._start(("worker", wid), self.price(node_type) / (nt.workers_per_node if nt is not None else 1), now)
+
     def launched(self, rid: str, node_type: str, nodes: int, now: float) -> None:
         """Launch ``rid`` asked for ``nodes`` nodes: billed from now."""
         self._start(("request", rid), nodes * self.price(node_type), now)
