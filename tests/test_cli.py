@@ -325,7 +325,7 @@ def test_the_scheduler_takes_allowed_failures_and_refuses_a_negative_one(tmp_pat
     bad = Proc(tidepool_cmd("scheduler", "--port", str(free_port()), "--allowed-failures", "-1"), tmp_path / "b.err")
     with running(bad):
         assert bad.popen.wait(20) == 2, bad.stderr()
-        assert "allowed_failures must be a whole number >= 0" in bad.stderr() and "Traceback" not in bad.stderr()
+        assert "--allowed-failures: must be a whole number >= 0" in bad.stderr() and "Traceback" not in bad.stderr()
     port = free_port()
     token_file = tmp_path / "token.txt"
     sched = Proc(tidepool_cmd("scheduler", "--port", str(port), "--token-file", str(token_file), "--no-dashboard",

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -96,59 +96,43 @@ def _run_until_signal(coro_main: Coroutine[Any, Any, Any]) -> None:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _positive(text: str) -> float:
+def _parsed(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str, rule: str) -> Any:
+    """``convert(text)`` if it converts and passes ``ok``; else an argparse error naming the rule."""
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
     return value
+
+
+def _positive(text: str) -> float:
+    return float(_parsed(text, float, lambda v: 0 < v < math.inf, "a number of seconds",
+                         "a positive number of seconds"))  # fmt: skip
 
 
 def _seconds(text: str) -> float:
     """A number of seconds >= 0 (0: none)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
+    return float(_parsed(text, float, lambda v: 0 <= v < math.inf, "a number of seconds", "a number of seconds >= 0"))
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:  # (-1 said the address "needs a port": a bug hunt)
-        raise argparse.ArgumentTypeError(f"must be a port 0..65535 (0: any free port), got {text!r}")
-    return value
+    # (-1 said the address "needs a port": a bug hunt)
+    return int(_parsed(text, int, lambda v: 0 <= v <= 65535, "a port number", "a port 0..65535 (0: any free port)"))
 
 
 def _finite(text: str) -> float:
     """A finite number of seconds (nan meant "wait forever", silently: a bug hunt)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds (0: wait forever), got {text!r}")
-    return value
+    return float(_parsed(text, float, math.isfinite, "a number of seconds",
+                         "a finite number of seconds (0: wait forever)"))  # fmt: skip
 
 
 def _at_least(least: int) -> Any:
     """A whole number >= ``least``."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text!r}")
-        return value
+        return int(_parsed(text, int, lambda v: v >= least, "a whole number", f"a whole number >= {least}"))
 
     return parse
 

@@ -62,18 +62,14 @@ def check_decision(decision: ScaleDecision, snap: ClusterSnapshot) -> None:
     retiring workers it does not have: a policy's bug,
     journaled as ``policy-error`` (the default policy serves that round) rather than ignored."""
     types = {nt.name for nt in snap.node_types}
-    for name, n in decision.launch.items():
-        if name not in types:
-            raise ConfigError(f"policy asked to launch unknown node type {name!r}; the node types are "
-                              f"{sorted(types)}")  # fmt: skip
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ConfigError(f"policy asked to launch {n!r} nodes of {name!r}; a count is a whole number >= 0")
+    for verb, counts in (("launch", decision.launch), ("call off", decision.cancel)):
+        for name, n in counts.items():
+            if name not in types:
+                raise ConfigError(f"policy asked to {verb} unknown node type {name!r}; the node types are "
+                                  f"{sorted(types)}")  # fmt: skip
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ConfigError(f"policy asked to {verb} {n!r} nodes of {name!r}; a count is a whole number >= 0")
     for name, n in decision.cancel.items():
-        if name not in types:
-            raise ConfigError(f"policy asked to call off launches of unknown node type {name!r}; the node types are "
-                              f"{sorted(types)}")  # fmt: skip
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ConfigError(f"policy asked to call off {n!r} nodes of {name!r}; a count is a whole number >= 0")
         if n and decision.launch.get(name):
             raise ConfigError(f"policy asked to launch and to call off {name!r} nodes in one decision")
     if decision.retire:
