@@ -289,3 +289,15 @@ def test_a_launch_partly_called_off_teaches_no_start_up() -> None:
         run_round(rnd, d, p, clock)
     assert len(d.state.workers) == 2 and c.instances.requests["a1"].state == "joined"
     assert "cpu" not in rnd.view.startup  # (it learned 5 s; the two that came took 200 s)
+
+
+def test_a_user_policys_own_reason_is_journaled_with_its_call_off() -> None:
+    # found by a bug hunt: only reasons with the words "call off" were kept ("no reason given")
+    policy = scripted(ScaleDecision(launch={"cpu": 2}),
+                      ScaleDecision(cancel={"cpu": 1}, reasons=("custom: the burst was cancelled by the user",)))  # fmt: skip
+    clock, d, p, c, rnd = started(CPU, policy)
+    run_round(rnd, d, p, clock)
+    clock.advance(1.0)
+    run_round(rnd, d, p, clock)
+    (rec,) = [r for r in rnd.journal.records if r["kind"] == "cancel-launch"]
+    assert rec["reason"] == "called off: custom: the burst was cancelled by the user" and rec["called_off"] is True

@@ -115,6 +115,39 @@ def test_the_post_mortem_model_rebuilds_the_run_at_any_moment() -> None:
     assert [d["kind"] for d in end["decisions"]] == ["launch", "launch-arrived", "retire"]
 
 
+def test_the_post_mortem_drops_retired_workers_and_keeps_the_rest_of_a_partly_called_off_launch() -> None:
+    # found by bug hunts: a retired worker closes with no worker-leave and stayed on the page, idle,
+    # to the end; a launch with 1 of 3 nodes called off showed nothing pending any more
+    recs = [
+        {"t": 0.0, "kind": "journal-start"},
+        {"t": 0.1, "kind": "launch", "request": "a1", "node_type": "cpu", "nodes": 3, "reason": "wide"},
+        {"t": 1.0, "kind": "cancel-launch", "request": "a1", "node_type": "cpu", "nodes": 1, "workers": ["w3"],
+         "called_off": True, "reason": "called off: custom"},
+        {"t": 2.0, "kind": "worker-join", "worker": "w1", "node_type": "cpu", "resources": {"cpu": 1}},
+        {"t": 2.0, "kind": "worker-join", "worker": "w2", "node_type": "cpu", "resources": {"cpu": 1}},
+        {"t": 2.0, "kind": "launch-arrived", "request": "a1", "node_type": "cpu", "seconds": 1.9},
+        {"t": 5.0, "kind": "retire", "worker": "w2", "node_type": "cpu", "reason": "idle"},
+        {"t": 5.1, "kind": "worker-close", "worker": "w2", "reason": "retired (autoscaler)"},
+    ]  # fmt: skip
+    m = ReplayModel(recs)
+    assert m.view(1.5)["view"]["point"]["pending"] == {"cpu": 2}
+    assert [w["id"] for w in m.view(9.0)["view"]["workers"]] == ["w1"]
+    assert m._sweep([1.5, 9.0]) == [m._point(t) for t in (1.5, 9.0)]
+    assert sum(m._point(9.0)["workers"]["cpu"].values()) == 1
+
+
+def test_a_key_that_opens_an_html_comment_cannot_stop_the_page() -> None:
+    # found by a bug hunt: a key holding "<!--<script>" put the page's script in the HTML parser's
+    # "double escaped" state: it never ran, for every viewer
+    from tidepool.dashboard.server import page_with
+
+    page = page_with(json.dumps({"key": "x<!--<script></script>"}))
+    inline = page[page.index("x\\u003c"):]
+    assert "<!--" not in inline.split("</script>")[0] and "\\u003c/script>" in inline
+    assert json.loads(json.dumps({"key": "x<!--<script></script>"}).replace("<", "\\u003c")) == {
+        "key": "x<!--<script></script>"}
+
+
 CPU = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
 
 

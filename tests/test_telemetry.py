@@ -399,3 +399,27 @@ def test_compute_with_progress(capsys: pytest.CaptureFixture[str]) -> None:
         assert all(f.done() for f in futs)
         assert [f.result() for f in futs] == [1, 2, 3]
     assert "3/3 done | 0 failed | workers default:1" in capsys.readouterr().out
+
+
+def test_a_call_off_is_no_failed_launch_in_the_report_and_a_closed_pipe_is_no_network_error(tmp_path: Path) -> None:
+    # found by a bug hunt: `tidepool report` counted a policy's call-off as a failed launch, and a
+    # reader gone (`| head`) was told "Broken pipe (is the address right and the port free?)"
+    recs = [
+        {"t": 0.0, "kind": "journal-start"},
+        {"t": 0.1, "kind": "launch", "request": "a1", "node_type": "cpu", "nodes": 3, "reason": "wide"},
+        {"t": 1.0, "kind": "cancel-launch", "request": "a1", "node_type": "cpu", "nodes": 1, "called_off": True,
+         "workers": ["w3"], "reason": "called off: custom"},
+        {"t": 2.0, "kind": "worker-join", "worker": "w1", "node_type": "cpu", "resources": {"cpu": 1}},
+        {"t": 3.0, "kind": "cancel-launch", "request": "a2", "node_type": "cpu", "reason": "did not register"},
+    ]  # fmt: skip
+    s = summary(recs)
+    assert s["launch_failures"] == 1 and s["called_off_nodes"] == 1  # only the give-up failed
+    assert "1 failed, 1 nodes called off" in format_summary(s)
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = subprocess.Popen([sys.executable, "-m", "tidepool", "report", str(path), "-o", str(tmp_path / "t.png")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert p.stdout is not None
+    p.stdout.close()  # the reader is gone before the report prints
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and b"address" not in err and b"Traceback" not in err, err

@@ -544,6 +544,10 @@ def _run_command(args: argparse.Namespace) -> int:
         print(f"tidepool: error: {exc}", file=sys.stderr)
         _tell_launcher(str(exc))
         return 2
+    except BrokenPipeError:  # the reader of our output left (`| head`): nothing to say to it
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - no flush of the dead pipe at exit
+        return 1
     except OSError as exc:
         # the address hint only where an address can be the cause (not, e.g., a missing file)
         import errno

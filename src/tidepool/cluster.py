@@ -368,7 +368,7 @@ class LocalCluster(ClosesOnExit):
         spend at most ``budget`` (node type ``cost`` x node-hours) as fast as possible; see
         docs/scaling.md).  ``guess_budget``: the default policy's bet on durations longer than the
         scheduler's guess before any task has finished, in node-hours of start-ups per node type
-        (default 1.5; 0: launch only for the runnable tasks and what the forecast justifies).  Returns the running :class:`AutoScaler`;
+        (default 1.25; 0: launch only for the runnable tasks and what the forecast justifies).  Returns the running :class:`AutoScaler`;
         its ``journal`` records every decision with its reason.  ``provider`` replaces the
         local-process provider (e.g. a :class:`~tidepool.providers.callback.CallbackProvider`).
 

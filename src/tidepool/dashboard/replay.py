@@ -24,6 +24,19 @@ from tidepool.sim.workload import group_of
 POINTS = 400
 
 
+def _close_launch(open_: dict[str, tuple[str, int]], r: dict[str, Any]) -> None:
+    """A launch record ended a request in flight: all of it, or only the nodes a policy called off
+    (``called_off``; the rest still comes: a bug hunt saw a partly called-off launch drop to 0)."""
+    rid = str(r.get("request"))
+    if r.get("kind") == "cancel-launch" and r.get("called_off") and rid in open_:
+        nt, n = open_[rid]
+        n -= int(r.get("nodes", n))
+        if n > 0:
+            open_[rid] = (nt, n)
+            return
+    open_.pop(rid, None)
+
+
 class ReplayModel:
     def __init__(self, records: list[dict[str, Any]]) -> None:
         recs = sorted((r for r in records if isinstance(r.get("t"), (int, float))), key=lambda r: r["t"])
@@ -44,7 +57,7 @@ class ReplayModel:
 
     def _sweep(self, times: list[float]) -> list[dict[str, Any]]:
         """The points at ``times`` (ascending) in one pass over the run (as :meth:`_point` each)."""
-        member = [r for r in self.records if r.get("kind") in ("worker-join", "worker-leave", "launch",
+        member = [r for r in self.records if r.get("kind") in ("worker-join", "worker-leave", "worker-close", "launch",
                                                                "launch-arrived", "launch-failed", "cancel-launch")]
         starts = sorted(self.tasks, key=lambda r: float(r.get("start", r["t"])))
         ends = self.tasks  # sorted by end already
@@ -59,12 +72,12 @@ class ReplayModel:
                 kind, rid = r.get("kind"), str(r.get("request"))
                 if kind == "worker-join":
                     present[str(r["worker"])] = str(r.get("node_type", "default"))
-                elif kind == "worker-leave":
+                elif kind in ("worker-leave", "worker-close"):  # (a retired worker closes, no leave)
                     present.pop(str(r["worker"]), None)
                 elif kind == "launch" and r.get("request"):
                     open_[rid] = (str(r.get("node_type")), int(r.get("nodes", 1)))
                 elif r.get("request"):
-                    open_.pop(rid, None)
+                    _close_launch(open_, r)
                 i += 1
             while j < len(starts) and float(starts[j].get("start", starts[j]["t"])) <= t:
                 w = str(starts[j]["worker"])
@@ -95,7 +108,7 @@ class ReplayModel:
             if k == "worker-join":
                 present[str(r["worker"])] = {"id": r["worker"], "node_type": r.get("node_type", "default"),
                                              "resources": r.get("resources") or {}, "joined": r["t"]}  # fmt: skip
-            elif k == "worker-leave":
+            elif k in ("worker-leave", "worker-close"):
                 present.pop(str(r["worker"]), None)
         return present
 
@@ -115,7 +128,7 @@ class ReplayModel:
             if k == "launch" and rid:
                 open_[str(rid)] = (str(r.get("node_type")), int(r.get("nodes", 1)))
             elif k in ("launch-arrived", "launch-failed", "cancel-launch") and rid:
-                open_.pop(str(rid), None)
+                _close_launch(open_, r)
         for nt, n in open_.values():
             pending[nt] = pending.get(nt, 0) + n
         return pending

@@ -221,8 +221,10 @@ def _dumps(obj: Any) -> str:
 
 
 def page_with(initial_json: str) -> str:
-    """The page with ``initial_json`` inside it (``</`` escaped so no value can end the script)."""
-    return PAGE.replace("/*INITIAL*/null", initial_json.replace("</", "<\\/"), 1)
+    """The page with ``initial_json`` inside it, every ``<`` escaped (``\\u003c``, the same string
+    to JSON): no value can end the script or open an HTML comment in it (a key holding
+    ``<!--<script>`` stopped the page's script for every viewer: a bug hunt)."""
+    return PAGE.replace("/*INITIAL*/null", initial_json.replace("<", "\\u003c"), 1)
 
 
 def parse_address(address: str) -> tuple[str, int | None]:

@@ -885,7 +885,10 @@ class ScalingController(Replacing):
         whole nodes whose workers have all still to come.  True if any was called off."""
         now = snap.now
         done = False
-        why = "; ".join(r for r in decision.reasons if "call off" in r) or "the policy asked (no reason given)"
+        # the default policy's call-off reasons, or else all of a (user) policy's: a bug hunt saw a
+        # user policy's own reason replaced by "no reason given"
+        why = "; ".join(r for r in decision.reasons if "call off" in r) or "; ".join(decision.reasons) \
+            or "the policy asked (no reason given)"  # fmt: skip
         retiring = self._retiring_by_type()  # with this step's retirements (a review: both counted them)
         for name, n in sorted(decision.cancel.items()):
             nt = self.node_types.get(name)
@@ -922,7 +925,7 @@ class ScalingController(Replacing):
                 n -= nodes
                 actions.terminate.extend(w for w in take if w not in actions.terminate)
                 self.journal.record("cancel-launch", now, request=req.id, node_type=name, nodes=nodes,
-                                    workers=list(take), reason=f"called off: {why}")  # fmt: skip
+                                    workers=list(take), called_off=True, reason=f"called off: {why}")  # fmt: skip
                 done = True
         return done
 

@@ -229,7 +229,8 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
     registered worker time; ``busy_worker_seconds``: time workers ran at least one task;
     ``efficiency``: busy / held (None when nothing was held).  ``time_to_first_worker``: origin to
     the first ``worker-join`` (None without one).  ``launches`` counts the autoscaler's launch
-    decisions (``launched_nodes`` sums the nodes asked for); ``retirements`` those done and
+    decisions (``launched_nodes`` sums the nodes asked for; ``launch_failures`` launches given up,
+    not the nodes a policy called off: ``called_off_nodes``); ``retirements`` those done and
     ``retire_refused`` those the scheduler refused (:func:`count_retirements`).
     """
     recs = list(records)
@@ -263,7 +264,11 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
         "launched_nodes": sum(int(r.get("nodes", 1)) for r in launches),
         "retirements": retired,
         "retire_refused": refused,
-        "launch_failures": sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")),
+        "launch_failures": sum(1 for r in recs if r["kind"] in ("launch-failed", "cancel-launch")
+                               and not r.get("called_off")),  # fmt: skip
+        # nodes of launches in flight a policy called off (no failure: a bug hunt saw them counted so)
+        "called_off_nodes": sum(int(r.get("nodes", 0)) for r in recs if r["kind"] == "cancel-launch"
+                                and r.get("called_off")),  # fmt: skip
     }
 
 
@@ -283,7 +288,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("held worker-seconds", f"{s['held_worker_seconds']:.2f}"),
         ("busy worker-seconds", f"{s['busy_worker_seconds']:.2f}"),
         ("efficiency", "-" if eff is None else f"{eff:.1%} (busy / held)"),
-        ("launches", f"{s['launches']} ({s['launched_nodes']} nodes, {s['launch_failures']} failed)"),
+        ("launches", f"{s['launches']} ({s['launched_nodes']} nodes, {s['launch_failures']} failed"
+                     + (f", {s['called_off_nodes']} nodes called off" if s.get("called_off_nodes") else "") + ")"),
         ("retirements", f"{s['retirements']} done ({s.get('retire_refused', 0)} refused)"),
     ]
     width = max(len(k) for k, _ in rows)
