@@ -235,7 +235,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         else:
             print(f"token: {tok}  (workers: export TIDEPOOL_TOKEN=...)", flush=True)
         if dash is not None:
-            print(f"tidepool dashboard at {dash.link}", flush=True)
+            # the link carries the token only where the token itself was just printed (a bug hunt:
+            # a token from the environment or a file, "not shown", was in the next line's link)
+            shown = not args.token_file and not given
+            tail = "" if shown or not dash.require_token else "  (add ?token=<the token>, or send Authorization: Bearer)"
+            print(f"tidepool dashboard at {dash.link if shown else dash.address}{tail}", flush=True)
         scaler = None
         plain_journal = None
         if cfg is None and args.journal:  # no autoscaling: still journal workers and tasks

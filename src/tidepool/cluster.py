@@ -152,8 +152,9 @@ class LocalCluster(ClosesOnExit):
                 self._abandon_start()
                 raise
             self.dashboard_link = self.dashboard.link
-            if dashboard is not None:  # asked for by name: say where it is
-                print(f"tidepool dashboard at {self.dashboard_link}", file=sys.stderr, flush=True)
+            if dashboard is not None:  # asked for by name: say where it is (not the token: logs keep stderr)
+                tail = "  (with its token: cluster.dashboard_link)" if self.dashboard.require_token else ""
+                print(f"tidepool dashboard at {self.dashboard.address}{tail}", file=sys.stderr, flush=True)
         if tls is not None:
             env = {**(env or {}), **tls.env()}
         # its own workers connect through the scheduler's Unix socket when it has one (comm/unix.py),
