@@ -127,3 +127,26 @@ def test_a_worker_that_refuses_to_start_gives_the_provider_its_reason(fork_serve
     finally:
         provider.close()
     assert not os.path.exists(provider._exit_dir)
+
+
+def test_a_worker_that_does_not_exit_on_sigterm_is_killed(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Found by a bug hunt: a called-off worker busy importing a slow preload module (its SIGTERM
+    handler cannot run meanwhile) lived on while the autoscaler counted it gone."""
+    from tidepool.testing import wait_until
+
+    up = tmp_path / "up"
+    deaf = [sys.executable, "-c", "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "pathlib.Path(sys.argv[1]).touch(); time.sleep(120)", str(up)]  # fmt: skip
+    monkeypatch.setattr(local, "worker_command", lambda *a, **k: list(deaf))
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)
+    provider.KILL_AFTER = 1.0
+    nt = NodeType("cpu", {"cpu": 1})
+    (wid,) = provider.worker_ids(nt, 1, "a1")
+    provider.launch(nt, 1, "a1")
+    try:
+        proc = provider.procs[wid].proc
+        wait_until(up.exists, 60, what="the worker to ignore SIGTERM")
+        provider.terminate([wid])
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        provider.close()

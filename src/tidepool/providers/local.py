@@ -368,7 +368,13 @@ class LocalProvider:
             if self._closed:  # closed while it was being started: close() may have missed it
                 self._stop_late(wid)
 
+    #: seconds after a SIGTERM that a worker still running is killed: one busy importing its preload
+    #: modules cannot run its handler (a called-off worker lived on for the 40 s of its import while
+    #: the autoscaler counted it gone: a bug hunt); terminate stops them for sure
+    KILL_AFTER = 20.0
+
     def terminate(self, worker_ids: builtins.list[str], sig: int = signal.SIGTERM) -> None:
+        signalled = []
         for wid in worker_ids:
             self._stopped.add(wid)
             p = self.procs.get(wid)
@@ -377,10 +383,29 @@ class LocalProvider:
             if p.proc.poll() is None:
                 try:
                     p.proc.send_signal(sig)
+                    signalled.append(wid)
                 except ProcessLookupError:
                     pass
             else:
                 self._remove_temp_dir(wid)
+        if signalled and sig != signal.SIGKILL and not self._closed:
+            self._later(self.KILL_AFTER, self._kill_if_alive, signalled)
+
+    def _later(self, seconds: float, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` in ``seconds`` on a timer thread (cancelled by close; ended ones dropped)."""
+        self._timers = [t for t in self._timers if t.is_alive()]
+        timer = threading.Timer(seconds, fn, args=args)
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def _kill_if_alive(self, worker_ids: builtins.list[str]) -> None:
+        for wid in worker_ids:
+            p = self.procs.get(wid)
+            if p is not None and p.proc.poll() is None:
+                log.warning("worker %s did not exit %gs after SIGTERM: killing it", wid, self.KILL_AFTER)
+                with contextlib.suppress(ProcessLookupError):
+                    p.proc.send_signal(signal.SIGKILL)
 
     def stopped_on_purpose(self, worker_id: str) -> bool:
         """Was ``worker_id`` terminated or killed through this provider (not a crash)?"""
@@ -402,10 +427,7 @@ class LocalProvider:
             p.proc.send_signal(sig)
         except ProcessLookupError:
             return
-        timer = threading.Timer(notice, self.kill, args=(worker_id,))
-        timer.daemon = True
-        self._timers.append(timer)
-        timer.start()
+        self._later(notice, self.kill, worker_id)
 
     def preemptions(self, now_wall: float) -> dict[str, float]:
         """Live workers under a preemption notice -> when they are killed (epoch seconds)."""
