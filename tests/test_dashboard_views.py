@@ -277,3 +277,24 @@ def test_a_long_lived_journal_keeps_bounded_memory_and_the_dashboard_every_decis
     for i in range(3_000):
         everything.record("task", 0.0, key=str(i))
     assert len(everything.records) == 3_000 and everything.dropped == 0
+
+
+def test_finished_values_let_go_are_not_shown_waiting() -> None:
+    # found by a bug hunt: a finished group showed "waiting 10, done 10" (its released records
+    # were added to waiting), and the header's done counted recomputes
+    d = StateDriver()
+    d.add_worker("a")
+    m = _model(d, [0.0], [])
+
+    def send(*events: ev.Event) -> None:
+        m.observe(list(events), d.send(*events))
+
+    send(ev.UpdateGraph("c", [ev.TaskSpec("s1-0", "f", None, group="s1"),
+                              ev.TaskSpec("s2-0", "f", None, ["s1-0"], group="s2")], ["s2-0"], 0.0))  # fmt: skip
+    send(ev.TaskFinished("a", "s1-0", 8, 0.01, 0.1))
+    send(ev.TaskFinished("a", "s2-0", 8, 0.01, 0.2))
+    assert d.state.tasks["s1-0"].state == "released"
+    assert m.groups()["s1"] == {"memory": 1, "erred": 0}
+    from tidepool.dashboard.page import PAGE
+
+    assert "last.counters.finished" not in PAGE and "(c.released||0)" not in PAGE

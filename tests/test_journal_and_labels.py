@@ -142,3 +142,22 @@ def test_a_journal_whose_directory_is_not_writable_is_replaced_not_refused(
         j.record("journal-start", 0.0, run=2)
         j.close()
     assert json.loads(path.read_text())["run"] == 2 and "could not keep the run before" in caplog.text
+
+
+def test_progress_never_counts_back_when_finished_values_are_released() -> None:
+    # found by a bug hunt: the bar went 10/12 -> 1/12 -> 12/12: a finished value released while a
+    # dependent still holds its record is "released", and was counted not done
+    from tidepool.scheduler.server import Scheduler
+    from tidepool.testing import StateDriver
+
+    s = Scheduler("tcp://127.0.0.1:0", "t" * 32)
+    d = StateDriver(s.state)
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"])], ["b"])  # the client wants b only: a is freed once b ran
+    s.watches[1] = ["a", "b"]
+    assert s.progress(1) == {"done": 0, "failed": 0, "total": 2}
+    d.finish("w1", "a")
+    assert s.progress(1)["done"] == 1
+    d.finish("w1", "b")
+    assert s.state.tasks["a"].state == "released"  # finished, let go; b's record still names it
+    assert s.progress(1) == {"done": 2, "failed": 0, "total": 2}

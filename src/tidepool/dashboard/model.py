@@ -269,7 +269,9 @@ class DashboardModel:
         for group, counts in self.scheduler.state.group_counts.items():
             if len(out) >= MAX_GROUPS:
                 break
-            row = {str(k): n for k, n in counts.items() if n and k not in ("memory", "erred")}
+            # released records are finished values let go (or not needed): not waiting (a bug hunt
+            # saw a finished group shown as waiting 10, done 10)
+            row = {str(k): n for k, n in counts.items() if n and k not in ("memory", "erred", "released")}
             if row:
                 out[group] = row
         for group, g in self.group_stats.items():

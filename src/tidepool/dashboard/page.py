@@ -83,7 +83,8 @@ function render(){
   let now = 0, pend = 0; Object.keys(p.workers).forEach(t => now += total(p, t)); Object.values(p.pending||{}).forEach(n => pend += n);
   document.getElementById("workers-count").textContent = now;
   document.getElementById("pending-count").textContent = pend;
-  document.getElementById("tasks-done").textContent = last.counters.finished||0;
+  // each task once, as its group counts it (counters.finished counts recomputes too)
+  document.getElementById("tasks-done").textContent = Object.values(last.groups||{}).reduce((n, c) => n + (c.memory||0), 0);
   document.getElementById("tasks-failed").textContent = last.counters.erred||0;
   document.getElementById("eta").textContent = p.eta == null ? "-" : p.eta.toFixed(1)+" s";
   const c = p.cost; document.getElementById("cost-spent").textContent = c == null ? "-" : c.spent.toFixed(3)+(c.budget == null ? "" : " of "+c.budget);
@@ -101,7 +102,7 @@ function render(){
   const etas = series.map(s => s.eta); lines(document.getElementById("chart-eta"), xs, [{color:"#123047", ys: etas}], Math.max(1, ...etas.filter(e => e != null)));
   const g = last.groups, rows = [];
   for (const [name, c] of Object.entries(g)){
-    const waiting=(c.waiting||0)+(c.released||0), ready=(c.ready||0)+(c["no-worker"]||0), running=c.running||0, done=c.memory||0, erred=c.erred||0;
+    const waiting=c.waiting||0, ready=(c.ready||0)+(c["no-worker"]||0), running=c.running||0, done=c.memory||0, erred=c.erred||0;
     const all = Math.max(1, waiting+ready+running+done+erred), w = v => (v/all*220).toFixed(0);
     rows.push(`<tr><td>${esc(name)}</td><td><div class="bar"><div style="width:${w(done)}px;background:#2ca02c"></div><div style="width:${w(running)}px;background:#1f77b4"></div><div style="width:${w(ready)}px;background:#aec7e8"></div><div style="width:${w(erred)}px;background:#d62728"></div></div></td><td>${waiting}</td><td>${ready}</td><td>${running}</td><td>${done}</td><td>${erred}</td></tr>`);
   }
