@@ -291,6 +291,25 @@ def test_a_launch_partly_called_off_teaches_no_start_up() -> None:
     assert "cpu" not in rnd.view.startup  # (it learned 5 s; the two that came took 200 s)
 
 
+def test_a_launch_mostly_arrived_teaches_the_median_counting_its_called_off_nodes_as_later() -> None:
+    # 6 of 10 arrive (after 10, 20, ..., 60 s), 4 are called off at 65 s: the median of all ten is
+    # the 5th arrival (50 s): the called-off ones would all have come later (the quick ones'
+    # median alone, 35 s, would be too short; counting the call-off time 65 s as theirs, too long)
+    nt = NodeType("cpu", {"cpu": 1}, max_nodes=10, startup_estimate=200.0)
+    clock, d, p, c, rnd = started(nt, scripted(ScaleDecision(launch={"cpu": 10})), startup=1000.0)
+    ids = run_round(rnd, d, p, clock)
+    for i, w in enumerate(ids[:6]):
+        p.workers[w]["up_at"] = 10.0 * (i + 1)
+    for _ in range(65):
+        clock.advance(1.0)
+        run_round(rnd, d, p, clock)
+    assert len(d.state.workers) == 6
+    c.policy = scripted(ScaleDecision(cancel={"cpu": 4}, reasons=("call off 4",)))
+    run_round(rnd, d, p, clock)
+    assert c.instances.requests["a1"].state == "joined"
+    assert rnd.view.startup["cpu"] == pytest.approx(50.0, abs=1.0)
+
+
 def test_a_user_policys_own_reason_is_journaled_with_its_call_off() -> None:
     # found by a bug hunt: only reasons with the words "call off" were kept ("no reason given")
     policy = scripted(ScaleDecision(launch={"cpu": 2}),

@@ -109,6 +109,8 @@ class Request:
     #: the workers still part of it (named, minus those that failed before registering)
     workers: list[str] = field(default_factory=list)
     delays: list[float] = field(default_factory=list)  # launch-to-join seconds of each arrival
+    #: its workers called off before they came: each would have taken longer than every arrival
+    censored: int = 0
     history: list[tuple[float, IS, str]] = field(default_factory=list)
 
     @property
