@@ -321,8 +321,24 @@ def test_a_worker_running_setup_hooks_is_not_idle_to_the_autoscaler() -> None:
         return ClusterSnapshot(now=d.clock(), node_types=(nt,), demand=(), workers=worker_views(d.state), finished=1)
 
     (view,) = snap().workers
-    assert view.state == "starting" and not view.idle
+    assert view.state == "running" and view.preparing and not view.idle  # (a walltime end still retires it)
     assert default_policy()(snap()).retire == ()
     d.send(ev.WorkerPreparing("a", d.clock(), False))
     d.clock.advance(600.0)
     assert default_policy()(snap()).retire == ("a",)  # once ready and idle, as any worker
+
+
+def test_a_worker_whose_walltime_ends_is_retired_even_while_it_runs_a_setup_hook() -> None:
+    # a review: shown as "starting" while it prepared, the controller's walltime retirement
+    # (which takes running workers) skipped it, and its data was lost at the kill
+    from tidepool.scaling.controller import ScalingController
+    from tidepool.scaling.node_types import NodeType
+    from tidepool.scaling.observation import step_with_state
+
+    d = StateDriver()
+    d.add_worker("job-1", node_type="cpu")
+    d.send(ev.WorkerPreparing("job-1", d.clock(), True))  # client.register_setup(...) mid-run
+    cpu = NodeType("cpu", {"cpu": 1}, max_nodes=4, startup_estimate=0.5)
+    c = ScalingController((cpu,), lambda s: None, forecast_interval=0.25)
+    acts = step_with_state(c, d.state, 0.0, expiring=["job-1"])
+    assert acts.retire == ["job-1"]

@@ -239,12 +239,12 @@ def worker_views(state: SchedulerState) -> tuple[WorkerView, ...]:
     out = []
     for ws in state.workers.values():
         n, nbytes, for_tasks = unique_summary(ws)
-        # a worker running setup hooks sent after it joined takes no task meanwhile: it is starting
-        # again, not idle (it was retired as idle mid-setup)
-        seen_as = "starting" if ws.preparing and ws.state == "running" else ws.state
+        # a worker running setup hooks sent after it joined takes no task meanwhile: busy, not idle
+        # (it was retired as idle mid-setup); still running for everything else (a walltime end)
         out.append(WorkerView(
-            ws.id, ws.node_type, seen_as, dict(ws.resources), ws.slots, ws.assigned,
+            ws.id, ws.node_type, ws.state, dict(ws.resources), ws.slots, ws.assigned,
             ws.occupancy, ws.nbytes, n, nbytes, ws.idle_since, ws.joined, ws.memory_limit, for_tasks,
+            preparing=ws.preparing,
         ))  # fmt: skip
     return tuple(sorted(out, key=lambda w: w.id))
 

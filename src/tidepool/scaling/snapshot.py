@@ -45,10 +45,12 @@ class WorkerView:
     memory_limit: int = 0  # bytes it may use (0: no limit known); held bytes include spilled ones
     #: of ``unique_keys``, the values an unfinished task still needs (the rest only a client wants)
     unique_for_tasks: int = 0
+    #: running setup hooks sent after it joined (``register_setup``): no task meanwhile, not idle
+    preparing: bool = False
 
     @property
     def idle(self) -> bool:
-        return self.running == 0 and self.state == "running"
+        return self.running == 0 and self.state == "running" and not self.preparing
 
 
 @dataclass(frozen=True)
