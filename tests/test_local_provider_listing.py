@@ -150,3 +150,28 @@ def test_a_worker_that_does_not_exit_on_sigterm_is_killed(monkeypatch: pytest.Mo
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         provider.close()
+
+
+def test_only_a_worker_command_writes_the_exit_file_and_stale_exit_dirs_are_swept(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    # a review: a task's own `tidepool report ...` in a worker wrote its error into the worker's exit
+    # file (the variable was inherited), blaming the wrong cause when the worker later died; and a
+    # provider killed with SIGKILL left its exit directory behind
+    import tempfile
+
+    from tidepool.cli import main
+    from tidepool.providers.base import EXIT_FILE_ENV
+
+    path = tmp_path / "exit"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(path))
+    assert main(["report", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "t.png")]) == 2
+    assert not path.exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"tidepool-exits-{dead.pid}-")
+    provider = LocalProvider("tcp://127.0.0.1:9", "t" * 32, fork_server=False)
+    try:
+        provider._exit_file("w")
+        assert not os.path.exists(stale) and provider._exit_dir is not None and os.path.isdir(provider._exit_dir)
+    finally:
+        provider.close()

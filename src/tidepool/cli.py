@@ -294,9 +294,18 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+#: where this worker process tells its provider why it failed to start (``EXIT_FILE_ENV``, taken out
+#: of the environment first thing: a task's own ``tidepool`` command must not write there)
+_EXIT_FILE: str | None = None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    from tidepool.providers.base import EXIT_FILE_ENV
     from tidepool.worker.server import Worker
     from tidepool.worker.signals import on_preemption_notice
+
+    global _EXIT_FILE
+    _EXIT_FILE = os.environ.pop(EXIT_FILE_ENV, None) or _EXIT_FILE
 
     if not (math.isfinite(args.heartbeat_interval) and args.heartbeat_interval > 0):
         raise ConfigError(f"--heartbeat-interval must be a positive number of seconds, got {args.heartbeat_interval}")
@@ -336,6 +345,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             os.environ[RESTARTS_ENV] = str(int(os.environ.get(RESTARTS_ENV) or 0) + 1)
             os.environ[PORT_ENV] = w.address.rsplit(":", 1)[-1]  # the same address again (workers=[...] pins)
             os.environ[ID_ENV] = w.id  # ... and the same id (the Worker reads it; it took a new random one)
+            if _EXIT_FILE:
+                os.environ[EXIT_FILE_ENV] = _EXIT_FILE  # (the restarted process tells the provider too)
             sys.stdout.flush()
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -567,9 +578,7 @@ def _run_command(args: argparse.Namespace) -> int:
 def _tell_launcher(message: str) -> None:
     """A worker started by a provider that failed to start: why, for the provider's error (the
     user saw only "exited with code 2" there; the reason was on the worker's stderr)."""
-    from tidepool.providers.base import EXIT_FILE_ENV
-
-    path = os.environ.get(EXIT_FILE_ENV)
+    path = _EXIT_FILE  # set by a worker command only (a review: a task's `tidepool report` wrote there)
     if not path:
         return
     try:

@@ -72,6 +72,27 @@ _SEQ = itertools.count(1)
 _TMP_VARS = ("TMPDIR", "TEMP", "TMP")
 
 
+def _sweep_exit_dirs() -> None:
+    """Remove ``tidepool-exits-<pid>-*`` directories of providers whose process is gone (a
+    scheduler killed with SIGKILL could not remove its own)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(r"tidepool-exits-(\d+)-[a-z0-9_]{8}", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # its provider's process lives
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            continue  # (another user's: not ours to remove)
+
+
 @dataclass
 class LocalWorkerProcess:
     worker_id: str
@@ -163,6 +184,7 @@ class LocalProvider:
         self._cleaned: set[str] = set()  # workers whose temp directory is gone
         #: where a worker that fails to start writes why (``EXIT_FILE_ENV``), read when it exits
         self._exit_dir: str | None = None
+        self._exit_lock = threading.Lock()
         self.preload = list(preload or [])
         #: journal records for the autoscaler (``drain_events``); bounded, for clusters that never drain
         self._events: deque[dict[str, Any]] = deque(maxlen=10_000)
@@ -503,8 +525,10 @@ class LocalProvider:
             shutil.rmtree(self._exit_dir, ignore_errors=True)
 
     def _exit_file(self, wid: str) -> str:
-        if self._exit_dir is None:
-            self._exit_dir = tempfile.mkdtemp(prefix="tidepool-exits-")
+        with self._exit_lock:  # launches run in threads: one directory (a review saw two race)
+            if self._exit_dir is None:
+                _sweep_exit_dirs()
+                self._exit_dir = tempfile.mkdtemp(prefix=f"tidepool-exits-{os.getpid()}-")
         return os.path.join(self._exit_dir, wid)
 
     def _exit_reason(self, wid: str) -> str:
