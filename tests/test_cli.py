@@ -519,3 +519,13 @@ def test_report_of_an_empty_journal_and_simulate_into_a_file_say_what_is_wrong(
     afile.write_text("")
     assert main(["simulate", "chain", "--out", str(afile), "--no-plot", "--quiet"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_demo_hold_takes_seconds_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # a review: `demo --hold -1` started a cluster, then failed with a ValueError traceback
+    from tidepool.cli import main
+
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit) as info:
+            main(["demo", "--hold", bad])
+        assert info.value.code == 2 and "--hold: must be a number of seconds >= 0" in capsys.readouterr().err

@@ -298,3 +298,17 @@ def test_finished_values_let_go_are_not_shown_waiting() -> None:
     from tidepool.dashboard.page import PAGE
 
     assert "last.counters.finished" not in PAGE and "(c.released||0)" not in PAGE
+
+
+def test_reprs_keep_no_token_and_journal_fields_are_escaped_on_the_page() -> None:
+    # a review: repr(cluster) / repr(client) (what logs and saved notebooks keep) carried the
+    # dashboard link's token; a crafted journal's `nodes` and `duration` went into the page unescaped
+    from tidepool.dashboard.links import describe, describe_html, without_token
+    from tidepool.dashboard.page import PAGE
+
+    link = "http://10.0.0.1:8787/?token=s3cret"
+    assert without_token(link) == "http://10.0.0.1:8787/"
+    assert without_token("http://h:1/?a=1&token=s3cret") == "http://h:1/?a=1"
+    assert "s3cret" not in describe("LocalCluster", "tcp://h:1", {"cpu": 1}, link)
+    assert "s3cret" not in describe_html("LocalCluster", "tcp://h:1", {"cpu": 1}, link)
+    assert '" x"+esc(d.nodes)' in PAGE and "${esc(s.duration)}s" in PAGE and "Object.create(null)" in PAGE

@@ -161,3 +161,20 @@ def test_progress_never_counts_back_when_finished_values_are_released() -> None:
     d.finish("w1", "b")
     assert s.state.tasks["a"].state == "released"  # finished, let go; b's record still names it
     assert s.progress(1) == {"done": 2, "failed": 0, "total": 2}
+
+
+def test_a_key_finished_and_released_between_two_polls_is_counted_done() -> None:
+    # a review: the first fix counted a key done only if a poll saw it in memory
+    from tidepool.scheduler.server import Scheduler
+    from tidepool.testing import StateDriver
+
+    s = Scheduler("tcp://127.0.0.1:0", "t" * 32)
+    d = StateDriver(s.state)
+    d.add_worker("w1")
+    d.submit([("a", []), ("b", ["a"]), ("c", ["b"])], ["c"])
+    s.watches[1] = ["a", "b", "c"]
+    assert s.progress(1)["done"] == 0
+    d.finish("w1", "a")
+    d.finish("w1", "b")  # a finished and was let go between two polls
+    assert s.state.tasks["a"].state == "released"
+    assert s.progress(1) == {"done": 2, "failed": 0, "total": 3}

@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tasks", type=_at_least(0), default=40, help="tasks per wide phase")
     d.add_argument("--no-kill", action="store_true", help="do not kill a worker mid-run")
     d.add_argument("--dashboard", action="store_true", help="serve the live dashboard (the link is printed)")
-    d.add_argument("--hold", type=float, default=0.0,
+    d.add_argument("--hold", type=_seconds, default=0.0,
                    help="with --dashboard: seconds to wait before the run (to open the page) and after it")
     d.set_defaults(fn=cmd_demo)
 

@@ -15,23 +15,33 @@ def _workers(by_type: dict[str, int]) -> str:
     return f"{total} worker{'s' if total != 1 else ''} ({parts})"
 
 
+def without_token(link: str) -> str:
+    """``link`` without its ``?token=...``: a repr is what logs and saved notebooks keep (a review:
+    the token, which runs code on every worker, was in both); the link itself is
+    ``cluster.dashboard_link``."""
+    base, sep, query = link.partition("?")
+    if not sep or not any(p.startswith("token=") for p in query.split("&")):
+        return link
+    rest = "&".join(p for p in query.split("&") if not p.startswith("token="))
+    return f"{base}?{rest}" if rest else base
+
+
 def describe(kind: str, address: str, by_type: dict[str, int], link: str, closed: bool = False) -> str:
     """``<LocalCluster tcp://... 2 workers (default: 2) dashboard=http://127.0.0.1:8787/>``."""
     state = " closed" if closed else ""
+    link = without_token(link)
     dash = f" dashboard={link}" if link else ""
     return f"<{kind} {address}{state} {_workers(by_type)}{dash}>"
 
 
 def describe_html(kind: str, address: str, by_type: dict[str, int], link: str, closed: bool = False) -> str:
     rows = "".join(f"<tr><td>{html.escape(nt)}</td><td>{n}</td></tr>" for nt, n in sorted(by_type.items()))
+    link = without_token(link)
     dash = (f'<p>Dashboard: <a href="{html.escape(link)}" target="_blank">{html.escape(link)}</a></p>'
             if link else "<p>Dashboard: off</p>")  # fmt: skip
     return (f"<div><h4>{html.escape(kind)}{' (closed)' if closed else ''}</h4>"
             f"<p>Scheduler: <code>{html.escape(address)}</code> · {html.escape(_workers(by_type))}</p>{dash}"
             f"<table><thead><tr><th>node type</th><th>workers</th></tr></thead><tbody>{rows}</tbody></table></div>")
-
-
-
 
 
 def client_repr(client: Any, html: bool = False) -> str:
@@ -51,4 +61,6 @@ def client_repr(client: Any, html: bool = False) -> str:
     if html:
         return describe_html("tidepool.Client", client.address, by_type, link, closed)
     return describe("tidepool.Client", client.address, by_type, link, closed)
-__all__ = ["client_repr", "describe", "describe_html"]
+
+
+__all__ = ["client_repr", "describe", "describe_html", "without_token"]

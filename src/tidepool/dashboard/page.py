@@ -48,10 +48,10 @@ const api = p => p + (tok ? "?token=" + encodeURIComponent(tok) : "");
 const COLORS = ["#1f77b4","#d62728","#2ca02c","#9467bd","#ff7f0e","#17becf","#8c564b","#e377c2"];
 const INITIAL = /*INITIAL*/null;
 let series = [], decisions = [], stream = [], last = null, dirty = false;
-const colorOf = {}; let nColors = 0;
+const colorOf = Object.create(null); let nColors = 0;
 function color(name){ if(!(name in colorOf)) colorOf[name] = COLORS[nColors++ % COLORS.length]; return colorOf[name]; }
 const GROUP_COLORS = ["#2ca02c","#1f77b4","#9467bd","#ff7f0e","#17becf","#8c564b","#e377c2","#bcbd22"];  // red means failed
-const groupOf = {}; let nGroups = 0;
+const groupOf = Object.create(null); let nGroups = 0;
 function groupColor(name){ if(!(name in groupOf)) groupOf[name] = GROUP_COLORS[nGroups++ % GROUP_COLORS.length]; return groupOf[name]; }
 function esc(s){ return String(s).replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c])); }
 function fmtBytes(n){ n = n||0; const u=["B","KiB","MiB","GiB","TiB"]; let i=0; while(n>=1024&&i<4){n/=1024;i++;} return n.toFixed(i?1:0)+" "+u[i]; }
@@ -109,7 +109,7 @@ function render(){
   document.querySelector("#groups tbody").innerHTML = rows.slice(0, 50).join("");
   document.getElementById("decisions").innerHTML = decisions.slice(-200).reverse().map(d => {
     const cls = d.kind.startsWith("launch") ? "k-launch" : d.kind.startsWith("retire") ? "k-retire" : d.kind.includes("fail") ? "k-fail" : "";
-    const what = d.node_type ? ` ${esc(d.node_type)}${d.nodes ? " x"+d.nodes : ""}` : d.worker ? " "+esc(d.worker) : "";
+    const what = d.node_type ? ` ${esc(d.node_type)}${d.nodes ? " x"+esc(d.nodes) : ""}` : d.worker ? " "+esc(d.worker) : "";
     return `<li class="decision ${cls}"><span class="n">#${d.i + 1}</span> t=${(Number(d.t) - last.t0).toFixed(1)}s <b>${esc(d.kind)}</b>${what}: ${esc(d.reason||d.outcome||"")}</li>`;
   }).join("");
   const ws = last.workers;
@@ -120,7 +120,7 @@ function render(){
   recent.forEach(s => { if (!(s.worker in rowsOf)) rowsOf[s.worker] = nrow++; });
   const rh = Math.max(3, Math.min(18, (H-4)/Math.max(1,nrow)));
   svg.innerHTML = recent.map(s => { const x = (Math.max(s.start,t0)-t0)/60*W, w = Math.max(1, s.duration/60*W);
-    return `<rect x="${x.toFixed(1)}" y="${(rowsOf[s.worker]*rh+2).toFixed(1)}" width="${w.toFixed(1)}" height="${(rh-1).toFixed(1)}" fill="${s.ok?groupColor(s.group):"#d62728"}"><title>${esc(s.key)} on ${esc(s.worker)}: ${s.duration}s</title></rect>`; }).join("");
+    return `<rect x="${x.toFixed(1)}" y="${(rowsOf[s.worker]*rh+2).toFixed(1)}" width="${w.toFixed(1)}" height="${(rh-1).toFixed(1)}" fill="${s.ok?groupColor(s.group):"#d62728"}"><title>${esc(s.key)} on ${esc(s.worker)}: ${esc(s.duration)}s</title></rect>`; }).join("");
 }
 function schedule(){ if (!dirty){ dirty = true; requestAnimationFrame(render); } }
 function connect(){

@@ -142,9 +142,6 @@ class Scheduler:
         self._run_ids = 0
         self._restarting: set[str] = set()
         self.watches: dict[int, list[str]] = {}  # progress watch id -> the graph's keys
-        #: progress watch id -> its keys seen done so far (a count that never goes back: a finished
-        #: value released while a dependent still holds its record is "released", not "memory")
-        self.watch_done: dict[int, set[str]] = {}
         self._watch_ids = 0
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
@@ -673,7 +670,6 @@ class Scheduler:
             await self.outgoing.send_client(cid, {"op": "reply", "id": msg["id"], "result": {"watch": wid, **self.progress(wid)}})
         elif op == "progress-end":
             self.watches.pop(int(msg["watch"]), None)
-            self.watch_done.pop(int(msg["watch"]), None)
         elif op == "has-what":
             st = self.state
             result = {w.address: [ts.key for ts in w.has_what] for w in st.workers.values()}
@@ -813,21 +809,20 @@ class Scheduler:
                 "work_seconds": work.total}  # fmt: skip
 
     def progress(self, watch: int) -> dict[str, int]:
-        """Done (in memory, or finished and already released), failed and total keys of a graph;
-        a key seen done stays done (the count went 10/12 -> 1/12 -> 12/12 when finished values were
-        released under dependents still running: a bug hunt)."""
+        """Done (in memory, or finished and already released: ``released`` or forgotten), failed
+        and total keys of a graph.  A key of a graph being computed is ``released`` only once it
+        ran and its value was let go (one lost with a worker goes back to waiting at once): counted
+        done, the count never goes back (it went 10/12 -> 1/12 -> 12/12: a bug hunt)."""
         tasks = self.state.tasks
         keys = self.watches.get(watch, [])
-        seen = self.watch_done.setdefault(watch, set()) if keys else set()
-        failed = 0
+        done = failed = 0
         for k in keys:
             ts = tasks.get(k)
-            if ts is None or ts.state == "memory":
-                seen.add(k)
+            if ts is None or ts.state in ("memory", "released"):
+                done += 1
             elif ts.state == "erred":
-                seen.discard(k)
                 failed += 1
-        return {"done": len(seen) + failed, "failed": failed, "total": len(keys)}
+        return {"done": done + failed, "failed": failed, "total": len(keys)}
 
     def info(self) -> dict[str, Any]:
         st = self.state
