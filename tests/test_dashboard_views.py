@@ -312,3 +312,32 @@ def test_reprs_keep_no_token_and_journal_fields_are_escaped_on_the_page() -> Non
     assert "s3cret" not in describe("LocalCluster", "tcp://h:1", {"cpu": 1}, link)
     assert "s3cret" not in describe_html("LocalCluster", "tcp://h:1", {"cpu": 1}, link)
     assert '" x"+esc(d.nodes)' in PAGE and "${esc(s.duration)}s" in PAGE and "Object.create(null)" in PAGE
+
+
+def test_a_task_the_scheduler_fails_itself_is_journaled_counted_and_replayed() -> None:
+    # found by a bug hunt: a task failed with KilledWorkerError (its workers died) was only in the
+    # header's failed count: no journal record, no group count, `tidepool report` said 0 failed
+    from tidepool.scheduler.state import SchedulerState
+    from tidepool.telemetry.journal import Journal
+    from tidepool.telemetry.report import summary
+
+    d = StateDriver(SchedulerState(heartbeat_timeout=1e9, allowed_failures=0))
+    m = _model(d, [0.0], [])
+    journal = Journal(clock=lambda: 0.0)
+
+    def send(*events: ev.Event) -> None:
+        cmds = d.send(*events)
+        m.observe(list(events), cmds)
+        journal.observe(list(events), cmds)
+
+    send(ev.WorkerJoin("w1", "tcp://w1:1", {"cpu": 1.0}, 0.0))
+    send(ev.UpdateGraph("c", [ev.TaskSpec("crash-0", "f", None, group="crash")], ["crash-0"], 0.0))
+    send(ev.TasksStarted("w1", ["crash-0"], 0.5))
+    send(ev.WorkerRemove("w1", 1.0, "killed", False))
+    assert d.state.tasks["crash-0"].state == "erred"
+    assert m.groups()["crash"]["erred"] == 1
+    (rec,) = [r for r in journal.records if r["kind"] == "task-failed"]
+    assert rec["key"] == "crash-0" and rec["error"] == "KilledWorkerError" and rec["group"] == "crash"
+    recs = [{"t": 0.0, "kind": "journal-start"}, *journal.records]
+    assert summary(recs)["failed"] == 1
+    assert ReplayModel(recs).view(5.0)["view"]["groups"]["crash"]["erred"] == 1

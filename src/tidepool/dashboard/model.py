@@ -168,6 +168,10 @@ class DashboardModel:
                 self._task(e.key, e.worker, e.now - e.duration, e.duration, 0, False)
             elif isinstance(e, ev.WorkerJoin):
                 self.node_types_seen.add(e.node_type)
+        for c in cmds:
+            if type(c) is ev.TaskFailed:  # failed by the scheduler itself: its group counts it too
+                ts = self.scheduler.state.tasks.get(c.key)
+                self.group_of(ts.group if ts is not None else c.key).erred += 1
 
     def group_of(self, name: str) -> GroupStats:
         g = self.group_stats.get(name)

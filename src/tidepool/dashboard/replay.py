@@ -50,6 +50,8 @@ class ReplayModel:
         self.t1 = max(self.times[-1], self.t0 + 1e-3)
         self.tasks = tasks
         self.task_ends = [float(r["t"]) for r in tasks]
+        #: tasks the scheduler failed itself (no worker ran them to the end), by time
+        self.failed_here = [r for r in recs if r.get("kind") == "task-failed"]
         self.node_types = sorted({str(r.get("node_type")) for r in recs
                                   if r.get("kind") in ("worker-join", "launch") and r.get("node_type")})  # fmt: skip
         step = (self.t1 - self.t0) / (POINTS - 1)
@@ -156,6 +158,12 @@ class ReplayModel:
             else:
                 g["erred"] += 1
                 erred += 1
+        for r in self.failed_here:
+            if float(r["t"]) > t:
+                break
+            g = groups.setdefault(_group(r), {"memory": 0, "erred": 0})
+            g["erred"] += 1
+            erred += 1
         running = self._running_at(t)
         for r in self.tasks[bisect.bisect_left(self.task_ends, t):]:
             if float(r.get("start", r["t"])) <= t:

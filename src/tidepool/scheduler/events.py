@@ -406,4 +406,15 @@ class RetireRefused:
     reason: str
 
 
-Command = Execute | Free | Report | Replicate | Steal | CloseWorker | RetireRefused
+@dataclass(slots=True)
+class TaskFailed:
+    """``key`` failed by the scheduler's own verdict, not on a worker (KilledWorkerError, infeasible,
+    a value lost too often or that cannot be sent, a failed setup): nothing is sent; the journal
+    and the dashboard count it, as they count a task that raised (it was missing from both)."""
+
+    key: str
+    exc_type: str
+    message: str
+
+
+Command = Execute | Free | Report | Replicate | Steal | CloseWorker | RetireRefused | TaskFailed

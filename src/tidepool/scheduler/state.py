@@ -957,6 +957,7 @@ class SchedulerState:
         """A task not on any worker fails with a scheduler-made error; dependents fail with it."""
         ts.error = TaskError(exc_type, message, ts.key)
         self._move(ts, TS.ERRED)
+        out.append(ev.TaskFailed(ts.key, exc_type, message))
         self._erred_cascade(ts, out)
 
     # ---- retirement (decided in retire.py, applied here) ---------------------------------------

@@ -1,7 +1,9 @@
 """The event journal: one record per thing that happened, with the reason when there is one.
 
 Records are plain dicts with ``t`` (scheduler time, seconds) and ``kind``: ``worker-join``,
-``worker-leave``, ``spill-disabled`` (a worker stopped spilling to disk, and why), ``task`` (one per finished or failed task: worker, start, duration, and, for
+``worker-leave``, ``spill-disabled`` (a worker stopped spilling to disk, and why), ``task-failed``
+(a task the scheduler itself failed: KilledWorkerError, infeasible, a value lost too often; its
+``error`` type, ``reason`` and ``group``), ``task`` (one per finished or failed task: worker, start, duration, and, for
 tasks submitted while the journal listened, ``submitted`` (the time of the graph update), ``deps``
 (the keys it needed, so ``tidepool simulate --journal`` replays the graph's shape), ``nbytes`` of
 its result and its ``resources`` when it asked for any), ``worker-startup`` (requested ->
@@ -114,7 +116,7 @@ class Journal:
 
     def add(self, rec: dict[str, Any]) -> None:
         """Append a record made elsewhere (e.g. by the scaling controller) as it is."""
-        if rec.get("kind") != "task":
+        if rec.get("kind") not in ("task", "task-failed"):  # (a task's records never push out decisions)
             self.notable.append((self.end, rec))
         self.records.append(rec)
         self._keep_bounded()
@@ -165,6 +167,10 @@ class Journal:
             if isinstance(c, ev.CloseWorker):
                 self.record("worker-close", max((e.now for e in events), default=0.0), worker=c.worker,
                             reason=c.reason)  # fmt: skip
+            elif self.tasks and isinstance(c, ev.TaskFailed):  # (it had no record at all: a bug hunt)
+                group = {k: v for k, v in self._shape(c.key).items() if k == "group"}
+                self.record("task-failed", max((e.now for e in events), default=0.0), key=c.key, error=c.exc_type,
+                            reason=c.message[:2000], **group)  # fmt: skip
         self.flush_if_due()  # ticks arrive even when nothing else happens
 
     def _shape(self, key: str, done: bool = False) -> dict[str, Any]:

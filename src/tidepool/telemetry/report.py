@@ -251,7 +251,7 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
         "duration": t_end - t0,
         "makespan": max((_task_end(r) for r in tasks), default=t0) - t0,
         "tasks": len(tasks),
-        "failed": sum(1 for r in tasks if not r.get("ok", True)),
+        "failed": sum(1 for r in tasks if not r.get("ok", True)) + sum(1 for r in recs if r["kind"] == "task-failed"),
         "task_seconds": sum(float(r.get("duration", 0.0)) for r in tasks),
         "workers": len({s.worker for s in spans}),
         "peak_workers": peak,
