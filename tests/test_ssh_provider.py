@@ -117,7 +117,7 @@ def make_keys(d: str) -> tuple[str, str, str]:
     return os.path.join(d, "host_ed25519"), os.path.join(d, "user_ed25519"), host_pub
 
 
-def write_sshd_config(d: str, name: str, listen: str, host_key: str) -> str:
+def write_sshd_config(d: str, name: str, listen: str, host_key: str, max_sessions: int = 10) -> str:
     path = os.path.join(d, f"{name}.conf")
     with open(path, "w") as f:
         f.write(f"""ListenAddress {listen}
@@ -130,7 +130,7 @@ KbdInteractiveAuthentication no
 UsePAM no
 PermitRootLogin prohibit-password
 StrictModes no
-MaxSessions 10
+MaxSessions {max_sessions}
 LogLevel ERROR
 """)
     return path
@@ -463,6 +463,32 @@ def test_launch_is_idempotent_and_close_stops_everything(sshd: Sshd) -> None:
         provider.close()  # idempotent
 
 
+def test_terminate_works_when_the_workers_fill_their_connection(keys: Keys, tmp_path: Path) -> None:
+    """Found by a bug hunt: the kill script ran on any open connection, also one whose sessions the
+    workers all took (sessions_per_connection at the host's MaxSessions): sshd refused it ("open
+    failed"), terminate raised and the workers kept running.  Short commands take a slot of their own."""
+    port = free_port()
+    cfg = write_sshd_config(keys.dir, "two", "127.0.0.1", keys.host_key, max_sessions=2)
+    proc = start_sshd([SSHD, "-D", "-e", "-f", cfg, "-p", str(port)], "127.0.0.1", port, str(tmp_path / "two.log"))
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[127.0.0.1]:{port} {keys.host_pub}\n")
+    two = Sshd("127.0.0.1", port, keys.user_key, str(kh), proc, str(tmp_path / "two.log"))
+    nt = NodeType("pair", {"cpu": 2}, workers_per_node=2)
+    try:
+        with tidepool.LocalCluster(n_workers=0) as cluster:
+            provider = two.provider(sessions_per_connection=2)
+            provider.bind(cluster.address, cluster.token)
+            ids = provider.worker_ids(nt, 1, "r1")
+            provider.launch(nt, 1, "r1")
+            cluster.wait_for_workers(ids, timeout=30)
+            pids = [info["pid"] for info in provider.list().values()]
+            provider.terminate(ids)  # raised ProviderError (open failed) before
+            assert all(pid_gone(p) for p in pids)
+            provider.close()
+    finally:
+        stop(proc)
+
+
 def test_worker_that_cannot_start_is_reported_by_poll_errors(sshd: Sshd) -> None:
     provider = sshd.provider(python="/nonexistent/python3")
     provider.bind("tcp://127.0.0.1:9", "x" * 32)
@@ -702,3 +728,19 @@ def test_a_worker_of_a_partly_failed_launch_that_cannot_be_stopped_stays_known()
     with pytest.raises(ProviderError, match="open failed"):
         asyncio.run(provider._launch_new(nt, 1, "r9"))
     assert list(provider._workers) == ["two-r9-1"]  # still known: close() stops it
+
+
+def test_host_key_advice_names_the_known_hosts_file_in_use_and_a_changed_key(tmp_path: Path) -> None:
+    # found by a bug hunt: with known_hosts=PATH the advice named ~/.ssh/known_hosts and said to pass
+    # known_hosts=PATH; a key that differs from the stored one read the same as an unknown one
+    from tidepool.providers.ssh import _host_key_advice
+
+    kh = tmp_path / "kh"
+    kh.write_text("[other]:22 ssh-ed25519 AAAA\n")
+    unknown = _host_key_advice("h", "127.0.0.1", 2222, str(kh), RuntimeError("not trusted"))
+    assert f"{kh} has no key for it: add it (ssh-keyscan -p 2222 127.0.0.1 >> {kh})" in unknown
+    assert "~/.ssh" not in unknown and "pass known_hosts" not in unknown
+    kh.write_text("[127.0.0.1]:2222 ssh-ed25519 AAAAold\n")
+    changed = _host_key_advice("h", "127.0.0.1", 2222, str(kh), RuntimeError("not trusted"))
+    assert "does not match the one" in changed and "before you replace its line" in changed
+    assert "pass known_hosts=PATH" in _host_key_advice("h", "127.0.0.1", 2222, None, RuntimeError("x"))

@@ -279,6 +279,26 @@ class _SSHWorker:
     adopted: bool = False  # found by its tag after a restart: proc watches it, it is not its child
 
 
+def _host_key_advice(name: str, host: str, port: int, known_hosts: Any, exc: BaseException) -> str:
+    """What to do about a host key that could not be verified, naming the known_hosts file in use,
+    and whether that file has a *different* key for the host (a changed key: check it before
+    replacing the line; adding the new one blindly is what a man in the middle wants)."""
+    path = os.path.expanduser(known_hosts if isinstance(known_hosts, str) else "~/.ssh/known_hosts")
+    shown = known_hosts if isinstance(known_hosts, str) else "~/.ssh/known_hosts"
+    names = {host, f"[{host}]:{port}"}
+    listed = False
+    with contextlib.suppress(OSError):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            listed = any(set(line.split()[0].split(",")) & names for line in f if line.strip() and not line.startswith("#"))
+    if listed:
+        return (f"SSH to {name}: its host key does not match the one {shown} holds for it ({exc}): the host was "
+                f"reinstalled, or something is between you and it; check the key (ssh-keyscan -p {port} {host}) "
+                f"before you replace its line in {shown}")  # fmt: skip
+    return (f"SSH to {name}: host key not verifiable ({exc}); {shown} has no key for it: add it "
+            f"(ssh-keyscan -p {port} {host} >> {shown})" + ("" if isinstance(known_hosts, str) else
+                                                          ", or pass known_hosts=PATH"))  # fmt: skip
+
+
 class SSHProvider:
     """Start workers on ``hosts`` over SSH; see the module docstring for how and why.
 
@@ -398,8 +418,7 @@ class SSHProvider:
                                 "them", self.tag, h.name, r)  # fmt: skip
 
     async def _scan_host(self, host: _Host) -> None:
-        conn = await self._any_conn(host)
-        res = await asyncio.wait_for(conn.conn.run(SCAN_COMMAND, check=False), self.connect_timeout + 10)
+        res = await self._short(host, SCAN_COMMAND, self.connect_timeout + 10)
         # ours already (or being started by this provider right now): not taken twice
         found = [p for p in parse_tagged_processes(str(res.stdout or ""), self.tag)
                  if p.worker_id not in self._workers and p.request_id not in self._launching]  # fmt: skip
@@ -540,10 +559,7 @@ class SSHProvider:
                 f"SSH to {host.name} timed out after {self.connect_timeout:g}s: is the host up and "
                 "reachable from here (firewall, address, port)?") from None  # fmt: skip
         except asyncssh.HostKeyNotVerifiable as exc:
-            raise ProviderError(
-                f"SSH to {host.name}: host key not verifiable ({exc}); add it to known_hosts "
-                f"(ssh-keyscan -p {host.port} {host.host} >> ~/.ssh/known_hosts) or pass "
-                "known_hosts=PATH") from exc  # fmt: skip
+            raise ProviderError(_host_key_advice(host.name, host.host, host.port, self.known_hosts, exc)) from exc
         except asyncssh.PermissionDenied as exc:
             raise ProviderError(
                 f"SSH to {host.name}: permission denied ({exc}); check the user and that the key in "
@@ -578,18 +594,15 @@ class SSHProvider:
             c.sessions += 1
             return c
 
-    async def _any_conn(self, host: _Host) -> _Conn:
-        """Any open connection to ``host`` for a short command (connects if there is none)."""
-        for c in host.conns:
-            if c.usable:
-                return c
-        if host.lock is None:
-            host.lock = asyncio.Lock()
-        async with host.lock:
-            for c in host.conns:
-                if c.usable:
-                    return c
-            return await self._connect(host)
+    async def _short(self, host: _Host, command: str, timeout: float) -> Any:
+        """Run a short command on ``host`` in a session slot of its own, released after it: any
+        open connection could be full of workers' sessions, and sshd refused one more ("open
+        failed": terminate and close left workers running; a bug hunt)."""
+        c = await self._session_conn(host)
+        try:
+            return await asyncio.wait_for(c.conn.run(command, check=False), timeout)
+        finally:
+            c.sessions -= 1
 
     def _load(self, host: _Host) -> int:
         return sum(1 for w in self._workers.values() if w.host is host and not w.done.is_set())
@@ -862,10 +875,9 @@ class SSHProvider:
             await asyncio.wait([drains], timeout=EXIT_POLL)
             if drains.done():  # the output closed after all: nothing holds it, nothing to end
                 return
-            conn = await self._any_conn(w.host)
             script = (f"kill -s TERM -- -{w.pid} 2>/dev/null; n=0; while [ $n -lt 20 ] && kill -0 -- -{w.pid} "
                       f"2>/dev/null; do {_SLEEP}; n=$((n+1)); done; kill -s KILL -- -{w.pid} 2>/dev/null; exit 0")  # fmt: skip
-            await asyncio.wait_for(conn.conn.run(script, check=False), self.connect_timeout + 10)
+            await self._short(w.host, script, self.connect_timeout + 10)
         with contextlib.suppress(Exception):
             w.proc.close()
 
@@ -902,15 +914,15 @@ class SSHProvider:
     async def _kill_on(self, host: _Host, ws: builtins.list[_SSHWorker]) -> None:
         ids = [w.worker_id for w in ws]
         try:
-            conn = await self._any_conn(host)
-            res = await asyncio.wait_for(
-                conn.conn.run(kill_script([(w.pid, w.worker_id) for w in ws], self.term_timeout), check=False),
-                self.term_timeout + self.connect_timeout + 5)  # fmt: skip
+            res = await self._short(host, kill_script([(w.pid, w.worker_id) for w in ws], self.term_timeout),
+                                    self.term_timeout + self.connect_timeout + 5)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported with what to do
             pids = " ".join(str(w.pid) for w in ws)
+            after = ("durable (tag_with) workers exit past their reconnect window" if self.tag else
+                     "their watchdog stops them when the SSH connection closes")  # fmt: skip
             raise ProviderError(
-                f"could not confirm that workers {ids} on {host.name} stopped ({exc}); their watchdog "
-                f"stops them when the SSH connection closes, or run: ssh {host.host} kill {pids}") from exc
+                f"could not confirm that workers {ids} on {host.name} stopped ({exc}); {after}, or run: "
+                f"ssh {host.host} kill {pids}") from exc  # fmt: skip
         survivors = [line.split()[1] for line in str(res.stdout or "").splitlines() if line.startswith("survivor ")]
         if survivors:
             raise ProviderError(f"workers {ids} on {host.name}: pids {survivors} survived SIGKILL")
