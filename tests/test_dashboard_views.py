@@ -339,5 +339,5 @@ def test_a_task_the_scheduler_fails_itself_is_journaled_counted_and_replayed() -
     (rec,) = [r for r in journal.records if r["kind"] == "task-failed"]
     assert rec["key"] == "crash-0" and rec["error"] == "KilledWorkerError" and rec["group"] == "crash"
     recs = [{"t": 0.0, "kind": "journal-start"}, *journal.records]
-    assert summary(recs)["failed"] == 1
+    assert summary(recs)["failed"] == 1 and summary(recs)["tasks"] == 1  # (a review: "tasks 0 (1 failed)")
     assert ReplayModel(recs).view(5.0)["view"]["groups"]["crash"]["erred"] == 1

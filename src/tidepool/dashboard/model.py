@@ -171,7 +171,12 @@ class DashboardModel:
         for c in cmds:
             if type(c) is ev.TaskFailed:  # failed by the scheduler itself: its group counts it too
                 ts = self.scheduler.state.tasks.get(c.key)
-                self.group_of(ts.group if ts is not None else c.key).erred += 1
+                if ts is not None:
+                    self.group_of(ts.group).erred += 1
+                else:  # forgotten already (nobody holds it): its group read off its key, as the replay does
+                    from tidepool.sim.workload import group_of as key_group
+
+                    self.group_of(key_group(c.key)).erred += 1
 
     def group_of(self, name: str) -> GroupStats:
         g = self.group_stats.get(name)

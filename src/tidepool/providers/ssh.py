@@ -599,9 +599,14 @@ class SSHProvider:
         open connection could be full of workers' sessions, and sshd refused one more ("open
         failed": terminate and close left workers running; a bug hunt)."""
         c = await self._session_conn(host)
+        proc = None
         try:
-            return await asyncio.wait_for(c.conn.run(command, check=False), timeout)
-        finally:
+            async with asyncio.timeout(timeout):
+                proc = await c.conn.create_process(command)
+                return await proc.wait(check=False)
+        finally:  # a command given up is closed: its channel is the slot given back
+            if proc is not None:
+                proc.close()
             c.sessions -= 1
 
     def _load(self, host: _Host) -> int:

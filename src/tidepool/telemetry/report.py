@@ -250,7 +250,8 @@ def summary(records: Iterable[Record]) -> dict[str, Any]:
         "start": t0,
         "duration": t_end - t0,
         "makespan": max((_task_end(r) for r in tasks), default=t0) - t0,
-        "tasks": len(tasks),
+        # a task the scheduler failed itself has a task-failed record, no task record (it never ended on a worker)
+        "tasks": len(tasks) + sum(1 for r in recs if r["kind"] == "task-failed"),
         "failed": sum(1 for r in tasks if not r.get("ok", True)) + sum(1 for r in recs if r["kind"] == "task-failed"),
         "task_seconds": sum(float(r.get("duration", 0.0)) for r in tasks),
         "workers": len({s.worker for s in spans}),
