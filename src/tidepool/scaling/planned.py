@@ -445,11 +445,7 @@ class GraphPlan:
 
     def _retire(self, snap: ClusterSnapshot, launch: dict[str, int],
                 reasons: list[str]) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
-        _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
-        if snap.finished == 0:
-            slack = min(slack, GUESS_SLACK)  # idle behind a guess: not held for it
-        if self.budget is not None and self._tight:
-            slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
+        slack = self._hold_slack(snap)
         by_type = {f.node_type: f for f in snap.forecasts}
         #: per node type, this round's nodes beyond what the forecast needs within the horizon,
         #: and (nodes it needs, nodes standing) for the reasons
@@ -479,6 +475,16 @@ class GraphPlan:
             reasons.append(text)
         return retire, why
 
+    def _hold_slack(self, snap: ClusterSnapshot) -> float:
+        """The slack of the retirement horizon (:func:`hold_horizon`), shared by retiring idle nodes
+        and calling off nodes still coming."""
+        _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
+        if snap.finished == 0:
+            slack = min(slack, GUESS_SLACK)  # idle behind a guess: not held for it
+        if self.budget is not None and self._tight:
+            slack = -1.0  # a horizon of 0: keep only the nodes the forecast uses now
+        return slack
+
     def _call_off(self, snap: ClusterSnapshot, launch: dict[str, int], reasons: list[str],
                   retire: list[str]) -> dict[str, int]:  # fmt: skip
         """Nodes of launches in flight the forecast no longer needs: the retirement rule would
@@ -491,9 +497,7 @@ class GraphPlan:
         waiting for it."""
         if snap.finished == 0 or not snap.pending:
             return {}
-        _, slack, _ = _RULES["cheapest" if self.budget is not None or self.deadline is not None else self.objective]
-        if self.budget is not None and self._tight:
-            slack = -1.0
+        slack = self._hold_slack(snap)  # (finished > 0 here: no guess)
         out: dict[str, int] = {}
         for f in snap.forecasts:
             name = f.node_type
